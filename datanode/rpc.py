@@ -1,0 +1,188 @@
+"""Requests and responses over one connection, from the requester's side.
+
+``Requester`` gives each request an id, keeps at most ``conn.slots`` requests outstanding (the peer's
+preposted control slots: the credit rule), matches each response to its request and fails everything in
+flight, promptly, when the connection dies.  A request that times out poisons the connection (its late
+answer would otherwise land in a slot we no longer account for) so the caller drops it and reconnects.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+
+import trio
+
+from .protocol import Header, ProtocolError, decode
+from .transport.base import Connection, ConnectionClosed, TransportError
+
+log = logging.getLogger("datanode.rpc")
+
+
+class RequestTimeout(TransportError):
+    pass
+
+
+class Requester:
+    def __init__(self, conn: Connection):
+        self.conn = conn
+        self._credits = trio.Semaphore(max(1, conn.slots))
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, list] = {}     # req_id -> [event, response]
+        self._dead: str | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self._dead is None
+
+    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Dispatches responses to their requests until the connection ends."""
+        task_status.started(self)
+        try:
+            while True:
+                raw = await self.conn.recv()
+                try:
+                    resp = decode(raw, request=False)
+                except ProtocolError as e:
+                    log.warning("bad response from %s: %s", self.conn.peer, e)
+                    continue
+                slot = self._waiting.pop(resp.req_id, None)
+                if slot is None:
+                    log.debug("late response req=%s from %s dropped", resp.req_id, self.conn.peer)
+                    continue
+                slot[1] = resp
+                slot[0].set()
+        except TransportError as e:
+            self._fail(str(e) or "connection closed")
+        finally:
+            self._fail("connection closed")
+
+    def _fail(self, why: str) -> None:
+        if self._dead is None:
+            self._dead = why
+        for ev, _ in self._waiting.values():
+            ev.set()
+        self._waiting.clear()
+
+    async def submit(self, header: Header, timeout: float) -> "Pending":
+        """Send ``header`` (its req_id is assigned here) and return at once; ``Pending.result`` waits.
+
+        Splitting the two lets a leader send forwards in a fixed order and wait for the acks later."""
+        if self._dead:
+            raise ConnectionClosed(f"{self.conn.peer}: {self._dead}")
+        p = Pending(self, timeout)
+        with trio.move_on_after(timeout) as scope:
+            await self._credits.acquire()
+        if scope.cancelled_caught:
+            await self._timed_out(timeout)
+        header.req_id = next(self._ids)
+        p.req_id = header.req_id
+        self._waiting[header.req_id] = p.slot
+        try:
+            with trio.move_on_after(timeout) as scope:
+                await self.conn.send(header.encode())
+        except BaseException:
+            self._waiting.pop(header.req_id, None)
+            self._credits.release()
+            raise
+        if scope.cancelled_caught:
+            self._credits.release()
+            await self._timed_out(timeout)
+        return p
+
+    async def call(self, header: Header, timeout: float) -> Header:
+        """Send ``header`` and return the matching response."""
+        p = await self.submit(header, timeout)
+        return await p.result()
+
+    async def _timed_out(self, timeout: float):
+        self._fail(f"request timed out after {timeout}s")
+        await self.conn.aclose()
+        raise RequestTimeout(f"{self.conn.peer} did not answer within {timeout}s")
+
+
+class Pending:
+    def __init__(self, requester: Requester, timeout: float):
+        self.requester = requester
+        self.deadline = trio.current_time() + timeout
+        self.timeout = timeout
+        self.slot = [trio.Event(), None]
+        self.req_id = 0
+        self._done = False
+
+    async def result(self) -> Header:
+        r = self.requester
+        try:
+            with trio.move_on_at(self.deadline) as scope:
+                await self.slot[0].wait()
+        finally:
+            if not self._done:
+                self._done = True
+                r._waiting.pop(self.req_id, None)
+                r._credits.release()
+        if scope.cancelled_caught:
+            await r._timed_out(self.timeout)
+        resp = self.slot[1]
+        if resp is None:
+            raise ConnectionClosed(f"{r.conn.peer}: {r._dead or 'connection closed'}")
+        return resp
+
+
+class Links:
+    """Lazily dialed, reused request channels to other nodes, each living in ``nursery`` until it dies.
+
+    Used by a leader for its followers and by the client SDK for the datanodes it talks to."""
+
+    def __init__(self, nursery: trio.Nursery, domain, *, transport: str, slots: int, connect_timeout: float,
+                 on_conn=None):
+        self._nursery = nursery
+        self._domain = domain
+        self._transport = transport
+        self._slots = slots
+        self._timeout = connect_timeout
+        self._on_conn = on_conn            # callback(conn, opened: bool), e.g. for node status
+        self._links: dict[str, Requester] = {}
+        self._locks: dict[str, trio.Lock] = {}
+
+    async def get(self, addr: str) -> Requester:
+        req = self._links.get(addr)
+        if req is not None and req.alive:
+            return req
+        async with self._locks.setdefault(addr, trio.Lock()):
+            req = self._links.get(addr)
+            if req is None or not req.alive:
+                host, _, port = addr.rpartition(":")
+                req = await self._nursery.start(self._run, host, int(port))
+                self._links[addr] = req
+            return req
+
+    def drop(self, addr: str) -> None:
+        req = self._links.pop(addr, None)
+        if req is not None:
+            req._fail("dropped")
+            self._nursery.start_soon(req.conn.aclose)
+
+    async def _run(self, host: str, port: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        from .transport.connect import dial
+        started = False
+
+        def _started(value):
+            nonlocal started
+            started = True
+            task_status.started(value)
+
+        try:
+            async with dial(host, port, self._domain, transport=self._transport, slots=self._slots,
+                            timeout=self._timeout) as conn:
+                req = Requester(conn)
+                if self._on_conn:
+                    self._on_conn(conn, True)
+                try:
+                    req_status = type("S", (), {"started": staticmethod(_started)})
+                    await req.run(task_status=req_status)
+                finally:
+                    if self._on_conn:
+                        self._on_conn(conn, False)
+        except TransportError as e:
+            if not started:
+                raise                      # the caller of get() sees why it could not connect
+            log.debug("link to %s:%s ended: %s", host, port, e)

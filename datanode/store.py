@@ -1,0 +1,739 @@
+"""On-disk extent store of one data partition (blocking code; the async server calls it via trio.to_thread).
+
+Layout (under ``root``)::
+
+    next_extent_id          decimal, the next id create_extent(None) hands out (atomic replace)
+    extents/<id>.dat        extent data, append-only, at most MAX_EXTENT bytes
+    extents/<id>.crc        one 8-byte entry per 128 KiB block: (crc32c u32, covered_length u32) big-endian
+    extents/<id>.deleted    tombstone of a deleted extent (empty); the id is never handed out again
+
+Entry ``i`` covers ``data[i*BLOCK : i*BLOCK + covered]``.  Every block but the last is full
+(covered == BLOCK).  An append that extends a partial last block recomputes its CRC incrementally
+(``crc32c(new_bytes, old_crc)``) and rewrites that 8-byte entry in place; bytes below the current size are
+never rewritten.
+
+Write order (one ``write()``)::
+
+    pwrite(data)  ->  [sync=always: fdatasync(data)]  ->  pwrite(crc entries)  ->  [sync=always: fdatasync(crc)]
+
+i.e. the data is made durable *before* the CRC entries that describe it are even written.  (The brief
+suggested pwrite data, pwrite crc, fdatasync data, fdatasync crc; that lets the kernel write the new CRC
+page back before the data, so a power cut could leave a durable entry for bytes that never reached the disk
+and the recovery below would have to throw away the acknowledged bytes of that block too.  Same number of
+fdatasyncs either way.)  Consequences, for sync=always:
+
+* every durable entry describes durable bytes;
+* an 8-byte entry rewrite is atomic (8-byte aligned, never straddles a sector), so after a crash each entry
+  is either its old value (which still verifies: the bytes it covers were not touched) or its new value
+  (which verifies: its bytes were synced first);
+* an acknowledged write has its entries synced, so it survives.
+
+With kill -9 (no power loss) the page cache survives, so the same holds for sync=none; after a power cut
+sync=none promises nothing beyond "what is recovered is verified".
+
+Recovery rule (on open, for every extent)
+-----------------------------------------
+Classify each complete 8-byte entry ``i`` (a trailing partial entry is ignored) as
+
+* GOOD     -- 0 < covered <= BLOCK, the data file holds ``[i*BLOCK, i*BLOCK+covered)`` and its CRC matches;
+* BAD      -- covered valid and the bytes are all there, but the CRC does not match;
+* SHORT    -- covered valid but the data file ends before ``i*BLOCK+covered``;
+* INVALID  -- covered == 0 or covered > BLOCK.
+
+The end of the extent is the *end of the last completed append*, found like this:
+
+1. If some entry is a GOOD *partial* block (covered < BLOCK), the first such entry ends the extent.
+   A partial block can only be the last block of a completed append; anything after it was written by an
+   append that did not complete (e.g. its entry for the next block landed but the rewrite of this one did not).
+2. Otherwise the last GOOD (full) entry ``g`` is the anchor.  Everything up to ``g`` is kept: an entry before
+   ``g`` that is BAD or INVALID or claims a partial length is *corrupted acknowledged data*, not a torn
+   tail -- a crash can only disturb the tail, and something verified comes after it.  Such entries are
+   normalised to covered=BLOCK (in memory and on disk; the CRC field is kept) and, if they still do not
+   match, kept as bad blocks: reads touching them raise StoreError("crc"), they are logged at open, and
+   repair (truncate + re-replicate) is the way to fix them.
+3. After the anchor, BAD entries whose bytes are all present are kept too (walking forward, stopping after a
+   partial one): given the write order a crash cannot produce an entry whose bytes are present but wrong,
+   so this is a bit flip in the last acknowledged block(s), and cutting it would silently drop acked data.
+4. The tail is cut at the first entry that is missing, partial, SHORT or INVALID after that point: the data
+   file is truncated to the recovered size, the CRC file to the kept entries, both fsynced, and the cut is
+   logged.  Bytes in the data file beyond the last entry's coverage are always cut (an append whose entries
+   never landed).
+
+So only the tail -- bytes beyond what the entries cover, and entries whose bytes never fully reached the data
+file -- is ever cut; a bad CRC in the middle (or at the end, with all its bytes present) is kept and reported.
+Limits: damage to the *length* field of the last entry (making it longer than the file) looks exactly like a
+torn tail and that block is cut (logged); SHORT on a partial last block cuts the whole block, including bytes
+acknowledged before (only reachable after a power cut with sync=none, or external damage).
+
+``verify="full"`` (default) CRC-checks every block at open so mid-extent damage is logged then;
+``verify="tail"`` checks only what the rule needs (partial entries, and backwards from the end to the last
+good block) -- same recovered sizes, much faster open for big partitions; damage is then found on read.
+
+Concurrency: a per-extent mutation lock serialises write/truncate/delete; reads run concurrently with each
+other and with appends (they snapshot size + entries and only read bytes below the snapshot, which are never
+rewritten); truncate/delete wait for in-flight reads to drain and block new ones.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import pathlib
+import struct
+import threading
+
+from .crc import HARDWARE, crc32c, crc32c_combine
+
+log = logging.getLogger(__name__)
+
+BLOCK = 128 * 1024              # one CRC32C per 128 KiB block
+MAX_EXTENT = 128 * 1024 * 1024  # extents are append-only, up to 128 MiB
+
+_ENTRY = struct.Struct(">II")
+_ESZ = _ENTRY.size  # 8
+_SYNC_MODES = ("always", "none")
+_VERIFY_MODES = ("full", "tail")
+_NEXT_ID = "next_extent_id"
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+class StoreError(Exception):
+    """``code`` is one of: not_found, bad_offset, too_large, crc, disk, exists, deleted."""
+
+    CODES = ("not_found", "bad_offset", "too_large", "crc", "disk", "exists", "deleted")
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+def _fdatasync(fd: int) -> None:
+    (os.fdatasync if hasattr(os, "fdatasync") else os.fsync)(fd)
+
+
+def _fsync_dir(path: pathlib.Path) -> None:
+    fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _cat(crc_a: int, piece, crc_piece: int) -> int:
+    """crc32c(a + piece) given crc32c(a), the piece and crc32c(piece): combine when that is cheaper."""
+    n = len(piece)
+    if n == BLOCK or not HARDWARE or n > 64 * 1024:
+        return crc32c_combine(crc_a, crc_piece, n)
+    return crc32c(piece, crc_a)
+
+
+def _pwrite_all(fd: int, buf, pos: int) -> None:
+    mv = memoryview(buf)
+    while len(mv):
+        n = os.pwrite(fd, mv, pos)
+        if n <= 0:
+            raise OSError(errno.EIO, "pwrite wrote nothing")
+        mv = mv[n:]
+        pos += n
+
+
+def _preadv_all(fd: int, bufs: list[memoryview], pos: int) -> int:
+    """Fill every buffer from ``pos``; returns bytes read (less than asked only at EOF)."""
+    bufs = [b for b in bufs if len(b)]
+    total = 0
+    while bufs:
+        n = os.preadv(fd, bufs, pos)
+        if n == 0:
+            break
+        total += n
+        pos += n
+        while n:
+            if n >= len(bufs[0]):
+                n -= len(bufs[0])
+                bufs.pop(0)
+            else:
+                bufs[0] = bufs[0][n:]
+                n = 0
+    return total
+
+
+def _byte_view(buf) -> memoryview:
+    mv = buf if isinstance(buf, memoryview) else memoryview(buf)
+    if mv.ndim != 1 or mv.format != "B":
+        mv = mv.cast("B")
+    return mv
+
+
+_scratch = threading.local()
+
+
+def _scratch_bufs() -> tuple[memoryview, memoryview]:
+    s = getattr(_scratch, "bufs", None)
+    if s is None:
+        s = _scratch.bufs = (memoryview(bytearray(BLOCK)), memoryview(bytearray(BLOCK)))
+    return s
+
+
+class _Extent:
+    __slots__ = ("id", "dat", "crc", "size", "entries", "bad", "mu", "cond", "wlock", "readers",
+                 "exclusive", "dead", "broken")
+
+    def __init__(self, eid: int, dat_fd: int, crc_fd: int, size: int, entries: list[tuple[int, int]],
+                 bad: set[int]):
+        self.id = eid
+        self.dat = dat_fd
+        self.crc = crc_fd
+        self.size = size
+        self.entries = entries          # [(crc, covered)] per block; replaced/appended only under mu
+        self.bad = bad                  # block indexes known to fail their CRC
+        self.mu = threading.Lock()      # guards size/entries/readers/exclusive/dead (short holds only)
+        self.cond = threading.Condition(self.mu)
+        self.wlock = threading.Lock()   # serialises mutations (write / truncate / delete / close)
+        self.readers = 0
+        self.exclusive = False
+        self.dead = False               # deleted or closed: fds are gone
+        self.broken = None              # str: a failed fdatasync/rollback; writes refused until reopen
+
+    # -- reader side ------------------------------------------------------------------------------------
+    def begin_read(self, b0: int, b1: int):
+        with self.mu:
+            while self.exclusive:
+                self.cond.wait()
+            if self.dead:
+                raise StoreError("not_found", f"extent {self.id} does not exist")
+            self.readers += 1
+            return self.size, self.entries[b0:b1 + 1]
+
+    def end_read(self) -> None:
+        with self.mu:
+            self.readers -= 1
+            if self.readers == 0 and self.exclusive:
+                self.cond.notify_all()
+
+    # -- exclusive side (caller holds wlock) ------------------------------------------------------------
+    def begin_exclusive(self) -> None:
+        with self.mu:
+            self.exclusive = True
+            while self.readers:
+                self.cond.wait()
+
+    def end_exclusive(self) -> None:
+        with self.mu:
+            self.exclusive = False
+            self.cond.notify_all()
+
+    def close_fds(self) -> None:
+        for fd in (self.dat, self.crc):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.dat = self.crc = -1
+
+
+class ExtentStore:
+    def __init__(self, root: pathlib.Path, sync: str = "always", *, verify: str = "full"):
+        if sync not in _SYNC_MODES:
+            raise ValueError(f"sync must be one of {_SYNC_MODES}, not {sync!r}")
+        if verify not in _VERIFY_MODES:
+            raise ValueError(f"verify must be one of {_VERIFY_MODES}, not {verify!r}")
+        self.root = pathlib.Path(root)
+        self.sync = sync
+        self.verify = verify
+        self._dir = self.root / "extents"
+        self._lock = threading.Lock()       # guards _extents, _tombstones, _next_id, _closed (short holds)
+        self._create_lock = threading.Lock()  # serialises create_extent (held across its fsyncs)
+        self._extents: dict[int, _Extent] = {}
+        self._tombstones: set[int] = set()
+        self._closed = False
+        created = not self._dir.exists()
+        self._dir.mkdir(parents=True, exist_ok=True)
+        if created and self._durable:
+            _fsync_dir(self._dir)
+            _fsync_dir(self.root)
+            if self.root.parent != self.root:
+                _fsync_dir(self.root.parent)
+        self._next_id = 1
+        try:
+            self._next_id = max(1, int((self.root / _NEXT_ID).read_text().strip() or 1))
+        except FileNotFoundError:
+            pass
+        except ValueError:
+            log.warning("%s: unreadable %s, recomputing from the extents present", self.root, _NEXT_ID)
+        self._open_all()
+
+    @property
+    def _durable(self) -> bool:
+        return self.sync == "always"
+
+    # ------------------------------------------------------------------------------------------- open
+    def _paths(self, eid: int) -> tuple[pathlib.Path, pathlib.Path, pathlib.Path]:
+        return self._dir / f"{eid}.dat", self._dir / f"{eid}.crc", self._dir / f"{eid}.deleted"
+
+    def _open_all(self) -> None:
+        dats, crcs = set(), set()
+        for p in self._dir.iterdir():
+            stem, _, ext = p.name.partition(".")
+            if not stem.isdigit():
+                continue
+            eid = int(stem)
+            if ext == "dat":
+                dats.add(eid)
+            elif ext == "crc":
+                crcs.add(eid)
+            elif ext == "deleted":
+                self._tombstones.add(eid)
+        dir_changed = False
+        for eid in sorted(crcs - dats):          # crash inside create_extent / mark_delete
+            log.warning("%s: removing orphan %s.crc (no data file)", self._dir, eid)
+            os.unlink(self._paths(eid)[1])
+            dir_changed = True
+        for eid in sorted(dats & self._tombstones):
+            log.warning("%s: extent %d has a tombstone, finishing its deletion", self._dir, eid)
+            for p in self._paths(eid)[:2]:
+                p.unlink(missing_ok=True)
+            dats.discard(eid)
+            dir_changed = True
+        cut_total = bad_total = 0
+        for eid in sorted(dats):
+            ext, cut = self._recover(eid)
+            self._extents[eid] = ext
+            cut_total += cut
+            bad_total += len(ext.bad)
+            dir_changed = dir_changed or eid not in crcs
+        if dir_changed:
+            _fsync_dir(self._dir)
+        top = max([*self._extents, *self._tombstones], default=0)
+        if self._next_id <= top:
+            self._next_id = top + 1
+        log.info("%s: opened %d extents (%d bytes), cut %d torn-tail bytes, %d bad blocks, next id %d",
+                 self.root, len(self._extents), sum(e.size for e in self._extents.values()), cut_total,
+                 bad_total, self._next_id)
+
+    def _recover(self, eid: int) -> tuple[_Extent, int]:
+        dat_p, crc_p, _ = self._paths(eid)
+        dat = os.open(dat_p, os.O_RDWR | _O_CLOEXEC)
+        try:
+            crc = os.open(crc_p, os.O_RDWR | os.O_CREAT | _O_CLOEXEC, 0o644)
+        except BaseException:
+            os.close(dat)
+            raise
+        try:
+            return self._recover_fds(eid, dat, crc)
+        except BaseException:
+            os.close(dat)
+            os.close(crc)
+            raise
+
+    def _recover_fds(self, eid: int, dat: int, crcfd: int) -> tuple[_Extent, int]:
+        data_len = os.fstat(dat).st_size
+        raw = b""
+        crc_len = os.fstat(crcfd).st_size
+        if crc_len:
+            raw = os.pread(crcfd, crc_len, 0)
+            crc_len = len(raw)
+        n = min(len(raw) // _ESZ, MAX_EXTENT // BLOCK)
+        entries = [_ENTRY.unpack_from(raw, i * _ESZ) for i in range(n)]
+        buf = memoryview(bytearray(BLOCK))
+        memo: dict[tuple[int, int], bool] = {}
+
+        def check(i: int, cov: int) -> bool:
+            key = (i, cov)
+            r = memo.get(key)
+            if r is None:
+                got = _preadv_all(dat, [buf[:cov]], i * BLOCK)
+                r = memo[key] = got == cov and crc32c(buf[:cov]) == entries[i][0]
+            return r
+
+        def valid(i: int) -> bool:
+            return 0 < entries[i][1] <= BLOCK
+
+        def present(i: int) -> bool:
+            return data_len >= i * BLOCK + entries[i][1]
+
+        def good(i: int) -> bool:
+            return valid(i) and present(i) and check(i, entries[i][1])
+
+        # 1. the first GOOD partial entry ends the extent
+        last = None
+        partial_end = False
+        for i in range(n):
+            if valid(i) and entries[i][1] < BLOCK and present(i) and good(i):
+                last, partial_end = i, True
+                break
+        # 2. otherwise the last GOOD entry is the anchor
+        if last is None:
+            for i in range(n - 1, -1, -1):
+                if good(i):
+                    last = i
+                    break
+        keep = 0 if last is None else last + 1
+        bad: set[int] = set()
+        fixed: list[int] = []
+        for i in range(keep - 1):               # entries before the anchor are full blocks
+            c, cov = entries[i]
+            if cov != BLOCK:
+                fixed.append(i)
+                entries[i] = (c, BLOCK)
+                if not check(i, BLOCK):
+                    bad.add(i)
+            elif self.verify == "full" and not check(i, BLOCK):
+                bad.add(i)
+        # 3. BAD-but-complete entries after the anchor are kept (bit flips in acked data)
+        if not partial_end:
+            while keep < n and valid(keep) and present(keep):
+                bad.add(keep)
+                keep += 1
+                if entries[keep - 1][1] < BLOCK:
+                    break
+        entries = entries[:keep]
+        size = 0 if not entries else (keep - 1) * BLOCK + entries[-1][1]
+        # 4. cut the torn tail
+        cut = data_len - size
+        if fixed:
+            for i in fixed:
+                _pwrite_all(crcfd, _ENTRY.pack(*entries[i]), i * _ESZ)
+            log.warning("extent %d (%s): rewrote covered length of mid-extent entries %s to a full block",
+                        eid, self.root, fixed)
+        if crc_len != keep * _ESZ:
+            os.ftruncate(crcfd, keep * _ESZ)
+            log.warning("extent %d (%s): dropped %d bytes of CRC entries beyond the last verified block "
+                        "(%d entries kept of %d)", eid, self.root, crc_len - keep * _ESZ, keep, n)
+        if cut:
+            os.ftruncate(dat, size)
+            log.warning("extent %d (%s): cut torn tail: data %d -> %d bytes (%d bytes cut)",
+                        eid, self.root, data_len, size, cut)
+        if fixed or crc_len != keep * _ESZ:
+            os.fsync(crcfd)
+        if cut:
+            os.fsync(dat)
+        if bad:
+            log.error("extent %d (%s): %d block(s) fail their CRC and are kept (reads of them will fail): %s",
+                      eid, self.root, len(bad), sorted(bad))
+        return _Extent(eid, dat, crcfd, size, entries, bad), cut
+
+    # --------------------------------------------------------------------------------------- lookups
+    def _get(self, extent_id: int) -> _Extent:
+        with self._lock:
+            if self._closed:
+                raise StoreError("disk", f"store {self.root} is closed")
+            ext = self._extents.get(extent_id)
+        if ext is None:
+            raise StoreError("not_found", f"extent {extent_id} does not exist")
+        return ext
+
+    # ------------------------------------------------------------------------------------ public API
+    def create_extent(self, extent_id: int | None = None) -> int:
+        with self._create_lock:
+            with self._lock:
+                if self._closed:
+                    raise StoreError("disk", f"store {self.root} is closed")
+                if extent_id is None:
+                    eid = self._next_id
+                else:
+                    eid = int(extent_id)
+                    if eid < 1:
+                        raise ValueError(f"extent id must be >= 1, not {eid}")
+                    if eid in self._extents:
+                        raise StoreError("exists", f"extent {eid} already exists")
+                    if eid in self._tombstones:
+                        raise StoreError("deleted", f"extent {eid} was deleted; ids are never reused")
+                bump = eid >= self._next_id
+            try:
+                if bump:
+                    self._persist_next_id(eid + 1)
+                    with self._lock:
+                        self._next_id = max(self._next_id, eid + 1)
+                dat_p, crc_p, _ = self._paths(eid)
+                crcfd = os.open(crc_p, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
+                try:
+                    dat = os.open(dat_p, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
+                except BaseException:
+                    os.close(crcfd)
+                    crc_p.unlink(missing_ok=True)
+                    raise
+                if self._durable:
+                    _fsync_dir(self._dir)
+            except FileExistsError as e:
+                raise StoreError("exists", f"extent {eid}: {e}") from None
+            except OSError as e:
+                raise StoreError("disk", f"create extent {eid}: {e}") from e
+            with self._lock:
+                if self._closed:
+                    os.close(dat)
+                    os.close(crcfd)
+                    raise StoreError("disk", f"store {self.root} is closed")
+                self._extents[eid] = _Extent(eid, dat, crcfd, 0, [], set())
+            return eid
+
+    def _persist_next_id(self, value: int) -> None:
+        tmp = self.root / (_NEXT_ID + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC, 0o644)
+        try:
+            _pwrite_all(fd, f"{value}\n".encode(), 0)
+            if self._durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.root / _NEXT_ID)
+        if self._durable:
+            _fsync_dir(self.root)
+
+    def write(self, extent_id: int, offset: int, data, crc: int | None = None) -> int:
+        ext = self._get(extent_id)
+        mv = _byte_view(data)
+        n = len(mv)
+        with ext.wlock:
+            if ext.dead:
+                raise StoreError("not_found", f"extent {extent_id} does not exist")
+            size = ext.size
+            if offset != size:
+                raise StoreError("bad_offset", f"extent {extent_id}: append at {offset}, current size is {size}")
+            if offset + n > MAX_EXTENT:
+                raise StoreError("too_large", f"extent {extent_id}: {offset}+{n} exceeds {MAX_EXTENT}")
+            if ext.broken:
+                raise StoreError("disk", f"extent {extent_id} needs recovery (reopen): {ext.broken}")
+            # per-block CRCs (and the whole-buffer CRC) in one pass over the bytes
+            entries = ext.entries
+            first = size // BLOCK
+            new: list[tuple[int, int]] = []
+            whole = 0
+            pos = 0
+            blk = first
+            within = size % BLOCK
+            while pos < n:
+                take = min(BLOCK - within, n - pos)
+                piece = mv[pos:pos + take]
+                c = crc32c(piece)
+                if crc is not None:
+                    whole = c if pos == 0 else _cat(whole, piece, c)
+                if within:
+                    old_c, old_cov = entries[blk]
+                    new.append((_cat(old_c, piece, c), old_cov + take))
+                else:
+                    new.append((c, take))
+                pos += take
+                blk += 1
+                within = 0
+            if crc is not None and whole != (crc & 0xFFFFFFFF):
+                raise StoreError("crc", f"extent {extent_id}: payload CRC {whole:#010x} != {crc & 0xFFFFFFFF:#010x}")
+            if not n:
+                return size
+            stage = "pwrite data"
+            try:
+                _pwrite_all(ext.dat, mv, offset)
+                if self._durable:
+                    stage = "fdatasync data"
+                    _fdatasync(ext.dat)
+                stage = "pwrite crc"
+                _pwrite_all(ext.crc, b"".join(_ENTRY.pack(*e) for e in new), first * _ESZ)
+                if self._durable:
+                    stage = "fdatasync crc"
+                    _fdatasync(ext.crc)
+            except OSError as e:
+                self._rollback(ext, size, first, stage, e)
+                raise StoreError("disk", f"extent {extent_id}: {stage}: {e}") from e
+            with ext.mu:
+                entries[first:] = new       # readers copy slices under mu, so in place is fine
+                ext.size = size + n
+            return size + n
+
+    def _rollback(self, ext: _Extent, size: int, first: int, stage: str, err: OSError) -> None:
+        """Put the files back to ``size`` after a failed append (best effort)."""
+        try:
+            os.ftruncate(ext.dat, size)
+            if first < len(ext.entries):
+                _pwrite_all(ext.crc, _ENTRY.pack(*ext.entries[first]), first * _ESZ)
+            os.ftruncate(ext.crc, len(ext.entries) * _ESZ)
+        except OSError as e2:
+            ext.broken = f"{stage}: {err}; rollback failed: {e2}"
+        else:
+            if stage.startswith("fdatasync"):
+                # after a failed fsync the page cache state is unknown: refuse writes until recovery
+                ext.broken = f"{stage}: {err}"
+        log.error("extent %d (%s): %s failed: %s%s", ext.id, self.root, stage, err,
+                  f" -- extent marked broken ({ext.broken})" if ext.broken else "")
+
+    def read_into(self, extent_id: int, offset: int, length: int, out: memoryview) -> int:
+        ext = self._get(extent_id)
+        if offset < 0 or length < 0:
+            raise StoreError("bad_offset", f"extent {extent_id}: negative offset/length {offset}/{length}")
+        out = _byte_view(out)
+        if len(out) < length:
+            raise ValueError(f"output buffer holds {len(out)} bytes, {length} requested")
+        end = offset + length
+        b0 = offset // BLOCK
+        b1 = (end - 1) // BLOCK if length else b0
+        size, ents = ext.begin_read(b0, b1)
+        try:
+            if end > size:
+                raise StoreError("bad_offset", f"extent {extent_id}: range {offset}+{length} beyond size {size}")
+            if not length:
+                return 0
+            head_buf, tail_buf = _scratch_bufs()
+            bstart = b0 * BLOCK
+            head = offset - bstart
+            last_end = b1 * BLOCK + ents[-1][1]
+            tail = last_end - end
+            dst = out[:length]
+            want = head + length + tail
+            try:
+                got = _preadv_all(ext.dat, [head_buf[:head], dst, tail_buf[:tail]], bstart)
+            except OSError as e:
+                raise StoreError("disk", f"extent {extent_id}: read: {e}") from e
+            if got != want:
+                self._fail_read(ext, dst, b0, f"data file is short ({got} of {want} bytes at {bstart})")
+            rc = 0
+            pos = 0  # position in dst
+            for k, (ecrc, cov) in enumerate(ents):
+                i = b0 + k
+                in_len = min(BLOCK - (head if k == 0 else 0), length - pos)
+                if k == len(ents) - 1:
+                    in_len = length - pos
+                piece = dst[pos:pos + in_len]
+                c_in = crc32c(piece)
+                bc = c_in
+                if k == 0 and head:
+                    bc = _cat(crc32c(head_buf[:head]), piece, c_in)
+                if k == len(ents) - 1 and tail:
+                    t = tail_buf[:tail]
+                    bc = _cat(bc, t, crc32c(t))
+                if bc != ecrc:
+                    with ext.mu:
+                        ext.bad.add(i)
+                    self._fail_read(ext, dst, i, f"stored {ecrc:#010x}, computed {bc:#010x} over {cov} bytes")
+                rc = c_in if pos == 0 else _cat(rc, piece, c_in)
+                pos += in_len
+            return rc
+        finally:
+            ext.end_read()
+
+    def _fail_read(self, ext: _Extent, dst: memoryview, block: int, why: str):
+        dst[:] = bytes(len(dst))     # never hand back unverified bytes
+        log.error("extent %d (%s): block %d fails its CRC: %s", ext.id, self.root, block, why)
+        raise StoreError("crc", f"extent {ext.id} block {block} (offset {block * BLOCK}): CRC mismatch: {why}")
+
+    def size(self, extent_id: int) -> int:
+        return self._get(extent_id).size
+
+    def watermarks(self) -> dict[int, int]:
+        with self._lock:
+            exts = list(self._extents.values())
+        return {e.id: e.size for e in exts}
+
+    def block_crcs(self, extent_id: int) -> list[int]:
+        ext = self._get(extent_id)
+        with ext.mu:
+            return [c for c, _ in ext.entries]
+
+    def mark_delete(self, extent_id: int) -> None:
+        with self._lock:
+            if self._closed:
+                raise StoreError("disk", f"store {self.root} is closed")
+            ext = self._extents.pop(extent_id, None)
+            if ext is None:
+                raise StoreError("not_found", f"extent {extent_id} does not exist")
+            self._tombstones.add(extent_id)
+        dat_p, crc_p, tomb_p = self._paths(extent_id)
+        with ext.wlock:
+            ext.begin_exclusive()
+            try:
+                with ext.mu:
+                    ext.dead = True
+                ext.close_fds()
+                try:
+                    os.replace(dat_p, tomb_p)    # atomic: from here on the extent is gone after a crash
+                    os.truncate(tomb_p, 0)       # free the space, keep the name as the tombstone
+                    crc_p.unlink(missing_ok=True)
+                    if self._durable:
+                        _fsync_dir(self._dir)
+                except OSError as e:
+                    raise StoreError("disk", f"delete extent {extent_id}: {e}") from e
+            finally:
+                ext.end_exclusive()
+        log.info("extent %d (%s): deleted", extent_id, self.root)
+
+    def truncate(self, extent_id: int, size: int) -> None:
+        ext = self._get(extent_id)
+        with ext.wlock:
+            if ext.dead:
+                raise StoreError("not_found", f"extent {extent_id} does not exist")
+            cur = ext.size
+            if size < 0 or size > cur:
+                raise StoreError("bad_offset", f"extent {extent_id}: truncate to {size}, current size is {cur}")
+            if size == cur:
+                return
+            ext.begin_exclusive()
+            try:
+                keep = (size + BLOCK - 1) // BLOCK
+                entries = ext.entries[:keep]
+                within = size % BLOCK
+                try:
+                    if within:
+                        # recompute the new partial last block's CRC, from verified bytes only
+                        i = keep - 1
+                        old_c, old_cov = entries[i]
+                        buf = memoryview(bytearray(old_cov))
+                        got = _preadv_all(ext.dat, [buf], i * BLOCK)
+                        if got != old_cov or crc32c(buf) != old_c:
+                            raise StoreError("crc", f"extent {extent_id}: block {i} fails its CRC; truncate to "
+                                                    f"{i * BLOCK} (the block boundary) instead")
+                        entries[i] = (crc32c(buf[:within]), within)
+                        _pwrite_all(ext.crc, _ENTRY.pack(*entries[i]), i * _ESZ)
+                    # entries first (crash here: recovery stops at the rewritten entry and cuts the data)
+                    os.ftruncate(ext.crc, keep * _ESZ)
+                    if self._durable:
+                        _fdatasync(ext.crc)
+                    os.ftruncate(ext.dat, size)
+                    if self._durable:
+                        _fdatasync(ext.dat)
+                except OSError as e:
+                    ext.broken = f"truncate: {e}"
+                    raise StoreError("disk", f"extent {extent_id}: truncate: {e}") from e
+                with ext.mu:
+                    ext.entries = entries
+                    ext.size = size
+                    ext.bad = {b for b in ext.bad if b < keep}
+            finally:
+                ext.end_exclusive()
+        log.info("extent %d (%s): truncated %d -> %d", extent_id, self.root, cur, size)
+
+    def stats(self) -> dict:
+        with self._lock:
+            exts = list(self._extents.values())
+            next_id = self._next_id
+            deleted = len(self._tombstones)
+        return {
+            "extents": len(exts),
+            "bytes": sum(e.size for e in exts),
+            "sync": self.sync,
+            "verify": self.verify,
+            "bad_blocks": sum(len(e.bad) for e in exts),
+            "broken_extents": sum(1 for e in exts if e.broken),
+            "deleted": deleted,
+            "next_id": next_id,
+        }
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            exts = list(self._extents.values())
+            self._extents.clear()
+        for ext in exts:
+            with ext.wlock:
+                ext.begin_exclusive()
+                try:
+                    with ext.mu:
+                        ext.dead = True
+                    ext.close_fds()
+                finally:
+                    ext.end_exclusive()
+
+    def __enter__(self) -> "ExtentStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,185 @@
+"""The transport interface: what the datanode and the client need from a connection, and nothing more.
+
+A connection gives each side
+  * control messages: ``send(header)`` puts one fixed-size header into one of the peer's preposted control
+    slots; ``recv()`` returns the next header that landed in one of ours (slots are reposted as they are
+    consumed).  Flow control is by credits: a requester never has more requests outstanding than the peer
+    has slots, and every request gets exactly one response, so no side ever SENDs into a full ring.
+  * one-sided operations on memory the peer registered: ``read(remote, local)`` copies the peer's
+    ``remote`` buffer into our ``local`` memoryview, ``write(local, remote)`` the other way.  The peer's
+    request handlers take no part: on verbs the NIC does it, on TCP the peer's transport layer does, and it
+    serves only ranges inside a region registered with that rkey and the needed right.
+
+Memory is registered once per process in a ``Domain`` (verbs: the protection domain; TCP: the table the
+transport consults when a peer asks for a one-sided op).
+"""
+from __future__ import annotations
+
+import abc
+import enum
+import secrets
+import threading
+from dataclasses import dataclass, field
+
+from ..protocol import RemoteBuf
+
+
+class Access(enum.IntFlag):
+    LOCAL_WRITE = 1
+    REMOTE_READ = 2
+    REMOTE_WRITE = 4
+
+
+class TransportError(Exception):
+    """The connection failed (peer gone, QP in error, stream closed); requests in flight on it fail."""
+
+
+class ConnectionClosed(TransportError):
+    pass
+
+
+class RemoteAccessError(TransportError):
+    """A one-sided op was refused by the owner of the memory (unknown rkey, out of bounds, no right)."""
+
+
+@dataclass(eq=False)
+class Region:
+    """A registered memory region: ``view`` is the memory, ``addr`` its virtual address."""
+    view: memoryview
+    addr: int
+    access: Access
+    rkey: int
+    lkey: int = 0
+    mr: object = None            # the pyverbs MR when registered with a device
+
+    @property
+    def length(self) -> int:
+        return len(self.view)
+
+    def remote(self, offset: int = 0, length: int | None = None) -> RemoteBuf:
+        """Descriptor exposing [offset, offset+length) of this region to a peer."""
+        if length is None:
+            length = self.length - offset
+        if offset < 0 or length < 0 or offset + length > self.length:
+            raise ValueError("descriptor outside the region")
+        return RemoteBuf(self.addr + offset, self.rkey, length)
+
+    def remote_for(self, sub: memoryview, sub_addr: int) -> RemoteBuf:
+        return self.remote(sub_addr - self.addr, len(sub))
+
+
+class Domain:
+    """All memory this process registered, looked up by rkey for one-sided operations by peers.
+
+    One per process (``Domain.default()``).  When a verbs device is opened (``attach_device``) every region
+    is also registered there as one MR and the MR's rkey is the region's rkey on both transports."""
+
+    _default: "Domain | None" = None
+    _default_lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self._regions: dict[int, Region] = {}
+        self.device = None       # datanode.transport.verbs.Device when RDMA is usable
+
+    @classmethod
+    def default(cls) -> "Domain":
+        with cls._default_lock:
+            if cls._default is None:
+                cls._default = Domain()
+            return cls._default
+
+    def register(self, view: memoryview, addr: int, access: Access) -> Region:
+        if not isinstance(view, memoryview) or view.readonly:
+            raise ValueError("register needs a writable memoryview")
+        if access & Access.REMOTE_WRITE:
+            access |= Access.LOCAL_WRITE          # verbs requires it
+        region = Region(view=view, addr=addr, access=access, rkey=0)
+        if self.device is not None:
+            self.device.register(region)          # sets rkey/lkey/mr
+        else:
+            while True:
+                rkey = secrets.randbits(32) or 1
+                if rkey not in self._regions:
+                    break
+            region.rkey = region.lkey = rkey
+        self._regions[region.rkey] = region
+        return region
+
+    def deregister(self, region: Region) -> None:
+        self._regions.pop(region.rkey, None)
+        if region.mr is not None and self.device is not None:
+            self.device.deregister(region)
+
+    def find_local(self, view_addr: int, length: int) -> Region:
+        """The region holding our own [addr, addr+length) (for lkeys)."""
+        for r in self._regions.values():
+            if r.addr <= view_addr and view_addr + length <= r.addr + r.length:
+                return r
+        raise ValueError("local buffer is not inside any registered region")
+
+    def resolve(self, addr: int, rkey: int, length: int, need: Access) -> memoryview:
+        """Serve a peer's one-sided op: the memory it may touch, or RemoteAccessError.  Never reveals which
+        check failed beyond a short reason."""
+        region = self._regions.get(rkey)
+        if region is None:
+            raise RemoteAccessError("unknown rkey")
+        if not (region.access & need):
+            raise RemoteAccessError("region does not allow " + ("remote write" if need & Access.REMOTE_WRITE
+                                                                else "remote read"))
+        start = addr - region.addr
+        if length < 0 or start < 0 or start + length > region.length:
+            raise RemoteAccessError("outside the registered region")
+        return region.view[start:start + length]
+
+
+@dataclass
+class ConnStats:
+    sends: int = 0
+    recvs: int = 0
+    reads: int = 0
+    read_bytes: int = 0
+    writes: int = 0
+    write_bytes: int = 0
+    served_reads: int = 0
+    served_read_bytes: int = 0
+    served_writes: int = 0
+    served_write_bytes: int = 0
+    refused: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class Connection(abc.ABC):
+    """One connection to one peer.  Used inside ``async with``; the transport's own tasks (stream reader,
+    completion poller) live in a nursery the connection owns, so nothing outlives it."""
+
+    transport: str = "?"
+    peer: str = "?"
+    slots: int = 0           # the peer's control slots: our credit limit for outstanding requests
+
+    def __init__(self) -> None:
+        self.stats = ConnStats()
+
+    @abc.abstractmethod
+    async def send(self, header: bytes) -> None: ...
+
+    @abc.abstractmethod
+    async def recv(self) -> bytes:
+        """The next control message (raises ConnectionClosed at end)."""
+
+    @abc.abstractmethod
+    async def read(self, remote: RemoteBuf, local: memoryview, local_region: Region) -> None:
+        """One-sided: peer's ``remote`` -> our ``local`` (len(local) == remote.length)."""
+
+    @abc.abstractmethod
+    async def write(self, local: memoryview, local_region: Region, remote: RemoteBuf) -> None:
+        """One-sided: our ``local`` -> peer's ``remote``."""
+
+    @abc.abstractmethod
+    async def aclose(self) -> None: ...
+
+    def info(self) -> dict:
+        s = self.stats
+        return {"peer": self.peer, "transport": self.transport, "sends": s.sends, "recvs": s.recvs,
+                "reads": s.reads, "read_bytes": s.read_bytes, "writes": s.writes, "write_bytes": s.write_bytes,
+                "served_reads": s.served_reads, "served_read_bytes": s.served_read_bytes,
+                "served_writes": s.served_writes, "refused": s.refused, **s.extra}
