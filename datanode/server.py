@@ -32,7 +32,7 @@ from .protocol import (HEADER_SIZE, PROTOCOL_REASONS, Flag, Header, Op, Protocol
                        decode, peek_req_id)
 from .rpc import Links
 from .store import StoreError
-from .transport.base import Access, Connection, Domain, RemoteAccessError, TransportError
+from .transport.base import Access, Connection, ConnectionClosed, Domain, RemoteAccessError, TransportError
 from .transport.connect import accept, dial
 
 log = logging.getLogger("datanode")
@@ -131,6 +131,8 @@ class Node:
             async with accept(stream.socket, peer, self.domain, transport=self.cfg.transport,
                               slots=self.cfg.slots) as conn:
                 await self._connection(conn)
+        except ConnectionClosed:
+            log.debug("connection from %s closed before its hello", peer)   # e.g. a port probe
         except (TransportError, ProtocolError, trio.TooSlowError) as e:
             log.warning("connection from %s: %s", peer, e)
 

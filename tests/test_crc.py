@@ -1,0 +1,119 @@
+import array
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import crcmod.predefined
+import pytest
+
+from datanode import crc as crcmodule
+from datanode.crc import BACKEND, crc32c, crc32c_combine, crcmod_crc32c, hw_crc32c, measure_gibps
+
+# the independent oracle: crcmod's own predefined CRC-32C, called directly
+ORACLE = crcmod.predefined.mkCrcFun("crc-32c")
+
+SIZES = [0, 1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 63, 64, 100, 255, 256, 1000, 4095, 4096, 4097, 65535, 65536,
+         128 * 1024 - 1, 128 * 1024, 128 * 1024 + 1, 1 << 20]
+
+
+def _impls():
+    out = [("active", crc32c), ("crcmod", crcmod_crc32c)]
+    if hw_crc32c is not None:
+        out.append(("hw", hw_crc32c))
+    return out
+
+
+IMPLS = _impls()
+
+
+def test_check_value():
+    for _, fn in IMPLS:
+        assert fn(b"123456789") == 0xE3069283
+        assert fn(b"") == 0
+
+
+@pytest.mark.parametrize("name,fn", IMPLS, ids=[n for n, _ in IMPLS])
+def test_against_oracle_random_sizes(name, fn):
+    rng = random.Random(1)
+    for size in SIZES + [rng.randrange(1, 300_000) for _ in range(20)]:
+        data = rng.randbytes(size)
+        want = ORACLE(data)
+        assert fn(data) == want, size
+        assert fn(bytearray(data)) == want, size
+        assert fn(memoryview(data)) == want, size
+
+
+@pytest.mark.parametrize("name,fn", IMPLS, ids=[n for n, _ in IMPLS])
+def test_memoryview_slices(name, fn):
+    rng = random.Random(2)
+    big = rng.randbytes(400_000)
+    mv = memoryview(bytearray(big))
+    for _ in range(200):
+        a = rng.randrange(0, len(big))
+        b = rng.randrange(a, min(len(big), a + rng.choice([1, 17, 4096, 70_000, 400_000])) + 1)
+        assert fn(mv[a:b]) == ORACLE(big[a:b]), (a, b)
+
+
+@pytest.mark.parametrize("name,fn", IMPLS, ids=[n for n, _ in IMPLS])
+def test_incremental(name, fn):
+    rng = random.Random(3)
+    for size in SIZES + [rng.randrange(0, 200_000) for _ in range(10)]:
+        data = rng.randbytes(size)
+        whole = ORACLE(data)
+        cuts = sorted(rng.randrange(0, size + 1) for _ in range(rng.randrange(1, 6)))
+        value = 0
+        prev = 0
+        mv = memoryview(data)
+        for c in cuts + [size]:
+            value = fn(mv[prev:c], value)
+            prev = c
+        assert value == whole, size
+        # two-piece form of the contract
+        k = rng.randrange(0, size + 1)
+        assert fn(data[k:], fn(data[:k])) == whole
+
+
+def test_non_byte_formats():
+    a = array.array("I", range(1000))
+    for _, fn in IMPLS:
+        assert fn(a) == ORACLE(a.tobytes())
+        assert fn(memoryview(a)) == ORACLE(a.tobytes())
+
+
+def test_combine():
+    rng = random.Random(4)
+    for _ in range(100):
+        a = rng.randbytes(rng.randrange(0, 3000))
+        b = rng.randbytes(rng.choice([0, 1, 7, 4096, 131072, rng.randrange(0, 300_000)]))
+        assert crc32c_combine(ORACLE(a), ORACLE(b), len(b)) == ORACLE(a + b)
+
+
+def test_fallback_backend_when_crc32c_missing():
+    """With the crc32c package unimportable the module must fall back to crcmod and stay correct."""
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["crc32c"] = None          # makes "import crc32c" raise ImportError
+        from datanode import crc
+        assert crc.BACKEND == "crcmod", crc.BACKEND
+        assert crc.hw_crc32c is None
+        assert crc.crc32c(b"123456789") == 0xE3069283
+        d = bytes(range(256)) * 1000
+        assert crc.crc32c(memoryview(d)[5:], crc.crc32c(d[:5])) == crc.crc32c(d)
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ok"
+
+
+def test_backend_reported():
+    assert BACKEND in ("crc32c", "crcmod")
+    assert crcmodule.crc32c is (hw_crc32c if BACKEND == "crc32c" else crcmodule.crc32c)
+
+
+def test_measure_gibps():
+    for _, fn in IMPLS:
+        assert measure_gibps(fn, size=1 << 16, seconds=0.02) > 0
