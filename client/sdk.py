@@ -25,6 +25,7 @@ from datanode.protocol import Flag, Header, Op, Result
 from datanode.rpc import Links
 from datanode.store import MAX_EXTENT
 from datanode.transport.base import Access, Domain, TransportError
+from datanode.transport.connect import make_domain
 
 log = logging.getLogger("datanode.client")
 
@@ -72,7 +73,7 @@ class DataClient:
         self.timeout = timeout
         self.block_size = block_size
         self.depth = depth
-        self.domain = domain or Domain.default()
+        self.domain = domain or make_domain(transport)
         self.partitions: dict[int, PartitionInfo] = {}
         max_block = max(block_size, 1 << 20)
         self.wpool = BuddyPool(pool_mib << 20, max_block)

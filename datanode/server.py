@@ -33,7 +33,7 @@ from .protocol import (HEADER_SIZE, PROTOCOL_REASONS, Flag, Header, Op, Protocol
 from .rpc import Links
 from .store import StoreError
 from .transport.base import Access, Connection, ConnectionClosed, Domain, RemoteAccessError, TransportError
-from .transport.connect import accept, dial
+from .transport.connect import accept, make_domain
 
 log = logging.getLogger("datanode")
 
@@ -56,9 +56,10 @@ class Node:
         self.cfg = cfg
         self.me = cfg.listen
         self.started = time.time()
-        self.domain = domain or Domain()
-        if cfg.transport != "tcp":
-            self._open_device()
+        try:
+            self.domain = domain or make_domain(cfg.transport, cfg.rdma_device or None, cfg.gid_index)
+        except TransportError as e:
+            raise config_mod.ConfigError(f"config key 'transport': {e}") from None
         self.pool = BuddyPool(cfg.pool_mib << 20, cfg.max_block_kib << 10)
         # The whole arena, registered once; peers may read it (followers fetch forwards), never write.
         self.region = self.domain.register(self.pool.arena, self.pool.base_addr,
@@ -74,17 +75,6 @@ class Node:
                          "forwarded": 0, "replica_writes": 0, "replication_failures": 0,
                          "protocol_errors": 0, "forward_fetch_bytes_by_rkey": {}}
         self._nursery: trio.Nursery | None = None
-
-    def _open_device(self) -> None:
-        try:
-            from .transport import verbs
-            verbs.attach(self.domain, self.cfg.rdma_device or None, self.cfg.gid_index)
-            log.info("RDMA device %s ready (gid index %d)", self.domain.device.name, self.cfg.gid_index)
-        except Exception as e:  # noqa: BLE001 - any failure means: no verbs here
-            if self.cfg.transport == "verbs":
-                raise config_mod.ConfigError(f"config key 'transport': verbs required but no usable RDMA "
-                                             f"device: {e}") from None
-            log.info("no usable RDMA device (%s); connections use TCP", e)
 
     # -- lifecycle ------------------------------------------------------------------------------------
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import abc
 import enum
 import secrets
-import threading
 from dataclasses import dataclass, field
 
 from ..protocol import RemoteBuf
@@ -71,22 +70,12 @@ class Region:
 class Domain:
     """All memory this process registered, looked up by rkey for one-sided operations by peers.
 
-    One per process (``Domain.default()``).  When a verbs device is opened (``attach_device``) every region
-    is also registered there as one MR and the MR's rkey is the region's rkey on both transports."""
-
-    _default: "Domain | None" = None
-    _default_lock = threading.Lock()
+    When a verbs device is attached (``connect.make_domain``) every region is also registered there as one
+    MR, and the MR's rkey is the region's rkey on both transports."""
 
     def __init__(self) -> None:
         self._regions: dict[int, Region] = {}
         self.device = None       # datanode.transport.verbs.Device when RDMA is usable
-
-    @classmethod
-    def default(cls) -> "Domain":
-        with cls._default_lock:
-            if cls._default is None:
-                cls._default = Domain()
-            return cls._default
 
     def register(self, view: memoryview, addr: int, access: Access) -> Region:
         if not isinstance(view, memoryview) or view.readonly:

@@ -139,3 +139,25 @@ async def accept(sock, peer: str, domain: Domain, *, transport: str = "auto", sl
     log.debug("connection from %s on %s", peer, conn.transport)
     async with _running(conn) as c:
         yield c
+
+
+def make_domain(transport: str = "auto", device: str | None = None, gid_index: int | None = None) -> Domain:
+    """A Domain for this process, with the RDMA device attached when ``transport`` allows verbs and one is
+    usable (``device``/``gid_index`` default to $DATANODE_RDMA_DEVICE / $DATANODE_RDMA_GID, else the first
+    active device, GID index 1).  ``transport = verbs`` without a usable device raises TransportError."""
+    import os
+    domain = Domain()
+    if transport == "tcp":
+        return domain
+    device = device or os.environ.get("DATANODE_RDMA_DEVICE") or None
+    if gid_index is None:
+        gid_index = int(os.environ.get("DATANODE_RDMA_GID", "1"))
+    try:
+        from . import verbs
+        verbs.attach(domain, device, gid_index)
+        log.info("RDMA device %s ready (gid index %d)", domain.device.name, gid_index)
+    except Exception as e:  # noqa: BLE001 - whatever the reason, this process has no verbs
+        if transport == "verbs":
+            raise TransportError(f"transport 'verbs' needs a usable RDMA device: {e}") from None
+        log.info("no usable RDMA device (%s); connections use TCP", e)
+    return domain
