@@ -359,7 +359,9 @@ def test_data_without_crc_file_and_orphan_crc(tmp_path, rng):
     s = ExtentStore(tmp_path)
     assert s.size(eid) == 0
     assert not (tmp_path / "extents" / "77.crc").exists()
-    assert s.create_extent() > 77 - 1 or True
+    assert s.create_extent() == eid + 1
+    s.write(eid, 0, b"again")
+    assert read(s, eid, 0, 5) == b"again"
     s.close()
 
 
@@ -395,7 +397,7 @@ def test_kill9_crash_recovery(tmp_path, sync):
     """SIGKILL a writer at a random moment; every acknowledged byte (and extent) must survive."""
     root = tmp_path / "store"
     seed, total = 7, 3 << 20
-    streams = {}
+    done = set()
     rng = random.Random(99 if sync == "always" else 98)
     env = dict(os.environ, PYTHONPATH=REPO)
     acked: dict[int, int] = {}
@@ -415,11 +417,15 @@ def test_kill9_crash_recovery(tmp_path, sync):
         marks = s.watermarks()
         assert set(acked) <= set(marks)
         for e, size in marks.items():
-            if e not in streams:
-                streams[e] = random.Random(seed * 1000 + e).randbytes(total)
             assert size >= acked.get(e, 0), (e, size, acked.get(e))
-            assert read(s, e, 0, size) == streams[e][:size]
             assert paths(root, e)[0].stat().st_size == size
+            if e in done:                          # full and verified in an earlier round
+                assert size == total
+                continue
+            want = random.Random(seed * 1000 + e).randbytes(total)
+            assert read(s, e, 0, size) == want[:size]
+            if size == total:
+                done.add(e)
         assert s.stats()["bad_blocks"] == 0
         s.close()
     assert sum(acked.values()) > 0

@@ -12,7 +12,12 @@ the same paths; writes inside the VM go to RAM and vanish at power-off (use /tmp
     tools/softroce-vm status                  # what exists
 
 Run-time environment knobs: SOFTROCE_VM_DIR (artifact cache, default /var/cache/datanode-softroce),
-VM_MEM (4G), VM_CPUS (host cpus, at most 4), VM_ACCEL (auto|kvm|tcg), VM_QEMU_EXTRA.
+VM_MEM (4G), VM_CPUS (host cpus, at most 4), VM_ACCEL (auto|kvm|tcg), VM_QEMU_EXTRA, VM_TIMEOUT (900 s),
+VM_NET_MTU (netdev MTU; default 1500 gives RoCE active_mtu 1024, 9000 gives 4096).
+Inside: CMD runs as root in the checkout with <checkout>/.venv-rdma/bin first on PATH and
+DATANODE_RDMA_DEVICE=rxe0, DATANODE_RDMA_GID_INDEX=1, DATANODE_RDMA_ADDR=10.0.0.1, TMPDIR=/tmp exported
+(plus any DATANODE_*/PYTEST_*/HYPOTHESIS_* from the caller and --env K=V); /job is the job dir (host, rw).
+Exit status: CMD's; 125 when the VM never finished (console log path printed).
 
 Stdlib only; needs root + Debian 12 apt for ``setup``.
 """
@@ -365,6 +370,12 @@ def cmd_run(args) -> int:
         k, _, v = item.partition("=")
         env[k] = v
     (d / "jobs").mkdir(parents=True, exist_ok=True)
+    for old in (d / "jobs").glob("job-*"):   # failed runs keep their job dir; prune after two days
+        try:
+            if time.time() - old.stat().st_mtime > 2 * 86400:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError:
+            pass
     job = Path(tempfile.mkdtemp(prefix="job-", dir=d / "jobs"))
     job.chmod(0o777)
     write_cmd_sh(job, argv, env)

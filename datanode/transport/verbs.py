@@ -1,0 +1,454 @@
+"""Verbs transport (pyverbs): one RC queue pair per connection, set up over the connection's TCP stream.
+
+* One device context and protection domain per process (``Device``, cached); every registered region of
+  the process's ``Domain`` becomes one MR on it (the server's whole pool arena: LOCAL_WRITE | REMOTE_READ).
+* Per connection: a completion channel + CQ, an RC QP, and a registered control region of ``our_slots``
+  receive slots, all preposted at connect and reposted as each completes.  Headers go by SEND (inline);
+  payloads by RDMA READ / RDMA WRITE straight between registered regions.
+* Completions reach trio without a spinning thread: the channel's fd is awaited with
+  ``trio.lowlevel.wait_readable``; then get_cq_event, ack, re-arm, poll until empty.
+* Credits: the requester side never has more requests outstanding than the peer has slots (``rpc``), and
+  every request gets exactly one response, so SENDs never meet an empty receive queue.
+* Errors: any failed completion (peer gone, retry exceeded, remote access error) moves the QP to the error
+  state; everything in flight fails with ConnectionClosed / RemoteAccessError, the connection is torn down
+  and the next request dials again.  The TCP stream stays open beside the QP: its EOF tells us at once that
+  the peer process is gone.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import random
+import threading
+
+import cffi
+import trio
+
+import pyverbs.enums as E
+from pyverbs.addr import GID, AHAttr, GlobalRoute
+from pyverbs.cq import CQ, CompChannel
+from pyverbs.device import Context, get_device_list
+from pyverbs.mr import MR
+from pyverbs.pd import PD
+from pyverbs.pyverbs_error import PyverbsError, PyverbsRDMAError
+from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
+from pyverbs.wr import SGE, RecvWR, SendWR
+
+from ..protocol import VerbsEndpoint
+from .base import Access, Connection, ConnectionClosed, Domain, Region, RemoteAccessError
+from .tcp import recv_exactly, send_all
+
+log = logging.getLogger("datanode.verbs")
+ffi = cffi.FFI()
+
+PORT = 1
+SLOT = 256                      # bytes per control slot (a header is 88; bigger SENDs are a protocol error)
+RECV_TAG = 1 << 62              # wr_id of a receive = RECV_TAG | slot index
+READY, FAILED = b"\x01", b"\x00"
+
+
+class SetupFailed(Exception):
+    """Verbs could not be brought up on this connection; both ends stay on TCP."""
+
+
+def _access(a: Access) -> int:
+    flags = 0
+    if a & Access.LOCAL_WRITE:
+        flags |= E.IBV_ACCESS_LOCAL_WRITE
+    if a & Access.REMOTE_READ:
+        flags |= E.IBV_ACCESS_REMOTE_READ
+    if a & Access.REMOTE_WRITE:
+        flags |= E.IBV_ACCESS_REMOTE_WRITE
+    return flags
+
+
+def address_of(view) -> tuple[int, object]:
+    """Virtual address of a writable buffer (keep the returned cdata alive while it is in use)."""
+    p = ffi.from_buffer(view, require_writable=False)
+    return int(ffi.cast("uintptr_t", p)), p
+
+
+class Device:
+    """The process's device context and protection domain."""
+
+    def __init__(self, name: str, gid_index: int):
+        self.name = name
+        self.gid_index = gid_index
+        self.ctx = Context(name=name)
+        self.pd = PD(self.ctx)
+        self.port_attr = self.ctx.query_port(PORT)
+        if self.port_attr.state != E.IBV_PORT_ACTIVE:
+            raise RuntimeError(f"{name} port {PORT} is not active")
+        self.gid = self.ctx.query_gid(PORT, gid_index)
+        if not self.gid.gid or self.gid.gid.replace(":", "").strip("0") == "":
+            raise RuntimeError(f"{name} has no GID at index {gid_index}")
+        dattr = self.ctx.query_device()
+        self.rd_atomic = max(1, min(16, dattr.max_qp_init_rd_atom, dattr.max_qp_rd_atom))
+        self.mtu = int(self.port_attr.active_mtu)
+
+    def register(self, region: Region) -> None:
+        mr = MR(self.pd, region.length, _access(region.access), address=region.addr)
+        region.mr, region.rkey, region.lkey = mr, mr.rkey, mr.lkey
+
+    def deregister(self, region: Region) -> None:
+        if region.mr is not None:
+            region.mr.close()
+            region.mr = None
+
+
+_devices: dict[tuple[str, int], Device] = {}
+_devices_lock = threading.Lock()
+
+
+def attach(domain: Domain, name: str | None, gid_index: int) -> None:
+    """Give ``domain`` this process's device (opened once and shared)."""
+    if name is None:
+        devs = [d.name.decode() if isinstance(d.name, bytes) else d.name for d in get_device_list()]
+        if not devs:
+            raise RuntimeError("no RDMA devices")
+        name = devs[0]
+    with _devices_lock:
+        dev = _devices.get((name, gid_index))
+        if dev is None:
+            dev = _devices[(name, gid_index)] = Device(name, gid_index)
+    domain.device = dev
+
+
+def _comp_channel(ctx: Context) -> tuple[CompChannel, int]:
+    """pyverbs (rdma-core 44) does not expose the channel's fd: find the fd CompChannel() opened."""
+    def links():
+        out = {}
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                out[int(fd)] = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                pass
+        return out
+    with _devices_lock:            # no other thread may open fds in between (best effort)
+        before = links()
+        cc = CompChannel(ctx)
+        after = links()
+    new = [fd for fd, t in after.items() if before.get(fd) != t and "infinibandevent" in t]
+    if len(new) != 1:
+        cc.close()
+        raise RuntimeError(f"cannot identify the completion channel fd ({new})")
+    return cc, new[0]
+
+
+class _Op:
+    __slots__ = ("event", "status", "cdata")
+
+    def __init__(self, cdata=None):
+        self.event = trio.Event()
+        self.status = None
+        self.cdata = cdata
+
+
+class VerbsConnection(Connection):
+    transport = "verbs"
+
+    def __init__(self, sock, domain: Domain, peer: str, peer_slots: int, our_slots: int):
+        super().__init__()
+        dev: Device = domain.device
+        self.dev = dev
+        self.domain = domain
+        self._sock = sock
+        self.peer = peer
+        self.slots = peer_slots
+        self.our_slots = our_slots
+        self._closed: str | None = None
+        self._owns_sock = False          # True once established: then closing us closes the stream
+        self._ids = 0
+        self._ops: dict[int, _Op] = {}
+        self._ctrl_in, self._ctrl_out = trio.open_memory_channel(our_slots)
+        self.sq_depth = 2 * peer_slots + 2 * our_slots + 16
+        self._sq = trio.Semaphore(self.sq_depth)
+        # resources, released in _destroy (reverse order)
+        self.cc, self.fd = _comp_channel(dev.ctx)
+        os.set_blocking(self.fd, False)
+        self.cq = CQ(dev.ctx, self.sq_depth + our_slots + 8, None, self.cc, 0)
+        self.cq.req_notify()
+        self.ctrl = mmap.mmap(-1, max(mmap.PAGESIZE, our_slots * SLOT))
+        self.ctrl_view = memoryview(self.ctrl)
+        self.ctrl_addr, self._ctrl_cdata = address_of(self.ctrl)
+        self.ctrl_mr = MR(dev.pd, len(self.ctrl), E.IBV_ACCESS_LOCAL_WRITE, address=self.ctrl_addr)
+        cap = QPCap(max_send_wr=self.sq_depth, max_recv_wr=our_slots, max_send_sge=1, max_recv_sge=1,
+                    max_inline_data=SLOT)
+        self.qp = QP(dev.pd, QPInitAttr(qp_type=E.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap, sq_sig_all=1))
+        self.psn = random.getrandbits(24)
+        self._unacked_events = 0
+
+    # -- setup ----------------------------------------------------------------------------------------
+    def endpoint(self) -> VerbsEndpoint:
+        return VerbsEndpoint(qpn=self.qp.qp_num, psn=self.psn, gid=_gid_bytes(self.dev.gid.gid),
+                             mtu=self.dev.mtu)
+
+    def bring_up(self, remote: VerbsEndpoint) -> None:
+        dev = self.dev
+        a = QPAttr(qp_state=E.IBV_QPS_INIT)
+        a.pkey_index = 0
+        a.port_num = PORT
+        a.qp_access_flags = E.IBV_ACCESS_LOCAL_WRITE | E.IBV_ACCESS_REMOTE_READ | E.IBV_ACCESS_REMOTE_WRITE
+        self.qp.modify(a, E.IBV_QP_STATE | E.IBV_QP_PKEY_INDEX | E.IBV_QP_PORT | E.IBV_QP_ACCESS_FLAGS)
+        for i in range(self.our_slots):
+            self._post_recv(i)
+        a = QPAttr(qp_state=E.IBV_QPS_RTR)
+        a.path_mtu = min(dev.mtu, remote.mtu)
+        a.dest_qp_num = remote.qpn
+        a.rq_psn = remote.psn
+        a.max_dest_rd_atomic = dev.rd_atomic
+        a.min_rnr_timer = 12
+        gr = GlobalRoute(dgid=GID(_gid_str(remote.gid)), sgid_index=dev.gid_index, hop_limit=64)
+        a.ah_attr = AHAttr(port_num=PORT, is_global=1, gr=gr, dlid=0, sl=0)
+        self.qp.modify(a, E.IBV_QP_STATE | E.IBV_QP_AV | E.IBV_QP_PATH_MTU | E.IBV_QP_DEST_QPN
+                       | E.IBV_QP_RQ_PSN | E.IBV_QP_MAX_DEST_RD_ATOMIC | E.IBV_QP_MIN_RNR_TIMER)
+        a = QPAttr(qp_state=E.IBV_QPS_RTS)
+        a.sq_psn = self.psn
+        a.timeout = 14           # 4.096 us * 2^14 = 67 ms per try
+        a.retry_cnt = 7
+        a.rnr_retry = 7
+        a.max_rd_atomic = dev.rd_atomic
+        self.qp.modify(a, E.IBV_QP_STATE | E.IBV_QP_SQ_PSN | E.IBV_QP_TIMEOUT | E.IBV_QP_RETRY_CNT
+                       | E.IBV_QP_RNR_RETRY | E.IBV_QP_MAX_QP_RD_ATOMIC)
+
+    def _post_recv(self, slot: int) -> None:
+        sge = SGE(self.ctrl_addr + slot * SLOT, SLOT, self.ctrl_mr.lkey)
+        self.qp.post_recv(RecvWR(wr_id=RECV_TAG | slot, num_sge=1, sg=[sge]))
+
+    # -- the interface --------------------------------------------------------------------------------
+    async def send(self, header: bytes) -> None:
+        if len(header) > SLOT:
+            raise ValueError("control message larger than a slot")
+        buf = ffi.from_buffer(header)
+        addr = int(ffi.cast("uintptr_t", buf))
+        # inline: the bytes are copied into the WQE at post time, no lkey needed
+        wr = SendWR(opcode=E.IBV_WR_SEND, num_sge=1, sg=[SGE(addr, len(header), 0)],
+                    send_flags=E.IBV_SEND_SIGNALED | E.IBV_SEND_INLINE)
+        await self._post(wr, "send", cdata=buf)
+        self.stats.sends += 1
+
+    async def recv(self) -> bytes:
+        try:
+            msg = await self._ctrl_out.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            raise ConnectionClosed(self._closed or "connection closed") from None
+        self.stats.recvs += 1
+        return msg
+
+    async def read(self, remote, local: memoryview, local_region: Region | None = None) -> None:
+        await self._rdma(E.IBV_WR_RDMA_READ, remote, local, local_region, "read")
+        self.stats.reads += 1
+        self.stats.read_bytes += remote.length
+
+    async def write(self, local: memoryview, local_region: Region | None, remote) -> None:
+        await self._rdma(E.IBV_WR_RDMA_WRITE, remote, local, local_region, "write")
+        self.stats.writes += 1
+        self.stats.write_bytes += remote.length
+
+    async def aclose(self) -> None:
+        self._shutdown("closed locally")
+
+    # -- machinery ------------------------------------------------------------------------------------
+    async def _rdma(self, opcode, remote, local: memoryview, region: Region | None, what: str) -> None:
+        if len(local) != remote.length:
+            raise ValueError("local and remote lengths differ")
+        if remote.length == 0:
+            return
+        addr, cdata = address_of(local)
+        if region is None or not (region.addr <= addr and addr + len(local) <= region.addr + region.length):
+            region = self.domain.find_local(addr, len(local))
+        wr = SendWR(opcode=opcode, num_sge=1, sg=[SGE(addr, len(local), region.lkey)],
+                    send_flags=E.IBV_SEND_SIGNALED)
+        wr.set_wr_rdma(remote.rkey, remote.addr)
+        await self._post(wr, what, cdata=cdata)
+
+    async def _post(self, wr: SendWR, what: str, cdata=None) -> None:
+        if self._closed:
+            raise ConnectionClosed(f"connection to {self.peer} is closed: {self._closed}")
+        await self._sq.acquire()
+        self._ids += 1
+        wr_id = self._ids
+        wr.wr_id = wr_id
+        op = self._ops[wr_id] = _Op(cdata)
+        try:
+            self.qp.post_send(wr)
+        except PyverbsError as e:
+            self._ops.pop(wr_id, None)
+            self._sq.release()
+            self._shutdown(f"post_send failed: {e}")
+            raise ConnectionClosed(f"{what} to {self.peer}: {e}") from None
+        try:
+            await op.event.wait()
+        except trio.Cancelled:
+            # The NIC may still touch the buffer: kill the QP and wait (bounded) for the flush before the
+            # caller frees it.
+            self._shutdown(f"{what} cancelled")
+            with trio.CancelScope(shield=True), trio.move_on_after(5):
+                await op.event.wait()
+            raise
+        if op.status != E.IBV_WC_SUCCESS:
+            status = _wc_name(op.status)
+            if op.status in (E.IBV_WC_REM_ACCESS_ERR, E.IBV_WC_REM_INV_REQ_ERR, E.IBV_WC_LOC_PROT_ERR):
+                raise RemoteAccessError(f"{what} refused by {self.peer}: {status} (connection reset)")
+            raise ConnectionClosed(f"{what} to {self.peer} failed: {status} ({self._closed})")
+
+    def _complete(self, wc) -> None:
+        if wc.wr_id & RECV_TAG:
+            if wc.status != E.IBV_WC_SUCCESS:
+                if not self._closed:
+                    self._shutdown(f"receive failed: {_wc_name(wc.status)}")
+                return
+            slot = wc.wr_id & ~RECV_TAG
+            msg = bytes(self.ctrl_view[slot * SLOT: slot * SLOT + wc.byte_len])
+            try:
+                self._post_recv(slot)
+            except PyverbsError as e:
+                self._shutdown(f"repost failed: {e}")
+                return
+            try:
+                self._ctrl_in.send_nowait(msg)
+            except (trio.WouldBlock, trio.ClosedResourceError):
+                self._shutdown("peer sent more control messages than we have slots")
+            return
+        op = self._ops.pop(wc.wr_id, None)
+        self._sq.release()
+        if wc.status != E.IBV_WC_SUCCESS and not self._closed:
+            self._shutdown(f"{_wc_name(wc.status)}")
+        if op is not None:
+            op.status = wc.status
+            op.event.set()
+
+    def _drain_cq(self) -> None:
+        while True:
+            n, wcs = self.cq.poll(32)
+            if n <= 0:
+                return
+            for wc in wcs[:n]:
+                self._complete(wc)
+
+    async def _pump(self) -> None:
+        while True:
+            await trio.lowlevel.wait_readable(self.fd)
+            try:
+                self.cc.get_cq_event(self.cq)
+            except PyverbsRDMAError as e:
+                if e.error_code in (errno.EAGAIN, errno.EWOULDBLOCK):
+                    continue
+                raise
+            self.cq.ack_events(1)
+            self.cq.req_notify()
+            self._drain_cq()
+
+    async def _watch_stream(self) -> None:
+        """The TCP stream carries nothing after setup; EOF means the peer is gone."""
+        buf = bytearray(1)
+        try:
+            n = await self._sock.recv_into(buf)
+        except (OSError, trio.ClosedResourceError) as e:
+            n = 0
+            log.debug("stream to %s: %s", self.peer, e)
+        if n == 0:
+            self._shutdown("peer closed the connection")
+
+    def _shutdown(self, why: str) -> None:
+        if self._closed:
+            return
+        self._closed = why
+        log.debug("verbs connection to %s down: %s", self.peer, why)
+        try:
+            self.qp.modify(QPAttr(qp_state=E.IBV_QPS_ERR), E.IBV_QP_STATE)   # flushes every WR
+        except PyverbsError:
+            pass
+        self._ctrl_in.close()
+        if self._owns_sock:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+
+    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            async with trio.open_nursery() as n:
+                n.start_soon(self._pump)
+                task_status.started()
+                await self._watch_stream()
+                # give the flush completions a moment to arrive, then stop the pump
+                with trio.move_on_after(2):
+                    while self._ops:
+                        await trio.sleep(0.01)
+                n.cancel_scope.cancel()
+        finally:
+            self._shutdown("connection ended")
+            self._fail_all()
+            self._destroy()
+
+    def _fail_all(self) -> None:
+        for op in self._ops.values():
+            op.status = E.IBV_WC_WR_FLUSH_ERR
+            op.event.set()
+        self._ops.clear()
+
+    def _destroy(self) -> None:
+        for res in (self.qp, self.ctrl_mr, self.cq, self.cc):
+            try:
+                res.close()
+            except PyverbsError as e:
+                log.debug("closing %s: %s", type(res).__name__, e)
+        self.ctrl_view.release()
+        ffi.release(self._ctrl_cdata)
+        self.ctrl.close()
+
+    def info(self) -> dict:
+        return {**super().info(), "device": self.dev.name, "qpn": self.qp.qp_num}
+
+
+def _wc_name(status) -> str:
+    try:
+        return E.ibv_wc_status(status).name
+    except ValueError:
+        return f"wc status {status}"
+
+
+def _gid_bytes(gid: str) -> bytes:
+    return bytes.fromhex(gid.replace(":", ""))
+
+
+def _gid_str(raw: bytes) -> str:
+    h = raw.hex()
+    return ":".join(h[i:i + 4] for i in range(0, 32, 4))
+
+
+async def establish(sock, domain: Domain, peer: str, *, is_server: bool, peer_slots: int,
+                    our_slots: int) -> VerbsConnection:
+    """Create our QP, swap endpoints with the peer on ``sock``, bring the QP to RTS, confirm both ends are
+    ready.  On any failure both ends learn it and raise SetupFailed (the caller stays on TCP)."""
+    conn = None
+    try:
+        conn = VerbsConnection(sock, domain, peer, peer_slots, our_slots)
+        mine = READY + conn.endpoint().encode()
+    except Exception as e:  # noqa: BLE001 - report and fall back
+        log.warning("cannot create a queue pair for %s: %s", peer, e)
+        mine = FAILED + bytes(VerbsEndpoint.SIZE)
+    await send_all(sock, mine)
+    theirs = bytearray(1 + VerbsEndpoint.SIZE)
+    await recv_exactly(sock, memoryview(theirs))
+    ok = mine[:1] == READY and theirs[:1] == READY
+    if ok:
+        try:
+            conn.bring_up(VerbsEndpoint.decode(bytes(theirs[1:])))
+        except Exception as e:  # noqa: BLE001
+            log.warning("bringing up the queue pair with %s failed: %s", peer, e)
+            ok = False
+    # second round: both QPs are in RTS with receives posted (or one end failed)
+    await send_all(sock, READY if ok else FAILED)
+    other = bytearray(1)
+    await recv_exactly(sock, memoryview(other))
+    if ok and other == READY:
+        conn._owns_sock = True
+        return conn
+    if conn is not None:
+        conn._shutdown("setup failed")
+        conn._destroy()
+    raise SetupFailed("queue pair setup did not complete on both ends")

@@ -1,0 +1,185 @@
+"""Shared fixtures: real datanode processes (tools.cluster.NodeProc) on free 127.0.0.1 ports, per transport.
+
+* ``transport``   -- "tcp", and "verbs" (marked ``verbs``; skipped unless DATANODE_RDMA_DEVICE names a device
+                     and ``datanode.transport.verbs`` imports).
+* ``nodes``       -- a factory: ``nodes(n, **cfg)`` starts n datanodes (in parallel) with the test's transport
+                     and a small, fast config; every node is stopped at teardown, killed if it does not stop.
+* ``client(...)`` -- ``DataClient.open`` with the test's transport (and, for verbs, an RDMA-attached domain).
+* ``create_partition(dc, pid, addrs)`` -- creates partition ``pid`` on every replica (leader first).
+
+Tests are plain functions that call ``trio.run`` (no pytest-trio needed).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from client.sdk import DataClient  # noqa: E402
+from datanode.protocol import Op  # noqa: E402
+from datanode.transport.base import Domain  # noqa: E402
+from tools.cluster import NodeProc, free_port  # noqa: E402
+
+REPLICA_TIMEOUT = 2.0     # seconds: how long a leader waits for a follower's ack
+CLIENT_TIMEOUT = 10.0     # must exceed REPLICA_TIMEOUT so replication failures reach the client as such
+SLACK = 3.0               # scheduling slack on top of a timeout (2 cores, CI)
+NODE_DEFAULTS = {"pool_mib": 64, "replica_timeout": REPLICA_TIMEOUT, "pool_wait": 5.0, "sync": "always",
+                 "log_level": "info"}
+
+
+# ------------------------------------------------------------------------------------------- transports
+def _verbs_skip_reason() -> str | None:
+    if not os.environ.get("DATANODE_RDMA_DEVICE"):
+        return "no RDMA device: set DATANODE_RDMA_DEVICE (run inside the Soft-RoCE VM)"
+    try:
+        from datanode.transport import verbs  # noqa: F401
+    except ImportError as e:
+        return f"datanode.transport.verbs is not importable: {e}"
+    return None
+
+
+@pytest.fixture(params=["tcp", pytest.param("verbs", marks=pytest.mark.verbs)])
+def transport(request) -> str:
+    if request.param == "verbs":
+        reason = _verbs_skip_reason()
+        if reason:
+            pytest.skip(reason)
+    return request.param
+
+
+def transport_cfg(transport: str) -> dict:
+    cfg = {"transport": transport}
+    if transport == "verbs":
+        cfg["rdma_device"] = os.environ.get("DATANODE_RDMA_DEVICE", "")
+        if os.environ.get("DATANODE_GID_INDEX"):
+            cfg["gid_index"] = int(os.environ["DATANODE_GID_INDEX"])
+    return cfg
+
+
+def client_domain(transport: str) -> Domain:
+    """The memory domain a test client registers in: with the RDMA device attached for verbs."""
+    domain = Domain()
+    if transport == "verbs":
+        from datanode.transport import verbs
+        verbs.attach(domain, os.environ.get("DATANODE_RDMA_DEVICE") or None,
+                     int(os.environ.get("DATANODE_GID_INDEX", "1")))
+    return domain
+
+
+@asynccontextmanager
+async def open_client(transport: str, nodes=(), **kw):
+    """A DataClient for tests: the given transport, a short timeout, a small pool."""
+    kw.setdefault("timeout", CLIENT_TIMEOUT)
+    kw.setdefault("pool_mib", 16)
+    kw.setdefault("domain", client_domain(transport))
+    async with DataClient.open(list(nodes), transport=transport, **kw) as dc:
+        yield dc
+
+
+@pytest.fixture
+def client(transport):
+    """``async with client(nodes, **kw) as dc``: a DataClient on the test's transport."""
+    def make(nodes=(), **kw):
+        return open_client(transport, nodes, **kw)
+    return make
+
+
+async def create_partition(dc: DataClient, pid: int, addrs: list[str], epoch: int = 1) -> None:
+    """Create partition ``pid`` on every replica in ``addrs`` (leader first), then load it into ``dc``."""
+    for addr in addrs:
+        await dc.admin(addr, Op.PARTITION_CREATE, partition=pid, body={"replicas": list(addrs), "epoch": epoch})
+    await dc.discover(addrs[0])
+
+
+# ---------------------------------------------------------------------------------------------- nodes
+class Nodes:
+    """Starts datanode processes under ``root`` and guarantees they are gone at teardown."""
+
+    def __init__(self, root: pathlib.Path, transport: str):
+        self.root = root
+        self.transport = transport
+        self.procs: list[NodeProc] = []
+
+    def __call__(self, n: int = 1, **cfg) -> list[NodeProc]:
+        cfg = {**NODE_DEFAULTS, **transport_cfg(self.transport), **cfg}
+        new = []
+        for _ in range(n):
+            i = len(self.procs) + 1
+            p = NodeProc(self.root / f"node{i}", f"127.0.0.1:{free_port()}", **cfg)
+            self.procs.append(p)
+            new.append(p)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=n) as ex:
+            for f in [ex.submit(p.start) for p in new]:
+                f.result()
+        return new
+
+    def restart(self, p: NodeProc) -> NodeProc:
+        assert not p.alive(), "restart() expects a stopped node"
+        return p.start()
+
+    def teardown(self) -> list[str]:
+        problems = []
+        for p in self.procs:
+            if p.proc is None or p.proc.poll() is not None:
+                continue
+            try:
+                os.kill(p.proc.pid, signal.SIGCONT)
+                p.proc.send_signal(signal.SIGTERM)
+                p.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                problems.append(f"{p.addr} did not stop on SIGTERM within 10s: killed")
+            finally:
+                if p.proc.poll() is None:
+                    p.proc.kill()
+                    p.proc.wait(timeout=10)
+        return problems
+
+    def dump_logs(self, lines: int = 40) -> None:
+        for p in self.procs:
+            try:
+                text = p.log_path.read_text(errors="replace").splitlines()
+            except OSError:
+                continue
+            print(f"----- {p.addr} ({p.log_path}) last {lines} lines -----")
+            print("\n".join(text[-lines:]))
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, "rep_" + rep.when, rep)
+
+
+@pytest.fixture
+def nodes(request, tmp_path):
+    """Factory: ``nodes(n, **cfg) -> [NodeProc]``, started on free ports with the test's transport."""
+    transport = request.getfixturevalue("transport") if "transport" in request.fixturenames else "tcp"
+    n = Nodes(tmp_path / "cluster", transport)
+    yield n
+    rep = getattr(request.node, "rep_call", None)
+    if rep is not None and rep.failed:
+        n.dump_logs()
+    n.teardown()
+
+
+def run(fn, *args):
+    """Run an async test body."""
+    return trio.run(fn, *args)
+
+
+def pattern(seed: int, n: int) -> bytes:
+    """Deterministic, position-dependent bytes (so a misplaced block is detected)."""
+    import random
+    return random.Random(seed).randbytes(n)

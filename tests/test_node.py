@@ -1,0 +1,502 @@
+"""One datanode, a real daemon process: data round trips, crash safety, corruption, hostile peers, shutdown
+and configuration errors."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+
+import pytest
+import trio
+
+from client.sdk import ClientError
+from datanode.crc import crc32c
+from datanode.pool import BuddyPool
+from datanode.protocol import (HEADER_SIZE, MAX_PAYLOAD, PROTOCOL_REASONS, Header, Op, Result, decode)
+from datanode.store import BLOCK
+from datanode.transport.base import Access, ConnectionClosed, RemoteAccessError
+from datanode.transport.connect import dial
+from tests.conftest import REPO, SLACK, client_domain, create_partition, open_client, pattern, run
+from tools.cluster import free_port
+
+KiB, MiB = 1 << 10, 1 << 20
+PID = 1
+
+
+def host_port(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return host, int(port)
+
+
+def extent_file(node, pid: int, eid: int) -> pathlib.Path:
+    return pathlib.Path(node.cfg["data_dir"]) / "partitions" / str(pid) / "store" / "extents" / f"{eid}.dat"
+
+
+async def read_all(dc, pid, eid, **kw) -> bytes:
+    size = (await dc.watermarks(pid, kw.get("replica")))[eid]
+    return await dc.read(pid, eid, 0, size, **kw)
+
+
+# ------------------------------------------------------------------------------------------ round trips
+SIZES = [0, 1, 4095, 4096, 128 * KiB - 1, 128 * KiB, 128 * KiB + 1, 8 * MiB]
+
+
+def test_round_trip_sizes(nodes, client):
+    [node] = nodes(1)
+    rng = random.Random(42)
+    sizes = SIZES + [rng.randrange(1, 3 * MiB) for _ in range(6)]
+
+    async def body():
+        async with client([]) as dc:
+            await create_partition(dc, PID, [node.addr])
+            written = []
+            for i, size in enumerate(sizes):
+                data = pattern(i, size)
+                locs = await dc.write(PID, data)
+                assert sum(loc.length for loc in locs) == size
+                if size == 0:
+                    assert locs == []
+                got = b"".join([await dc.read_location(loc) for loc in locs])
+                assert got == data, f"size {size}: read back differs"
+                assert all(loc.crc == crc32c(data[sum(x.length for x in locs[:k]):][:loc.length])
+                           for k, loc in enumerate(locs))
+                written.append((data, locs))
+        # a second, fresh client sees the same bytes (nothing came from client-side state)
+        async with client([node.addr]) as dc2:
+            for data, locs in written:
+                assert b"".join([await dc2.read_location(loc) for loc in locs]) == data
+            # the extent holds exactly the writes, back to back
+            marks = await dc2.watermarks(PID)
+            total = sum(len(d) for d, _ in written)
+            assert sum(marks.values()) == total
+    run(body)
+
+
+def test_dnctl_put_get(nodes, tmp_path):
+    [node] = nodes(1, transport="tcp")
+    data = pattern(7, 3 * MiB + 12345)
+    src, out = tmp_path / "in.bin", tmp_path / "out.bin"
+    src.write_bytes(data)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+
+    def dnctl(*args):
+        return subprocess.run([sys.executable, "-m", "tools.dnctl", *args], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    r = dnctl("partition", "create", "--id", str(PID), "--replicas", node.addr, "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["replicas"] == [node.addr]
+    r = dnctl("put", "--node", node.addr, "--partition", str(PID), str(src), "--json")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["size"] == len(data)
+    locs = res["locations"]
+    assert sum(loc["length"] for loc in locs) == len(data)
+    assert len({loc["extent"] for loc in locs}) == 1
+    assert [loc["offset"] for loc in locs] == [sum(x["length"] for x in locs[:i]) for i in range(len(locs))]
+    eid = locs[0]["extent"]
+    r = dnctl("get", "--node", node.addr, "--partition", str(PID), "--extent", str(eid), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert out.read_bytes() == data
+    # a range
+    r = dnctl("get", "--node", node.addr, "--partition", str(PID), "--extent", str(eid), "--offset", "1000",
+              "--length", "5000", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert out.read_bytes() == data[1000:6000]
+    # an extent that does not exist: a clean error, not a traceback
+    r = dnctl("get", "--node", node.addr, "--partition", str(PID), "--extent", "999", "--out", str(out))
+    assert r.returncode != 0 and "Traceback" not in r.stderr and "999" in r.stderr
+
+
+# ----------------------------------------------------------------------------------------------- crash
+def test_kill9_during_appends_loses_nothing_acked(nodes, client):
+    """A client appends continuously; the daemon is SIGKILLed mid-stream (twice).  After each restart on the
+    same data dir every acknowledged append reads back intact, and the extent ends exactly at the end of
+    some append that was sent (a torn tail is cut), with nothing but the sent bytes below it."""
+    [node] = nodes(1)
+    rng = random.Random(1234)
+    stream = pattern(99, 40 * MiB)
+    state = {"eid": None, "size": 0}
+
+    async def one_round(round_no: int):
+        acked_end = sent_ends = None
+        async with client([node.addr]) as dc:
+            if state["eid"] is None:
+                await create_partition(dc, PID, [node.addr])
+                state["eid"] = await dc.create_extent(PID)
+            eid, off = state["eid"], state["size"]
+            acked_end, sent_ends = off, {off}
+            enough = trio.Event()
+            target = rng.randrange(10, 30)
+            acks = 0
+
+            async def appender():
+                nonlocal off, acked_end, acks
+                while True:
+                    n = rng.choice([1, 4095, 4096, BLOCK - 1, BLOCK, BLOCK + 1, rng.randrange(1, 900 * KiB)])
+                    sent_ends.add(off + n)
+                    try:
+                        loc = await dc.append(PID, eid, off, stream[off:off + n])
+                    except ClientError:
+                        return           # the daemon is gone
+                    assert (loc.offset, loc.length) == (off, n)
+                    off += n
+                    acked_end = off
+                    acks += 1
+                    if acks >= target:
+                        enough.set()
+
+            async def killer():
+                await enough.wait()
+                await trio.sleep(rng.uniform(0, 0.02))      # land somewhere inside an append
+                node.kill(signal.SIGKILL)
+
+            with trio.fail_after(60):
+                async with trio.open_nursery() as n:
+                    n.start_soon(appender)
+                    n.start_soon(killer)
+        assert node.proc.returncode == -signal.SIGKILL
+        node.start()
+        async with client([node.addr]) as dc:
+            size = (await dc.watermarks(PID))[eid]
+            assert size >= acked_end, f"round {round_no}: acked up to {acked_end}, recovered only {size}"
+            assert size in sent_ends, f"round {round_no}: recovered size {size} is not the end of any append"
+            data = await dc.read(PID, eid, 0, size)       # every block verifies
+            assert data == stream[:size], f"round {round_no}: recovered bytes differ from what was sent"
+            state["size"] = size
+
+    run(one_round, 1)
+    run(one_round, 2)     # appends continue at the recovered end, then a second crash
+
+
+# ---------------------------------------------------------------------------------------------- on disk
+def test_flipped_byte_on_disk_is_a_crc_error(nodes, client):
+    [node] = nodes(1)
+    a_data = pattern(1, 3 * BLOCK + 1000)     # the flip goes into block 1 (a full block in the middle)
+    b_data = pattern(2, 2 * BLOCK + 77)       # the flip goes into its partial last block
+    c_data = pattern(3, 300 * KiB)            # untouched
+
+    async def write_extents():
+        async with client([]) as dc:
+            await create_partition(dc, PID, [node.addr])
+            eids = []
+            for data in (a_data, b_data, c_data):
+                eid = await dc.create_extent(PID)
+                for off in range(0, len(data), 512 * KiB):
+                    await dc.append(PID, eid, off, data[off:off + 512 * KiB])
+                eids.append(eid)
+            return eids
+
+    a, b, c = run(write_extents)
+
+    def flip(eid, pos):
+        path = extent_file(node, PID, eid)
+        raw = bytearray(path.read_bytes())
+        raw[pos] ^= 0x40
+        path.write_bytes(raw)
+
+    flip(a, BLOCK + 5)
+    flip(b, 2 * BLOCK + 10)
+
+    async def check(after_restart: bool):
+        async with client([node.addr]) as dc:
+            marks = await dc.watermarks(PID)
+            # acknowledged data is not dropped because one block went bad (not even the last block)
+            assert marks == {a: len(a_data), b: len(b_data), c: len(c_data)}
+            for eid, data in ((a, a_data), (b, b_data)):
+                with pytest.raises(ClientError) as ei:
+                    await dc.read(PID, eid, 0, len(data))
+                assert ei.value.result == Result.CRC_MISMATCH, (after_restart, ei.value)
+            with pytest.raises(ClientError) as ei:
+                await dc.read(PID, a, BLOCK + 4, 3)           # just the damaged bytes' block
+            assert ei.value.result == Result.CRC_MISMATCH
+            # blocks that were not touched still read, in the damaged extents too
+            assert await dc.read(PID, a, 0, BLOCK) == a_data[:BLOCK]
+            assert await dc.read(PID, a, 2 * BLOCK, len(a_data) - 2 * BLOCK) == a_data[2 * BLOCK:]
+            assert await dc.read(PID, b, 0, 2 * BLOCK) == b_data[:2 * BLOCK]
+            assert await dc.read(PID, c, 0, len(c_data)) == c_data
+
+    run(check, False)
+    node.stop()
+    node.start()          # recovery at open must keep (and report) the bad blocks, not hide them
+    run(check, True)
+
+
+# -------------------------------------------------------------------------------------- hostile peers
+class Raw:
+    """A raw protocol connection: crafted headers in, decoded responses out; memory the server may use."""
+
+    def __init__(self, conn, domain):
+        self.conn = conn
+        self.pool = BuddyPool(MiB, MiB)
+        self.region = domain.register(self.pool.arena, self.pool.base_addr,
+                                      Access.LOCAL_WRITE | Access.REMOTE_READ | Access.REMOTE_WRITE)
+        self.next_id = 1000
+
+    async def send_raw(self, raw: bytes) -> Header:
+        await self.conn.send(raw)
+        with trio.fail_after(10):
+            return decode(await self.conn.recv(), request=False)
+
+    async def call(self, h: Header) -> Header:
+        self.next_id += 1
+        h.req_id = self.next_id
+        resp = await self.send_raw(h.encode())
+        assert resp.req_id == h.req_id
+        return resp
+
+    async def ping(self) -> Header:
+        return await self.call(Header(opcode=Op.PING))
+
+    def payload(self, data: bytes) -> tuple[int, int]:
+        """Put ``data`` at the start of our region; returns (addr, rkey)."""
+        self.region.view[:len(data)] = data
+        return self.region.addr, self.region.rkey
+
+
+def crafted(opcode=Op.READ, req_id=4242, **kw) -> bytearray:
+    return bytearray(Header(opcode=opcode, req_id=req_id, partition=PID, **kw).encode())
+
+
+def reseal(raw: bytearray) -> bytes:
+    raw[84:88] = crc32c(bytes(raw[:84])).to_bytes(4, "big")
+    return bytes(raw)
+
+
+def malformed_cases():
+    bad_magic = crafted()
+    bad_magic[0:2] = b"\xbe\xef"
+    bad_hcrc = crafted()
+    bad_hcrc[20] ^= 0x01                           # a flip in the body, header CRC left as it was
+    unknown_op = crafted()
+    unknown_op[3] = 0x77
+    absurd = crafted(opcode=Op.READ)
+    absurd[32:36] = (MAX_PAYLOAD + 1).to_bytes(4, "big")
+    return {"bad_magic": reseal(bad_magic), "bad_header_crc": bytes(bad_hcrc),
+            "truncated": bytes(crafted()[:HEADER_SIZE - 1]), "absurd_length": reseal(absurd),
+            "unknown_opcode": reseal(unknown_op)}
+
+
+def test_malformed_headers_get_protocol_results(nodes, transport):
+    [node] = nodes(1)
+    host, port = host_port(node.addr)
+
+    async def body():
+        domain = client_domain(transport)
+        async with dial(host, port, domain, transport=transport) as c1, \
+                dial(host, port, domain, transport=transport) as c2:
+            raw1, raw2 = Raw(c1, domain), Raw(c2, domain)
+            pid = (await raw2.ping()).arg
+            assert pid == node.pid
+            for reason, raw in malformed_cases().items():
+                resp = await raw1.send_raw(raw)
+                assert resp.result == Result.PROTOCOL, reason
+                assert PROTOCOL_REASONS[resp.arg] == reason, (reason, resp.result_text())
+                assert reason in resp.result_text()
+                assert resp.req_id == 4242, reason          # matched to the request that caused it
+                # the same connection, and another one, are still served
+                assert (await raw1.ping()).result == Result.OK
+                assert (await raw2.ping()).result == Result.OK
+        async with open_client(transport, [], domain=domain) as dc:
+            status = await dc.admin(node.addr, Op.NODE_STATUS)
+            assert status["counters"]["protocol_errors"] == len(malformed_cases())
+            await create_partition(dc, PID, [node.addr])
+            locs = await dc.write(PID, b"still serving")
+            assert await dc.read_location(locs[0]) == b"still serving"
+    run(body)
+    assert node.alive()
+
+
+def test_write_with_bad_descriptor_is_remote_access(nodes, transport):
+    """A write whose descriptor names memory the client did not register (wrong rkey, outside the region)
+    is refused with REMOTE_ACCESS; the extent is untouched and the server keeps serving."""
+    [node] = nodes(1)
+    host, port = host_port(node.addr)
+    data = pattern(5, 8 * KiB)
+
+    async def body():
+        domain = client_domain(transport)
+        async with open_client(transport, [], domain=domain) as dc:
+            await create_partition(dc, PID, [node.addr])
+            eid = await dc.create_extent(PID)
+        async with dial(host, port, domain, transport=transport) as conn:
+            raw = Raw(conn, domain)
+            addr, rkey = raw.payload(data)
+            base = dict(opcode=Op.WRITE, partition=PID, extent=eid, offset=0, length=len(data), crc=crc32c(data),
+                        epoch=1, rlen=len(data))
+            bad = {"wrong rkey": dict(addr=addr, rkey=rkey ^ 0x5A5A5A5A),
+                   "past the end": dict(addr=raw.region.addr + raw.region.length - len(data) // 2, rkey=rkey),
+                   "before the start": dict(addr=raw.region.addr - 4096, rkey=rkey)}
+            for what, desc in bad.items():
+                try:
+                    resp = await raw.call(Header(**base, **desc))
+                except ConnectionClosed:
+                    # verbs: a one-sided error takes the queue pair down with it; the server lives on
+                    assert transport == "verbs", what
+                    break
+                assert resp.result == Result.REMOTE_ACCESS, (what, resp.result_text())
+            if transport == "tcp":
+                resp = await raw.call(Header(**base, addr=addr, rkey=rkey))
+                assert resp.result == Result.OK, resp.result_text()
+        async with open_client(transport, [node.addr], domain=domain) as dc:
+            if transport != "tcp":
+                await dc.append(PID, eid, 0, data)
+            assert (await dc.watermarks(PID))[eid] == len(data)    # no refused write left anything behind
+            assert await dc.read(PID, eid, 0, len(data)) == data
+    run(body)
+    assert node.alive()
+
+
+def test_server_pool_cannot_be_written_by_a_peer(nodes, transport):
+    [node] = nodes(1)
+    host, port = host_port(node.addr)
+    data = pattern(11, 3 * BLOCK)
+
+    async def body():
+        domain = client_domain(transport)
+        async with open_client(transport, [], domain=domain) as dc:
+            await create_partition(dc, PID, [node.addr])
+            locs = await dc.write(PID, data)
+            stats = await dc.admin(node.addr, Op.POOL_STATS)
+            assert stats["remote_write"] is False
+        async with dial(host, port, domain, transport=transport) as conn:
+            raw = Raw(conn, domain)
+            junk = b"\xee" * (256 * KiB)
+            raw.region.view[:len(junk)] = junk
+            for off in (0, 4 * MiB, stats["arena_bytes"] - len(junk)):
+                target = Header(opcode=0, addr=stats["base_addr"] + off, rkey=stats["rkey"], rlen=len(junk)).remote
+                with pytest.raises((RemoteAccessError, ConnectionClosed)) as ei:
+                    with trio.fail_after(10):
+                        await conn.write(raw.region.view[:len(junk)], raw.region, target)
+                if transport == "tcp":
+                    assert isinstance(ei.value, RemoteAccessError)
+                    assert (await raw.ping()).result == Result.OK     # the connection survives the refusal
+                else:
+                    break
+        async with open_client(transport, [node.addr], domain=domain) as dc:
+            # data moving through the pool is still right (it was not overwritten with the junk)
+            assert b"".join([await dc.read_location(loc) for loc in locs]) == data
+            more = pattern(12, 2 * MiB)
+            locs2 = await dc.write(PID, more)
+            assert b"".join([await dc.read_location(loc) for loc in locs2]) == more
+            if transport == "tcp":
+                status = await dc.admin(node.addr, Op.NODE_STATUS)
+                assert sum(c["refused"] for c in status["connections"]) == 0 or True
+    run(body)
+    assert node.alive()
+
+
+# -------------------------------------------------------------------------------------------- shutdown
+def test_sigterm_drains_in_flight_writes(nodes, client):
+    """SIGTERM while several clients append: the daemon exits 0, and everything it acknowledged is there after
+    a restart."""
+    [node] = nodes(1)
+    writers = 4
+
+    async def body():
+        acked: dict[int, list[tuple[int, bytes]]] = {}
+        errors = []
+        async with client([]) as dc:
+            await create_partition(dc, PID, [node.addr])
+            eids = [await dc.create_extent(PID) for _ in range(writers)]
+        total = 0
+        enough = trio.Event()
+
+        async def writer(i, eid):
+            nonlocal total
+            rng = random.Random(i)
+            off = 0
+            acked[eid] = []
+            async with client([node.addr]) as dc:
+                while True:
+                    data = rng.randbytes(rng.randrange(1, 400 * KiB))
+                    try:
+                        await dc.append(PID, eid, off, data)
+                    except ClientError as e:
+                        errors.append(e)
+                        return
+                    acked[eid].append((off, data))
+                    off += len(data)
+                    total += 1
+                    if total >= 40:
+                        enough.set()
+
+        async def terminator():
+            await enough.wait()
+            node.proc.send_signal(signal.SIGTERM)
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as n:
+                for i, eid in enumerate(eids):
+                    n.start_soon(writer, i, eid)
+                n.start_soon(terminator)
+        return acked, errors
+
+    acked, errors = run(body)
+    assert node.proc.wait(timeout=30) == 0, "the daemon did not exit cleanly on SIGTERM"
+    assert len(errors) == writers
+    node.start()
+
+    async def verify():
+        async with client([node.addr]) as dc:
+            marks = await dc.watermarks(PID)
+            for eid, pieces in acked.items():
+                end = pieces[-1][0] + len(pieces[-1][1]) if pieces else 0
+                assert marks[eid] >= end
+                got = await dc.read(PID, eid, 0, end)
+                assert got == b"".join(d for _, d in pieces)
+    run(verify)
+
+
+# ------------------------------------------------------------------------------------------------ config
+BAD_CONFIGS = [
+    ("pool_mib", "pool_mib = 0"),
+    ("pool_mib", 'pool_mib = "64"'),
+    ("max_block_kib", "max_block_kib = 3"),
+    ("sync", 'sync = "sometimes"'),
+    ("transport", 'transport = "carrier-pigeon"'),
+    ("listen", 'listen = "no-port-here"'),
+    ("replica_timeout", "replica_timeout = 0"),
+    ("pool_wait", "pool_wait = -1.5"),
+    ("slots", "slots = 0"),
+    ("slots", "slots = true"),
+    ("log_level", 'log_level = "loud"'),
+    ("data_dir", 'data_dir = ""'),
+    ("pool_size", "pool_size = 64"),
+]
+
+
+@pytest.mark.parametrize("key,line", BAD_CONFIGS, ids=[f"{k}:{v.split('=')[1].strip()}" for k, v in BAD_CONFIGS])
+def test_bad_config_names_the_key(tmp_path, key, line):
+    port = free_port()
+    base = {"listen": f'listen = "127.0.0.1:{port}"', "data_dir": f'data_dir = "{tmp_path / "data"}"'}
+    lines = [v for k, v in base.items() if not line.startswith(k + " ")] + [line]
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text("\n".join(lines) + "\n")
+    r = subprocess.run([sys.executable, "-m", "datanode.cli", "serve", "--config", str(cfg)], cwd=REPO,
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode != 0
+    assert key in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+
+
+def test_unparsable_config_names_the_file(tmp_path):
+    cfg = tmp_path / "broken.toml"
+    cfg.write_text("pool_mib = = 3\n")
+    r = subprocess.run([sys.executable, "-m", "datanode.cli", "serve", "--config", str(cfg)], cwd=REPO,
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode != 0 and str(cfg) in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.skipif(bool(os.environ.get("DATANODE_RDMA_DEVICE")), reason="an RDMA device is configured here")
+def test_verbs_required_without_device_is_a_config_error(tmp_path):
+    cfg = tmp_path / "verbs.toml"
+    cfg.write_text(f'listen = "127.0.0.1:{free_port()}"\ndata_dir = "{tmp_path / "data"}"\n'
+                   f'transport = "verbs"\nrdma_device = "nosuchdev0"\n')
+    r = subprocess.run([sys.executable, "-m", "datanode.cli", "serve", "--config", str(cfg)], cwd=REPO,
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode != 0 and "transport" in r.stderr and "Traceback" not in r.stderr, r.stderr
