@@ -104,9 +104,10 @@ class DataClient:
 
     # -- plumbing ---------------------------------------------------------------------------------
     async def request(self, addr: str, h: Header, *, body: bytes | None = None, answer: int = 0,
-                      timeout: float | None = None) -> tuple[Header, bytes]:
+                      sink: memoryview | None = None, timeout: float | None = None) -> tuple[Header, bytes]:
         """Send one request to ``addr``; ``body`` is exposed for the server to READ, ``answer`` bytes of
-        landing memory for it to WRITE.  Returns (response, answer bytes)."""
+        landing memory for it to WRITE.  Returns (response, answer bytes) — or, with ``sink``, copies the
+        answer straight into it and returns b"" in its place."""
         wblock = rblock = None
         try:
             if body is not None:
@@ -121,7 +122,12 @@ class DataClient:
                 resp = await link.call(h, timeout or self.timeout)
             except TransportError as e:
                 raise ClientError(f"{addr}: {e}", node=addr) from None
-            data = bytes(rblock.view(resp.length)) if rblock is not None and resp.result == Result.OK else b""
+            data = b""
+            if rblock is not None and resp.result == Result.OK:
+                if sink is not None:
+                    sink[:resp.length] = rblock.view(resp.length)
+                else:
+                    data = bytes(rblock.view(resp.length))
             return resp, data
         except PoolExhausted as e:
             raise ClientError(f"client buffer pool exhausted: {e}") from None
@@ -306,17 +312,15 @@ class DataClient:
                 flags = Flag.ANY_REPLICA if addr != part.replicas[0] else Flag.NONE
                 h = Header(opcode=Op.READ, partition=part.pid, extent=extent, offset=offset, length=length,
                            epoch=part.epoch, flags=flags)
+                dest = memoryview(out)[pos:pos + length]
                 try:
-                    resp, data = await self.request(addr, h, answer=max(length, 1))
+                    resp, _ = await self.request(addr, h, answer=max(length, 1), sink=dest)
                     check(resp, addr, part)
-                    if crc32c(data[:length]) != resp.crc:
+                    if resp.length != length or crc32c(dest) != resp.crc:
                         raise ClientError(f"{addr}: data arrived with a bad CRC", Result.CRC_MISMATCH, addr)
                 except ClientError as e:
-                    errors.append(e)
-                    if e.result in (Result.BAD_REQUEST,):
-                        raise
+                    errors.append(e)     # a replica being repaired may not have the range yet: next one
                     continue
-                out[pos:pos + length] = data[:length]
                 return
             raise errors[-1] if len(errors) == 1 else ClientError(
                 "read failed on every replica: " + "; ".join(str(e) for e in errors),

@@ -24,6 +24,13 @@ class Config:
     pool_wait: float = 10.0        # seconds a request may wait for pool memory before NO_SPACE
     slots: int = 64                # preposted control slots per connection
     log_level: str = "info"
+    # -- replica health, repair and scrub (datanode/repair.py) --
+    heartbeat_s: float = 1.0       # how often a leader probes each follower
+    repair_interval_s: float = 60.0  # a full repair pass (sizes and block CRCs) at least this often
+    repair_mib_s: float = 64.0     # repair bandwidth cap per node, MiB/s (0: unlimited)
+    repair_chunk_kib: int = 1024   # bytes moved per repair write (one extent-lane turn each)
+    scrub_interval_s: float = 3600.0  # background scrub pass this often (0: only on demand)
+    scrub_mib_s: float = 32.0      # scrub read rate cap per node, MiB/s (0: unlimited)
 
     @property
     def host(self) -> str:
@@ -60,6 +67,15 @@ def _check(cfg: Config) -> Config:
         bad("pool_wait", "must be > 0 seconds")
     if not (1 <= cfg.slots <= 4096):
         bad("slots", "must be between 1 and 4096")
+    for key in ("heartbeat_s", "repair_interval_s"):
+        if getattr(cfg, key) <= 0:
+            bad(key, "must be > 0 seconds")
+    for key in ("repair_mib_s", "scrub_mib_s", "scrub_interval_s"):
+        if getattr(cfg, key) < 0:
+            bad(key, "must be >= 0 (0: unlimited / off)")
+    rk = cfg.repair_chunk_kib
+    if rk < 4 or rk & (rk - 1) or rk > 65536:
+        bad("repair_chunk_kib", "must be a power of two between 4 and 65536 (capped at max_block_kib)")
     if cfg.log_level.lower() not in ("debug", "info", "warning", "error"):
         bad("log_level", "must be debug, info, warning or error")
     return cfg

@@ -85,6 +85,7 @@ class Partition:
     store: ExtentStore
     sealed: dict[str, str] = field(default_factory=dict)   # extent -> why no more appends
     lanes: dict[int, ExtentLane] = field(default_factory=dict)
+    health: dict = field(default_factory=dict)   # the leader's summary of its replicas (datanode/repair.py)
 
     @property
     def leader(self) -> str:
@@ -117,7 +118,20 @@ class Partition:
         return {**self.meta(), "leader": self.leader, "role": "leader" if me == self.leader else "follower",
                 "extents": len(marks), "bytes": sum(marks.values()),
                 "sealed_extents": sorted(int(e) for e in self.sealed),
-                "state": "read-write"}
+                "state": "read-write", "health": self.health}
+
+    # -- repair support (datanode/repair.py) ----------------------------------------------------------
+    def deleted_extents(self) -> set[int]:
+        """Ids of extents deleted here (their tombstones): repair deletes them on followers too."""
+        st = self.store
+        with st._lock:
+            return set(st._tombstones)
+
+    def block_entries(self, extent: int) -> tuple[int, list[tuple[int, int]]]:
+        """(size, [(crc, covered)] per 128 KiB block) of one extent, one consistent snapshot."""
+        ext = self.store._get(extent)
+        with ext.mu:
+            return ext.size, list(ext.entries)
 
 
 class PartitionTable:

@@ -69,6 +69,11 @@ class Op(enum.IntEnum):
     WRITE = 0x03
     READ = 0x04
     WATERMARKS = 0x07        # answer: JSON {extent_id: size} pushed into the request's buffer
+    # -- repair and scrub (datanode/repair.py) --
+    BLOCK_CRCS = 0x08        # answer: JSON {"size": n, "blocks": [[crc, covered], ...]} of one extent
+    TRUNCATE = 0x09          # leader -> follower (FORWARDED): cut extent back to ``offset`` bytes
+    REPLICA_STATE = 0x0A     # answer: JSON {"epoch", "replicas", "marks": {id: size}, "deleted": [ids]}
+    SCRUB_EXTENT = 0x0B      # re-read every block of one extent, check CRCs; answer JSON {"size", "bad"}
     PING = 0x10
     PARTITION_CREATE = 0x20  # body: JSON {"replicas": [...], "epoch": n} fetched from the request's buffer
     PARTITION_LIST = 0x21    # answer: JSON list
@@ -76,6 +81,9 @@ class Op(enum.IntEnum):
     PARTITION_DELETE = 0x23
     POOL_STATS = 0x30        # answer: JSON
     NODE_STATUS = 0x31       # answer: JSON
+    PARTITION_HEALTH = 0x24  # answer: JSON, the leader's view of its replicas, repair and scrub progress
+    REPAIR = 0x25            # ask the leader for a full repair pass now; arg in the answer = pass number
+    SCRUB = 0x26             # ask the leader for a scrub pass now; arg in the answer = pass number
 
 
 class Result(enum.IntEnum):
@@ -99,6 +107,7 @@ class Flag(enum.IntFlag):
     NONE = 0
     FORWARDED = 0x01    # leader -> follower: this is a replica write, do not forward further
     ANY_REPLICA = 0x02  # read: the client asks this replica directly (not only the leader)
+    REPAIR = 0x04       # forwarded by the leader's repair: applies to a sealed extent on the follower too
 
 
 # What a request is allowed to carry.  Checked by decode so handlers see only sane headers.

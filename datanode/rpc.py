@@ -119,7 +119,7 @@ class Pending:
                 self._done = True
                 r._waiting.pop(self.req_id, None)
                 r._credits.release()
-        if scope.cancelled_caught:
+        if scope.cancelled_caught and not self.slot[0].is_set():   # an answer that already came is no timeout
             await r._timed_out(self.timeout)
         resp = self.slot[1]
         if resp is None:

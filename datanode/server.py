@@ -12,6 +12,10 @@ Follow a write from the client to the disk (``Node._write``):
   4. wait for every follower's ack (matched on request id, partition, extent, offset, CRC) within
      ``replica_timeout``; reply OK to the client only then; free the block.
   Any failure after the turn began seals the extent (DIVERGED): its replicas may differ, so no more appends.
+
+Repair (``datanode/repair.py``, one task per partition this node leads) reuses step 3 for a follower that
+missed writes: in the extent's turn the leader reads the range from its store into a pool block and sends
+the follower a forwarded WRITE naming that block (``Flag.REPAIR``); ``TRUNCATE`` cuts back what differs.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import trio
 from . import config as config_mod
 from .crc import crc32c
 from .partition import Partition, PartitionTable, write_json_atomic
+from .repair import Repairer, scrub_range
 from .pool import BuddyPool, PoolExhausted
 from .protocol import (HEADER_SIZE, PROTOCOL_REASONS, Flag, Header, Op, ProtocolError, RemoteBuf, Result,
                        decode, peek_req_id)
@@ -71,10 +76,12 @@ class Node:
         self.inflight = 0
         self.draining = False
         self._idle = trio.Event()
+        self._create_lock = trio.Lock()      # partition creates: check-then-create must not interleave
         self.counters = {"requests": 0, "writes": 0, "write_bytes": 0, "reads": 0, "read_bytes": 0,
                          "forwarded": 0, "replica_writes": 0, "replication_failures": 0,
                          "protocol_errors": 0, "forward_fetch_bytes_by_rkey": {}}
         self._nursery: trio.Nursery | None = None
+        self.repair = Repairer(self)         # follower health, repair, scrub (datanode/repair.py)
 
     # -- lifecycle ------------------------------------------------------------------------------------
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -88,6 +95,7 @@ class Node:
                 self._nursery = nursery
                 self.links = Links(nursery, self.domain, transport=cfg.transport, slots=cfg.slots,
                                    connect_timeout=cfg.replica_timeout, on_conn=self._track)
+                nursery.start_soon(self.repair.run)
                 accepting = trio.CancelScope()
                 nursery.start_soon(self._accept_loop, listeners, accepting)
                 task_status.started(self)
@@ -156,7 +164,7 @@ class Node:
             nursery.start_soon(self._send, conn, resp)
             return
         ticket = None
-        if h.opcode == Op.WRITE:     # appends are ordered by arrival: take the ticket now, synchronously
+        if h.opcode in (Op.WRITE, Op.TRUNCATE):   # ordered by arrival: take the ticket now, synchronously
             part = self.table.get(h.partition)
             lane = part.lane(h.extent) if part is not None else None
             if lane is not None:
@@ -171,6 +179,7 @@ class Node:
             log.debug("reply to %s lost: %s", conn.peer, e)
 
     async def _handle(self, conn: Connection, h: Header, ticket) -> None:
+        resp = None
         try:
             if self.draining and h.opcode not in (Op.PING,):
                 raise Reply(Result.RETRY, why="node is shutting down")
@@ -189,11 +198,13 @@ class Node:
         finally:
             if ticket is not None:
                 ticket[0].done(ticket[1])
-            self.inflight -= 1
-            if self.inflight == 0:
-                self._idle.set()
-        if resp is not None:
-            await self._send(conn, resp)
+            try:
+                if resp is not None:   # still in flight until answered: a drain must not cancel the reply
+                    await self._send(conn, resp)
+            finally:
+                self.inflight -= 1
+                if self.inflight == 0:
+                    self._idle.set()
 
     # -- helpers --------------------------------------------------------------------------------------
     def _partition(self, h: Header) -> Partition:
@@ -328,7 +339,7 @@ class Node:
                 rkeys = self.counters["forward_fetch_bytes_by_rkey"]
                 rkeys[str(h.rkey)] = rkeys.get(str(h.rkey), 0) + h.length
             await lane.wait_turn(t)
-            if lane.diverged:
+            if lane.diverged and not (forwarded and h.flags & Flag.REPAIR):   # repair may fill a sealed one
                 raise Reply(Result.DIVERGED, why=f"extent {h.extent} sealed: {lane.diverged}")
             if h.offset != lane.next_offset:
                 raise Reply(Result.BAD_REQUEST, arg=lane.next_offset,
@@ -391,6 +402,8 @@ class Node:
     async def op_create_extent(self, conn, h: Header, _t) -> Header:
         part = self._partition(h)
         if h.flags & Flag.FORWARDED:
+            if part.lane(h.extent) is not None and part.store.size(h.extent) == 0:
+                return h.reply(Result.OK, arg=h.extent)   # repair and a client's create raced: same result
             eid = await self._store(part.store.create_extent, h.extent)
             return h.reply(Result.OK, arg=eid)
         if part.leader != self.me:
@@ -430,12 +443,14 @@ class Node:
             raise Reply(Result.BAD_REQUEST, why="body needs replicas: [distinct addresses], epoch >= 1")
         if self.me not in replicas:
             raise Reply(Result.BAD_REQUEST, why=f"this node ({self.me}) is not among the replicas")
-        old = self.table.get(h.partition)
-        if old is not None:
-            if old.replicas == replicas and old.epoch == epoch:
-                return h.reply(Result.OK, arg=epoch)
-            raise Reply(Result.BAD_REQUEST, arg=old.epoch, why=f"partition {h.partition} exists")
-        await trio.to_thread.run_sync(self.table.create, h.partition, replicas, epoch)
+        async with self._create_lock:
+            old = self.table.get(h.partition)
+            if old is not None:
+                if old.replicas == replicas and old.epoch == epoch:
+                    return h.reply(Result.OK, arg=epoch)
+                raise Reply(Result.BAD_REQUEST, arg=old.epoch, why=f"partition {h.partition} exists")
+            await trio.to_thread.run_sync(self.table.create, h.partition, replicas, epoch)
+        self.repair.kick()
         log.info("partition %d created: replicas %s epoch %d", h.partition, ",".join(replicas), epoch)
         return h.reply(Result.OK, arg=epoch)
 
@@ -451,6 +466,7 @@ class Node:
             raise Reply(Result.STALE_EPOCH, arg=part.epoch, why=f"epoch {epoch} is not above {part.epoch}")
         part.replicas, part.epoch = list(replicas), epoch
         await trio.to_thread.run_sync(part.save)
+        self.repair.kick()                   # leadership may have moved here (or away)
         log.info("partition %d now epoch %d replicas %s", part.pid, epoch, ",".join(replicas))
         return h.reply(Result.OK, arg=epoch)
 
@@ -482,11 +498,67 @@ class Node:
                 "connections": [c.info() for c in list(self.conns)], "counters": self.counters,
                 "pool": self.pool_stats()}
 
+    # -- repair and scrub: the follower's side, and asking the leader (the work is in datanode/repair.py)
+    def _hosted(self, h: Header) -> Partition:
+        part = self.table.get(h.partition)
+        if part is None:
+            raise Reply(Result.NOT_FOUND, why=f"partition {h.partition} is not on this node")
+        return part
+
+    async def op_replica_state(self, conn, h: Header, _t) -> Header:
+        part = self._hosted(h)
+        return await self._push_json(conn, h, {
+            "epoch": part.epoch, "replicas": part.replicas,
+            "marks": {str(k): v for k, v in part.store.watermarks().items()},
+            "deleted": sorted(part.deleted_extents()), "sealed": sorted(int(e) for e in part.sealed)})
+
+    async def op_block_crcs(self, conn, h: Header, _t) -> Header:
+        size, entries = await self._store(self._hosted(h).block_entries, h.extent)
+        return await self._push_json(conn, h, {"size": size, "blocks": entries})
+
+    async def op_scrub_extent(self, conn, h: Header, _t) -> Header:
+        res = await self._store(scrub_range, self._hosted(h), h.extent, h.offset, h.length)
+        self.counters["scrub_bytes"] += res["checked"]
+        return await self._push_json(conn, h, res)
+
+    async def op_truncate(self, conn, h: Header, ticket) -> Header:
+        """Leader's repair -> follower: cut an extent back to ``offset`` bytes (in the extent's turn)."""
+        part = self._partition(h)
+        if not h.flags & Flag.FORWARDED or part.leader == self.me:
+            raise Reply(Result.BAD_REQUEST, why="only a leader's repair truncates, and only on followers")
+        if ticket is None:
+            raise Reply(Result.NOT_FOUND, why=f"extent {h.extent} does not exist")
+        lane, t = ticket
+        await lane.wait_turn(t)
+        await self._store(part.store.truncate, h.extent, h.offset)
+        lane.next_offset = h.offset
+        return h.reply(Result.OK, arg=h.offset)
+
+    def _worker(self, h: Header):
+        part = self._hosted(h)
+        w = self.repair.workers.get(part.pid)
+        if w is None:
+            raise Reply(Result.NOT_LEADER, why=f"leader of partition {part.pid} is {part.leader}")
+        return w
+
+    async def op_partition_health(self, conn, h: Header, _t) -> Header:
+        self._hosted(h)
+        return await self._push_json(conn, h, self.repair.health(h.partition))
+
+    async def op_repair(self, conn, h: Header, _t) -> Header:
+        return h.reply(Result.OK, arg=self._worker(h).request_repair())
+
+    async def op_scrub(self, conn, h: Header, _t) -> Header:
+        return h.reply(Result.OK, arg=self._worker(h).request_scrub())
+
     HANDLERS = {Op.PING: op_ping, Op.WRITE: op_write, Op.READ: op_read, Op.CREATE_EXTENT: op_create_extent,
                 Op.MARK_DELETE: op_mark_delete, Op.WATERMARKS: op_watermarks,
                 Op.PARTITION_CREATE: op_partition_create, Op.PARTITION_UPDATE: op_partition_update,
                 Op.PARTITION_DELETE: op_partition_delete, Op.PARTITION_LIST: op_partition_list,
-                Op.POOL_STATS: op_pool_stats, Op.NODE_STATUS: op_node_status}
+                Op.POOL_STATS: op_pool_stats, Op.NODE_STATUS: op_node_status,
+                Op.REPLICA_STATE: op_replica_state, Op.BLOCK_CRCS: op_block_crcs,
+                Op.SCRUB_EXTENT: op_scrub_extent, Op.TRUNCATE: op_truncate,
+                Op.PARTITION_HEALTH: op_partition_health, Op.REPAIR: op_repair, Op.SCRUB: op_scrub}
 
 
 def _fields(h: Header) -> dict:

@@ -17,6 +17,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import warnings
 from contextlib import asynccontextmanager
 
 import pytest
@@ -29,6 +30,7 @@ if str(REPO) not in sys.path:
 from client.sdk import DataClient  # noqa: E402
 from datanode.protocol import Op  # noqa: E402
 from datanode.transport.base import Domain  # noqa: E402
+from datanode.transport.connect import make_domain  # noqa: E402
 from tools.cluster import NodeProc, free_port  # noqa: E402
 
 REPLICA_TIMEOUT = 2.0     # seconds: how long a leader waits for a follower's ack
@@ -62,19 +64,14 @@ def transport_cfg(transport: str) -> dict:
     cfg = {"transport": transport}
     if transport == "verbs":
         cfg["rdma_device"] = os.environ.get("DATANODE_RDMA_DEVICE", "")
-        if os.environ.get("DATANODE_GID_INDEX"):
-            cfg["gid_index"] = int(os.environ["DATANODE_GID_INDEX"])
+        if os.environ.get("DATANODE_RDMA_GID"):
+            cfg["gid_index"] = int(os.environ["DATANODE_RDMA_GID"])
     return cfg
 
 
 def client_domain(transport: str) -> Domain:
-    """The memory domain a test client registers in: with the RDMA device attached for verbs."""
-    domain = Domain()
-    if transport == "verbs":
-        from datanode.transport import verbs
-        verbs.attach(domain, os.environ.get("DATANODE_RDMA_DEVICE") or None,
-                     int(os.environ.get("DATANODE_GID_INDEX", "1")))
-    return domain
+    """The memory domain a test client registers in (with the RDMA device attached for verbs)."""
+    return make_domain(transport)
 
 
 @asynccontextmanager
@@ -124,25 +121,23 @@ class Nodes:
                 f.result()
         return new
 
-    def restart(self, p: NodeProc) -> NodeProc:
-        assert not p.alive(), "restart() expects a stopped node"
-        return p.start()
-
     def teardown(self) -> list[str]:
+        """SIGTERM every live node (all at once), then SIGKILL whatever has not exited within 10 s."""
+        live = [p for p in self.procs if p.proc is not None and p.proc.poll() is None]
+        for p in live:
+            for sig in (signal.SIGCONT, signal.SIGTERM):      # SIGCONT: a paused node must see the SIGTERM
+                try:
+                    p.proc.send_signal(sig)
+                except ProcessLookupError:
+                    pass
         problems = []
-        for p in self.procs:
-            if p.proc is None or p.proc.poll() is not None:
-                continue
+        for p in live:
             try:
-                os.kill(p.proc.pid, signal.SIGCONT)
-                p.proc.send_signal(signal.SIGTERM)
                 p.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                problems.append(f"{p.addr} did not stop on SIGTERM within 10s: killed")
-            finally:
-                if p.proc.poll() is None:
-                    p.proc.kill()
-                    p.proc.wait(timeout=10)
+                problems.append(f"datanode {p.addr} did not stop within 10s of SIGTERM: killed")
+                p.proc.kill()
+                p.proc.wait(timeout=10)
         return problems
 
     def dump_logs(self, lines: int = 40) -> None:
@@ -171,7 +166,8 @@ def nodes(request, tmp_path):
     rep = getattr(request.node, "rep_call", None)
     if rep is not None and rep.failed:
         n.dump_logs()
-    n.teardown()
+    for problem in n.teardown():
+        warnings.warn(problem)
 
 
 def run(fn, *args):

@@ -16,11 +16,13 @@ import trio
 from client.sdk import ClientError
 from datanode.crc import crc32c
 from datanode.pool import BuddyPool
-from datanode.protocol import (HEADER_SIZE, MAX_PAYLOAD, PROTOCOL_REASONS, Header, Op, Result, decode)
+from datanode.protocol import (HEADER_SIZE, HELLO_SIZE, MAX_PAYLOAD, PROTOCOL_REASONS, Header, Hello, Op, Result,
+                               Transport, decode, decode_hello)
 from datanode.store import BLOCK
 from datanode.transport.base import Access, ConnectionClosed, RemoteAccessError
 from datanode.transport.connect import dial
-from tests.conftest import REPO, SLACK, client_domain, create_partition, open_client, pattern, run
+from datanode.transport.tcp import CTRL, FRAME, READ_REQ, READ_RESP, recv_exactly, send_all
+from tests.conftest import REPO, client_domain, create_partition, open_client, pattern, run
 from tools.cluster import free_port
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -119,7 +121,7 @@ def test_kill9_during_appends_loses_nothing_acked(nodes, client):
     some append that was sent (a torn tail is cut), with nothing but the sent bytes below it."""
     [node] = nodes(1)
     rng = random.Random(1234)
-    stream = pattern(99, 40 * MiB)
+    stream = pattern(99, 96 * MiB)
     state = {"eid": None, "size": 0}
 
     async def one_round(round_no: int):
@@ -138,6 +140,10 @@ def test_kill9_during_appends_loses_nothing_acked(nodes, client):
                 nonlocal off, acked_end, acks
                 while True:
                     n = rng.choice([1, 4095, 4096, BLOCK - 1, BLOCK, BLOCK + 1, rng.randrange(1, 900 * KiB)])
+                    n = min(n, len(stream) - off)
+                    if n == 0:           # (not reached with these sizes; never hang if it is)
+                        enough.set()
+                        return
                     sent_ends.add(off + n)
                     try:
                         loc = await dc.append(PID, eid, off, stream[off:off + n])
@@ -377,15 +383,18 @@ def test_server_pool_cannot_be_written_by_a_peer(nodes, transport):
                     assert (await raw.ping()).result == Result.OK     # the connection survives the refusal
                 else:
                     break
+            if transport == "tcp":
+                async with open_client(transport, [], domain=domain) as dc:
+                    status = await dc.admin(node.addr, Op.NODE_STATUS)
+                # the server saw (and refused) all three attempts on the raw connection, and served nothing
+                assert sorted(c["refused"] for c in status["connections"])[-1] == 3
+                assert sum(c["served_writes"] for c in status["connections"]) == 0
         async with open_client(transport, [node.addr], domain=domain) as dc:
             # data moving through the pool is still right (it was not overwritten with the junk)
             assert b"".join([await dc.read_location(loc) for loc in locs]) == data
             more = pattern(12, 2 * MiB)
             locs2 = await dc.write(PID, more)
             assert b"".join([await dc.read_location(loc) for loc in locs2]) == more
-            if transport == "tcp":
-                status = await dc.admin(node.addr, Op.NODE_STATUS)
-                assert sum(c["refused"] for c in status["connections"]) == 0 or True
     run(body)
     assert node.alive()
 
@@ -449,6 +458,77 @@ def test_sigterm_drains_in_flight_writes(nodes, client):
                 assert marks[eid] >= end
                 got = await dc.read(PID, eid, 0, end)
                 assert got == b"".join(d for _, d in pieces)
+    run(verify)
+
+
+async def _tcp_session(host: str, port: int):
+    """A bare TCP-transport session: we play the client's transport layer by hand, so we decide when the
+    server's one-sided READ of our payload is answered."""
+    sock = trio.socket.socket()
+    await sock.connect((host, port))
+    await send_all(sock, Hello(transport=Transport.TCP, has_device=False, slots=8).encode())
+    buf = bytearray(HELLO_SIZE)
+    await recv_exactly(sock, memoryview(buf))
+    assert decode_hello(buf).transport == Transport.TCP
+    return sock
+
+
+async def _recv_frame(sock):
+    fb = bytearray(FRAME.size)
+    await recv_exactly(sock, memoryview(fb))
+    ftype, status, _pad, length, op, addr, rkey, _r = FRAME.unpack(fb)
+    body = b""
+    if ftype == CTRL:
+        b = bytearray(length)
+        await recv_exactly(sock, memoryview(b))
+        body = bytes(b)
+    return ftype, status, length, op, addr, rkey, body
+
+
+def test_sigterm_answers_the_request_it_drains(nodes):
+    """A write is deterministically in flight at SIGTERM (the server waits for our payload); once the daemon
+    has stopped accepting, the payload is delivered: the write must still be acknowledged, exit is 0, and the
+    write is on disk after a restart."""
+    [node] = nodes(1, transport="tcp")
+    host, port = host_port(node.addr)
+    data = pattern(21, 100 * KiB)
+
+    async def body():
+        async with open_client("tcp", []) as dc:
+            await create_partition(dc, PID, [node.addr])
+            eid = await dc.create_extent(PID)
+        sock = await _tcp_session(host, port)
+        with sock, trio.fail_after(30):
+            h = Header(opcode=Op.WRITE, partition=PID, extent=eid, offset=0, length=len(data), crc=crc32c(data),
+                       req_id=77, epoch=1, addr=0x10000, rkey=0x1234, rlen=len(data))
+            await send_all(sock, FRAME.pack(CTRL, 0, 0, HEADER_SIZE, 0, 0, 0, 0) + h.encode())
+            ftype, _st, length, op, addr, rkey, _ = await _recv_frame(sock)
+            assert (ftype, length, addr, rkey) == (READ_REQ, len(data), 0x10000, 0x1234)
+            node.proc.send_signal(signal.SIGTERM)
+            while True:            # wait until the daemon has stopped accepting: it is draining now
+                try:
+                    with trio.socket.socket() as probe:
+                        await probe.connect((host, port))
+                except OSError:
+                    break
+                await trio.sleep(0.02)
+            await send_all(sock, FRAME.pack(READ_RESP, 0, 0, len(data), op, 0, 0, 0) + data)
+            try:
+                ftype, _st, _len, _op, _a, _r, raw = await _recv_frame(sock)
+            except ConnectionClosed:
+                pytest.fail("the daemon closed the connection without answering the request it was draining")
+            assert ftype == CTRL
+            resp = decode(raw, request=False)
+            assert (resp.req_id, resp.result) == (77, Result.OK), resp.result_text()
+        return eid
+
+    eid = run(body)
+    assert node.proc.wait(timeout=30) == 0
+    node.start()
+
+    async def verify():
+        async with open_client("tcp", [node.addr]) as dc:
+            assert await dc.read(PID, eid, 0, len(data)) == data
     run(verify)
 
 

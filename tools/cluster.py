@@ -209,6 +209,25 @@ def up(root: pathlib.Path, nodes: int = 3, base_port: int | None = None, **cfg) 
     return info
 
 
+def add_node(root: pathlib.Path, port: int | None = None) -> dict:
+    """Start one more node (no partitions) in a running cluster's directory, with the cluster's config."""
+    info = load(root)
+    i = len(info["nodes"]) + 1
+    if port is not None and not port_free("127.0.0.1", port):
+        raise RuntimeError(f"port {port} on 127.0.0.1 is already in use")
+    taken = {int(n["addr"].rpartition(":")[2]) for n in info["nodes"]}
+    if port is None:
+        port = next((q for q in (free_port() for _ in range(100)) if q not in taken), None)
+        if port is None:
+            raise RuntimeError("could not find a free port on 127.0.0.1")
+    proc = NodeProc(root / f"node{i}", f"127.0.0.1:{port}", **info.get("config", {}))
+    proc.start()
+    rec = {"addr": proc.addr, "pid": proc.pid, "dir": str(proc.root), "log": str(proc.log_path)}
+    info["nodes"].append(rec)
+    save(root, info)
+    return rec
+
+
 def _restart(root: pathlib.Path, info: dict) -> dict:
     """Start a stopped cluster again: same addresses (partitions name them), same config, data kept."""
     busy = [n["addr"] for n in info["nodes"]

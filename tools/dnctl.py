@@ -265,8 +265,6 @@ async def change_replicas(dc: DataClient, old: View, new: list[str]) -> dict:
                     updated.append(addr)
                     continue
             if addr in removed:
-                warnings.append(f"removed replica {addr} was not told (update: {why}); it keeps a stale copy "
-                                f"at epoch {old.epoch} and is refused by the others")
                 steps.append({"node": addr, "action": "update", "result": why})
                 continue
             behind = [a for a in new if a not in updated]
@@ -282,7 +280,11 @@ async def change_replicas(dc: DataClient, old: View, new: list[str]) -> dict:
             steps.append({"node": addr, "action": "delete", "result": "ok"})
         except ClientError as e:
             steps.append({"node": addr, "action": "delete", "result": _why(e, addr)})
-            warnings.append(f"could not delete partition {pid} on removed replica {addr}: {_why(e, addr)}")
+            told = any(s["node"] == addr and s["action"] == "update" and s["result"] == "ok" for s in steps)
+            warnings.append(f"removed replica {addr} did not delete its copy ({_why(e, addr)}); it "
+                            + (f"knows it was removed (epoch {epoch})" if told else
+                               f"still believes it is a replica at epoch {old.epoch} (the others refuse it)")
+                            + f"; delete it later with: dnctl partition delete --id {pid} --replicas {addr}")
     return {"id": pid, "old": {"replicas": old.replicas, "epoch": old.epoch},
             "new": {"replicas": new, "epoch": epoch}, "steps": steps, "warnings": warnings}
 
@@ -332,6 +334,7 @@ def cluster():
     dnctl cluster up --nodes 3 --dir /tmp/dn             # 3 nodes, partition 1 on all of them
     dnctl cluster up --dir /tmp/dn --sync none --base-port 17310
     dnctl cluster status --dir /tmp/dn [--json]          # pid, health, partitions of each node
+    dnctl cluster add-node --dir /tmp/dn                 # one more node (for `dnctl replica add`)
     dnctl cluster down --dir /tmp/dn                     # SIGTERM: each node drains, then exits
 
     The directory holds cluster.json and node1/, node2/, ... (node.toml, data/, node.log).  The nodes are
@@ -407,7 +410,8 @@ def cluster_up(count, root, base_port, sync, transport, pool_mib, replica_timeou
         lines.append(f"partition {p['id']}: replicas {','.join(p['replicas'])} (leader {p['replicas'][0]}, "
                      f"epoch {p['epoch']})")
     show = pid if any(p["id"] == pid for p in parts) else (parts[0]["id"] if parts else pid)
-    rep = addrs[-1]
+    shown = next((p for p in parts if p["id"] == show), None)
+    rep = shown["replicas"][-1] if shown else addrs[-1]
     lines += ["", "try:",
               f"  dnctl put --cluster {d} --partition {show} FILE          # prints the extent it went to",
               f"  dnctl get --cluster {d} --partition {show} --extent 1 --out OUT",
@@ -439,6 +443,28 @@ def cluster_down(root, timeout, as_json):
     emit(res, as_json, "\n".join(lines))
     if any(r["result"].startswith("killed") for r in res):
         sys.exit(1)
+
+
+@cluster.command("add-node")
+@click.option("--dir", "root", type=click.Path(file_okay=False), required=True)
+@click.option("--port", type=click.IntRange(1, 65535), help="Port to listen on (default: a free one).")
+@click.option("--json", "as_json", is_flag=True)
+def cluster_add_node(root, port, as_json):
+    """Start one more datanode in the cluster (same config, no partitions yet).
+
+    \b
+    dnctl cluster add-node --dir /tmp/dn
+    dnctl replica add --id 1 --node ADDR --cluster /tmp/dn
+    """
+    from datanode.config import ConfigError
+    from tools import cluster as cl
+    load_cluster(root)
+    try:
+        rec = cl.add_node(pathlib.Path(root), port)
+    except (RuntimeError, TimeoutError, ValueError, ConfigError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    emit(rec, as_json, f"{rec['addr']} up (pid {rec['pid']}, log {rec['log']}); add it to a partition with:\n"
+                       f"  dnctl replica add --id 1 --node {rec['addr']} --cluster {root}")
 
 
 @cluster.command("status")
@@ -637,8 +663,9 @@ def replica():
     epoch + 1 on every member of the old and new lists (a new node gets the partition created first, a
     removed node has it deleted afterwards).  Clients re-read the partition map after a change.
 
-    No data repair yet: a new replica starts EMPTY (extents written before it joined exist only on the
-    other replicas; reads fail over to them).  Repair is a later issue.
+    No data is copied by this command: a new replica starts EMPTY (extents written before it joined
+    exist only on the other replicas; reads fail over to them).  Filling it is the leader's repair
+    (datanode/repair.py), where the datanode has it, not this command's job.
     """
 
 
@@ -658,7 +685,7 @@ def _with_where(fn):
 @click.option("--node", "addr", required=True, help="The node to add (HOST:PORT); it must be running.")
 @_with_where
 def replica_add(pid, addr, via, cluster, as_json):
-    """Add NODE as the last replica of a partition (it starts empty: no data repair yet)."""
+    """Add NODE as the last replica of a partition (it starts empty: this command copies no data)."""
     check_addr(addr)
     seeds = _seeds(via, cluster)
 
@@ -670,7 +697,7 @@ def replica_add(pid, addr, via, cluster, as_json):
                                   f"({', '.join(old.replicas)}, epoch {old.epoch})")
             return await change_replicas(dc, old, old.replicas + [addr])
     res = run(go)
-    emit(res, as_json, _change_text(res) + f"\nnote: {addr} starts empty (no data repair yet)")
+    emit(res, as_json, _change_text(res) + f"\nnote: {addr} starts empty; this command copies no data")
 
 
 @replica.command("remove")
@@ -806,7 +833,15 @@ def get(node, cluster, pid, extent, offset, length, replica, out):
         async with open_client(_nodes(node, cluster)) as dc:
             n = length
             if n is None:
-                marks = await dc.watermarks(pid, replica)
+                marks, errors = None, []
+                for addr in [replica] if replica else dc.partition(pid).replicas:   # leader first, then others
+                    try:
+                        marks = await dc.watermarks(pid, addr)
+                        break
+                    except ClientError as e:
+                        errors.append(str(e))
+                if marks is None:
+                    raise ClientError("cannot learn the extent's size: " + "; ".join(errors))
                 if extent not in marks:
                     raise ClientError(f"extent {extent} not found in partition {pid}")
                 n = marks[extent] - offset
@@ -881,6 +916,7 @@ def _register() -> None:
 
 
 _register()
+from tools import dnctl_repair; dnctl_repair.register(main)  # noqa: E402,E702  health/repair/scrub/torture
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,307 @@
+"""Three replicas, real processes: concurrent writers, dead and frozen followers, restarts, epochs, the
+zero-copy forward, and per-extent ordering under a deep pipeline."""
+from __future__ import annotations
+
+import random
+import signal
+
+import pytest
+import trio
+
+from client.sdk import ClientError, ReplicationError
+from datanode.protocol import Op, Result
+from tests.conftest import REPLICA_TIMEOUT, SLACK, create_partition, pattern, run
+
+KiB, MiB = 1 << 10, 1 << 20
+P1, P2 = 1, 2
+
+
+def fails_fast():
+    """A failure caused by a follower must surface within the replica timeout, plus slack."""
+    return trio.fail_after(REPLICA_TIMEOUT + SLACK)
+
+
+async def read_locs(dc, locs, replica=None) -> bytes:
+    return b"".join([await dc.read_location(loc, replica=replica) for loc in locs])
+
+
+def expected_extents(writes) -> dict[tuple[int, int], bytearray]:
+    """(partition, extent) -> the bytes the writes put there, from their returned locations."""
+    out: dict[tuple[int, int], bytearray] = {}
+    covered: dict[tuple[int, int], int] = {}
+    for data, locs in writes:
+        pos = 0
+        for loc in locs:
+            key = (loc.partition, loc.extent)
+            buf = out.setdefault(key, bytearray())
+            if len(buf) < loc.offset + loc.length:
+                buf.extend(bytes(loc.offset + loc.length - len(buf)))
+            buf[loc.offset:loc.offset + loc.length] = data[pos:pos + loc.length]
+            covered[key] = covered.get(key, 0) + loc.length
+            pos += loc.length
+        assert pos == len(data)
+    for key, buf in out.items():      # no overlaps, no holes: every byte of every extent was written once
+        assert covered[key] == len(buf), key
+    return out
+
+
+# -------------------------------------------------------------------------------------------- writers
+def test_concurrent_writers_leave_identical_replicas(nodes, client):
+    a, b, c = nodes(3)
+    replicas = {P1: [a.addr, b.addr, c.addr], P2: [b.addr, c.addr, a.addr]}    # two different leaders
+    writers, per_writer = 4, 5
+    edge = [1, 4095, 4096, 128 * KiB - 1, 128 * KiB + 1, MiB, MiB + 1]
+
+    async def body():
+        async with client([]) as dc:
+            for pid, addrs in replicas.items():
+                await create_partition(dc, pid, addrs)
+        writes = []
+
+        async def writer(i):
+            rng = random.Random(100 + i)
+            async with client([a.addr]) as dc:        # every writer its own client, connections and memory
+                for j in range(per_writer):
+                    size = rng.choice(edge + [rng.randrange(1, 3 * MiB)])
+                    data = rng.randbytes(size)
+                    pid = P1 if (i + j) % 2 == 0 else P2
+                    locs = await dc.write(pid, data)
+                    writes.append((data, locs))
+
+        with trio.fail_after(120):
+            async with trio.open_nursery() as n:
+                for i in range(writers):
+                    n.start_soon(writer, i)
+        assert len(writes) == writers * per_writer
+        expected = expected_extents(writes)
+
+        async with client([a.addr]) as dc:
+            for pid, addrs in replicas.items():
+                marks = [await dc.watermarks(pid, addr) for addr in addrs]
+                assert marks[0] == marks[1] == marks[2], f"partition {pid}: replicas disagree: {marks}"
+                assert marks[0] == {e: len(buf) for (p, e), buf in expected.items() if p == pid}
+                for eid, size in marks[0].items():
+                    for addr in addrs:
+                        got = await dc.read(pid, eid, 0, size, replica=addr)
+                        assert got == expected[(pid, eid)], f"partition {pid} extent {eid} differs on {addr}"
+            for data, locs in writes[:3]:
+                assert await read_locs(dc, locs) == data
+    run(body)
+
+
+# ----------------------------------------------------------------------------------- failed followers
+def _two_partitions(a, b, c):
+    return {P1: [a.addr, b.addr, c.addr], P2: [a.addr, b.addr]}
+
+
+@pytest.mark.parametrize("how", ["kill", "pause"])
+def test_failed_follower(nodes, client, how):
+    """A follower dies (SIGKILL) or freezes (SIGSTOP): writes that need it fail promptly with a
+    ReplicationError naming it; nothing hangs; reads and partitions without it carry on."""
+    a, b, c = nodes(3)
+    before = pattern(1, 600 * KiB)
+
+    async def body():
+        async with client([]) as dc:
+            for pid, addrs in _two_partitions(a, b, c).items():
+                await create_partition(dc, pid, addrs)
+            locs = await dc.write(P1, before)
+            locs2 = await dc.write(P2, before)
+            eid = locs[-1].extent
+            end = locs[-1].offset + locs[-1].length
+
+            c.kill(signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+
+            with fails_fast():
+                with pytest.raises(ReplicationError) as ei:
+                    await dc.append(P1, eid, end, b"x" * 5000)
+            assert ei.value.replica == c.addr
+            assert ei.value.result == Result.REPLICATION_FAILED
+            assert c.addr in str(ei.value)
+
+            # the client retries on a new extent; creating it needs the follower too (the leader may first
+            # wait for a connect attempt to the follower already under way, e.g. by its heartbeat)
+            with trio.fail_after(2 * REPLICA_TIMEOUT + SLACK):
+                with pytest.raises(ReplicationError) as ei:
+                    await dc.write(P1, pattern(2, 300 * KiB))
+            assert ei.value.replica == c.addr
+
+            with fails_fast():     # reads do not need the follower
+                assert await read_locs(dc, locs) == before
+                assert await read_locs(dc, locs, replica=a.addr) == before
+                assert await read_locs(dc, locs, replica=b.addr) == before
+            with fails_fast():     # a partition without the follower takes writes as before
+                more = pattern(3, 1 * MiB + 17)
+                locs3 = await dc.write(P2, more)
+                assert await read_locs(dc, locs2 + locs3, replica=b.addr) == before + more
+                assert await read_locs(dc, locs3, replica=a.addr) == more
+        async with client([a.addr], timeout=1.0) as impatient:   # the follower itself does not answer
+            with trio.fail_after(1.0 + SLACK):
+                with pytest.raises(ClientError) as ei:
+                    await impatient.read(P1, eid, 0, 10, replica=c.addr)
+            assert ei.value.node == c.addr
+
+    try:
+        run(body)
+    finally:
+        if how == "pause":
+            c.kill(signal.SIGCONT)
+
+
+def test_restarted_follower_keeps_acked_data_and_diverged_extent_stays_sealed(nodes, client):
+    a, b, c = nodes(3)
+    acked = pattern(4, 2 * MiB + 3)
+
+    async def part1():
+        async with client([]) as dc:
+            await create_partition(dc, P1, [a.addr, b.addr, c.addr])
+            locs = await dc.write(P1, acked)
+            eid = locs[0].extent
+            assert {loc.extent for loc in locs} == {eid}
+            c.kill(signal.SIGKILL)
+            with fails_fast():
+                with pytest.raises(ReplicationError) as ei:
+                    await dc.append(P1, eid, len(acked), b"lost" * 1000)
+            assert ei.value.replica == c.addr
+            return eid
+
+    eid = run(part1)
+    c.start()
+
+    async def check_sealed(dc):
+        leader_size = (await dc.watermarks(P1, a.addr))[eid]
+        with pytest.raises(ClientError) as ei:
+            await dc.append(P1, eid, leader_size, b"more")
+        assert ei.value.result == Result.DIVERGED, ei.value
+        listed = [p for p in await dc.admin(a.addr, Op.PARTITION_LIST) if p["id"] == P1][0]
+        assert listed["sealed_extents"] == [eid]
+
+    async def part2():
+        async with client([a.addr]) as dc:
+            # what the follower acknowledged before it died is intact on it
+            assert await dc.read(P1, eid, 0, len(acked), replica=c.addr) == acked
+            assert (await dc.watermarks(P1, c.addr))[eid] >= len(acked)
+            await check_sealed(dc)
+    run(part2)
+
+    a.stop()
+    a.start()
+
+    async def part3():
+        async with client([a.addr]) as dc:
+            await check_sealed(dc)                       # sealed durably, not just in the leader's memory
+            for addr in (a.addr, b.addr, c.addr):
+                assert await dc.read(P1, eid, 0, len(acked), replica=addr) == acked
+            # new data goes to a new extent, and reaches all three replicas again
+            fresh = pattern(5, 700 * KiB)
+            locs = await dc.write(P1, fresh)
+            assert all(loc.extent != eid for loc in locs)
+            for addr in (a.addr, b.addr, c.addr):
+                assert await read_locs(dc, locs, replica=addr) == fresh
+    run(part3)
+
+
+# ---------------------------------------------------------------------------------------------- epochs
+def test_stale_epoch_is_refused_by_leader_and_followers(nodes, client):
+    # a static view: no heartbeat may reconcile the epochs behind the test's back (repair adopts a newer one)
+    a, b, c = nodes(3, heartbeat_s=600.0)
+    addrs = [a.addr, b.addr, c.addr]
+    data = pattern(6, 300 * KiB)
+
+    async def body():
+        async with client([]) as dc:
+            await create_partition(dc, P1, addrs)
+            locs = await dc.write(P1, data)
+            eid, end = locs[0].extent, len(data)
+
+            # a client with the wrong epoch is refused by the leader, for writes and reads
+            dc.partitions[P1].epoch = 7
+            with pytest.raises(ClientError) as ei:
+                await dc.append(P1, eid, end, b"nope")
+            assert (ei.value.result, ei.value.arg) == (Result.STALE_EPOCH, 1)
+            with pytest.raises(ClientError) as ei:
+                await dc.read(P1, eid, 0, 10)
+            assert ei.value.result == Result.STALE_EPOCH
+            dc.partitions[P1].epoch = 1
+            assert await dc.read(P1, eid, 0, end) == data          # nothing was appended
+
+            # one follower moves on to epoch 2: the leader's forwards (epoch 1) are refused by it
+            await dc.admin(b.addr, Op.PARTITION_UPDATE, partition=P1, body={"replicas": addrs, "epoch": 2})
+            with pytest.raises(ClientError) as ei:       # epochs only go up
+                await dc.admin(b.addr, Op.PARTITION_UPDATE, partition=P1, body={"replicas": addrs, "epoch": 2})
+            assert ei.value.result == Result.STALE_EPOCH
+            with fails_fast():
+                with pytest.raises(ReplicationError) as ei:
+                    await dc.write(P1, pattern(7, 5000))
+            assert ei.value.replica == b.addr
+            # and the follower refuses a direct request carrying the old epoch
+            with pytest.raises(ClientError) as ei:
+                await dc.read(P1, eid, 0, end, replica=b.addr)
+            assert (ei.value.result, ei.value.arg) == (Result.STALE_EPOCH, 2)
+
+            # once every replica is at epoch 2, a client that learns it writes again
+            for addr in (c.addr, a.addr):                   # the leader last
+                await dc.admin(addr, Op.PARTITION_UPDATE, partition=P1, body={"replicas": addrs, "epoch": 2})
+            await dc.discover(a.addr)
+            assert dc.partitions[P1].epoch == 2
+            fresh = pattern(8, 200 * KiB)
+            locs2 = await dc.write(P1, fresh)
+            for addr in addrs:
+                assert await read_locs(dc, locs2, replica=addr) == fresh
+                assert await dc.read(P1, eid, 0, end, replica=addr) == data
+    run(body)
+
+
+# -------------------------------------------------------------------------------------------- zero copy
+def test_forwarded_payload_is_fetched_from_the_leaders_pool(nodes, client, transport):
+    # no background repair traffic: the counters must show the client's writes and nothing else
+    a, b, c = nodes(3, heartbeat_s=600.0, repair_interval_s=600.0)
+    rng = random.Random(9)
+    sizes = [1, 4096, 128 * KiB + 1, 3 * MiB + 5, rng.randrange(1, 2 * MiB)]
+
+    async def body():
+        async with client([]) as dc:
+            await create_partition(dc, P1, [a.addr, b.addr, c.addr])
+            leader_rkey = (await dc.admin(a.addr, Op.POOL_STATS))["rkey"]
+            appends = 0
+            for i, size in enumerate(sizes):
+                data = pattern(20 + i, size)
+                locs = await dc.write(P1, data)
+                appends += len(locs)
+                assert await read_locs(dc, locs, replica=c.addr) == data
+            total = sum(sizes)
+            for f in (b, c):
+                counters = (await dc.admin(f.addr, Op.NODE_STATUS))["counters"]
+                assert counters["forward_fetch_bytes_by_rkey"] == {str(leader_rkey): total}, f.addr
+                assert counters["replica_writes"] == appends
+            status = await dc.admin(a.addr, Op.NODE_STATUS)
+            assert status["counters"]["forwarded"] == appends
+            assert status["counters"]["write_bytes"] == total
+            if transport == "tcp":
+                # on TCP the leader's transport serves the followers' one-sided READs (on verbs the NIC does,
+                # unseen by software): exactly the payload bytes, once per follower
+                by_peer = {conn["peer"]: conn for conn in status["connections"]}
+                for f in (b, c):
+                    assert by_peer[f.addr]["served_read_bytes"] == total, by_peer.get(f.addr)
+                    assert by_peer[f.addr]["served_reads"] == appends
+    run(body)
+
+
+# ------------------------------------------------------------------------------------------------ order
+def test_deep_pipeline_keeps_extent_order(nodes, client):
+    a, b, c = nodes(3)
+    data = pattern(30, MiB + 123)
+
+    async def body():
+        async with client([], block_size=4096, depth=16) as dc:
+            await create_partition(dc, P1, [a.addr, b.addr, c.addr])
+            with trio.fail_after(120):
+                locs = await dc.write(P1, data)
+            assert len(locs) == len(data) // 4096 + 1
+            assert len({loc.extent for loc in locs}) == 1
+            assert [loc.offset for loc in locs] == [i * 4096 for i in range(len(locs))]
+            eid = locs[0].extent
+            for addr in (a.addr, b.addr, c.addr):
+                assert (await dc.watermarks(P1, addr)) == {eid: len(data)}
+                assert await dc.read(P1, eid, 0, len(data), replica=addr) == data
+    run(body)

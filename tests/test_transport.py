@@ -1,0 +1,284 @@
+"""Transports over real sockets, in one process: both ends are the product's own dial/accept.
+
+One-sided operations land exactly where they are aimed and only inside registered memory with the right; a
+refusal does not take the connection down (TCP); a dying peer fails what is in flight promptly; control
+messages keep their order; a requester that times out poisons its link; negotiation refuses what cannot work.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+
+from datanode.pool import BuddyPool
+from datanode.protocol import Header, Op, Result, Transport, decode
+from datanode.rpc import Requester, RequestTimeout
+from datanode.transport.base import Access, ConnectionClosed, RemoteAccessError, TransportError
+from datanode.transport.connect import NegotiationError, accept, choose, dial
+from tests.conftest import SLACK, client_domain, open_client, pattern, run
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+class End:
+    """One side: a domain with a readable region (``src``) and a writable one (``dst``)."""
+
+    def __init__(self, transport: str):
+        self.domain = client_domain(transport)
+        self.src_pool, self.dst_pool = BuddyPool(8 * MiB, 8 * MiB), BuddyPool(8 * MiB, 8 * MiB)
+        self.src = self.domain.register(self.src_pool.arena, self.src_pool.base_addr, Access.REMOTE_READ)
+        self.dst = self.domain.register(self.dst_pool.arena, self.dst_pool.base_addr,
+                                        Access.LOCAL_WRITE | Access.REMOTE_WRITE)
+        self.conn = None
+
+
+@asynccontextmanager
+async def pair(transport: str, *, slots: int = 8):
+    """(client End, server End), connected through a real listening socket on 127.0.0.1."""
+    cli, srv = End(transport), End(transport)
+    got = trio.Event()
+    done = trio.Event()
+
+    async def handler(stream):
+        async with accept(stream.socket, "test-client", srv.domain, transport=transport, slots=slots) as conn:
+            srv.conn = conn
+            got.set()
+            await done.wait()
+
+    async with trio.open_nursery() as n:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        port = listeners[0].socket.getsockname()[1]
+        n.start_soon(trio.serve_listeners, handler, listeners)
+        async with dial("127.0.0.1", port, cli.domain, transport=transport, slots=slots) as conn:
+            cli.conn = conn
+            await got.wait()
+            try:
+                yield cli, srv
+            finally:
+                done.set()
+        n.cancel_scope.cancel()
+
+
+# ------------------------------------------------------------------------------------------- one-sided
+@pytest.mark.parametrize("size", [1, 4095, 64 * KiB + 3, 4 * MiB])
+def test_one_sided_read_and_write_land_exactly(transport, size):
+    async def body():
+        async with pair(transport) as (cli, srv):
+            data = pattern(size, size)
+            # READ: the server fetches from the client's readable region, at an odd offset
+            cli.src.view[100:100 + size] = data
+            srv.dst.view[:size + 2] = b"\xaa" * (size + 2)
+            local = srv.dst.view[1:1 + size]
+            await srv.conn.read(cli.src.remote(100, size), local, srv.dst)
+            assert bytes(local) == data
+            assert srv.dst.view[0] == 0xAA and srv.dst.view[size + 1] == 0xAA     # nothing around it touched
+            # WRITE: the server pushes into the client's writable region
+            cli.dst.view[:size + 20] = b"\x55" * (size + 20)
+            await srv.conn.write(local, srv.dst, cli.dst.remote(10, size))
+            assert bytes(cli.dst.view[10:10 + size]) == data
+            assert bytes(cli.dst.view[:10]) == b"\x55" * 10
+            assert bytes(cli.dst.view[10 + size:20 + size]) == b"\x55" * 10
+            if transport == "tcp":
+                assert srv.conn.stats.read_bytes == size and cli.conn.stats.served_read_bytes == size
+                assert cli.conn.stats.served_write_bytes == size
+    run(body)
+
+
+def test_one_sided_refusals_leave_memory_alone(transport):
+    """Unknown rkey, out of bounds, or a right the region does not grant: RemoteAccessError, and the owner's
+    memory is unchanged.  On TCP the connection survives each refusal."""
+    async def body():
+        async with pair(transport) as (cli, srv):
+            n = 4096
+            scratch = srv.dst.view[:n]
+            scratch[:] = b"\x11" * n
+            cli.src.view[:n] = b"\x22" * n
+            cli.dst.view[:n] = b"\x33" * n
+            src_len = cli.src.length
+            attempts = {
+                "read, unknown rkey": lambda: srv.conn.read(
+                    Header(opcode=0, addr=cli.src.addr, rkey=cli.src.rkey ^ 0xFFFF, rlen=n).remote, scratch,
+                    srv.dst),
+                "read, past the end": lambda: srv.conn.read(
+                    Header(opcode=0, addr=cli.src.addr + src_len - n // 2, rkey=cli.src.rkey, rlen=n).remote,
+                    scratch, srv.dst),
+                "read, write-only region": lambda: srv.conn.read(cli.dst.remote(0, n), scratch, srv.dst)
+                if not (cli.dst.access & Access.REMOTE_READ) else None,
+                "write, read-only region": lambda: srv.conn.write(scratch, srv.dst, cli.src.remote(0, n)),
+                "write, before the start": lambda: srv.conn.write(
+                    scratch, srv.dst, Header(opcode=0, addr=cli.dst.addr - n, rkey=cli.dst.rkey, rlen=n).remote),
+            }
+            refused = 0
+            for what, attempt in attempts.items():
+                op = attempt()
+                if op is None:
+                    continue
+                refused += 1
+                with trio.fail_after(10):
+                    with pytest.raises((RemoteAccessError, ConnectionClosed)) as ei:
+                        await op
+                if transport != "tcp":
+                    break          # verbs: the queue pair is in error after a remote access error
+                assert isinstance(ei.value, RemoteAccessError), what
+                assert bytes(scratch) == b"\x11" * n, what
+                assert bytes(cli.src.view[:n]) == b"\x22" * n, what
+                assert bytes(cli.dst.view[:n]) == b"\x33" * n, what
+                # the connection is still good for legal operations
+                await srv.conn.read(cli.src.remote(0, n), scratch, srv.dst)
+                assert bytes(scratch) == b"\x22" * n
+                scratch[:] = b"\x11" * n
+            if transport == "tcp":
+                assert refused >= 4 and cli.conn.stats.refused == refused
+    run(body)
+
+
+# -------------------------------------------------------------------------------------------- control
+def test_control_messages_keep_order_and_many_can_be_outstanding(transport):
+    async def body():
+        async with pair(transport, slots=16) as (cli, srv):
+            for rnd in range(4):
+                headers = [Header(opcode=Op.PING, req_id=rnd * 100 + i).encode() for i in range(16)]
+                for h in headers:          # a full window: as many as the peer has slots
+                    await cli.conn.send(h)
+                with trio.fail_after(10):
+                    got = [await srv.conn.recv() for _ in headers]
+                assert got == headers
+                for raw in got:            # and answers flow back the same way
+                    await srv.conn.send(decode(raw).reply(Result.OK).encode())
+                with trio.fail_after(10):
+                    answers = [decode(await cli.conn.recv(), request=False) for _ in headers]
+                assert [a.req_id for a in answers] == [decode(h).req_id for h in headers]
+    run(body)
+
+
+def test_peer_closing_fails_in_flight_operations_promptly(transport):
+    async def body():
+        async with pair(transport) as (cli, srv):
+            req = Requester(cli.conn)
+            async with trio.open_nursery() as n:
+                await n.start(req.run)
+                pending = await req.submit(Header(opcode=Op.PING), timeout=30)   # never answered
+                with trio.fail_after(SLACK):
+                    await srv.conn.aclose()
+                    with pytest.raises(TransportError):
+                        await pending.result()
+                    with pytest.raises(TransportError):
+                        await cli.conn.read(srv.src.remote(0, 10), cli.dst.view[:10], cli.dst)
+                assert not req.alive
+                with pytest.raises(TransportError):
+                    await req.submit(Header(opcode=Op.PING), timeout=30)
+                n.cancel_scope.cancel()
+    run(body)
+
+
+def test_request_timeout_poisons_the_link(transport):
+    async def body():
+        async with pair(transport) as (cli, srv):
+            req = Requester(cli.conn)
+            async with trio.open_nursery() as n:
+                await n.start(req.run)
+                with trio.fail_after(0.5 + SLACK):
+                    with pytest.raises(RequestTimeout):
+                        await req.call(Header(opcode=Op.PING), timeout=0.5)
+                # its late answer could land in a slot nobody accounts for: the link is dead for good
+                assert not req.alive
+                with pytest.raises(TransportError):
+                    await req.call(Header(opcode=Op.PING), timeout=0.5)
+                n.cancel_scope.cancel()
+    run(body)
+
+
+def test_answer_already_in_is_not_a_timeout(transport):
+    """An answer that arrived before its deadline is delivered even if the caller looks late (a leader
+    collects its followers' acks one after another)."""
+    async def body():
+        async with pair(transport) as (cli, srv):
+            req = Requester(cli.conn)
+            async with trio.open_nursery() as n:
+                await n.start(req.run)
+                pending = await req.submit(Header(opcode=Op.PING, partition=5), timeout=0.5)
+                raw = await srv.conn.recv()
+                await srv.conn.send(decode(raw).reply(Result.OK, arg=42).encode())
+                await trio.sleep(1.0)                   # past the deadline, answer long since in
+                resp = await pending.result()
+                assert (resp.result, resp.arg, resp.partition) == (Result.OK, 42, 5)
+                assert req.alive
+                n.cancel_scope.cancel()
+    run(body)
+
+
+# -------------------------------------------------------------------------------------------- negotiation
+def test_choose_transport():
+    A, T, V = Transport.AUTO, Transport.TCP, Transport.VERBS
+    assert choose(A, A, True, True) == V
+    assert choose(A, A, True, False) == T
+    assert choose(A, T, True, True) == T
+    assert choose(T, A, True, True) == T
+    assert choose(V, A, True, True) == V
+    for args in [(V, T, True, True), (T, V, True, True), (V, A, True, False), (A, V, False, True)]:
+        with pytest.raises(NegotiationError):
+            choose(*args)
+
+
+def test_verbs_required_against_a_tcp_only_node_is_refused_cleanly(nodes):
+    [node] = nodes(1, transport="tcp")
+    host, port = node.addr.rsplit(":", 1)
+
+    async def body():
+        dom = client_domain("tcp")
+        with trio.fail_after(10):
+            with pytest.raises(TransportError) as ei:
+                async with dial(host, int(port), dom, transport="verbs"):
+                    pass
+        assert "verbs" in str(ei.value) or "agree" in str(ei.value)
+        async with open_client("tcp", [], domain=dom) as dc:          # the node is fine
+            assert (await dc.admin(node.addr, Op.NODE_STATUS))["transport"] == "tcp"
+    run(body)
+    assert node.alive()
+
+
+def test_garbage_instead_of_a_hello_costs_only_that_connection(nodes):
+    [node] = nodes(1, transport="tcp")
+    host, port = node.addr.rsplit(":", 1)
+    for junk in [b"GET / HTTP/1.0\r\n\r\n" + b"x" * 64, os.urandom(200), b"DNHI"]:
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(junk)
+            s.shutdown(socket.SHUT_WR)
+            s.settimeout(10)
+            try:
+                while s.recv(4096):       # the node answers (or not) and closes; it must not hang
+                    pass
+            except ConnectionResetError:
+                pass
+
+    async def body():
+        async with open_client("tcp", [node.addr]) as dc:
+            assert (await dc.admin(node.addr, Op.NODE_STATUS))["pid"] == node.pid
+    run(body)
+    assert node.alive()
+
+
+def test_oversized_control_frame_drops_only_that_connection(nodes):
+    """A peer that sends a control message bigger than any slot is cut off; everybody else is served."""
+    from datanode.protocol import Hello
+    from datanode.transport.tcp import CTRL, FRAME, MAX_CTRL
+    [node] = nodes(1, transport="tcp")
+    host, port = node.addr.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(Hello(transport=Transport.TCP, has_device=False, slots=4).encode())
+        s.recv(64)
+        s.sendall(FRAME.pack(CTRL, 0, 0, MAX_CTRL + 1, 0, 0, 0, 0) + b"\0" * (MAX_CTRL + 1))
+        s.settimeout(10)
+        try:
+            assert s.recv(4096) == b""       # closed by the node, no answer
+        except ConnectionResetError:
+            pass
+
+    async def body():
+        async with open_client("tcp", [node.addr]) as dc:
+            assert (await dc.admin(node.addr, Op.NODE_STATUS))["pid"] == node.pid
+    run(body)
+    assert node.alive()

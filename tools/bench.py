@@ -1,0 +1,622 @@
+"""`dnctl bench`: write/read throughput, latency percentiles and CPU cost per GB.
+
+Each client is its own process (``python -m tools.bench worker SPEC``) with its own DataClient, so its CPU
+time (getrusage of the worker, all threads) is measured separately from the parent and from the datanodes.
+A client keeps ``depth`` requests in flight: writes are pipelined appends to one extent (the SDK's
+``_submit_append``, as ``DataClient.write`` does), reads are ``DataClient.read`` calls of one request each.
+Every request is one latency sample (submit -> answer, so it includes queueing behind the other in-flight
+requests of that client).
+
+Parent <-> worker protocol: JSON lines.  The worker prints {"ready"}; the parent sends
+{"cmd": "prepare", "phase": P, ...}, the worker answers {"prepared"} (a read phase with nothing written
+yet first writes its data, unmeasured), the parent sends {"cmd": "go"} to all workers at once, the worker
+prints {"progress": bytes} a few times a second and finally {"result": {...}}; {"cmd": "quit"} ends it.
+
+Datanode CPU is utime+stime from /proc/PID/stat of each node process, read before and after each phase.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import queue
+import re
+import resource
+import subprocess
+import sys
+import threading
+import time
+
+import click
+
+MIB = 1 << 20
+GB = 1e9
+SCRATCH_BASE = 4_000_000_000      # scratch partition ids for --replicas K: SCRATCH_BASE + K
+
+
+# -- sizes --------------------------------------------------------------------------------------------
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 10 ** 6, "mb": 10 ** 6, "mib": 1 << 20}
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{text!r} is not a size like 4KiB, 128KiB, 1MiB or 65536")
+    return int(m.group(1)) * _UNITS[m.group(2).lower()]
+
+
+def fmt_size(n: int) -> str:
+    for unit, k in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= k and n % k == 0:
+            return f"{n // k}{unit}"
+    return f"{n}B"
+
+
+def percentile(sorted_vals: list, q: float):
+    if not sorted_vals:
+        return None
+    k = min(len(sorted_vals) - 1, max(0, math.ceil(q / 100 * len(sorted_vals)) - 1))
+    return sorted_vals[k]
+
+
+# -- the worker (one client process) -----------------------------------------------------------------------
+def _cpu_self() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+async def _worker_main(spec: dict) -> None:
+    import trio
+
+    from client.sdk import ClientError, DataClient
+    from datanode.store import MAX_EXTENT
+
+    out_lock = trio.Lock()
+
+    async def say(obj) -> None:
+        async with out_lock:
+            sys.stdout.write(json.dumps(obj) + "\n")
+            sys.stdout.flush()
+
+    size, depth, pid = spec["size"], spec["depth"], spec["partition"]
+    block = max(4096, 1 << (size - 1).bit_length())
+    pool_mib = max(16, 1 << math.ceil(math.log2(max(1, 2 * depth * block) / MIB + 1)))
+    payload = os.urandom(size)
+    written: list[list[int]] = []        # [extent, acknowledged bytes]: what the read phase reads
+
+    async with DataClient.open(spec["nodes"], block_size=block, depth=depth, pool_mib=pool_mib,
+                               transport=spec.get("transport", "auto"), timeout=spec.get("timeout", 30)) as dc:
+        part = dc.partition(pid)
+        replicas = part.replicas
+        rf = spec.get("read_from", "leader")
+        read_replica = (None if rf == "leader" else replicas[spec["index"] % len(replicas)] if rf == "spread"
+                        else rf)
+
+        async def write_phase(seconds, total, progress):
+            lat: list[int] = []
+            errors: list[str] = []
+            window = trio.Semaphore(depth)
+            state = {"extent": None, "off": 0, "sent": 0}
+            deadline = trio.current_time() + seconds if seconds else math.inf
+
+            async def finish(fut, t0, rec):
+                try:
+                    loc = await fut
+                    lat.append(int((time.perf_counter() - t0) * 1e6))
+                    progress[0] += loc.length
+                    rec[1] = max(rec[1], loc.offset + loc.length)
+                except ClientError as e:
+                    errors.append(str(e))
+                finally:
+                    window.release()
+
+            async with trio.open_nursery() as n:
+                while not errors and trio.current_time() < deadline and (total is None or state["sent"] < total):
+                    await window.acquire()
+                    if errors:
+                        window.release()
+                        break
+                    try:
+                        if state["extent"] is None or state["off"] + size > MAX_EXTENT:
+                            state["extent"], state["off"] = await dc.create_extent(pid), 0
+                            written.append([state["extent"], 0])
+                        t0 = time.perf_counter()
+                        fut = await dc._submit_append(part, state["extent"], state["off"], payload)
+                    except ClientError as e:
+                        errors.append(str(e))
+                        window.release()
+                        break
+                    n.start_soon(finish, fut, t0, written[-1])
+                    state["off"] += size
+                    state["sent"] += size
+            return lat, errors
+
+        async def read_phase(seconds, total, progress):
+            pieces = [(e, off) for e, n in written for off in range(0, n - size + 1, size)]
+            lat: list[int] = []
+            errors: list[str] = []
+            if not pieces:
+                return lat, ["nothing to read"]
+            deadline = trio.current_time() + seconds if seconds else math.inf
+            state = {"next": 0, "taken": 0}
+
+            async def reader():
+                while not errors and trio.current_time() < deadline and (total is None or state["taken"] < total):
+                    extent, off = pieces[state["next"] % len(pieces)]
+                    state["next"] += 1
+                    state["taken"] += size
+                    t0 = time.perf_counter()
+                    try:
+                        data = await dc.read(pid, extent, off, size, replica=read_replica)
+                    except ClientError as e:
+                        errors.append(str(e))
+                        return
+                    lat.append(int((time.perf_counter() - t0) * 1e6))
+                    progress[0] += len(data)
+
+            async with trio.open_nursery() as n:
+                for _ in range(depth):
+                    n.start_soon(reader)
+            return lat, errors
+
+        async def reporter(progress, stop: trio.Event):
+            while not stop.is_set():
+                with trio.move_on_after(0.25):
+                    await stop.wait()
+                await say({"progress": progress[0]})
+
+        await say({"ready": True, "replicas": replicas, "read_replica": read_replica})
+        for _ in range(1000):                       # bounded: a handful of phases in practice
+            line = await trio.to_thread.run_sync(sys.stdin.readline)
+            if not line:
+                return
+            cmd = json.loads(line)
+            if cmd["cmd"] == "quit":
+                return
+            if cmd["cmd"] != "prepare":
+                continue
+            phase, seconds, total = cmd["phase"], cmd.get("seconds"), cmd.get("bytes")
+            prepared = {"prepared": phase}
+            if phase == "read" and not written:
+                fill = total if total else spec.get("prefill", 64 * MIB)
+                fill = max(fill, size * depth)
+                _, errs = await write_phase(None, fill, [0])
+                prepared["prefilled"] = sum(n for _, n in written)
+                if errs:
+                    prepared["error"] = errs[0]
+            await say(prepared)
+            go = json.loads(await trio.to_thread.run_sync(sys.stdin.readline) or '{"cmd": "quit"}')
+            if go["cmd"] != "go":
+                return
+            progress = [0]
+            stop = trio.Event()
+            cpu0, t0 = _cpu_self(), time.monotonic()
+            async with trio.open_nursery() as n:
+                n.start_soon(reporter, progress, stop)
+                lat, errors = await (write_phase if phase == "write" else read_phase)(seconds, total, progress)
+                t1, cpu1 = time.monotonic(), _cpu_self()
+                stop.set()
+            await say({"result": {"phase": phase, "bytes": progress[0], "requests": len(lat), "start": t0,
+                                  "end": t1, "cpu_s": cpu1 - cpu0, "lat_us": lat, "errors": errors[:5],
+                                  "error_count": len(errors)}})
+
+
+def worker_entry(argv: list[str]) -> None:
+    import trio
+    spec = json.loads(argv[0])
+    try:
+        trio.run(_worker_main, spec)
+    except Exception as e:  # noqa: BLE001 - reported to the parent as one line
+        sys.stdout.write(json.dumps({"fatal": f"{type(e).__name__}: {e}"}) + "\n")
+        sys.stdout.flush()
+        sys.exit(1)
+
+
+# -- the parent ------------------------------------------------------------------------------------------
+class BenchError(Exception):
+    pass
+
+
+class Worker:
+    def __init__(self, index: int, spec: dict, q: queue.Queue, log_dir: pathlib.Path | None):
+        self.index = index
+        self.stderr_path = (log_dir / f"bench-worker{index}.err") if log_dir else None
+        err = open(self.stderr_path, "wb") if self.stderr_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen([sys.executable, "-m", "tools.bench", "worker", json.dumps(spec)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+                                     bufsize=1)
+        if err is not subprocess.DEVNULL:
+            err.close()
+        self.thread = threading.Thread(target=self._pump, args=(q,), daemon=True)
+        self.thread.start()
+
+    def _pump(self, q: queue.Queue) -> None:
+        for line in self.proc.stdout:
+            try:
+                q.put((self.index, json.loads(line)))
+            except ValueError:
+                q.put((self.index, {"noise": line.rstrip()}))
+        q.put((self.index, {"eof": True}))
+
+    def send(self, obj) -> None:
+        try:
+            self.proc.stdin.write(json.dumps(obj) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass
+
+    def close(self) -> None:
+        self.send({"cmd": "quit"})
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def why(self) -> str:
+        if self.stderr_path and self.stderr_path.exists():
+            lines = [ln for ln in self.stderr_path.read_text(errors="replace").splitlines() if ln.strip()]
+            if lines:
+                return lines[-1]
+        return f"exit status {self.proc.poll()}"
+
+
+def _collect(workers, q, want: str, timeout: float, on_progress=None) -> dict[int, dict]:
+    """Wait until every worker sent a message with key ``want``; returns {index: message}."""
+    got: dict[int, dict] = {}
+    deadline = time.monotonic() + timeout
+    while len(got) < len(workers):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise BenchError(f"workers {sorted(set(range(len(workers))) - set(got))} did not report "
+                             f"'{want}' within {timeout:g}s")
+        try:
+            i, msg = q.get(timeout=min(left, 0.2))
+        except queue.Empty:
+            continue
+        if "fatal" in msg:
+            raise BenchError(f"client {i}: {msg['fatal']}")
+        if "eof" in msg:
+            raise BenchError(f"client {i} exited: {workers[i].why()}")
+        if "progress" in msg and on_progress:
+            on_progress(i, msg["progress"])
+        if want in msg:
+            got[i] = msg
+    return got
+
+
+def run_config(*, nodes: list[str], pid: int, size: int, clients: int, depth: int, seconds: float | None,
+               total: int | None, phases: list[str], node_pids: dict[str, int], read_from: str,
+               transport: str, label: str, log_dir: pathlib.Path | None, progress: bool = True) -> list[dict]:
+    """Run the phases against one partition with ``clients`` worker processes; one result per phase."""
+    from tools.cluster import cpu_seconds
+    q: queue.Queue = queue.Queue()
+    per_client = -(-total // clients) if total else None
+    workers = []
+    results = []
+    try:
+        for i in range(clients):
+            spec = {"nodes": nodes, "partition": pid, "size": size, "depth": depth, "index": i,
+                    "read_from": read_from, "transport": transport,
+                    "prefill": min(256 * MIB, max(64 * MIB, size * depth * 64))}
+            workers.append(Worker(i, spec, q, log_dir))
+        _collect(workers, q, "ready", 60)
+        for phase in phases:
+            for w in workers:
+                w.send({"cmd": "prepare", "phase": phase, "seconds": seconds, "bytes": per_client})
+            prep = _collect(workers, q, "prepared", 600)
+            bad = [f"client {i}: {m['error']}" for i, m in prep.items() if m.get("error")]
+            if bad:
+                raise BenchError(f"{phase} phase: preparing failed: {bad[0]}")
+            cpu0 = {a: cpu_seconds(p) for a, p in node_pids.items()}
+            done = [0] * clients
+            t_start = time.monotonic()
+            for w in workers:
+                w.send({"cmd": "go"})
+            bar_len = int(seconds * 10) if seconds else (per_client or 0) * clients
+            with click.progressbar(length=max(1, bar_len), label=f"{label} {phase:5}", file=sys.stderr,
+                                   show_eta=not seconds, show_percent=True, width=30,
+                                   item_show_func=lambda _: f"{sum(done) / MIB / max(1e-6, time.monotonic() - t_start):8.1f} MiB/s"
+                                   ) if progress else _NoBar() as bar:
+                shown = [0]
+
+                def on_progress(i, nbytes):
+                    done[i] = nbytes
+                    pos = (min(bar_len, int((time.monotonic() - t_start) * 10)) if seconds
+                           else min(bar_len, sum(done)))
+                    if pos > shown[0]:
+                        bar.update(pos - shown[0], True)
+                        shown[0] = pos
+
+                limit = (seconds + 120) if seconds else 3600
+                res = _collect(workers, q, "result", limit, on_progress)
+            cpu1 = {a: cpu_seconds(p) for a, p in node_pids.items()}
+            results.append(_aggregate(phase, [res[i]["result"] for i in range(clients)], cpu0, cpu1,
+                                      size=size, clients=clients, depth=depth))
+    finally:
+        for w in workers:
+            w.close()
+    return results
+
+
+class _NoBar:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+    def update(self, *a):
+        pass
+
+
+def _aggregate(phase, rs: list[dict], cpu0, cpu1, *, size, clients, depth) -> dict:
+    total = sum(r["bytes"] for r in rs)
+    reqs = sum(r["requests"] for r in rs)
+    elapsed = max(r["end"] for r in rs) - min(r["start"] for r in rs)
+    lat = sorted(x for r in rs for x in r["lat_us"])
+    gbytes = total / GB if total else 0
+    nodes_cpu = {}
+    for a in cpu0:
+        if cpu0[a] is not None and cpu1[a] is not None:
+            d = cpu1[a] - cpu0[a]
+            nodes_cpu[a] = {"cpu_s": round(d, 3), "s_per_gb": round(d / gbytes, 2) if gbytes else None}
+    client_cpu = sum(r["cpu_s"] for r in rs)
+
+    def ms(v):
+        return round(v / 1000, 3) if v is not None else None
+    return {"phase": phase, "size": size, "clients": clients, "depth": depth, "bytes": total,
+            "requests": reqs, "seconds": round(elapsed, 3),
+            "mib_s": round(total / MIB / elapsed, 1) if elapsed > 0 else 0.0,
+            "iops": round(reqs / elapsed, 1) if elapsed > 0 else 0.0,
+            "latency_ms": {"p50": ms(percentile(lat, 50)), "p99": ms(percentile(lat, 99)),
+                           "p999": ms(percentile(lat, 99.9)), "max": ms(lat[-1] if lat else None)},
+            "client_cpu": {"cpu_s": round(client_cpu, 3),
+                           "s_per_gb": round(client_cpu / gbytes, 2) if gbytes else None},
+            "node_cpu": nodes_cpu,
+            "errors": sum(r["error_count"] for r in rs), "first_errors": [e for r in rs for e in r["errors"]][:3]}
+
+
+def run_dd(directory: pathlib.Path, mib: int) -> dict:
+    path = directory / "ddtest"
+    cmd = ["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={mib}", "conv=fdatasync"]
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"command": " ".join(cmd), "error": str(e)}
+    finally:
+        dt = time.monotonic() - t0
+        try:
+            path.unlink()
+        except OSError:
+            pass
+    if p.returncode != 0:
+        return {"command": " ".join(cmd), "error": (p.stderr.strip().splitlines() or ["failed"])[-1]}
+    m = re.search(r"copied, ([\d.,]+) s, ([\d.,]+) ([kMG]?B)/s", p.stderr)
+    secs = float(m.group(1).replace(",", ".")) if m else dt
+    return {"command": " ".join(cmd), "bytes": mib * MIB, "seconds": round(secs, 3),
+            "mb_s": round(mib * MIB / 1e6 / secs, 1), "mib_s": round(mib / secs, 1),
+            "dd_says": p.stderr.strip().splitlines()[-1] if p.stderr.strip() else ""}
+
+
+# -- the command ---------------------------------------------------------------------------------------------
+def _table(header: dict, rows: list[dict], dd: dict | None, node_names: dict[str, str]) -> str:
+    lines = [f"bench: {fmt_size(header['size'])} requests, {header['clients']} client process(es) x depth "
+             f"{header['depth']}, {header['budget']} per phase; nodes: sync {header['sync']}, transport "
+             f"{header['transport']}; reads from {header['read_from']}"]
+    names = list(node_names.values())
+    h = (f"{'replicas':>8} {'partition':>10} {'phase':5} {'MiB/s':>8} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
+         f"{'p99.9 ms':>8} {'client CPU':>10}  node CPU s/GB ({'/'.join(names)})  errors")
+    lines += [h, "-" * len(h)]
+    for r in rows:
+        lat = r["latency_ms"]
+        ncpu = "/".join(f"{r['node_cpu'][a]['s_per_gb']:.1f}" if a in r["node_cpu"]
+                        and r["node_cpu"][a]["s_per_gb"] is not None else "-" for a in node_names)
+        cc = r["client_cpu"]["s_per_gb"]
+        part = "scratch" if r["partition"] >= SCRATCH_BASE else r["partition"]
+        lines.append(f"{r['replicas']:>8} {part:>10} {r['phase']:5} {r['mib_s']:>8.1f} {r['iops']:>8.0f} "
+                     f"{_f(lat['p50'])} {_f(lat['p99'])} {_f(lat['p999'])} {(f'{cc:.1f} s/GB' if cc is not None else '-'):>10}  "
+                     f"{ncpu:<{len('node CPU s/GB ()') + len('/'.join(names))}}  {r['errors']}")
+        for e in r["first_errors"]:
+            lines.append(f"{'':>8} error: {e}")
+    lines.append("CPU is utime+stime per GB (1e9 bytes) of client payload moved; node CPU is each datanode "
+                 "process's, client CPU the sum over client processes.")
+    if dd:
+        if "error" in dd:
+            lines.append(f"dd: {dd['command']}: {dd['error']}")
+        else:
+            lines.append(f"dd (same disk, one fdatasync at the end): {dd['mb_s']:.1f} MB/s = {dd['mib_s']:.1f} "
+                         f"MiB/s  [{dd['command']}]")
+    return "\n".join(lines)
+
+
+def _f(v) -> str:
+    return f"{v:>8.2f}" if v is not None else f"{'-':>8}"
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--dir", "root", type=click.Path(file_okay=False), help="A running local cluster (dnctl cluster up).")
+@click.option("--nodes", help="Or: datanodes HOST:PORT,... (any that know the partition).")
+@click.option("--partition", "pid", type=click.IntRange(1),
+              help="Existing partition to write into (default 1 with --dir).")
+@click.option("--replicas", "replica_counts",
+              help="Instead: scratch partitions on the first K nodes of --dir, e.g. '1,3' for single-node vs "
+                   "3-replica side by side (deleted afterwards).")
+@click.option("--size", default="1MiB", show_default=True, help="Request size: 4KiB, 128KiB, 1MiB, 4MiB ...")
+@click.option("--clients", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Client processes, each with its own DataClient.")
+@click.option("--depth", type=click.IntRange(1, 64), default=8, show_default=True,
+              help="Requests in flight per client.")
+@click.option("--seconds", type=click.FloatRange(0.5, 3600), help="Length of each phase (default 10).")
+@click.option("--total-mib", type=click.IntRange(1), help="Or: MiB moved per phase (all clients together).")
+@click.option("--mode", type=click.Choice(["write", "read", "both"]), default="both", show_default=True)
+@click.option("--read-from", default="leader", show_default=True,
+              help="leader | spread (client i reads replica i mod N) | HOST:PORT.")
+@click.option("--transport", type=click.Choice(["auto", "tcp", "verbs"]), default="auto", show_default=True,
+              help="Client transport.")
+@click.option("--dd", "with_dd", is_flag=True,
+              help="Also run dd if=/dev/zero of=DIR/ddtest bs=1M count=1024 conv=fdatasync and show its MB/s.")
+@click.option("--dd-mib", type=click.IntRange(1, 1 << 16), default=1024, show_default=True)
+@click.option("--keep", is_flag=True, help="Keep the scratch partitions of --replicas.")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON (progress stays on stderr).")
+def bench_command(root, nodes, pid, replica_counts, size, clients, depth, seconds, total_mib, mode, read_from,
+                  transport, with_dd, dd_mib, keep, as_json):
+    """Measure write and read throughput, latency percentiles and CPU per GB.
+
+    \b
+    dnctl bench --dir /tmp/dn                                   # 1MiB, 1 client x depth 8, 10 s each
+    dnctl bench --dir /tmp/dn --size 128KiB --clients 2 --seconds 5
+    dnctl bench --dir /tmp/dn --replicas 1,3 --dd               # single node vs 3 replicas, and dd
+    dnctl bench --nodes 127.0.0.1:17310 --partition 7 --mode write --total-mib 512 --json
+
+    Writes are pipelined appends (--depth in flight per client) to one extent at a time; each client's
+    read phase reads back what it wrote (--mode read alone first writes some data, unmeasured).  The
+    writes stay in the partition (use --replicas for throw-away scratch partitions).  Latency is per
+    request, submit to answer.  Datanode CPU comes from /proc/PID/stat, so it is measured only for nodes on
+    this machine.
+    """
+    import trio
+
+    from client.sdk import ClientError
+    from tools import cluster as cl
+    from tools.dnctl import DataClient, cluster_nodes, create_partition, delete_partition, split_addrs
+    from datanode.protocol import Op
+
+    if bool(root) == bool(nodes):
+        raise click.UsageError("give exactly one of --dir DIR or --nodes A,B,C")
+    if seconds and total_mib:
+        raise click.UsageError("give only one of --seconds or --total-mib")
+    if replica_counts and (nodes or pid):
+        raise click.UsageError("--replicas needs --dir and no --partition (it makes scratch partitions)")
+    if with_dd and not root:
+        raise click.UsageError("--dd needs --dir (dd writes DIR/ddtest)")
+    try:
+        nbytes = parse_size(size)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--size") from None
+    if not (1 <= nbytes <= 4 * MIB):
+        raise click.BadParameter("must be between 1 byte and 4MiB", param_hint="--size")
+    if not seconds and not total_mib:
+        seconds = 10.0
+    total = total_mib * MIB if total_mib else None
+    addrs = cluster_nodes(root) if root else split_addrs(nodes)
+    if read_from not in ("leader", "spread"):
+        from tools.dnctl import check_addr
+        check_addr(read_from)
+    if replica_counts:
+        try:
+            counts = [int(x) for x in replica_counts.split(",") if x.strip()]
+        except ValueError:
+            raise click.BadParameter("expected numbers like 1,3", param_hint="--replicas") from None
+        if not counts or any(not 1 <= k <= len(addrs) for k in counts):
+            raise click.BadParameter(f"each count must be between 1 and {len(addrs)} (the cluster's nodes)",
+                                     param_hint="--replicas")
+        targets = [(SCRATCH_BASE + k, addrs[:k], True) for k in counts]
+    else:
+        targets = [(pid or 1, None, False)]
+    phases = ["write", "read"] if mode == "both" else [mode]
+
+    async def setup():
+        async with DataClient.open(timeout=10) as dc:
+            status = {}
+            for a in addrs:
+                try:
+                    status[a] = await dc.admin(a, Op.NODE_STATUS)
+                except ClientError as e:
+                    status[a] = {"error": str(e)}
+            infos = []
+            for tpid, members, scratch in targets:
+                if scratch:
+                    await delete_partition(dc, tpid, members)      # leftovers of an interrupted run
+                    await create_partition(dc, tpid, members)
+                    infos.append((tpid, members))
+                    continue
+                found = None
+                for a in addrs:
+                    if "error" in status[a]:
+                        continue
+                    for p in await dc.admin(a, Op.PARTITION_LIST):
+                        if p["id"] == tpid:
+                            found = p["replicas"]
+                    if found:
+                        break
+                if not found:
+                    raise ClientError(f"partition {tpid} is not on {', '.join(addrs)}")
+                infos.append((tpid, found))
+            for _, members in infos:      # replicas not named by --nodes: their CPU is measured too
+                for a in members:
+                    if a not in status:
+                        try:
+                            status[a] = await dc.admin(a, Op.NODE_STATUS)
+                        except ClientError as e:
+                            status[a] = {"error": str(e)}
+            return status, infos
+
+    async def cleanup(infos):
+        async with DataClient.open(timeout=10) as dc:
+            for tpid, members in infos:
+                await delete_partition(dc, tpid, members)
+
+    try:
+        status, infos = trio.run(setup)
+    except ClientError as e:
+        raise click.ClickException(str(e)) from None
+    up = {a: s for a, s in status.items() if "error" not in s}
+    if not up:
+        raise click.ClickException("no datanode answered: " + "; ".join(s["error"] for s in status.values()))
+    node_pids = {}
+    for a, s in up.items():
+        host = a.rpartition(":")[0]
+        if (host.startswith("127.") or host == "localhost") and cl.node_alive(s["pid"]):
+            node_pids[a] = s["pid"]
+    node_names = {a: f"n{i + 1}" for i, a in enumerate(list(dict.fromkeys([*addrs, *status])))}
+    first = next(iter(up.values()))
+    transport_used = (f"verbs ({first['rdma_device']})" if first.get("rdma_device") else "tcp")
+    header = {"size": nbytes, "clients": clients, "depth": depth,
+              "budget": f"{seconds:g} s" if seconds else f"{total_mib} MiB", "sync": first.get("sync"),
+              "transport": transport_used, "read_from": read_from, "nodes": addrs, "node_pids": node_pids}
+    log_dir = pathlib.Path(root) if root else None
+    rows = []
+    dd = None
+    try:
+        for tpid, members in infos:
+            label = f"{len(members)} replica{'s' if len(members) > 1 else ''}"
+            try:
+                res = run_config(nodes=members, pid=tpid, size=nbytes, clients=clients, depth=depth,
+                                 seconds=seconds, total=total, phases=phases, node_pids=node_pids,
+                                 read_from=read_from, transport=transport, label=label, log_dir=log_dir)
+            except BenchError as e:
+                raise click.ClickException(str(e)) from None
+            for r in res:
+                r["partition"], r["replicas"] = tpid, len(members)
+                r["replica_nodes"] = members
+            rows += res
+        if with_dd:
+            click.echo(f"dd: writing {dd_mib} MiB to {root}/ddtest ...", err=True)
+            dd = run_dd(pathlib.Path(root), dd_mib)
+    finally:
+        if replica_counts and not keep:
+            try:
+                trio.run(cleanup, infos)
+            except ClientError as e:
+                click.echo(f"warning: could not delete scratch partitions: {e}", err=True)
+    out = {"config": header, "results": rows, "dd": dd}
+    if as_json:
+        click.echo(json.dumps(out, indent=2, sort_keys=True))
+    else:
+        click.echo(_table(header, rows, dd, node_names))
+    if any(r["errors"] for r in rows):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 3 and sys.argv[1] == "worker":
+        worker_entry(sys.argv[2:])
+    else:
+        bench_command()
