@@ -82,7 +82,9 @@ class DataClient:
         self.rregion = self.domain.register(self.rpool.arena, self.rpool.base_addr,
                                             Access.LOCAL_WRITE | Access.REMOTE_WRITE)
         self.links = Links(nursery, self.domain, transport=transport, slots=64, connect_timeout=timeout)
-        self._current: dict[int, tuple[int, int]] = {}     # partition -> (extent, next offset)
+        # open extents not in use by a write() right now: partition -> [(extent, next offset)].  A write
+        # takes one for itself, so concurrent writes never append to the same extent.
+        self._idle: dict[int, list[tuple[int, int]]] = {}
 
     @classmethod
     @asynccontextmanager
@@ -91,8 +93,16 @@ class DataClient:
         async with aio.nursery() as nursery:
             dc = cls(nursery, **kw)
             try:
+                errors = []
+                nodes = list(nodes)
                 for addr in nodes:
-                    await dc.discover(addr)
+                    try:
+                        await dc.discover(addr)
+                    except ClientError as e:       # one node down must not stop the client
+                        errors.append(e)
+                        log.warning("partition map from %s: %s", addr, e)
+                if nodes and len(errors) == len(nodes):
+                    raise ClientError("no datanode answered: " + "; ".join(map(str, errors)))
                 yield dc
             finally:
                 nursery.cancel_scope.cancel()
@@ -213,45 +223,72 @@ class DataClient:
 
         Returns where it went.  A replication failure seals that extent on the leader: the unacknowledged
         blocks are written again to a new extent, so the returned locations are all on every replica."""
-        part = self.partition(pid)
         mv = memoryview(data).cast("B")
         out: list[Location] = []
         pos = 0
         failures = 0
         while pos < len(mv):
-            extent, offset = await self._extent_for(pid, min(len(mv) - pos, self.block_size))
+            part = self.partition(pid)
+            try:
+                extent, offset = await self._extent_for(pid, min(len(mv) - pos, self.block_size))
+            except ClientError as e:     # no new extent: only a stale map is worth another try
+                failures += 1
+                if failures > 3 or e.result not in (Result.STALE_EPOCH, Result.NOT_LEADER):
+                    raise
+                await self.refresh(pid)
+                continue
             chunks = []
             while pos < len(mv) and offset + min(self.block_size, len(mv) - pos) <= MAX_EXTENT:
                 n = min(self.block_size, len(mv) - pos)
                 chunks.append((pos, offset, n))
                 pos += n
                 offset += n
-            if not chunks:       # the current extent is full
-                self._current.pop(pid, None)
+            if not chunks:       # the extent is full: drop it
                 continue
             done, err = await self._pipeline(part, extent, mv, chunks, on_progress)
             out.extend(done)
             if err is None:
-                self._current[pid] = (extent, offset)
+                self._idle.setdefault(pid, []).append((extent, offset))
                 continue
             # the extent is sealed (or refused): continue after the last acknowledged block on a new one
-            self._current.pop(pid, None)
             failures += 1
             pos = chunks[len(done)][0]
-            if failures > 3 or not isinstance(err, ClientError) or err.result not in (
-                    Result.REPLICATION_FAILED, Result.DIVERGED, Result.BAD_REQUEST, Result.NO_SPACE):
+            if failures > 3 or not isinstance(err, ClientError) or not await self._recoverable(pid, err):
                 raise err
             log.warning("write to partition %d extent %d failed (%s); continuing on a new extent", pid,
                         extent, err)
         return out
 
+    async def _recoverable(self, pid: int, err: ClientError) -> bool:
+        """Can a write go on after ``err`` (on a new extent, after refreshing the map if it was stale)?"""
+        if err.result in (Result.STALE_EPOCH, Result.NOT_LEADER):
+            await self.refresh(pid)
+            return True
+        return err.result in (Result.REPLICATION_FAILED, Result.DIVERGED, Result.BAD_REQUEST, Result.NO_SPACE)
+
+    async def refresh(self, pid: int) -> PartitionInfo:
+        """Re-read the partition's replicas and epoch from its members (after a replica change)."""
+        best: PartitionInfo | None = None
+        for addr in list(self.partition(pid).replicas):
+            try:
+                infos = await self.discover(addr)
+            except ClientError:
+                continue
+            for info in infos:
+                if info.pid == pid and (best is None or info.epoch > best.epoch):
+                    best = info
+        if best is not None:            # the members' newest view wins, even over a newer-looking cache
+            self.partitions[pid] = best
+        self._idle.pop(pid, None)
+        return self.partition(pid)
+
     async def _extent_for(self, pid: int, need: int) -> tuple[int, int]:
-        cur = self._current.get(pid)
-        if cur is not None and cur[1] + need <= MAX_EXTENT:
-            return cur
-        eid = await self.create_extent(pid)
-        self._current[pid] = (eid, 0)
-        return eid, 0
+        idle = self._idle.get(pid, [])
+        while idle:
+            extent, offset = idle.pop()
+            if offset + need <= MAX_EXTENT:
+                return extent, offset
+        return await self.create_extent(pid), 0
 
     async def _pipeline(self, part, extent, mv, chunks, on_progress):
         """Send appends in order with up to ``depth`` in flight; returns (acked prefix, first error)."""
@@ -308,7 +345,10 @@ class DataClient:
     async def _read_piece(self, part, order, extent, offset, length, out, pos, limit):
         try:
             errors = []
-            for addr in order:
+            refreshed = False
+            queue = list(order)
+            while queue:
+                addr = queue.pop(0)
                 flags = Flag.ANY_REPLICA if addr != part.replicas[0] else Flag.NONE
                 h = Header(opcode=Op.READ, partition=part.pid, extent=extent, offset=offset, length=length,
                            epoch=part.epoch, flags=flags)
@@ -319,6 +359,11 @@ class DataClient:
                     if resp.length != length or crc32c(dest) != resp.crc:
                         raise ClientError(f"{addr}: data arrived with a bad CRC", Result.CRC_MISMATCH, addr)
                 except ClientError as e:
+                    if e.result == Result.STALE_EPOCH and not refreshed:   # the map changed: reload, retry
+                        refreshed = True
+                        part = await self.refresh(part.pid)
+                        queue.insert(0, addr)
+                        continue
                     errors.append(e)     # a replica being repaired may not have the range yet: next one
                     continue
                 return
