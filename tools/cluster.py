@@ -23,7 +23,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def wait_listening(addr: str, timeout: float = 20.0, proc: subprocess.Popen | None = None) -> None:
+# Python starts slowly under software emulation (the Soft-RoCE VM): give daemons longer to come up there.
+START_TIMEOUT = float(os.environ.get("DATANODE_START_TIMEOUT", "90" if os.environ.get("SOFTROCE_VM") else "20"))
+
+
+def wait_listening(addr: str, timeout: float = START_TIMEOUT, proc: subprocess.Popen | None = None) -> None:
     host, _, port = addr.rpartition(":")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -51,7 +55,7 @@ class NodeProc:
     def log_path(self) -> pathlib.Path:
         return self.root / "node.log"
 
-    def start(self, timeout: float = 20.0) -> "NodeProc":
+    def start(self, timeout: float = START_TIMEOUT) -> "NodeProc":
         self.root.mkdir(parents=True, exist_ok=True)
         cfg = config_mod.from_dict(self.cfg)       # validate before spawning
         (self.root / "node.toml").write_text(config_mod.to_toml(cfg))
