@@ -1,0 +1,828 @@
+"""Replica health, repair and scrub: how a leader keeps its followers identical to itself.
+
+Who does what
+-------------
+``Repairer`` runs inside the Node's nursery.  Every heartbeat it starts one ``PartitionWorker`` for each
+partition this node *leads* (a worker ends by itself when the node stops leading it, e.g. after
+``set-leader`` or when the partition is deleted).  A worker is two tasks in its own nursery:
+
+* the **heartbeat** (every ``heartbeat_s``): asks each follower for its view (``REPLICA_STATE``: epoch,
+  replica list, extent sizes, tombstones) and keeps a ``ReplicaHealth`` per follower: ``healthy``,
+  ``lagging`` (differs from the leader), ``repairing`` or ``unreachable``, with the last contact and the
+  bytes it is behind.  A follower at an older epoch is sent ``PARTITION_UPDATE`` (an old leader coming
+  back learns the new list this way); one at a *newer* epoch means this node was deposed: it adopts that view (or drops the partition if it
+  is no longer a member) and the worker ends.
+* the **repair loop**: wakes when the heartbeat finds a difference, when a follower comes back, every
+  ``repair_interval_s`` (a full pass that compares block CRCs too), on demand (``Op.REPAIR``) and for a
+  scrub (``scrub_interval_s``, ``Op.SCRUB``).
+
+Repair (the leader is authoritative)
+------------------------------------
+For each follower: extents deleted on the leader are deleted there (forwarded ``MARK_DELETE``); extents
+only the follower has are created empty on the leader (ids stay in step) and so cut to nothing below;
+missing extents are created (forwarded ``CREATE_EXTENT`` with the id).  Then per extent, in the extent's
+lane turn on the leader (so no client append of this extent is half-way): compare the follower's block
+CRCs with ours.  A follower longer than us is first cut back to our size (bytes beyond the leader's end
+were never acknowledged); then the first block that still differs is where the follower is cut back
+(forwarded ``TRUNCATE``).  A follower that is merely *behind* (its last partial block is a prefix of
+ours) is never cut.  Then the missing tail is copied chunk by chunk: each chunk takes the
+extent's lane turn, is read from our store into a pool block, and the follower is sent a forwarded
+``WRITE`` naming that block (up to ``REPAIR_DEPTH`` chunks in flight, in order on the one link) --
+exactly the replica-write path (it READs from our pool; no other copy).  The
+follower accepts it only at its exact end, so a client append forwarded earlier on the same link always
+wins and the repair write is then simply refused and skipped.  The turn is released before waiting for
+the ack, so client appends are held for at most one read of one chunk.  ``repair_mib_s`` caps the rate.
+
+Sealed extents stay sealed after a repair makes them identical (clients already moved to a new extent;
+unsealing would need every replica to agree on the seal state, for no gain).  Repair writes carry
+``Flag.REPAIR`` so a follower applies them to an extent it sealed itself.
+
+Scrub
+-----
+A pass walks every extent of the leader in 4 MiB ranges and asks every replica (itself included) to
+re-read those blocks and check their CRCs (``SCRUB_EXTENT``), paced by ``scrub_mib_s``.  A bad block on a
+follower: the extent is sealed, the follower cut back to the start of the bad block and repaired from the
+leader.  A bad block on the leader: a follower whose blocks from there on verify and match our CRC
+entries is found, our extent is cut back and refilled from it (READ into a small landing region that
+peers may WRITE -- the main pool stays read-only to peers).  Events are logged and counted.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import time
+from collections import deque
+
+import trio
+
+from .crc import crc32c
+from .pool import BuddyPool, PoolExhausted
+from .protocol import Flag, Header, Op, Result
+from .store import BLOCK, StoreError
+from .transport.base import Access, TransportError
+
+log = logging.getLogger("datanode.repair")
+MiB = 1 << 20
+SCRUB_RANGE = 4 * MiB
+REPAIR_DEPTH = 4          # repair chunks in flight to one follower
+JSON_ANSWER = 1 << 20
+
+
+class RepairAbort(Exception):
+    """This follower (or extent) cannot be repaired right now; the next pass tries again."""
+
+
+class RateLimiter:
+    """A pacing bucket: ``take(n)`` returns when ``n`` more bytes fit under ``mib_s`` (0: no cap)."""
+
+    def __init__(self, mib_s: float):
+        self.rate = mib_s * MiB
+        self._next = 0.0
+
+    async def take(self, n: int) -> None:
+        if self.rate <= 0:
+            await trio.lowlevel.checkpoint()
+            return
+        now = trio.current_time()
+        start = max(now, self._next)
+        self._next = start + n / self.rate
+        await trio.sleep_until(start)
+
+
+@dataclasses.dataclass
+class ReplicaHealth:
+    addr: str
+    state: str = "unknown"          # healthy | lagging | repairing | unreachable | unknown
+    last_contact: float | None = None
+    bytes_behind: int = 0
+    extents_behind: int = 0
+    epoch: int | None = None
+    error: str = ""
+    came_back: bool = False         # was unreachable, answered again: wants a full pass
+    marks: dict | None = None       # follower sizes at the previous probe (to tell "moving" from "stuck")
+
+    def to_dict(self) -> dict:
+        now = time.time()
+        return {"addr": self.addr, "state": self.state, "last_contact": self.last_contact,
+                "contact_age_s": round(now - self.last_contact, 2) if self.last_contact else None,
+                "bytes_behind": self.bytes_behind, "extents_behind": self.extents_behind,
+                "epoch": self.epoch, "error": self.error}
+
+
+class Repairer:
+    """Runs the per-partition workers of one node; holds what they share (rate caps, landing region)."""
+
+    def __init__(self, node):
+        self.node = node
+        cfg = node.cfg
+        self.chunk = min(cfg.repair_chunk_kib << 10, node.pool.max_block)
+        self.limiter = RateLimiter(cfg.repair_mib_s)
+        self.scrub_limiter = RateLimiter(cfg.scrub_mib_s)
+        # Where JSON answers from peers and pulled repair data land: peers may WRITE here (only here).
+        big = max(self.chunk, JSON_ANSWER)
+        self.landing = BuddyPool(8 * big, big)
+        self.landing_region = node.domain.register(self.landing.arena, self.landing.base_addr,
+                                                   Access.LOCAL_WRITE | Access.REMOTE_WRITE)
+        self.workers: dict[int, PartitionWorker] = {}
+        self._kick = trio.Event()
+        node.counters.update({"repair_passes": 0, "repair_bytes": 0, "repair_truncates": 0,
+                              "repair_creates": 0, "repair_deletes": 0, "repair_errors": 0,
+                              "scrub_passes": 0, "scrub_bytes": 0, "scrub_bad_blocks": 0,
+                              "scrub_repaired_blocks": 0})
+
+    @property
+    def counters(self) -> dict:
+        return self.node.counters
+
+    def kick(self) -> None:
+        """Look at leadership now (after a partition create/update), not at the next heartbeat."""
+        self._kick.set()
+
+    async def run(self) -> None:
+        node = self.node
+        async with trio.open_nursery() as nursery:
+            while True:
+                for pid, part in list(node.table.parts.items()):
+                    if part.leader == node.me and pid not in self.workers:
+                        w = self.workers[pid] = PartitionWorker(self, pid)
+                        nursery.start_soon(w.run)
+                with trio.move_on_after(node.cfg.heartbeat_s):
+                    await self._kick.wait()
+                self._kick = trio.Event()
+
+    def health(self, pid: int) -> dict:
+        part = self.node.table.get(pid)
+        w = self.workers.get(pid)
+        out = {"id": pid, "node": self.node.me, "epoch": part.epoch, "replicas": part.replicas,
+               "leader": part.leader, "role": "leader" if part.leader == self.node.me else "follower",
+               "sealed_extents": sorted(int(e) for e in part.sealed)}
+        if w is None:
+            out["note"] = "replica health is kept by the leader; ask it"
+            return out
+        out.update(w.describe())
+        return out
+
+    # -- talking to peers ------------------------------------------------------------------------------
+    async def call(self, addr: str, h: Header, timeout: float | None = None) -> Header:
+        try:
+            link = await self.node.links.get(addr)
+            return await link.call(h, timeout or self.node.cfg.replica_timeout)
+        except (TransportError, OSError) as e:
+            raise RepairAbort(f"{addr}: {e}") from None
+
+    async def call_json(self, addr: str, h: Header, timeout: float | None = None):
+        """A request whose JSON answer the peer WRITEs into our landing region."""
+        try:
+            block = await self.landing.alloc(JSON_ANSWER, timeout=self.node.cfg.pool_wait)
+        except PoolExhausted as e:
+            raise RepairAbort(str(e)) from None
+        try:
+            h.addr, h.rkey, h.rlen = block.addr, self.landing_region.rkey, JSON_ANSWER
+            r = await self.call(addr, h, timeout)
+            if r.result == Result.NOT_FOUND:
+                raise NotHosted(f"{addr}: {h.describe()} -> NOT_FOUND")
+            if r.result != Result.OK:
+                raise RepairAbort(f"{addr}: {h.describe()} -> {_name(r.result)}")
+            return json.loads(bytes(block.view(r.length)))
+        finally:
+            self.landing.free(block)
+
+    async def scrub_local(self, part, extent: int, offset: int, length: int) -> dict:
+        return await trio.to_thread.run_sync(scrub_range, part, extent, offset, length)
+
+
+class NotHosted(RepairAbort):
+    """The peer does not host the partition (or the extent)."""
+
+
+def _name(result: int) -> str:
+    try:
+        return Result(result).name
+    except ValueError:
+        return hex(result)
+
+
+def scrub_range(part, extent: int, offset: int, length: int) -> dict:
+    """Re-read the blocks of ``[offset, offset+length)`` of one extent and check each block's CRC
+    (blocking; runs in a worker thread).  Returns {"size", "bad": [block indexes], "checked": bytes}."""
+    store = part.store
+    size = store.size(extent)
+    end = min(size, offset + length)
+    buf = memoryview(bytearray(BLOCK))
+    bad, checked = [], 0
+    b = offset // BLOCK
+    while b * BLOCK < end:
+        n = min(BLOCK, size - b * BLOCK)
+        try:
+            store.read_into(extent, b * BLOCK, n, buf)
+        except StoreError as e:
+            if e.code == "crc":
+                bad.append(b)
+            elif e.code != "bad_offset":      # truncated meanwhile: nothing left to check
+                raise
+        checked += n
+        b += 1
+    return {"size": size, "bad": bad, "checked": checked}
+
+
+class PartitionWorker:
+    """The repair brain of one partition this node leads."""
+
+    def __init__(self, rep: Repairer, pid: int):
+        self.rep = rep
+        self.node = rep.node
+        self.pid = pid
+        self.replicas: dict[str, ReplicaHealth] = {}
+        self.wake = trio.Event()
+        self.full_wanted = True           # first pass after (re)gaining the lead compares CRCs too
+        self.repair_requested = self.repair_started = self.repair_done = 0   # pass numbers
+        self.scrub_requested = self.scrub_started = self.scrub_done = 0
+        self.running: str | None = None   # "repair" | "scrub" | None
+        self.progress: dict | None = None  # the replica being filled now
+        self.last_repair: dict | None = None
+        self.last_scrub: dict | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------------------
+    def part(self):
+        p = self.node.table.get(self.pid)
+        return p if p is not None and p.leader == self.node.me else None
+
+    async def run(self) -> None:
+        log.info("partition %d: leading; heartbeat every %gs, repair cap %g MiB/s", self.pid,
+                 self.node.cfg.heartbeat_s, self.node.cfg.repair_mib_s)
+        try:
+            async with trio.open_nursery() as n:
+                n.start_soon(self._heartbeat)
+                await self._repair_loop()
+                n.cancel_scope.cancel()
+        except Exception:       # a bug (or a partition deleted under our feet) must not take the node down
+            log.exception("partition %d: repair worker failed; restarting it at the next heartbeat", self.pid)
+            self.rep.counters["repair_errors"] += 1
+            await trio.sleep(self.node.cfg.heartbeat_s)
+        finally:
+            self.rep.workers.pop(self.pid, None)
+            p = self.node.table.get(self.pid)
+            if p is not None:
+                p.health = {}
+            if self.part() is None:
+                log.info("partition %d: no longer leading here; repair worker stopped", self.pid)
+
+    def request_repair(self) -> int:
+        self.repair_requested = max(self.repair_requested, self.repair_started) + 1  # a pass not begun yet
+        self.full_wanted = True
+        self.wake.set()
+        return self.repair_requested
+
+    def request_scrub(self) -> int:
+        self.scrub_requested = max(self.scrub_requested, self.scrub_started) + 1
+        self.wake.set()
+        return self.scrub_requested
+
+    def describe(self) -> dict:
+        prog = None
+        if self.progress:
+            p = self.progress
+            el = max(time.monotonic() - p["t0"], 1e-6)
+            rate = p["copied"] / el
+            left = max(p["total"] - p["copied"], 0)
+            prog = {"addr": p["addr"], "copied": p["copied"], "total": p["total"],
+                    "rate_mib_s": round(rate / MiB, 2), "eta_s": round(left / rate, 1) if rate > 0 else None}
+        part = self.node.table.get(self.pid)
+        order = part.replicas[1:] if part is not None else list(self.replicas)
+        return {"followers": [self.replicas[a].to_dict() for a in order if a in self.replicas],
+                "repair": {"running": self.running == "repair", "passes": self.repair_done,
+                           "requested": self.repair_requested, "current": prog, "last": self.last_repair,
+                           "cap_mib_s": self.node.cfg.repair_mib_s},
+                "scrub": {"running": self.running == "scrub", "passes": self.scrub_done,
+                          "requested": self.scrub_requested, "last": self.last_scrub,
+                          "cap_mib_s": self.node.cfg.scrub_mib_s}}
+
+    def _summarize(self, part) -> None:
+        states = {a: self.replicas[a].state for a in part.replicas[1:] if a in self.replicas}
+        worst = ("healthy" if all(s == "healthy" for s in states.values()) else
+                 "repairing" if any(s == "repairing" for s in states.values()) else "degraded")
+        part.health = {"state": worst, "followers": states,
+                       "bytes_behind": sum(self.replicas[a].bytes_behind for a in states)}
+
+    # -- heartbeat --------------------------------------------------------------------------------------
+    async def _heartbeat(self) -> None:
+        try:
+            await self._beat()
+        finally:
+            self.wake.set()          # the repair loop notices at once that we no longer lead
+
+    async def _beat(self) -> None:
+        while (part := self.part()) is not None:
+            followers = part.replicas[1:]
+            async with trio.open_nursery() as n:
+                for addr in followers:
+                    n.start_soon(self._probe, part, addr)
+            for addr in list(self.replicas):
+                if addr not in followers:
+                    del self.replicas[addr]
+            if self.part() is None:
+                return
+            self._summarize(part)
+            if any(h.state == "lagging" or h.came_back for h in self.replicas.values()):
+                self.wake.set()
+            await trio.sleep(self.node.cfg.heartbeat_s)
+
+    async def _probe(self, part, addr: str) -> None:
+        h = self.replicas.setdefault(addr, ReplicaHealth(addr))
+        try:
+            st = await self.rep.call_json(addr, Header(opcode=Op.REPLICA_STATE, partition=self.pid,
+                                                       epoch=part.epoch))
+        except NotHosted:      # being created right now, or lost: `dnctl partition sync` creates it
+            h.state, h.error, h.came_back = "lagging", "does not host the partition", True
+            return
+        except RepairAbort as e:
+            if h.state != "unreachable":
+                log.warning("partition %d: follower %s unreachable: %s", self.pid, addr, e)
+            h.state, h.error, h.came_back = "unreachable", str(e), False
+            h.marks = None
+            return
+        was_down = h.state in ("unreachable", "unknown")
+        h.last_contact, h.epoch, h.error = time.time(), st["epoch"], ""
+        if st["epoch"] > part.epoch:
+            await self._deposed(part, addr, st)
+            return
+        if st["epoch"] < part.epoch:
+            await self._push_view(part, addr, Op.PARTITION_UPDATE)
+            h.state, h.error, h.came_back = "lagging", f"was at epoch {st['epoch']}: updated", True
+            return
+        if was_down:
+            h.came_back = True
+            if h.state == "unreachable":
+                log.info("partition %d: follower %s is reachable again", self.pid, addr)
+        fmarks = {int(k): v for k, v in st["marks"].items()}
+        behind, extents, stuck = self._compare(part, fmarks, set(st["deleted"]), h.marks)
+        h.marks = fmarks
+        h.bytes_behind, h.extents_behind = behind, extents
+        if self.running == "repair" and self.progress and self.progress["addr"] == addr:
+            h.state = "repairing"
+        elif stuck or h.came_back:
+            h.state = "lagging"
+        else:
+            h.state = "healthy" if not extents else h.state if h.state != "unknown" else "lagging"
+
+    def _compare(self, part, fmarks: dict, fdeleted: set, prev: dict | None):
+        """(bytes behind, extents that differ, whether a difference needs repair).  A difference on an
+        open extent whose follower size is still moving is in-flight appends, not lag."""
+        lmarks = part.store.watermarks()
+        ldeleted = part.deleted_extents()
+        behind = extents = 0
+        stuck = False
+        for e, size in lmarks.items():
+            f = fmarks.get(e)
+            if f == size:
+                continue
+            extents += 1
+            behind += max(size - (f or 0), 0)
+            if prev is None:
+                continue                    # first look: the next probe tells stuck from moving
+            if str(e) in part.sealed or prev.get(e) == f:
+                stuck = True
+        for e in fmarks:
+            if e not in lmarks:
+                extents += 1
+                stuck = stuck or e in ldeleted or prev is not None
+        return behind, extents, stuck
+
+    async def _push_view(self, part, addr: str, op: Op) -> None:
+        body = json.dumps({"replicas": part.replicas, "epoch": part.epoch}).encode()
+        block = await self.node.pool.alloc(len(body), timeout=self.node.cfg.pool_wait)
+        try:
+            block.view(len(body))[:] = body
+            r = await self.rep.call(addr, Header(opcode=op, partition=self.pid, epoch=part.epoch,
+                                                 addr=block.addr, rkey=self.node.region.rkey,
+                                                 rlen=len(body), length=len(body)))
+        except RepairAbort as e:
+            log.warning("partition %d: telling %s about epoch %d failed: %s", self.pid, addr, part.epoch, e)
+            return
+        finally:
+            self.node.pool.free(block)
+        log.info("partition %d: %s %s (epoch %d, replicas %s) -> %s", self.pid, op.name, addr, part.epoch,
+                 ",".join(part.replicas), _name(r.result))
+
+    async def _deposed(self, part, addr: str, st: dict) -> None:
+        """A follower is at a newer epoch: someone else leads now.  Learn its view and step down."""
+        replicas, epoch = list(st["replicas"]), st["epoch"]
+        if self.part() is None or epoch <= part.epoch:
+            return
+        log.warning("partition %d: %s is at epoch %d (we are at %d): stepping down; replicas now %s",
+                    self.pid, addr, epoch, part.epoch, ",".join(replicas))
+        if self.node.me in replicas:
+            part.replicas, part.epoch = replicas, epoch
+            await trio.to_thread.run_sync(part.save)
+        else:
+            log.warning("partition %d: this node is no longer a replica: dropping its data", self.pid)
+            await trio.to_thread.run_sync(self.node.table.delete, self.pid)
+
+    # -- the repair loop --------------------------------------------------------------------------------
+    async def _repair_loop(self) -> None:
+        cfg = self.node.cfg
+        next_full = trio.current_time() + cfg.repair_interval_s
+        next_scrub = trio.current_time() + cfg.scrub_interval_s if cfg.scrub_interval_s else math.inf
+        while self.part() is not None:
+            with trio.move_on_at(min(next_full, next_scrub)):
+                await self.wake.wait()
+            self.wake = trio.Event()
+            part = self.part()
+            if part is None:
+                return
+            now = trio.current_time()
+            if self.scrub_requested > self.scrub_done or now >= next_scrub:
+                want = self.scrub_started = max(self.scrub_requested, self.scrub_done + 1)
+                await self._scrub_pass(part)
+                self.scrub_done = want
+                if cfg.scrub_interval_s:
+                    next_scrub = trio.current_time() + cfg.scrub_interval_s
+            full = self.full_wanted or now >= next_full or self.repair_requested > self.repair_done
+            needed = full or any(h.state == "lagging" or h.came_back for h in self.replicas.values())
+            if needed and self.part() is not None:
+                want = self.repair_started = max(self.repair_requested, self.repair_done + 1)
+                self.full_wanted = False
+                ok = await self._repair_pass(part, full)
+                self.repair_done = want
+                if full:
+                    next_full = trio.current_time() + cfg.repair_interval_s
+                if not ok:
+                    await trio.sleep(cfg.heartbeat_s)   # do not spin on a follower that keeps failing
+
+    async def _repair_pass(self, part, full: bool) -> bool:
+        self.running = "repair"
+        t0 = time.monotonic()
+        copied0 = self.rep.counters["repair_bytes"]
+        results = {}
+        try:
+            for addr in list(part.replicas[1:]):
+                h = self.replicas.setdefault(addr, ReplicaHealth(addr))
+                if h.state == "unreachable":
+                    results[addr] = "unreachable"
+                    continue
+                if not (full or h.state == "lagging" or h.came_back):
+                    results[addr] = "skipped (healthy)"
+                    continue
+                try:
+                    await self._repair_replica(part, addr, full or h.came_back)
+                    h.came_back = False
+                    results[addr] = "ok"
+                except NotHosted as e:
+                    h.state, h.error = "lagging", f"does not host the partition ({e})"
+                    results[addr] = "not hosting the partition"
+                except RepairAbort as e:
+                    self.rep.counters["repair_errors"] += 1
+                    log.warning("partition %d: repair of %s stopped: %s", self.pid, addr, e)
+                    h.state, h.error = "lagging", f"repair: {e}"
+                    results[addr] = f"failed: {e}"
+                if self.part() is None:
+                    break
+        finally:
+            self.running = None
+            self.progress = None
+            self.rep.counters["repair_passes"] += 1
+            copied = self.rep.counters["repair_bytes"] - copied0
+            el = time.monotonic() - t0
+            self.last_repair = {"finished": time.time(), "full": full, "seconds": round(el, 3),
+                                "bytes_copied": copied, "mib_s": round(copied / MiB / max(el, 1e-6), 2),
+                                "replicas": results}
+            if self.part() is not None:
+                self._summarize(part)
+        if copied or any(r != "ok" and not r.startswith("skipped") for r in results.values()):
+            log.info("partition %d: repair pass (%s): %s; %d bytes copied in %.2fs", self.pid,
+                     "full" if full else "quick", results, copied, el)
+        return all(r == "ok" or r.startswith("skipped") or r == "unreachable" for r in results.values())
+
+    async def _repair_replica(self, part, addr: str, full: bool) -> None:
+        h = self.replicas[addr]
+        st = await self.rep.call_json(addr, Header(opcode=Op.REPLICA_STATE, partition=self.pid,
+                                                   epoch=part.epoch))
+        if st["epoch"] != part.epoch:
+            raise RepairAbort(f"follower is at epoch {st['epoch']}, we are at {part.epoch}")
+        fmarks = {int(k): v for k, v in st["marks"].items()}
+        fdeleted = set(st["deleted"])
+        ldeleted = part.deleted_extents()
+        # 1. extents deleted here go there too; extents only the follower has are created here (empty)
+        for e in sorted(fmarks):
+            if e in ldeleted:
+                await self._forward(part, addr, Header(opcode=Op.MARK_DELETE, extent=e))
+                self.rep.counters["repair_deletes"] += 1
+                log.info("partition %d: repair: deleted extent %d on %s", self.pid, e, addr)
+                del fmarks[e]
+            elif part.store.watermarks().get(e) is None:
+                try:
+                    await trio.to_thread.run_sync(part.store.create_extent, e)
+                    log.info("partition %d: repair: extent %d exists only on %s: created it here (empty)",
+                             self.pid, e, addr)
+                except StoreError as err:
+                    log.warning("partition %d: extent %d on %s: %s", self.pid, e, addr, err)
+        lmarks = part.store.watermarks()
+        todo = [e for e in sorted(lmarks) if full or fmarks.get(e) != lmarks[e]]
+        total = sum(max(lmarks[e] - fmarks.get(e, 0), 0) for e in todo)
+        h.state = "repairing"
+        self.progress = {"addr": addr, "copied": 0, "total": total, "t0": time.monotonic()}
+        for e in todo:
+            if e not in fmarks:
+                if e in fdeleted:
+                    log.error("partition %d: extent %d is deleted on %s but not here: left alone",
+                              self.pid, e, addr)
+                    continue
+                r = await self._forward(part, addr, Header(opcode=Op.CREATE_EXTENT, extent=e), ok_if_exists=True)
+                if r.result == Result.OK:
+                    self.rep.counters["repair_creates"] += 1
+            await self._repair_extent(part, addr, e)
+            if self.part() is None:
+                raise RepairAbort("lost the lead")
+        h.state = "healthy"
+        h.bytes_behind = h.extents_behind = 0
+
+    async def _forward(self, part, addr: str, h: Header, *, ok_if_exists: bool = False) -> Header:
+        h.partition, h.epoch, h.flags = self.pid, part.epoch, Flag.FORWARDED | Flag.REPAIR
+        r = await self.rep.call(addr, h)
+        if r.result != Result.OK and not (ok_if_exists and r.result == Result.BAD_REQUEST):
+            raise RepairAbort(f"{h.describe()} -> {_name(r.result)}")
+        return r
+
+    async def _repair_extent(self, part, addr: str, e: int) -> None:
+        """Make ``addr``'s copy of extent ``e`` identical to ours (see the module docstring)."""
+        lane = part.lane(e)
+        if lane is None:
+            return                                          # deleted meanwhile
+        # compare, and cut the follower back if it diverged, in our lane turn (no append half-way)
+        t = lane.ticket()
+        try:
+            await lane.wait_turn(t)
+            try:
+                lsize, lent = await trio.to_thread.run_sync(part.block_entries, e)
+            except StoreError:
+                return                                      # deleted meanwhile
+            try:
+                fst = await self.rep.call_json(addr, Header(opcode=Op.BLOCK_CRCS, partition=self.pid,
+                                                            extent=e, epoch=part.epoch))
+            except NotHosted:
+                raise RepairAbort(f"extent {e} is missing on {addr}") from None
+            fsize, fent = fst["size"], [tuple(x) for x in fst["blocks"]]
+            if fsize > lsize:
+                # bytes beyond our end were never acknowledged: cut those first, then compare what is left
+                fsize, fent = await self._cut_to(part, addr, e, lsize, fsize)
+            cut = await self._first_difference(part, e, lent, fent)
+            if cut is not None and cut < fsize:
+                await self._forward(part, addr, Header(opcode=Op.TRUNCATE, extent=e, offset=cut))
+                self.rep.counters["repair_truncates"] += 1
+                log.warning("partition %d: repair: extent %d on %s differs from byte %d: cut %d -> %d",
+                            self.pid, e, addr, cut, fsize, cut)
+                fsize = cut
+        finally:
+            lane.done(t)
+        # copy what is missing: each chunk read and sent in its own lane turn, REPAIR_DEPTH in flight
+        pos = fsize                 # next offset to send
+        resync = None               # the follower's end, when a client append got somewhere first
+        q: deque = deque()          # (offset, length, pool block, pending ack), in send order
+        try:
+            while True:
+                while resync is None and len(q) < REPAIR_DEPTH:
+                    item = await self._send_chunk(part, addr, e, lane, pos)
+                    if item is None:
+                        break                               # caught up with our end (or deleted)
+                    q.append(item)
+                    pos += item[1]
+                if not q:
+                    if resync is None:
+                        return
+                    pos, resync = resync, None
+                    continue
+                off, n, block, pending = q.popleft()
+                try:
+                    r = await pending.result()
+                except TransportError as err:
+                    raise RepairAbort(f"{addr}: {err}") from None
+                finally:
+                    self.node.pool.free(block)
+                if r.result == Result.OK:
+                    self.rep.counters["repair_bytes"] += n
+                    if self.progress is not None and self.progress["addr"] == addr:
+                        self.progress["copied"] += n
+                    if resync is not None:
+                        resync = max(resync, off + n)
+                elif r.result == Result.BAD_REQUEST and (r.arg > off or resync is not None):
+                    resync = max(resync or 0, r.arg)        # a client append forwarded earlier got there first
+                else:
+                    raise RepairAbort(f"write of extent {e} at {off} on {addr} -> {_name(r.result)}")
+        except RepairAbort:
+            with trio.move_on_after(self.node.cfg.replica_timeout):   # let the follower finish with our blocks
+                for _, _, _, pending in q:
+                    try:
+                        await pending.result()
+                    except TransportError:
+                        pass
+            raise
+        finally:
+            for _, _, block, _ in q:
+                self.node.pool.free(block)
+
+    async def _send_chunk(self, part, addr: str, e: int, lane, pos: int):
+        """In the extent's lane turn: read ``[pos, pos+chunk)`` of our copy into a pool block and send the
+        follower a forwarded WRITE naming it.  Returns (pos, length, block, pending) or None at our end."""
+        await self.rep.limiter.take(self.rep.chunk)         # outside the turn: never hold appends up
+        t = lane.ticket()
+        block = pending = None
+        try:
+            await lane.wait_turn(t)
+            try:
+                lsize = part.store.size(e)
+            except StoreError:
+                return None                                 # deleted meanwhile
+            if pos >= lsize:
+                return None
+            n = min(self.rep.chunk, lsize - pos)
+            block = await self.node.pool.alloc(n, timeout=self.node.cfg.pool_wait)
+            view = block.view(n)
+            try:
+                crc = await trio.to_thread.run_sync(part.store.read_into, e, pos, n, view)
+            except StoreError as err:
+                raise RepairAbort(f"reading extent {e} here: {err} (scrub repairs our copy)") from None
+            fwd = Header(opcode=Op.WRITE, partition=self.pid, extent=e, offset=pos, length=n, crc=crc,
+                         epoch=part.epoch, addr=block.addr, rkey=self.node.region.rkey, rlen=n,
+                         flags=Flag.FORWARDED | Flag.REPAIR)
+            link = await self.node.links.get(addr)
+            pending = await link.submit(fwd, self.node.cfg.replica_timeout)
+            return pos, n, block, pending
+        except (TransportError, OSError, PoolExhausted) as err:
+            raise RepairAbort(f"{addr}: {err}") from None
+        finally:
+            lane.done(t)              # client appends go on while the follower fetches the chunk
+            if block is not None and pending is None:
+                self.node.pool.free(block)
+
+    async def _cut_to(self, part, addr: str, e: int, lsize: int, fsize: int):
+        """Cut the follower's extent back to our size (to the block start if its last block does not
+        verify there); returns its new (size, block entries)."""
+        h = Header(opcode=Op.TRUNCATE, extent=e, offset=lsize)
+        try:
+            await self._forward(part, addr, h)
+        except RepairAbort:
+            await self._forward(part, addr, Header(opcode=Op.TRUNCATE, extent=e, offset=lsize // BLOCK * BLOCK))
+        self.rep.counters["repair_truncates"] += 1
+        log.warning("partition %d: repair: extent %d on %s was longer than ours: cut %d -> %d", self.pid, e,
+                    addr, fsize, lsize)
+        fst = await self.rep.call_json(addr, Header(opcode=Op.BLOCK_CRCS, partition=self.pid, extent=e,
+                                                    epoch=part.epoch))
+        return fst["size"], [tuple(x) for x in fst["blocks"]]
+
+    async def _first_difference(self, part, e: int, lent, fent) -> int | None:
+        """Byte offset (a block start) from which the follower's blocks differ from ours, or None if the
+        follower's copy is a prefix of ours."""
+        for i in range(min(len(lent), len(fent))):
+            if tuple(lent[i]) == tuple(fent[i]):
+                continue
+            (lc, lcov), (fc, fcov) = lent[i], fent[i]
+            if fcov < lcov and i == len(fent) - 1:
+                buf = memoryview(bytearray(fcov))
+                try:
+                    await trio.to_thread.run_sync(part.store.read_into, e, i * BLOCK, fcov, buf)
+                except StoreError:
+                    return None             # our own block is bad: not decidable here; scrub handles it
+                if crc32c(buf) == fc:
+                    return None             # merely behind: its last block is a prefix of ours
+            return i * BLOCK
+        return None
+
+    # -- scrub ------------------------------------------------------------------------------------------
+    async def _scrub_pass(self, part) -> None:
+        self.running = "scrub"
+        t0 = time.monotonic()
+        stats = {"extents": 0, "bytes": 0, "bad_blocks": 0, "repaired": 0, "events": []}
+        try:
+            for e, size in sorted(part.store.watermarks().items()):
+                if self.part() is None:
+                    return
+                stats["extents"] += 1
+                bad: dict[str, list[int]] = {}
+                for off in range(0, size, SCRUB_RANGE):
+                    n = min(SCRUB_RANGE, size - off)
+                    await self.rep.scrub_limiter.take(n)
+                    res = await self._scrub_all(part, e, off, n)
+                    for addr, r in res.items():
+                        if r.get("bad"):
+                            bad.setdefault(addr, []).extend(r["bad"])
+                    stats["bytes"] += n
+                    self.rep.counters["scrub_bytes"] += n
+                if bad:
+                    await self._scrub_fix(part, e, bad, stats)
+        finally:
+            self.running = None
+            self.rep.counters["scrub_passes"] += 1
+            stats["seconds"] = round(time.monotonic() - t0, 3)
+            stats["finished"] = time.time()
+            self.last_scrub = stats
+        log.info("partition %d: scrub pass: %d extents, %d bytes, %d bad blocks, %d repaired in %.2fs",
+                 self.pid, stats["extents"], stats["bytes"], stats["bad_blocks"], stats["repaired"],
+                 stats["seconds"])
+
+    async def _scrub_all(self, part, e: int, off: int, n: int) -> dict:
+        out: dict[str, dict] = {}
+
+        async def one(addr):
+            try:
+                if addr == self.node.me:
+                    out[addr] = await self.rep.scrub_local(part, e, off, n)
+                else:
+                    out[addr] = await self.rep.call_json(addr, Header(
+                        opcode=Op.SCRUB_EXTENT, partition=self.pid, extent=e, offset=off, length=n,
+                        epoch=part.epoch))
+            except (RepairAbort, StoreError) as err:
+                out[addr] = {"error": str(err)}
+
+        async with trio.open_nursery() as nursery:
+            for addr in part.replicas:
+                nursery.start_soon(one, addr)
+        return out
+
+    async def _scrub_fix(self, part, e: int, bad: dict[str, list[int]], stats: dict) -> None:
+        nbad = sum(len(v) for v in bad.values())
+        stats["bad_blocks"] += nbad
+        self.rep.counters["scrub_bad_blocks"] += nbad
+        for addr, blocks in bad.items():
+            log.error("partition %d: scrub: extent %d on %s: bad block(s) %s", self.pid, e, addr, blocks)
+            stats["events"].append({"extent": e, "replica": addr, "blocks": blocks})
+        lane = part.lane(e)
+        if lane is None:
+            return
+        self.node._seal(part, e, lane, f"scrub found bad blocks on {', '.join(bad)}")
+        me = self.node.me
+        if me in bad:
+            try:
+                await self._fix_leader(part, e, lane, min(bad[me]), [a for a in part.replicas[1:]
+                                                                      if a not in bad])
+                stats["repaired"] += len(bad[me])
+                self.rep.counters["scrub_repaired_blocks"] += len(bad[me])
+            except RepairAbort as err:
+                log.error("partition %d: scrub: could not repair extent %d here: %s", self.pid, e, err)
+                return
+        for addr, blocks in bad.items():
+            if addr == me:
+                continue
+            try:
+                t = lane.ticket()
+                try:
+                    await lane.wait_turn(t)
+                    await self._forward(part, addr, Header(opcode=Op.TRUNCATE, extent=e,
+                                                           offset=min(blocks) * BLOCK))
+                    self.rep.counters["repair_truncates"] += 1
+                finally:
+                    lane.done(t)
+                await self._repair_extent(part, addr, e)
+                stats["repaired"] += len(blocks)
+                self.rep.counters["scrub_repaired_blocks"] += len(blocks)
+                log.warning("partition %d: scrub: extent %d on %s repaired from block %d", self.pid, e, addr,
+                            min(blocks))
+            except RepairAbort as err:
+                log.error("partition %d: scrub: repairing extent %d on %s failed: %s", self.pid, e, addr, err)
+
+    async def _fix_leader(self, part, e: int, lane, first_bad: int, candidates: list[str]) -> None:
+        """Our block ``first_bad`` of extent ``e`` is bad: refill from a follower whose copy verifies."""
+        lsize, lent = await trio.to_thread.run_sync(part.block_entries, e)
+        source = None
+        for addr in candidates:
+            try:
+                fst = await self.rep.call_json(addr, Header(opcode=Op.BLOCK_CRCS, partition=self.pid,
+                                                            extent=e, epoch=part.epoch))
+            except RepairAbort:
+                continue
+            if fst["size"] == lsize and [tuple(x) for x in fst["blocks"][first_bad:]] == \
+                    [tuple(x) for x in lent[first_bad:]]:
+                source = addr
+                break
+        if source is None:
+            raise RepairAbort(f"no follower holds a verified copy of extent {e} from block {first_bad}")
+        cut = first_bad * BLOCK
+        t = lane.ticket()
+        try:
+            await lane.wait_turn(t)
+            await trio.to_thread.run_sync(part.store.truncate, e, cut)
+            lane.next_offset = pos = cut
+            while pos < lsize:
+                n = min(self.rep.chunk, lsize - pos)
+                await self.rep.limiter.take(n)
+                block = await self.rep.landing.alloc(n, timeout=self.node.cfg.pool_wait)
+                try:
+                    view = block.view(n)
+                    r = await self.rep.call(source, Header(
+                        opcode=Op.READ, partition=self.pid, extent=e, offset=pos, length=n, epoch=part.epoch,
+                        addr=block.addr, rkey=self.rep.landing_region.rkey, rlen=n, flags=Flag.ANY_REPLICA))
+                    if r.result != Result.OK or crc32c(view) != r.crc:
+                        raise RepairAbort(f"reading extent {e} at {pos} from {source}: {_name(r.result)}")
+                    await trio.to_thread.run_sync(part.store.write, e, pos, view, r.crc)
+                finally:
+                    self.rep.landing.free(block)
+                pos += n
+                lane.next_offset = pos
+                self.rep.counters["repair_bytes"] += n
+        except StoreError as err:
+            raise RepairAbort(f"extent {e} here: {err}") from None
+        finally:
+            lane.done(t)
+        log.warning("partition %d: scrub: our extent %d refilled from %s from block %d (%d bytes)",
+                    self.pid, e, source, first_bad, lsize - cut)
