@@ -234,18 +234,7 @@ def register(main: click.Group) -> None:
     def partition_scrub(pid, via, cluster, wait, timeout, as_json):
         """Re-read every block on every replica now and check its CRC; bad blocks are refetched from a
         replica whose copy verifies (rate: the leader's scrub_mib_s)."""
-        async def go():
-            async with DataClient.open(timeout=10) as dc:
-                leader = await find_leader(dc, pid, dnctl._seeds(via, cluster))
-                n = await request(dc, leader, pid, Op.SCRUB)
-                if not wait:
-                    return {"scrub_pass": n, "leader": leader}
-                return await wait_settled(dc, leader, pid, scrub_pass=n, timeout=timeout)
-        h = dnctl.run(go)
-        if "scrub_pass" in h:
-            dnctl.emit(h, as_json, f"scrub pass {h['scrub_pass']} requested on leader {h['leader']}")
-        else:
-            dnctl.emit(h, as_json, _health_text(h))
+        run_pass(Op.SCRUB, "scrub", pid, via, cluster, wait, timeout, as_json)
 
     @replica.command("repair")
     @click.option("--id", "pid", type=click.IntRange(1), required=True, help="Partition id.")
@@ -256,18 +245,7 @@ def register(main: click.Group) -> None:
     def replica_repair(pid, via, cluster, wait, timeout, as_json):
         """A full repair pass now: compare sizes and block CRCs with every follower and copy, cut or
         delete what differs (the leader is authoritative)."""
-        async def go():
-            async with DataClient.open(timeout=10) as dc:
-                leader = await find_leader(dc, pid, dnctl._seeds(via, cluster))
-                n = await request(dc, leader, pid, Op.REPAIR)
-                if not wait:
-                    return {"repair_pass": n, "leader": leader}
-                return await wait_settled(dc, leader, pid, repair_pass=n, timeout=timeout)
-        h = dnctl.run(go)
-        if "repair_pass" in h:
-            dnctl.emit(h, as_json, f"repair pass {h['repair_pass']} requested on leader {h['leader']}")
-        else:
-            dnctl.emit(h, as_json, _health_text(h))
+        run_pass(Op.REPAIR, "repair", pid, via, cluster, wait, timeout, as_json)
 
     # `replica add` (replaces dnctl's): its membership change, then wait for the fill with a progress bar
 
@@ -357,3 +335,21 @@ def register(main: click.Group) -> None:
 
 
 __all__ = ["health", "find_leader", "request", "wait_settled", "set_leader", "register", "Result"]
+
+
+def run_pass(op, name: str, pid, via, cluster, wait, timeout, as_json) -> None:
+    """Ask the partition's leader for a repair or scrub pass; optionally wait until it has settled."""
+    key = f"{name}_pass"
+
+    async def go():
+        async with DataClient.open(timeout=10) as dc:
+            leader = await find_leader(dc, pid, dnctl._seeds(via, cluster))
+            n = await request(dc, leader, pid, op)
+            if not wait:
+                return {key: n, "leader": leader}
+            return await wait_settled(dc, leader, pid, timeout=timeout, **{key: n})
+    h = dnctl.run(go)
+    if key in h:
+        dnctl.emit(h, as_json, f"{name} pass {h[key]} requested on leader {h['leader']}")
+    else:
+        dnctl.emit(h, as_json, _health_text(h))

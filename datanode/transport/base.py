@@ -20,6 +20,8 @@ import enum
 import secrets
 from dataclasses import dataclass, field
 
+import trio
+
 from ..protocol import RemoteBuf
 
 
@@ -145,15 +147,23 @@ class Connection(abc.ABC):
     peer: str = "?"
     slots: int = 0           # the peer's control slots: our credit limit for outstanding requests
 
-    def __init__(self) -> None:
+    def __init__(self, our_slots: int) -> None:
         self.stats = ConnStats()
+        self._closed: str | None = None     # why the connection ended
+        # control messages that landed in our slots, in arrival order; a transport puts them in ``_ctrl_in``
+        self._ctrl_in, self._ctrl_out = trio.open_memory_channel(our_slots)
 
     @abc.abstractmethod
     async def send(self, header: bytes) -> None: ...
 
-    @abc.abstractmethod
     async def recv(self) -> bytes:
         """The next control message (raises ConnectionClosed at end)."""
+        try:
+            msg = await self._ctrl_out.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            raise ConnectionClosed(self._closed or "connection closed") from None
+        self.stats.recvs += 1
+        return msg
 
     @abc.abstractmethod
     async def read(self, remote: RemoteBuf, local: memoryview, local_region: Region) -> None:

@@ -72,17 +72,15 @@ class TcpConnection(Connection):
     transport = "tcp"
 
     def __init__(self, sock, domain: Domain, peer: str, peer_slots: int, our_slots: int):
-        super().__init__()
+        super().__init__(our_slots)
         self._sock = sock
         self.domain = domain
         self.peer = peer
         self.slots = peer_slots
         self._send_lock = trio.Lock()
-        self._ctrl_in, self._ctrl_out = trio.open_memory_channel(our_slots)
         self._serve_in, self._serve_out = trio.open_memory_channel(math.inf)
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
-        self._closed: str | None = None
 
     # -- the interface ------------------------------------------------------------------------------
     async def send(self, header: bytes) -> None:
@@ -91,14 +89,6 @@ class TcpConnection(Connection):
         async with self._send_lock:
             await self._guarded(send_all(self._sock, frame))
         self.stats.sends += 1
-
-    async def recv(self) -> bytes:
-        try:
-            msg = await self._ctrl_out.receive()
-        except (trio.EndOfChannel, trio.ClosedResourceError):
-            raise ConnectionClosed(self._closed or "connection closed") from None
-        self.stats.recvs += 1
-        return msg
 
     async def read(self, remote: RemoteBuf, local: memoryview, local_region: Region | None = None) -> None:
         if len(local) != remote.length:

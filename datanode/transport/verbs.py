@@ -150,7 +150,7 @@ class VerbsConnection(Connection):
     transport = "verbs"
 
     def __init__(self, sock, domain: Domain, peer: str, peer_slots: int, our_slots: int):
-        super().__init__()
+        super().__init__(our_slots)
         dev: Device = domain.device
         self.dev = dev
         self.domain = domain
@@ -158,11 +158,9 @@ class VerbsConnection(Connection):
         self.peer = peer
         self.slots = peer_slots
         self.our_slots = our_slots
-        self._closed: str | None = None
         self._owns_sock = False          # True once established: then closing us closes the stream
         self._ids = 0
         self._ops: dict[int, _Op] = {}
-        self._ctrl_in, self._ctrl_out = trio.open_memory_channel(our_slots)
         self.sq_depth = 2 * peer_slots + 2 * our_slots + 16
         self._sq = trio.Semaphore(self.sq_depth)
         # resources, released in _destroy (reverse order)
@@ -228,14 +226,6 @@ class VerbsConnection(Connection):
                     send_flags=E.IBV_SEND_SIGNALED | E.IBV_SEND_INLINE)
         await self._post(wr, "send", cdata=buf)
         self.stats.sends += 1
-
-    async def recv(self) -> bytes:
-        try:
-            msg = await self._ctrl_out.receive()
-        except (trio.EndOfChannel, trio.ClosedResourceError):
-            raise ConnectionClosed(self._closed or "connection closed") from None
-        self.stats.recvs += 1
-        return msg
 
     async def read(self, remote, local: memoryview, local_region: Region | None = None) -> None:
         await self._rdma(E.IBV_WR_RDMA_READ, remote, local, local_region, "read")
