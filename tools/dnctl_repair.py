@@ -339,6 +339,7 @@ __all__ = ["health", "find_leader", "request", "wait_settled", "set_leader", "re
 
 def run_pass(op, name: str, pid, via, cluster, wait, timeout, as_json) -> None:
     """Ask the partition's leader for a repair or scrub pass; optionally wait until it has settled."""
+    from tools import dnctl
     key = f"{name}_pass"
 
     async def go():

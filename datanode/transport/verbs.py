@@ -175,12 +175,13 @@ class VerbsConnection(Connection):
         cap = QPCap(max_send_wr=self.sq_depth, max_recv_wr=our_slots, max_send_sge=1, max_recv_sge=1,
                     max_inline_data=SLOT)
         self.qp = QP(dev.pd, QPInitAttr(qp_type=E.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap, sq_sig_all=1))
+        self.qpn = self.qp.qp_num
         self.psn = random.getrandbits(24)
-        self._unacked_events = 0
+        self._destroyed = False
 
     # -- setup ----------------------------------------------------------------------------------------
     def endpoint(self) -> VerbsEndpoint:
-        return VerbsEndpoint(qpn=self.qp.qp_num, psn=self.psn, gid=_gid_bytes(self.dev.gid.gid),
+        return VerbsEndpoint(qpn=self.qpn, psn=self.psn, gid=_gid_bytes(self.dev.gid.gid),
                              mtu=self.dev.mtu)
 
     def bring_up(self, remote: VerbsEndpoint) -> None:
@@ -258,6 +259,9 @@ class VerbsConnection(Connection):
         if self._closed:
             raise ConnectionClosed(f"connection to {self.peer} is closed: {self._closed}")
         await self._sq.acquire()
+        if self._closed:                 # it died while we waited for room in the send queue
+            self._sq.release()
+            raise ConnectionClosed(f"connection to {self.peer} is closed: {self._closed}")
         self._ids += 1
         wr_id = self._ids
         wr.wr_id = wr_id
@@ -347,10 +351,11 @@ class VerbsConnection(Connection):
             return
         self._closed = why
         log.debug("verbs connection to %s down: %s", self.peer, why)
-        try:
-            self.qp.modify(QPAttr(qp_state=E.IBV_QPS_ERR), E.IBV_QP_STATE)   # flushes every WR
-        except PyverbsError:
-            pass
+        if not self._destroyed:
+            try:
+                self.qp.modify(QPAttr(qp_state=E.IBV_QPS_ERR), E.IBV_QP_STATE)   # flushes every WR
+            except PyverbsError:
+                pass
         self._ctrl_in.close()
         if self._owns_sock:
             try:
@@ -381,6 +386,10 @@ class VerbsConnection(Connection):
         self._ops.clear()
 
     def _destroy(self) -> None:
+        """Release the QP, control MR, CQ and channel, in that order (once; the pump is stopped)."""
+        if self._destroyed:
+            return
+        self._destroyed = True
         for res in (self.qp, self.ctrl_mr, self.cq, self.cc):
             try:
                 res.close()
@@ -391,7 +400,7 @@ class VerbsConnection(Connection):
         self.ctrl.close()
 
     def info(self) -> dict:
-        return {**super().info(), "device": self.dev.name, "qpn": self.qp.qp_num}
+        return {**super().info(), "device": self.dev.name, "qpn": self.qpn}
 
 
 def _wc_name(status) -> str:
