@@ -1,6 +1,6 @@
 """The datanode: accepts connections, serves requests, replicates writes to the partition's followers.
 
-Follow a write from the client to the disk (``Node._write``):
+Follow a write from the client to the disk (``Node.op_write``):
 
   1. the client SENDs a header naming its buffer (addr, rkey, len) into one of our control slots;
      ``_connection`` decodes it and, for appends, takes a ticket in the extent's lane (arrival order);

@@ -163,7 +163,19 @@ class VerbsConnection(Connection):
         self._ops: dict[int, _Op] = {}
         self.sq_depth = 2 * peer_slots + 2 * our_slots + 16
         self._sq = trio.Semaphore(self.sq_depth)
-        # resources, released in _destroy (reverse order)
+        # resources, released in _destroy (QP, MR, CQ, channel); a partial set is released at once, never
+        # left to the garbage collector (which would free them in any order)
+        self._destroyed = False
+        self.qp = self.ctrl_mr = self.cq = self.cc = self.ctrl = self.ctrl_view = self._ctrl_cdata = None
+        try:
+            self._create(dev, our_slots)
+        except BaseException:
+            self._destroy()
+            raise
+        self.qpn = self.qp.qp_num
+        self.psn = random.getrandbits(24)
+
+    def _create(self, dev: Device, our_slots: int) -> None:
         self.cc, self.fd = _comp_channel(dev.ctx)
         os.set_blocking(self.fd, False)
         self.cq = CQ(dev.ctx, self.sq_depth + our_slots + 8, None, self.cc, 0)
@@ -175,9 +187,6 @@ class VerbsConnection(Connection):
         cap = QPCap(max_send_wr=self.sq_depth, max_recv_wr=our_slots, max_send_sge=1, max_recv_sge=1,
                     max_inline_data=SLOT)
         self.qp = QP(dev.pd, QPInitAttr(qp_type=E.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap, sq_sig_all=1))
-        self.qpn = self.qp.qp_num
-        self.psn = random.getrandbits(24)
-        self._destroyed = False
 
     # -- setup ----------------------------------------------------------------------------------------
     def endpoint(self) -> VerbsEndpoint:
@@ -391,13 +400,18 @@ class VerbsConnection(Connection):
             return
         self._destroyed = True
         for res in (self.qp, self.ctrl_mr, self.cq, self.cc):
+            if res is None:
+                continue
             try:
                 res.close()
             except PyverbsError as e:
                 log.debug("closing %s: %s", type(res).__name__, e)
-        self.ctrl_view.release()
-        ffi.release(self._ctrl_cdata)
-        self.ctrl.close()
+        if self.ctrl_view is not None:
+            self.ctrl_view.release()
+        if self._ctrl_cdata is not None:
+            ffi.release(self._ctrl_cdata)
+        if self.ctrl is not None:
+            self.ctrl.close()
 
     def info(self) -> dict:
         return {**super().info(), "device": self.dev.name, "qpn": self.qpn}
@@ -430,6 +444,17 @@ async def establish(sock, domain: Domain, peer: str, *, is_server: bool, peer_sl
     except Exception as e:  # noqa: BLE001 - report and fall back
         log.warning("cannot create a queue pair for %s: %s", peer, e)
         mine = FAILED + bytes(VerbsEndpoint.SIZE)
+    try:
+        return await _agree(sock, conn, mine, peer)
+    except BaseException:
+        # timeout, cancellation, peer gone, or SetupFailed: the queue pair must not outlive this
+        if conn is not None and not conn._owns_sock:
+            conn._shutdown("setup failed")
+            conn._destroy()
+        raise
+
+
+async def _agree(sock, conn: VerbsConnection | None, mine: bytes, peer: str) -> VerbsConnection:
     await send_all(sock, mine)
     theirs = bytearray(1 + VerbsEndpoint.SIZE)
     await recv_exactly(sock, memoryview(theirs))
@@ -447,7 +472,4 @@ async def establish(sock, domain: Domain, peer: str, *, is_server: bool, peer_sl
     if ok and other == READY:
         conn._owns_sock = True
         return conn
-    if conn is not None:
-        conn._shutdown("setup failed")
-        conn._destroy()
     raise SetupFailed("queue pair setup did not complete on both ends")
