@@ -78,7 +78,8 @@ export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/r
 up() { cut -d' ' -f1 /proc/uptime; }
 mount -t tmpfs tmpfs /run; mkdir -p /dev/pts /dev/shm
 mount -t devpts devpts /dev/pts; mount -t tmpfs tmpfs /dev/shm
-mount -t tmpfs -o size=${tmpsize:-75%},mode=1777 tmpfs /tmp
+# a fresh /tmp, unless the checkout itself lives under /tmp (then the overlay's /tmp, writable, is kept)
+[ "${keeptmp:-0}" = 1 ] || mount -t tmpfs -o size=${tmpsize:-75%},mode=1777 tmpfs /tmp
 mkdir -p /lib/modules && ln -sfn "$moddir" /lib/modules/$(uname -r)
 echo "STAGE2 up at $(up)s"
 hostname rxevm; ip link set lo up
@@ -391,6 +392,7 @@ def cmd_run(args) -> int:
     cpus = os.environ.get("VM_CPUS") or str(min(4, os.cpu_count() or 2))
     append = (f"console=ttyS0 quiet panic=-1 mitigations=off stage2=/job/stage2.sh "
               f"moddir={d}/kmod/lib/modules/{kver} rwsize={args.rw_size} tmpsize={args.tmp_size} "
+              f"keeptmp={1 if str(CHECKOUT).startswith('/tmp/') else 0} "
               f"rxe_netdev={args.netdev}" + (f" netmtu={args.mtu}" if args.mtu else ""))
     console = job / "console.log"
     qemu = ["qemu-system-x86_64", *acc, "-m", mem, "-smp", cpus,
