@@ -677,7 +677,7 @@ class PartitionWorker:
         for i in range(min(len(lent), len(fent))):
             if tuple(lent[i]) == tuple(fent[i]):
                 continue
-            (lc, lcov), (fc, fcov) = lent[i], fent[i]
+            (_, lcov), (fc, fcov) = lent[i], fent[i]
             if fcov < lcov and i == len(fent) - 1:
                 buf = memoryview(bytearray(fcov))
                 try:

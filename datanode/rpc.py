@@ -155,12 +155,6 @@ class Links:
                 self._links[addr] = req
             return req
 
-    def drop(self, addr: str) -> None:
-        req = self._links.pop(addr, None)
-        if req is not None:
-            req._fail("dropped")
-            self._nursery.start_soon(req.conn.aclose)
-
     async def _run(self, host: str, port: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
         from .transport.connect import dial
         started = False

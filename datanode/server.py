@@ -30,10 +30,10 @@ import trio
 
 from . import config as config_mod
 from .crc import crc32c
-from .partition import Partition, PartitionTable, write_json_atomic
+from .partition import Partition, PartitionTable
 from .repair import Repairer, scrub_range
 from .pool import BuddyPool, PoolExhausted
-from .protocol import (HEADER_SIZE, PROTOCOL_REASONS, Flag, Header, Op, ProtocolError, RemoteBuf, Result,
+from .protocol import (PROTOCOL_REASONS, Flag, Header, Op, ProtocolError, RemoteBuf, Result,
                        decode, peek_req_id)
 from .rpc import Links
 from .store import StoreError
@@ -207,10 +207,16 @@ class Node:
                     self._idle.set()
 
     # -- helpers --------------------------------------------------------------------------------------
-    def _partition(self, h: Header) -> Partition:
+    def _hosted(self, h: Header) -> Partition:
+        """The request's partition, or NOT_FOUND."""
         part = self.table.get(h.partition)
         if part is None:
             raise Reply(Result.NOT_FOUND, why=f"partition {h.partition} is not on this node")
+        return part
+
+    def _partition(self, h: Header) -> Partition:
+        """The request's partition, at the request's epoch (else NOT_FOUND / STALE_EPOCH)."""
+        part = self._hosted(h)
         if h.epoch != part.epoch:
             raise Reply(Result.STALE_EPOCH, arg=part.epoch,
                         why=f"epoch {h.epoch} but partition {part.pid} is at {part.epoch}")
@@ -380,11 +386,7 @@ class Node:
             log.warning("partition %d extent %d sealed for appends: %s", part.pid, extent, why)
 
     async def op_read(self, conn, h: Header, _t) -> Header:
-        part = self.table.get(h.partition)
-        if part is None:
-            raise Reply(Result.NOT_FOUND, why=f"partition {h.partition} is not on this node")
-        if h.epoch != part.epoch:
-            raise Reply(Result.STALE_EPOCH, arg=part.epoch)
+        part = self._partition(h)
         if h.rlen < h.length:
             raise Reply(Result.BAD_REQUEST, why="destination buffer smaller than the read")
         block = await self._alloc(h.length)
@@ -430,9 +432,7 @@ class Node:
         return h.reply(Result.OK)
 
     async def op_watermarks(self, conn, h: Header, _t) -> Header:
-        part = self.table.get(h.partition)
-        if part is None:
-            raise Reply(Result.NOT_FOUND)
+        part = self._hosted(h)
         return await self._push_json(conn, h, {str(k): v for k, v in part.store.watermarks().items()})
 
     async def op_partition_create(self, conn, h: Header, _t) -> Header:
@@ -455,9 +455,7 @@ class Node:
         return h.reply(Result.OK, arg=epoch)
 
     async def op_partition_update(self, conn, h: Header, _t) -> Header:
-        part = self.table.get(h.partition)
-        if part is None:
-            raise Reply(Result.NOT_FOUND)
+        part = self._hosted(h)
         body = await self._pull_json(conn, h)
         replicas, epoch = body.get("replicas"), body.get("epoch")
         if not isinstance(replicas, list) or not replicas or not isinstance(epoch, int):
@@ -471,8 +469,7 @@ class Node:
         return h.reply(Result.OK, arg=epoch)
 
     async def op_partition_delete(self, conn, h: Header, _t) -> Header:
-        if self.table.get(h.partition) is None:
-            raise Reply(Result.NOT_FOUND)
+        self._hosted(h)
         await trio.to_thread.run_sync(self.table.delete, h.partition)
         log.info("partition %d deleted", h.partition)
         return h.reply(Result.OK)
@@ -499,12 +496,6 @@ class Node:
                 "pool": self.pool_stats()}
 
     # -- repair and scrub: the follower's side, and asking the leader (the work is in datanode/repair.py)
-    def _hosted(self, h: Header) -> Partition:
-        part = self.table.get(h.partition)
-        if part is None:
-            raise Reply(Result.NOT_FOUND, why=f"partition {h.partition} is not on this node")
-        return part
-
     async def op_replica_state(self, conn, h: Header, _t) -> Header:
         part = self._hosted(h)
         return await self._push_json(conn, h, {

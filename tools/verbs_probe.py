@@ -368,7 +368,6 @@ async def demo(args) -> None:
               f" (the pre-posted RECVs); flushed wr_ids are reported, so slots can be reclaimed by wr_id")
         try:
             b.post_send(b"after error")
-            wid_after = None
             await trio.sleep(0.2)
             fl = [w for w in b.pump.done.values() if w.status == e.IBV_WC_WR_FLUSH_ERR and w.byte_len == 0]
             print(f"  post_send on an ERR QP: accepted, completes with WR_FLUSH_ERR ({len(fl)} flush wcs total)")

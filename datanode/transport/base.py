@@ -65,9 +65,6 @@ class Region:
             raise ValueError("descriptor outside the region")
         return RemoteBuf(self.addr + offset, self.rkey, length)
 
-    def remote_for(self, sub: memoryview, sub_addr: int) -> RemoteBuf:
-        return self.remote(sub_addr - self.addr, len(sub))
-
 
 class Domain:
     """All memory this process registered, looked up by rkey for one-sided operations by peers.

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import trio
 
-from ..protocol import HEADER_SIZE, MAX_PAYLOAD, RemoteBuf
+from ..protocol import MAX_PAYLOAD, RemoteBuf
 from .base import Access, Connection, ConnectionClosed, Domain, Region, RemoteAccessError, TransportError
 
 log = logging.getLogger("datanode.tcp")
