@@ -11,7 +11,6 @@ Absolute numbers are slow (TCG emulation); read the ratios.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -19,6 +18,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
+
+import click
 
 DEV = os.environ.get("DATANODE_RDMA_DEVICE", "rxe0")
 GID = os.environ.get("DATANODE_RDMA_GID_INDEX", os.environ.get("DATANODE_RDMA_GID", "1"))
@@ -60,23 +62,27 @@ def dnctl(*args: str, timeout: float = 900) -> str:
 
 def bench(transport: str, size: str, seconds: float, root: str) -> dict:
     d = os.path.join(root, transport)
-    dnctl("cluster", "up", "--nodes", "3", "--dir", d, "--transport", transport, "--sync", "always",
+    dnctl("cluster", "up", "--nodes", "3", "--cluster", d, "--transport", transport, "--sync", "always",
           "--pool-mib", "64", "--replica-timeout", "20")
     try:
-        out = dnctl("bench", "--dir", d, "--replicas", "1,3", "--size", size, "--seconds", str(seconds),
+        out = dnctl("bench", "--cluster", d, "--replicas", "1,3", "--size", size, "--seconds", str(seconds),
                     "--transport", transport, "--json")
         return json.loads(out)
     finally:
-        dnctl("cluster", "down", "--dir", d)
+        dnctl("cluster", "down", "--cluster", d)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seconds", type=float, default=8.0)
-    ap.add_argument("--size", default="1MiB", choices=sorted(SIZES))
-    ap.add_argument("--ib-iters", type=int, default=300)
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--seconds", type=float, default=8.0, show_default=True)
+@click.option("--size", default="1MiB", type=click.Choice(sorted(SIZES)), show_default=True)
+@click.option("--ib-iters", type=int, default=300, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def main(seconds, size, ib_iters, as_json) -> None:
+    """Compare verbs, TCP and ib_read_bw inside the Soft-RoCE VM (dnctl bench on both transports)."""
+    sys.exit(compare(types.SimpleNamespace(seconds=seconds, size=size, ib_iters=ib_iters, json=as_json)))
+
+
+def compare(args) -> int:
     if not os.path.exists(f"/sys/class/infiniband/{DEV}"):
         print(f"no RDMA device {DEV}: run inside the VM: tools/softroce-vm run -- python bench/vm_compare.py")
         return 2
@@ -118,4 +124,4 @@ def summarize(res: dict) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

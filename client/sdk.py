@@ -4,8 +4,16 @@
 block-sized appends, reads ranges with CRC checks (failing over to another replica), and moves to a new
 extent after a replication failure.  ``BlockingDataClient`` wraps it for callers that are not async.
 
+With ``etcd=URL`` the partition map comes from etcd (datanode/etcdmap.py): read once, then kept current by a
+watch, so a new leader or replica set is known within one watch round-trip; a write that fails because a
+replica died waits (within ``timeout``) for the manager's new view and goes on with it on a new extent.
+
 The client's memory is registered once, like the server's: a staging pool the datanodes may READ (write
-payloads) and a landing pool they may WRITE (read answers); each request exposes one block of it.
+payloads) and a landing pool they may WRITE (read answers); each request exposes one block of it, to the
+connection it is sent on, until its answer arrives (``rpc.Requester`` grants; nothing else is reachable).
+
+Credentials: ``secret=`` a cluster secret or role key file (or $DATANODE_SECRET_FILE); ``role=`` the role to
+claim (default: admin when the file allows it, else client).  See datanode/auth.py.
 """
 from __future__ import annotations
 
@@ -13,21 +21,26 @@ import dataclasses
 import json
 import logging
 import threading
+from functools import partial
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Iterable
+from typing import AsyncIterator, Awaitable, Iterable
 
 import trio
 
+from client.metrics import ClientMetrics
 from datanode import aio
+from datanode.auth import AuthConfigError, Credentials, DialAuth, ROLE_NAMES, from_env_or
 from datanode.crc import crc32c
+from datanode.etcdmap import DEFAULT_PREFIX, Etcd, EtcdError, PartView, open_channel
 from datanode.pool import BuddyPool, PoolExhausted
-from datanode.protocol import Flag, Header, Op, Result
+from datanode.protocol import Flag, Header, Op, Result, failed_replicas
 from datanode.rpc import Links
 from datanode.store import MAX_EXTENT
 from datanode.transport.base import Access, Domain, TransportError
 from datanode.transport.connect import make_domain
 
-log = logging.getLogger("datanode.client")
+log = logging.getLogger(__name__)
+FAILOVER_POLL_S = 1.0     # a failed write waits this long for a new view before trying again anyway
 
 
 class ClientError(Exception):
@@ -39,11 +52,13 @@ class ClientError(Exception):
 
 
 class ReplicationError(ClientError):
-    """The write is not on every replica; ``replica`` names the follower that failed."""
+    """The write is not on every replica; ``replicas`` names every follower that failed (``replica`` the
+    first of them)."""
 
-    def __init__(self, message: str, replica: str | None, **kw):
+    def __init__(self, message: str, replicas: list[str], **kw):
         super().__init__(message, **kw)
-        self.replica = replica
+        self.replicas = replicas
+        self.replica = replicas[0] if replicas else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,25 +78,42 @@ class PartitionInfo:
     pid: int
     replicas: list[str]
     epoch: int
+    health: dict | None = None      # the leader's replica health, as of ``seen`` (trio time)
+    seen: float = 0.0
 
 
 class DataClient:
     def __init__(self, nursery: trio.Nursery, *, transport: str = "auto", timeout: float = 15.0,
-                 block_size: int = 1 << 20, depth: int = 8, pool_mib: int = 64, domain: Domain | None = None):
+                 block_size: int = 1 << 20, depth: int = 8, pool_mib: int = 64, domain: Domain | None = None,
+                 etcd: str | None = None, etcd_prefix: str = DEFAULT_PREFIX,
+                 secret: "str | Credentials | None" = None, role: str | None = None):
         if block_size & (block_size - 1) or not (4096 <= block_size <= 4 << 20):
             raise ValueError("block_size must be a power of two between 4 KiB and 4 MiB")
+        if role is not None and role not in ROLE_NAMES:
+            raise ValueError(f"role must be one of {', '.join(ROLE_NAMES)}, not {role!r}")
+        try:
+            creds = from_env_or(secret)
+            self.auth = DialAuth(creds, ROLE_NAMES[role] if role else None)
+        except AuthConfigError as e:
+            raise ClientError(str(e)) from None
         self.timeout = timeout
         self.block_size = block_size
         self.depth = depth
         self.domain = domain or make_domain(transport)
         self.partitions: dict[int, PartitionInfo] = {}
+        self.map = Etcd(etcd, etcd_prefix) if etcd else None   # the cluster map in etcd, if any
+        self.views: dict[int, PartView] = {}                    # etcd's views (state, want, ...)
+        self._map_changed = trio.Event()
         max_block = max(block_size, 1 << 20)
         self.wpool = BuddyPool(pool_mib << 20, max_block)
         self.rpool = BuddyPool(pool_mib << 20, max_block)
-        self.wregion = self.domain.register(self.wpool.arena, self.wpool.base_addr, Access.REMOTE_READ)
+        self.wregion = self.domain.register(self.wpool.arena, self.wpool.base_addr, Access.REMOTE_READ,
+                                            scoped=True)
         self.rregion = self.domain.register(self.rpool.arena, self.rpool.base_addr,
-                                            Access.LOCAL_WRITE | Access.REMOTE_WRITE)
-        self.links = Links(nursery, self.domain, transport=transport, slots=64, connect_timeout=timeout)
+                                            Access.LOCAL_WRITE | Access.REMOTE_WRITE, scoped=True)
+        self.links = Links(nursery, self.domain, transport=transport, slots=64, connect_timeout=timeout,
+                           auth=self.auth)
+        self.metrics = ClientMetrics()       # Prometheus families for an embedding program (client/metrics.py)
         # open extents not in use by a write() right now: partition -> [(extent, next offset)].  A write
         # takes one for itself, so concurrent writes never append to the same extent.
         self._idle: dict[int, list[tuple[int, int]]] = {}
@@ -93,6 +125,12 @@ class DataClient:
         async with aio.nursery() as nursery:
             dc = cls(nursery, **kw)
             try:
+                if dc.map is not None:
+                    try:
+                        rev = await dc.load_map()
+                    except EtcdError as e:
+                        raise ClientError(f"partition map: {e}") from None
+                    nursery.start_soon(dc._follow_map, rev)
                 errors = []
                 nodes = list(nodes)
                 for addr in nodes:
@@ -123,15 +161,19 @@ class DataClient:
             if body is not None:
                 wblock = await self.wpool.alloc(len(body), timeout=self.timeout)
                 wblock.view(len(body))[:] = body
-                h.addr, h.rkey, h.rlen, h.length = wblock.addr, self.wregion.rkey, len(body), len(body)
+                h = dataclasses.replace(h, addr=wblock.addr, rkey=self.wregion.rkey, rlen=len(body),
+                                        length=len(body))
             if answer:
                 rblock = await self.rpool.alloc(answer, timeout=self.timeout)
-                h.addr, h.rkey, h.rlen = rblock.addr, self.rregion.rkey, answer
+                h = dataclasses.replace(h, addr=rblock.addr, rkey=self.rregion.rkey, rlen=answer)
+            t0 = trio.current_time()
             try:
                 link = await self.links.get(addr)
                 resp = await link.call(h, timeout or self.timeout)
             except TransportError as e:
+                self.metrics.observe(h.opcode, -1, h.length, trio.current_time() - t0)
                 raise ClientError(f"{addr}: {e}", node=addr) from None
+            self.metrics.observe(h.opcode, resp.result, h.length, trio.current_time() - t0)
             data = b""
             if rblock is not None and resp.result == Result.OK:
                 if sink is not None:
@@ -161,10 +203,71 @@ class DataClient:
         for p in await self.admin(addr, Op.PARTITION_LIST):
             info = PartitionInfo(p["id"], p["replicas"], p["epoch"])
             old = self.partitions.get(info.pid)
+            if addr == info.replicas[0] and p.get("health"):      # only the leader keeps replica health
+                info.health, info.seen = p["health"], trio.current_time()
+            elif old is not None and old.epoch == info.epoch:
+                info.health, info.seen = old.health, old.seen
             if old is None or info.epoch >= old.epoch:
                 self.partitions[info.pid] = info
             found.append(info)
         return found
+
+    # -- the map from etcd ---------------------------------------------------------------------------
+    async def load_map(self) -> int:
+        """Read every partition's view from etcd; returns the revision it was read at."""
+        kvs, rev = await self.map.get_prefix(self.map.parts_prefix)
+        for _k, v, mrev in kvs:
+            try:
+                self._learn(PartView.decode(v, mrev))
+            except (ValueError, TypeError):
+                continue
+        return rev
+
+    def _learn(self, view: PartView) -> None:
+        old = self.partitions.get(view.id)
+        if old is None or view.epoch >= old.epoch:
+            self.views[view.id] = view
+            self.partitions[view.id] = PartitionInfo(view.id, list(view.replicas), view.epoch)
+            if old is not None and view.epoch > old.epoch:
+                self._idle.pop(view.id, None)       # open extents of the old epoch: start new ones
+                log.info("partition %d: epoch %d, leader %s (from etcd)", view.id, view.epoch, view.leader)
+            ev, self._map_changed = self._map_changed, trio.Event()
+            ev.set()
+
+    async def _follow_map(self, rev: int) -> None:
+        send, recv = open_channel()
+        async with trio.open_nursery() as n:
+            n.start_soon(partial(self.map.watch, self.map.parts_prefix, send, start_revision=rev + 1))
+            async for batch in recv:
+                if batch is None:                       # reconnected: events may be missing
+                    try:
+                        await self.load_map()
+                    except EtcdError:
+                        pass
+                    continue
+                for typ, _key, value, mrev in batch:
+                    if typ == "PUT":
+                        try:
+                            self._learn(PartView.decode(value, mrev))
+                        except (ValueError, TypeError):
+                            pass
+
+    async def _await_new_view(self, pid: int, epoch: int, deadline: float) -> bool:
+        """Wait until the map has partition ``pid`` above ``epoch``, or a newer installed view of it
+        (the manager finished installing the one we have) (True), or ``deadline`` (False)."""
+        v0 = self.views.get(pid)
+        rev0 = v0.rev if v0 is not None else None
+        while True:
+            info, v = self.partitions.get(pid), self.views.get(pid)
+            if info is not None and info.epoch > epoch:
+                return True
+            if v is not None and v.rev != rev0 and v.installed:
+                return True
+            ev = self._map_changed
+            with trio.move_on_at(deadline):
+                await ev.wait()
+            if trio.current_time() >= deadline:
+                return False
 
     def partition(self, pid: int) -> PartitionInfo:
         try:
@@ -187,6 +290,11 @@ class DataClient:
         p = await self._submit_append(part, extent, offset, memoryview(data))
         return await p
 
+    async def submit_append(self, part: PartitionInfo, extent: int, offset: int, data) -> "Awaitable[Location]":
+        """Send one append without waiting for it; returns an awaitable for its Location (so a caller --
+        a benchmark, a pipeline -- can keep ``depth`` appends in flight, as ``write`` does)."""
+        return await self._submit_append(part, extent, offset, memoryview(data))
+
     async def _submit_append(self, part: PartitionInfo, extent: int, offset: int, data: memoryview):
         """Sends one append and returns an awaitable for its result (so a caller can keep sending)."""
         leader = part.replicas[0]
@@ -198,6 +306,7 @@ class DataClient:
             h = Header(opcode=Op.WRITE, partition=part.pid, extent=extent, offset=offset, length=len(data),
                        crc=crc, epoch=part.epoch, addr=block.addr, rkey=self.wregion.rkey, rlen=len(data))
             link = await self.links.get(leader)
+            t0 = trio.current_time()
             pending = await link.submit(h, self.timeout)
         except TransportError as e:
             self.wpool.free(block)
@@ -207,12 +316,15 @@ class DataClient:
             raise
 
         async def finish() -> Location:
+            resp = None
             try:
                 resp = await pending.result()
             except TransportError as e:
                 raise ClientError(f"{leader}: {e}", node=leader) from None
             finally:
                 self.wpool.free(block)
+                self.metrics.observe(Op.WRITE, resp.result if resp is not None else -1, len(data),
+                                     trio.current_time() - t0)
             check(resp, leader, part)
             return Location(part.pid, extent, offset, len(data), crc)
 
@@ -227,12 +339,18 @@ class DataClient:
         out: list[Location] = []
         pos = 0
         failures = 0
+        deadline = None
         while pos < len(mv):
             part = self.partition(pid)
             try:
                 extent, offset = await self._extent_for(pid, min(len(mv) - pos, self.block_size))
             except ClientError as e:     # no new extent: only a stale map is worth another try
                 failures += 1
+                if self.map is not None and _changes_view(e):
+                    deadline = deadline or trio.current_time() + self.timeout
+                    if not await self._failover(pid, part, e, deadline):
+                        raise
+                    continue
                 if failures > 3 or e.result not in (Result.STALE_EPOCH, Result.NOT_LEADER):
                     raise
                 await self.refresh(pid)
@@ -253,21 +371,55 @@ class DataClient:
             # the extent is sealed (or refused): continue after the last acknowledged block on a new one
             failures += 1
             pos = chunks[len(done)][0]
+            if self.map is not None and isinstance(err, ClientError) and _changes_view(err):
+                deadline = deadline or trio.current_time() + self.timeout
+                if not await self._failover(pid, part, err, deadline):
+                    raise err
+                continue
             if failures > 3 or not isinstance(err, ClientError) or not await self._recoverable(pid, err):
                 raise err
             log.warning("write to partition %d extent %d failed (%s); continuing on a new extent", pid,
                         extent, err)
         return out
 
+    async def _failover(self, pid: int, part: PartitionInfo, err: ClientError, deadline: float) -> bool:
+        """With the map in etcd: after a dead replica, a dead leader or a stale map, wait (until
+        ``deadline``) for a view newer than the one that failed, at most ``FAILOVER_POLL_S`` at a time
+        (the failure may have been passing, with no new view coming).  False: give up."""
+        if trio.current_time() >= deadline:
+            return False
+        log.info("write to partition %d (epoch %d) failed: %s; waiting for a new view", pid, part.epoch, err)
+        if not await self._await_new_view(pid, part.epoch, min(deadline, trio.current_time() + FAILOVER_POLL_S)):
+            try:
+                await self.refresh(pid)
+            except ClientError:
+                pass
+        self._idle.pop(pid, None)
+        return True
+
     async def _recoverable(self, pid: int, err: ClientError) -> bool:
         """Can a write go on after ``err`` (on a new extent, after refreshing the map if it was stale)?"""
         if err.result in (Result.STALE_EPOCH, Result.NOT_LEADER):
             await self.refresh(pid)
             return True
-        return err.result in (Result.REPLICATION_FAILED, Result.DIVERGED, Result.BAD_REQUEST, Result.NO_SPACE)
+        if err.result in (Result.BUSY, Result.POOL_BUSY):     # our share of the node's pool: back off, go on
+            await trio.sleep(0.05)
+            return True
+        return err.result in (Result.REPLICATION_FAILED, Result.DIVERGED, Result.WRONG_OFFSET, Result.TOO_LARGE)
 
     async def refresh(self, pid: int) -> PartitionInfo:
-        """Re-read the partition's replicas and epoch from its members (after a replica change)."""
+        """Re-read the partition's replicas and epoch: from etcd when the map lives there, else from its
+        members (after a replica change)."""
+        if self.map is not None:
+            try:
+                view = await self.map.part(pid)
+            except EtcdError as e:
+                log.warning("partition %d: etcd: %s; asking its members", pid, e)
+            else:
+                if view is not None:
+                    self._learn(view)
+                    self._idle.pop(pid, None)
+                    return self.partition(pid)
         best: PartitionInfo | None = None
         for addr in list(self.partition(pid).replicas):
             try:
@@ -288,7 +440,31 @@ class DataClient:
             extent, offset = idle.pop()
             if offset + need <= MAX_EXTENT:
                 return extent, offset
+        await self._check_followers(self.partition(pid))
         return await self.create_extent(pid), 0
+
+    HEALTH_FRESH_S = 5.0
+
+    async def _check_followers(self, part: PartitionInfo) -> None:
+        """Refuse to create an extent that cannot be replicated: if the leader said a moment ago
+        (``HEALTH_FRESH_S``) that a follower is unreachable and it does not answer us either, raise the
+        ReplicationError the create would end in -- without the create, which would leave one more empty
+        extent on the replicas that are up on every attempt."""
+        h = part.health or {}
+        if trio.current_time() - part.seen > self.HEALTH_FRESH_S:
+            return
+        for addr, state in (h.get("followers") or {}).items():
+            if state != "unreachable" or addr not in part.replicas:
+                continue
+            try:
+                with trio.fail_after(min(self.timeout, 2.0)):
+                    await self.admin(addr, Op.NODE_STATUS)
+            except (ClientError, trio.TooSlowError):
+                idx = part.replicas.index(addr)
+                raise ReplicationError(f"{part.replicas[0]}: replication would fail: follower {addr} is "
+                                       f"unreachable (partition {part.pid} is degraded; no extent created)",
+                                       addr, result=Result.REPLICATION_FAILED, node=part.replicas[0],
+                                       arg=idx) from None
 
     async def _pipeline(self, part, extent, mv, chunks, on_progress):
         """Send appends in order with up to ``depth`` in flight; returns (acked prefix, first error)."""
@@ -367,9 +543,17 @@ class DataClient:
                     errors.append(e)     # a replica being repaired may not have the range yet: next one
                     continue
                 return
-            raise errors[-1] if len(errors) == 1 else ClientError(
-                "read failed on every replica: " + "; ".join(str(e) for e in errors),
-                errors[-1].result, errors[-1].node)
+            if len(errors) == 1:
+                raise errors[-1]
+            reasons: dict[str, list[str]] = {}      # one reason, once, with the replicas that gave it
+            for e in errors:
+                text = str(e)
+                node = e.node or ""
+                reasons.setdefault(text[len(node) + 2:] if node and text.startswith(node + ": ") else text,
+                                   []).append(node or "?")
+            raise ClientError("read failed on every replica: " + "; ".join(
+                f"{', '.join(nodes)}: {why}" for why, nodes in reasons.items()), errors[-1].result,
+                errors[-1].node, errors[-1].arg)
         finally:
             limit.release()
 
@@ -381,11 +565,21 @@ class DataClient:
         marks = await self.admin(addr or part.replicas[0], Op.WATERMARKS, partition=pid)
         return {int(k): v for k, v in marks.items()}
 
+    def forget_extent(self, pid: int, extent: int) -> None:
+        """Never append to ``extent`` again (call before deleting an extent this client wrote to)."""
+        self._idle[pid] = [(e, o) for e, o in self._idle.get(pid, []) if e != extent]
+
     async def delete_extent(self, pid: int, extent: int) -> None:
         part = self.partition(pid)
         resp, _ = await self.request(part.replicas[0], Header(opcode=Op.MARK_DELETE, partition=pid,
                                                               extent=extent, epoch=part.epoch))
         check(resp, part.replicas[0], part)
+
+
+def _changes_view(e: ClientError) -> bool:
+    """Failures that a new view of the partition (a failover, a shrink) cures."""
+    return e.result in (None, Result.REPLICATION_FAILED, Result.NOT_LEADER, Result.STALE_EPOCH, Result.DIVERGED,
+                        Result.NOT_FOUND, Result.RETRY)
 
 
 def check(resp: Header, addr: str, part: PartitionInfo | None = None) -> None:
@@ -395,13 +589,10 @@ def check(resp: Header, addr: str, part: PartitionInfo | None = None) -> None:
     res = Result(resp.result)
     text = f"{addr}: {resp.result_text()}"
     if res == Result.REPLICATION_FAILED:
-        replica = part.replicas[resp.arg] if part and 0 < resp.arg < len(part.replicas) else None
-        raise ReplicationError(f"{addr}: replication failed at replica {replica or '#%d' % resp.arg}",
-                               replica, result=res, node=addr, arg=resp.arg)
-    if res == Result.STALE_EPOCH:
-        text += f" (node is at epoch {resp.arg})"
-    elif res == Result.BAD_REQUEST and resp.arg:
-        text += f" (detail {resp.arg})"
+        idx = failed_replicas(resp.arg)
+        names = [part.replicas[i] if part and i < len(part.replicas) else f"#{i}" for i in idx]
+        raise ReplicationError(f"{addr}: replication failed at replica {', '.join(names) or '?'}",
+                               names, result=res, node=addr, arg=resp.arg)
     raise ClientError(text, res, addr, resp.arg)
 
 

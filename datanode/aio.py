@@ -7,10 +7,11 @@ from typing import AsyncIterator
 import trio
 
 
-def _leaves(exc: BaseException):
+def leaves(exc: BaseException):
+    """The exceptions inside (nested) exception groups, in order."""
     if isinstance(exc, BaseExceptionGroup):
         for e in exc.exceptions:
-            yield from _leaves(e)
+            yield from leaves(e)
     else:
         yield exc
 
@@ -23,10 +24,10 @@ async def nursery() -> AsyncIterator[trio.Nursery]:
         async with trio.open_nursery() as n:
             yield n
     except BaseExceptionGroup as eg:
-        leaves = list(_leaves(eg))
-        real = [e for e in leaves if not isinstance(e, trio.Cancelled)]
+        found = list(leaves(eg))
+        real = [e for e in found if not isinstance(e, trio.Cancelled)]
         if len(real) == 1:
             raise real[0] from None
-        if not real and leaves:
-            raise leaves[0] from None
+        if not real and found:
+            raise found[0] from None
         raise

@@ -10,13 +10,25 @@ import trio
 from . import config as config_mod
 
 
+def _version() -> str:
+    from importlib import metadata
+    try:
+        return metadata.version("datanode")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(_version(), "--version", prog_name="datanode")
 def main():
     """The datanode daemon: stores extents of data partitions and replicates writes to followers.
 
     \b
     Start one:   datanode serve --config node.toml
-    Defaults:    datanode print-config   (every key, with its default)
+    Defaults:    datanode print-config   (every key with its default, unit and meaning)
+    Secrets:     datanode gen-secret > /etc/datanode/secret   (then secret_file = "/etc/datanode/secret")
+                 datanode derive-key --secret-file /etc/datanode/secret --role client > client.key
+    Trash:       datanode trash list --config node.toml ; datanode trash restore NAME --config node.toml
     """
 
 
@@ -24,14 +36,14 @@ def main():
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="node.toml to read.")
 @click.option("--listen", help="HOST:PORT (overrides the config).")
 @click.option("--data-dir", help="Where partitions live (overrides the config).")
-@click.option("--sync", type=click.Choice(["always", "none"]), help="fdatasync before each ack, or not.")
-@click.option("--transport", type=click.Choice(["auto", "verbs", "tcp"]), help="Data-path transport.")
-@click.option("--pool-mib", type=int, help="Registered pool size in MiB.")
+@click.option("--sync", type=click.Choice([m.value for m in config_mod.SyncMode]), help="fdatasync before each ack, or not.")
+@click.option("--transport", type=click.Choice([m.value for m in config_mod.TransportChoice]), help="Data-path transport.")
+@click.option("--pool-mib", type=int, help="Registered pool size in MiB (must fit in available memory).")
 def serve(config_path, listen, data_dir, sync, transport, pool_mib):
     """Run a datanode until SIGTERM/SIGINT (in-flight requests are drained first)."""
     try:
-        cfg = config_mod.load(config_path, listen=listen, data_dir=data_dir, sync=sync, transport=transport,
-                              pool_mib=pool_mib)
+        cfg = config_mod.check_host(config_mod.load(config_path, listen=listen, data_dir=data_dir, sync=sync,
+                                                    transport=transport, pool_mib=pool_mib))
     except config_mod.ConfigError as e:
         raise click.ClickException(str(e)) from None
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
@@ -41,6 +53,10 @@ def serve(config_path, listen, data_dir, sync, transport, pool_mib):
         node = Node(cfg)
     except (config_mod.ConfigError, ValueError) as e:
         raise click.ClickException(str(e)) from None
+    except OSError as e:      # the pool's memory, the data directory: what the host refused, in one line
+        raise click.ClickException(f"cannot start: {e.strerror or e}"
+                                   + (f" ({e.filename})" if getattr(e, "filename", None) else "")
+                                   + f" [data_dir {cfg.data_dir}, pool_mib {cfg.pool_mib}]") from None
     try:
         trio.run(node.serve)
     except OSError as e:
@@ -50,11 +66,86 @@ def serve(config_path, listen, data_dir, sync, transport, pool_mib):
 @main.command("print-config")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False))
 def print_config(config_path):
-    """Print the effective configuration (defaults filled in) as TOML."""
+    """Print the effective configuration (defaults filled in) as TOML, each key followed by a comment
+    with its unit and what it does."""
     try:
-        click.echo(config_mod.to_toml(config_mod.load(config_path)), nl=False)
+        click.echo(config_mod.to_toml(config_mod.load(config_path), annotate=True), nl=False)
     except config_mod.ConfigError as e:
         raise click.ClickException(str(e)) from None
+
+
+@main.command("gen-secret")
+def gen_secret():
+    """Print a new cluster secret (64 hex digits).  Store it mode 0600 on every datanode and admin host; give
+    client hosts only a client key (derive-key)."""
+    from .auth import gen_secret as make
+    click.echo(make(), nl=False)
+
+
+@main.command("derive-key")
+@click.option("--secret-file", required=True, type=click.Path(dir_okay=False, exists=True),
+              help="The cluster secret.")
+@click.option("--role", required=True, type=click.Choice(["client", "node", "admin"]),
+              help="The role the key proves (client hosts: client; admin hosts may get admin).")
+def derive_key(secret_file, role):
+    """Print a role key file: it proves ROLE and nothing else (it cannot derive the other roles' keys).
+    Use it as the SDK's secret= / DATANODE_SECRET_FILE on hosts that must not administer the cluster."""
+    from .auth import ROLE_NAMES, AuthConfigError, Credentials
+    try:
+        click.echo(Credentials.load(secret_file).role_key_file(ROLE_NAMES[role]), nl=False)
+    except AuthConfigError as e:
+        raise click.ClickException(str(e)) from None
+
+
+@main.group()
+def trash():
+    """Partitions deleted (or this node removed from) are kept in data_dir/trash for trash_retention_s."""
+
+
+def _table(config_path):
+    import pathlib
+
+    from .partition import PartitionTable
+    try:
+        cfg = config_mod.load(config_path)
+    except config_mod.ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    return cfg, PartitionTable(pathlib.Path(cfg.data_dir), cfg.sync)
+
+
+@trash.command("list")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="The node's node.toml.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def trash_list(config_path, as_json):
+    """What the trash holds (name, partition, when deleted, bytes)."""
+    import json
+    import time
+    cfg, table = _table(config_path)
+    entries = table.list_trash()
+    if as_json:
+        click.echo(json.dumps(entries, indent=1))
+        return
+    if not entries:
+        click.echo(f"the trash of {cfg.data_dir} is empty")
+    for e in entries:
+        left = cfg.trash_retention_s - (time.time() - e["deleted"])
+        click.echo(f"{e['name']}  partition {e['partition']}  deleted "
+                   f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(e['deleted']))}  {e['bytes']} bytes  "
+                   f"purged in {max(0, left):.0f}s")
+
+
+@trash.command("restore")
+@click.argument("name")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="The node's node.toml.")
+def trash_restore(name, config_path):
+    """Put trash entry NAME back as its partition.  Run it with the node stopped; the partition comes back
+    with the replicas and epoch it had (a leader's repair then brings it up to date, or fences it)."""
+    _cfg, table = _table(config_path)
+    try:
+        pid = table.restore(name)
+    except (FileNotFoundError, FileExistsError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"partition {pid} restored from the trash; start the node to serve it")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
+import os
 import pathlib
 import tomllib
 
@@ -10,20 +12,38 @@ class ConfigError(Exception):
     pass
 
 
+class SyncMode(enum.StrEnum):
+    """When an append is durable: ``always`` fdatasync before every ack; ``none`` page cache only."""
+    ALWAYS = "always"
+    NONE = "none"
+
+
+class TransportChoice(enum.StrEnum):
+    """The data path a node or client asks for: ``auto`` uses RDMA verbs if a device works, else TCP."""
+    AUTO = "auto"
+    VERBS = "verbs"
+    TCP = "tcp"
+
+
+_ENUMS = {"SyncMode": SyncMode, "TransportChoice": TransportChoice}
+
+
 @dataclasses.dataclass
 class Config:
     listen: str = "127.0.0.1:17310"
     data_dir: str = "./data"
     pool_mib: int = 256            # registered pool arena
     max_block_kib: int = 4096      # largest pool block (and so the largest single request payload)
-    sync: str = "always"           # always: fdatasync before every ack | none: page cache only
-    transport: str = "auto"        # auto | verbs | tcp
+    sync: SyncMode = SyncMode.ALWAYS                  # always: fdatasync before every ack | none: page cache only
+    transport: TransportChoice = TransportChoice.AUTO  # auto | verbs | tcp
     rdma_device: str = ""          # e.g. "rxe0"; empty: first active device (only when transport != tcp)
     gid_index: int = 1
     replica_timeout: float = 5.0   # seconds a follower may take to ack a forwarded write
-    pool_wait: float = 10.0        # seconds a request may wait for pool memory before NO_SPACE
+    pool_wait: float = 10.0        # seconds a request may wait for pool memory before POOL_BUSY
+    peer_timeout: float = 10.0     # seconds a peer may take to serve a one-sided op (else its connection is dropped)
     slots: int = 64                # preposted control slots per connection
     log_level: str = "info"
+    metrics_listen: str = ""       # HOST:PORT serving Prometheus /metrics (empty: off)
     # -- replica health, repair and scrub (datanode/repair.py) --
     heartbeat_s: float = 1.0       # how often a leader probes each follower
     repair_interval_s: float = 60.0  # a full repair pass (sizes and block CRCs) at least this often
@@ -31,6 +51,23 @@ class Config:
     repair_chunk_kib: int = 1024   # bytes moved per repair write (one extent-lane turn each)
     scrub_interval_s: float = 3600.0  # background scrub pass this often (0: only on demand)
     scrub_mib_s: float = 32.0      # scrub read rate cap per node, MiB/s (0: unlimited)
+    # -- trust boundaries (README "Trust boundaries") --
+    secret_file: str = ""          # the cluster secret (datanode gen-secret); empty: NO authentication (warned)
+    hello_timeout: float = 5.0     # seconds a new connection may take to complete its hello
+    max_connections: int = 1024    # accepted connections at once; more are refused at the hello
+    idle_timeout_s: float = 600.0  # a connection with nothing in flight for this long is closed (0: never)
+    conn_pool_share: float = 0.5   # most of the pool one connection's requests may hold (fraction)
+    trash_retention_s: float = 86400.0   # a deleted/removed partition's data is kept in data_dir/trash this long
+    audit_log: str = ""            # admin actions, one JSON line each (empty: data_dir/audit.log)
+    # -- cluster map in etcd (datanode/etcdmap.py); empty etcd: no etcd, the map is what admins set --
+    etcd: str = ""                 # e.g. "http://127.0.0.1:2379" or "http://a:2379,http://b:2379"
+    etcd_prefix: str = "/datanode"  # every key of this cluster lives under it
+    lease_ttl_s: int = 3           # registration lease: etcd forgets a dead node this long after its death
+    zone: str = "default"          # failure-domain label: the manager spreads replicas across zones
+    # -- opening the partitions at start --
+    open_verify: str = "tail"      # tail: at open, CRC-check only what crash recovery needs (each extent's
+                                   # tail); a leader scrubs soon after start (unless scrub_interval_s = 0) |
+                                   # full: CRC-check every block before serving (slow: reads all data)
 
     @property
     def host(self) -> str:
@@ -50,6 +87,10 @@ def _check(cfg: Config) -> Config:
         bad("listen", "expected HOST:PORT, e.g. 127.0.0.1:17310")
     if not cfg.data_dir:
         bad("data_dir", "must be a directory path")
+    if cfg.metrics_listen:
+        mh, msep, mport = cfg.metrics_listen.rpartition(":")
+        if not msep or not mh or not mport.isdigit() or not (0 <= int(mport) <= 65535):
+            bad("metrics_listen", "expected HOST:PORT (e.g. 127.0.0.1:9310), or empty for no metrics")
     if not (1 <= cfg.pool_mib <= 64 * 1024):
         bad("pool_mib", "must be between 1 and 65536")
     kib = cfg.max_block_kib
@@ -57,14 +98,25 @@ def _check(cfg: Config) -> Config:
         bad("max_block_kib", "must be a power of two between 4 and 65536")
     if (cfg.pool_mib * 1024) % kib:
         bad("max_block_kib", f"pool_mib ({cfg.pool_mib} MiB) must be a multiple of the max block")
-    if cfg.sync not in ("always", "none"):
-        bad("sync", "must be 'always' or 'none'")
-    if cfg.transport not in ("auto", "verbs", "tcp"):
-        bad("transport", "must be 'auto', 'verbs' or 'tcp'")
+    for key, kind in (("sync", SyncMode), ("transport", TransportChoice)):
+        try:
+            setattr(cfg, key, kind(getattr(cfg, key)))
+        except ValueError:
+            bad(key, "must be " + " or ".join(f"'{m.value}'" for m in kind))
     if cfg.replica_timeout <= 0:
         bad("replica_timeout", "must be > 0 seconds")
-    if cfg.pool_wait <= 0:
-        bad("pool_wait", "must be > 0 seconds")
+    if cfg.secret_file and not pathlib.Path(cfg.secret_file).is_file():
+        bad("secret_file", "no such file (make one with: datanode gen-secret > FILE)")
+    if cfg.hello_timeout <= 0 or cfg.max_connections < 1 or cfg.idle_timeout_s < 0:
+        bad("hello_timeout" if cfg.hello_timeout <= 0 else "max_connections" if cfg.max_connections < 1
+            else "idle_timeout_s", "must be > 0 (idle_timeout_s: >= 0, 0 = never)")
+    if not 0 < cfg.conn_pool_share <= 1:
+        bad("conn_pool_share", "must be in (0, 1]")
+    if cfg.trash_retention_s < 0:
+        bad("trash_retention_s", "must be >= 0 seconds (0: purge at once)")
+    for key in ("pool_wait", "peer_timeout"):
+        if getattr(cfg, key) <= 0:
+            bad(key, "must be > 0 seconds")
     if not (1 <= cfg.slots <= 4096):
         bad("slots", "must be between 1 and 4096")
     for key in ("heartbeat_s", "repair_interval_s"):
@@ -76,9 +128,93 @@ def _check(cfg: Config) -> Config:
     rk = cfg.repair_chunk_kib
     if rk < 4 or rk & (rk - 1) or rk > 65536:
         bad("repair_chunk_kib", "must be a power of two between 4 and 65536 (capped at max_block_kib)")
+    if cfg.open_verify not in ("tail", "full"):
+        bad("open_verify", "must be 'tail' or 'full'")
+    if cfg.etcd:
+        from .etcdmap import parse_urls
+        try:
+            parse_urls(cfg.etcd)
+        except ValueError as e:
+            bad("etcd", str(e))
+    if not cfg.etcd_prefix.startswith("/") or cfg.etcd_prefix.strip("/") == "":
+        bad("etcd_prefix", "must be an absolute key prefix such as /datanode")
+    if not (2 <= cfg.lease_ttl_s <= 3600):
+        bad("lease_ttl_s", "must be between 2 and 3600 seconds (etcd's smallest lease is about 2 s)")
+    if not cfg.zone or "/" in cfg.zone:
+        bad("zone", "must be a non-empty label without '/'")
     if cfg.log_level.lower() not in ("debug", "info", "warning", "error"):
         bad("log_level", "must be debug, info, warning or error")
     return cfg
+
+
+# Every key's unit and one-line meaning: `datanode print-config` prints them beside the values.
+KEY_HELP: dict[str, tuple[str, str]] = {
+    "listen": ("HOST:PORT", "address the node serves on; also its name in partitions' replica lists"),
+    "data_dir": ("path", "directory holding the partitions (created if missing)"),
+    "pool_mib": ("MiB", "registered memory pool (buddy allocator) for request payloads"),
+    "max_block_kib": ("KiB", "largest pool block, so the largest single request payload"),
+    "sync": ("|".join(SyncMode), "always: fdatasync before every ack; none: page cache only (not durable)"),
+    "transport": ("|".join(TransportChoice), "data path; auto uses RDMA verbs if a device works, else TCP"),
+    "rdma_device": ("name", "RDMA device, e.g. rxe0; empty: the first active one"),
+    "gid_index": ("index", "GID table index of the RDMA port (RoCE v2 is usually 1)"),
+    "replica_timeout": ("seconds", "how long a leader waits for a follower's ack before failing the write"),
+    "pool_wait": ("seconds", "how long a request may wait for pool memory before POOL_BUSY"),
+    "peer_timeout": ("seconds", "how long a peer may take to serve a one-sided op before its request fails "
+                                "and its connection is dropped"),
+    "metrics_listen": ("HOST:PORT", "where Prometheus /metrics is served (empty: off)"),
+    "etcd": ("URL,URL...", "etcd endpoints holding the cluster map (empty: no etcd; views set by admins)"),
+    "etcd_prefix": ("key", "prefix of every etcd key of this cluster"),
+    "lease_ttl_s": ("seconds", "registration lease in etcd: a dead node is noticed this long after it dies"),
+    "zone": ("label", "failure domain: the manager spreads replicas across zones"),
+    "open_verify": ("tail|full", "at start, CRC-check only each extent's tail (scrub checks the rest soon "
+                                 "after) or every block before serving"),
+    "slots": ("count", "preposted control slots per connection (requests in flight per connection)"),
+    "log_level": ("level", "debug, info, warning or error"),
+    "heartbeat_s": ("seconds", "how often a leader probes each follower"),
+    "repair_interval_s": ("seconds", "a full repair pass (sizes and block CRCs) at least this often"),
+    "repair_mib_s": ("MiB/s", "repair bandwidth cap per node (0: unlimited)"),
+    "repair_chunk_kib": ("KiB", "bytes moved per repair write (one extent-lane turn each)"),
+    "scrub_interval_s": ("seconds", "background scrub pass this often (0: only on demand)"),
+    "scrub_mib_s": ("MiB/s", "scrub read rate cap per node (0: unlimited)"),
+    "secret_file": ("path", "the cluster secret (datanode gen-secret); empty: NO authentication, warned at start"),
+    "hello_timeout": ("seconds", "how long a new connection may take to complete its (authenticated) hello"),
+    "max_connections": ("count", "connections accepted at once; more are refused with 'too many connections'"),
+    "idle_timeout_s": ("seconds", "a connection with nothing in flight this long is closed (0: never)"),
+    "conn_pool_share": ("fraction", "most of the pool one connection may hold (BUSY beyond; fair share when short)"),
+    "trash_retention_s": ("seconds", "a deleted or removed partition's data stays in data_dir/trash this long"),
+    "audit_log": ("path", "admin actions as JSON lines (empty: data_dir/audit.log)"),
+}
+
+
+def check_host(cfg: Config) -> Config:
+    """Check the config against this machine before serving: ``data_dir`` is (or can be made) a
+    writable directory, and ``pool_mib`` fits in the memory available now.  ConfigError names the key."""
+    d = pathlib.Path(cfg.data_dir)
+    if d.exists() and not d.is_dir():
+        raise ConfigError(f"config key 'data_dir': {cfg.data_dir} exists and is not a directory")
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"config key 'data_dir': cannot create {cfg.data_dir}: {e.strerror or e}") from None
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise ConfigError(f"config key 'data_dir': {cfg.data_dir} is not writable")
+    avail = _mem_available()
+    if avail is not None and cfg.pool_mib << 20 > avail:
+        raise ConfigError(f"config key 'pool_mib': {cfg.pool_mib} MiB is more memory than this machine has "
+                          f"available ({avail >> 20} MiB); lower it")
+    return cfg
+
+
+def _mem_available() -> int | None:
+    """Bytes of memory available for a new allocation (MemAvailable), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def from_dict(d: dict, source: str = "config") -> Config:
@@ -89,7 +225,8 @@ def from_dict(d: dict, source: str = "config") -> Config:
             raise ConfigError(f"{source}: unknown key '{key}' (known: {', '.join(sorted(fields))})")
         want = fields[key].type
         ok = {"str": isinstance(value, str), "int": isinstance(value, int) and not isinstance(value, bool),
-              "float": isinstance(value, (int, float)) and not isinstance(value, bool)}[want]
+              "float": isinstance(value, (int, float)) and not isinstance(value, bool)}.get(
+                  want, isinstance(value, str) and want in _ENUMS)
         if not ok:
             raise ConfigError(f"config key '{key}': expected {want}, got {value!r}")
         kwargs[key] = float(value) if want == "float" else value
@@ -110,9 +247,14 @@ def load(path: str | pathlib.Path | None, **overrides) -> Config:
     return from_dict(d, str(path or "config"))
 
 
-def to_toml(cfg: Config) -> str:
+def to_toml(cfg: Config, annotate: bool = False) -> str:
+    """The config as TOML; with ``annotate`` each key is followed by a comment: its unit and meaning."""
     lines = []
     for f in dataclasses.fields(Config):
         v = getattr(cfg, f.name)
-        lines.append(f'{f.name} = "{v}"' if isinstance(v, str) else f"{f.name} = {v}")
+        line = f'{f.name} = "{v}"' if isinstance(v, str) else f"{f.name} = {v}"
+        if annotate:
+            unit, text = KEY_HELP.get(f.name, ("", ""))
+            line = f"{line:30} # [{unit}] {text}" if unit or text else line
+        lines.append(line)
     return "\n".join(lines) + "\n"

@@ -1,7 +1,9 @@
 """Data partitions hosted by this node: their durable identity (replicas, epoch) and per-extent write order.
 
 A partition's directory ``data_dir/partitions/<id>/`` holds ``meta.json`` (written atomically: temp file,
-fsync, rename, fsync dir) and the extent store.  The replica list is ordered, leader first.  The epoch goes
+fsync, rename, fsync dir) and the extent store.  Deleting a partition here (``PARTITION_DELETE``, or this node
+being removed from its replicas) moves the directory to ``data_dir/trash/<id>.<deleted unix ns>``, where it is
+kept for ``trash_retention_s`` (``purge_trash``) and can be put back with ``datanode trash restore``.  The replica list is ordered, leader first.  The epoch goes
 up on every replica-list change; a request carrying another epoch is refused (``STALE_EPOCH``).
 """
 from __future__ import annotations
@@ -11,17 +13,22 @@ import logging
 import os
 import pathlib
 import shutil
+import threading
+import time
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
 
 import trio
 
+from .protocol import BodyError, decode_view
 from .store import ExtentStore, StoreError
 
-log = logging.getLogger("datanode.partition")
+log = logging.getLogger(__name__)
 
 
 def write_json_atomic(path: pathlib.Path, obj) -> None:
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".tmp{threading.get_ident()}")   # saves from two threads must not share it
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=1)
         f.flush()
@@ -34,14 +41,24 @@ def write_json_atomic(path: pathlib.Path, obj) -> None:
         os.close(fd)
 
 
+def _fsync_dir(d: pathlib.Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class ExtentLane:
     """Keeps appends to one extent in arrival order while letting their payload fetches overlap.
 
     The dispatcher takes a ticket when a request *arrives* (synchronously, so arrival order is ticket
-    order); the handler then waits for its turn only around the part that must be ordered."""
+    order); the handler then holds its turn (``async with lane.turn(ticket):``) only around the part that
+    must be ordered: checking the offset, forwarding, and the local write.  So at the start of a turn every
+    earlier append of the extent has reached the store (or failed): the store's size *is* the extent's end,
+    and nothing else needs to track it."""
 
-    def __init__(self, size: int, diverged: str | None = None):
-        self.next_offset = size      # where the next accepted append starts (durable size + in-flight)
+    def __init__(self, diverged: str | None = None):
         self.diverged = diverged     # why appends are refused (replicas may differ), or None
         self._issued = 0
         self._serving = 0
@@ -54,10 +71,16 @@ class ExtentLane:
         self._issued += 1
         return t
 
-    async def wait_turn(self, ticket: int) -> None:
-        if ticket != self._serving:
-            ev = self._events.setdefault(ticket, trio.Event())
-            await ev.wait()
+    @asynccontextmanager
+    async def turn(self, ticket: int | None = None) -> AsyncIterator[None]:
+        """Hold the extent's turn for ``ticket`` (taken at arrival), or for a new ticket taken now."""
+        t = self.ticket() if ticket is None else ticket
+        try:
+            if t != self._serving:
+                await self._events.setdefault(t, trio.Event()).wait()
+            yield
+        finally:
+            self.done(t)
 
     def done(self, ticket: int) -> None:
         """Ends this ticket's turn.  Idempotent; a ticket ended before its turn (its request failed early)
@@ -86,6 +109,8 @@ class Partition:
     sealed: dict[str, str] = field(default_factory=dict)   # extent -> why no more appends
     lanes: dict[int, ExtentLane] = field(default_factory=dict)
     health: dict = field(default_factory=dict)   # the leader's summary of its replicas (datanode/repair.py)
+    unverified: bool = False   # opened without CRC-checking every block (open_verify = tail): the leader's
+                               # first scrub after start checks them (datanode/repair.py), then clears this
 
     @property
     def leader(self) -> str:
@@ -96,10 +121,10 @@ class Partition:
         ln = self.lanes.get(extent)
         if ln is None:
             try:
-                size = self.store.size(extent)
+                self.store.size(extent)
             except StoreError:
                 return None
-            ln = self.lanes[extent] = ExtentLane(size, self.sealed.get(str(extent)))
+            ln = self.lanes[extent] = ExtentLane(self.sealed.get(str(extent)))
         return ln
 
     def seal(self, extent: int, why: str) -> None:
@@ -118,39 +143,104 @@ class Partition:
         return {**self.meta(), "leader": self.leader, "role": "leader" if me == self.leader else "follower",
                 "extents": len(marks), "bytes": sum(marks.values()),
                 "sealed_extents": sorted(int(e) for e in self.sealed),
-                "state": "read-write", "health": self.health}
+                "state": "degraded" if self.health.get("state") in ("degraded", "repairing") else "read-write",
+                "health": self.health}
 
     # -- repair support (datanode/repair.py) ----------------------------------------------------------
     def deleted_extents(self) -> set[int]:
         """Ids of extents deleted here (their tombstones): repair deletes them on followers too."""
-        st = self.store
-        with st._lock:
-            return set(st._tombstones)
+        return self.store.tombstones()
 
     def block_entries(self, extent: int) -> tuple[int, list[tuple[int, int]]]:
         """(size, [(crc, covered)] per 128 KiB block) of one extent, one consistent snapshot."""
-        ext = self.store._get(extent)
-        with ext.mu:
-            return ext.size, list(ext.entries)
+        return self.store.block_entries(extent)
+
+
+@dataclass
+class OpenProgress:
+    """How far opening the partitions at start has got.  Written by the loading thread, read by the node's
+    status (plain int/float fields: each read sees a whole value)."""
+    verify: str = "tail"
+    partitions_total: int = 0
+    partitions: int = 0
+    extents_total: int = 0
+    extents: int = 0
+    bytes_total: int = 0          # sizes of the data files found (before any torn tail is cut)
+    bytes: int = 0
+    started: float | None = None  # time.monotonic() when opening began
+    finished: float | None = None
+
+    def to_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in ("verify", "partitions_total", "partitions", "extents_total",
+                                             "extents", "bytes_total", "bytes")}
+        end = self.finished if self.finished is not None else time.monotonic()
+        d["seconds"] = round(end - self.started, 3) if self.started is not None else 0.0
+        return d
 
 
 class PartitionTable:
-    def __init__(self, data_dir: pathlib.Path, sync: str):
+    def __init__(self, data_dir: pathlib.Path, sync: str, verify: str = "full"):
         self.root = data_dir / "partitions"
         self.root.mkdir(parents=True, exist_ok=True)
         self.sync = sync
+        self.verify = verify      # how stores are opened: "tail" or "full" (datanode/store.py)
         self.parts: dict[int, Partition] = {}
 
-    def load(self) -> None:
-        for d in sorted(self.root.iterdir()):
-            meta = d / "meta.json"
-            if not d.is_dir() or not meta.exists():
-                continue
-            m = json.loads(meta.read_text())
-            self.parts[m["id"]] = Partition(m["id"], m["replicas"], m["epoch"], d,
-                                            ExtentStore(d / "store", sync=self.sync), m.get("sealed", {}))
-            log.info("partition %d loaded: epoch %d, replicas %s, %d extents", m["id"], m["epoch"],
-                     ",".join(m["replicas"]), len(self.parts[m["id"]].store.watermarks()))
+    def load(self, progress: OpenProgress | None = None,
+             checkpoint: Callable[[], None] | None = None) -> None:
+        """Open every partition under the data dir (blocking: the node runs it in a worker thread).
+        ``progress`` is kept up to date as extents open; ``checkpoint`` is called after each extent and may
+        raise to stop (e.g. the node is told to stop while starting): what was opened is closed again.
+        The partitions appear in ``parts`` together, once all are open."""
+        prog = progress or OpenProgress(verify=self.verify)
+        prog.started = time.monotonic() if prog.started is None else prog.started
+        dirs = [d for d in sorted(self.root.iterdir()) if d.is_dir() and (d / "meta.json").exists()]
+        prog.partitions_total = len(dirs)
+        for d in dirs:                          # size the work (a directory listing: cheap next to opening)
+            try:
+                with os.scandir(d / "store" / "extents") as it:
+                    for ent in it:
+                        if ent.name.endswith(".dat"):
+                            prog.extents_total += 1
+                            prog.bytes_total += ent.stat().st_size
+            except FileNotFoundError:
+                pass
+
+        def on_extent(size: int) -> None:
+            prog.extents += 1
+            prog.bytes += size
+            if checkpoint is not None:
+                checkpoint()
+
+        loaded: dict[int, Partition] = {}
+        try:
+            for d in dirs:
+                try:
+                    m = json.loads((d / "meta.json").read_text())
+                    replicas, epoch = decode_view(m)
+                    pid, sealed = m["id"], m.get("sealed", {})
+                    if not isinstance(pid, int) or str(pid) != d.name or not isinstance(sealed, dict):
+                        raise BodyError("other", f"id {pid!r} / sealed {type(sealed).__name__}")
+                except (OSError, ValueError, KeyError, BodyError) as e:
+                    log.error("partition directory %s: unusable meta.json (%s): not loaded, data left in place",
+                              d, e)
+                    prog.partitions_total -= 1
+                    continue
+                store = ExtentStore(d / "store", sync=self.sync, verify=self.verify, on_extent=on_extent)
+                marks = store.watermarks()
+                loaded[pid] = Partition(pid, replicas, epoch, d, store, sealed,
+                                        unverified=self.verify != "full" and any(marks.values()))
+                prog.partitions += 1
+                log.info("partition %d loaded: epoch %d, replicas %s, %d extents, %d bytes (verify=%s)", pid,
+                         epoch, ",".join(replicas), len(marks), sum(marks.values()), self.verify)
+                if checkpoint is not None:
+                    checkpoint()
+        except BaseException:
+            for p in loaded.values():
+                p.store.close()
+            raise
+        self.parts.update(loaded)
+        prog.finished = time.monotonic()
 
     def get(self, pid: int) -> Partition | None:
         return self.parts.get(pid)
@@ -158,15 +248,65 @@ class PartitionTable:
     def create(self, pid: int, replicas: list[str], epoch: int) -> Partition:
         d = self.root / str(pid)
         d.mkdir(parents=True, exist_ok=True)
-        p = Partition(pid, list(replicas), epoch, d, ExtentStore(d / "store", sync=self.sync))
+        p = Partition(pid, list(replicas), epoch, d,
+                      ExtentStore(d / "store", sync=self.sync, verify=self.verify))
         p.save()
         self.parts[pid] = p
         return p
 
-    def delete(self, pid: int) -> None:
+    @property
+    def trash(self) -> pathlib.Path:
+        return self.root.parent / "trash"
+
+    def delete(self, pid: int) -> pathlib.Path:
+        """Stop serving partition ``pid`` and move its data to the trash; returns where it went."""
         p = self.parts.pop(pid)
         p.store.close()
-        shutil.rmtree(p.root, ignore_errors=True)
+        self.trash.mkdir(exist_ok=True)
+        dest = self.trash / f"{pid}.{time.time_ns()}"
+        os.rename(p.root, dest)
+        for d in (self.root, self.trash):
+            _fsync_dir(d)
+        log.warning("partition %d: data moved to the trash: %s", pid, dest)
+        return dest
+
+    def list_trash(self) -> list[dict]:
+        """What the trash holds: [{"name", "partition", "deleted" (unix seconds), "bytes"}], oldest first."""
+        out = []
+        if not self.trash.is_dir():
+            return out
+        for d in self.trash.iterdir():
+            pid, _, ns = d.name.partition(".")
+            if not (d.is_dir() and pid.isdigit() and ns.isdigit()):
+                continue
+            size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+            out.append({"name": d.name, "partition": int(pid), "deleted": int(ns) / 1e9, "bytes": size})
+        return sorted(out, key=lambda e: e["deleted"])
+
+    def purge_trash(self, retention_s: float, now: float | None = None) -> list[str]:
+        """Remove trash entries older than ``retention_s``; returns their names."""
+        now = time.time() if now is None else now
+        gone = []
+        for e in self.list_trash():
+            if now - e["deleted"] >= retention_s:
+                shutil.rmtree(self.trash / e["name"], ignore_errors=True)
+                log.info("trash: purged %s (partition %d, %d bytes)", e["name"], e["partition"], e["bytes"])
+                gone.append(e["name"])
+        return gone
+
+    def restore(self, name: str) -> int:
+        """Put a trash entry back as its partition (offline: the node is not running); returns its id."""
+        src = self.trash / name
+        pid, _, ns = name.partition(".")
+        if not (src.is_dir() and pid.isdigit() and ns.isdigit() and "/" not in name):
+            raise FileNotFoundError(f"no trash entry {name!r} in {self.trash}")
+        dest = self.root / pid
+        if dest.exists():
+            raise FileExistsError(f"partition {pid} exists again at {dest}: move it away first")
+        os.rename(src, dest)
+        for d in (self.root, self.trash):
+            _fsync_dir(d)
+        return int(pid)
 
     def close(self) -> None:
         for p in self.parts.values():

@@ -437,6 +437,11 @@ class BuddyPool:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def in_use(self) -> int:
+        """Bytes of the arena in live blocks."""
+        return self._in_use
+
     def __enter__(self) -> BuddyPool:
         return self
 

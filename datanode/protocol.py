@@ -11,11 +11,11 @@ Layout (88 bytes):
 
     off size field
       0   2  magic      0xDA7A
-      2   1  version    1
+      2   1  version    2
       3   1  opcode     Op
       4   1  result     Result (0 in requests)
       5   1  flags      Flag bits
-      6   2  hops       replicas still to forward to (informational, like CubeFS's RemainingFollowers)
+      6   2  pad        must be 0
       8   8  partition  data partition id
      16   8  extent     extent id
      24   8  offset     byte offset in the extent
@@ -26,7 +26,7 @@ Layout (88 bytes):
      56   8  addr       remote descriptor: address of the sender's buffer
      64   4  rkey       remote descriptor: key of the region holding it
      68   4  rlen       remote descriptor: bytes exposed at addr
-     72   8  arg        op specific (response: extent size, failed replica index, needed length, ...)
+     72   8  arg        op specific (a response's arg: see ``Result``: extent end, failed replicas, ...)
      80   4  reserved   must be 0
      84   4  hcrc       CRC32C of bytes 0..83
 """
@@ -39,7 +39,7 @@ import struct
 from .crc import crc32c
 
 MAGIC = 0xDA7A
-VERSION = 1
+VERSION = 3      # 2: BAD_REQUEST split into one result code per condition; 3: authenticated hello, roles
 HEADER_SIZE = 88
 MAX_PAYLOAD = 64 << 20          # no single request moves more than this
 _FMT = struct.Struct(">HBBBBHQQQIIQQQIIQI")  # everything but hcrc
@@ -87,51 +87,125 @@ class Op(enum.IntEnum):
 
 
 class Result(enum.IntEnum):
+    """One code per condition; what ``arg`` carries in the response is given for each."""
     OK = 0xF0
-    NOT_LEADER = 0xF2           # this replica is not the partition's leader; arg = index of the leader
-    REPLICATION_FAILED = 0xF3   # a follower is down, slow or said no; arg = index of the replica
-    BAD_REQUEST = 0xF4          # bounds, offset not at the extent's end, bad JSON ...; arg may carry the size
-    CRC_MISMATCH = 0xF5         # payload CRC wrong, or a stored block failed its CRC on read
-    NOT_FOUND = 0xF6            # partition or extent does not exist
-    DISK_ERROR = 0xF7
-    ERROR = 0xF8                # anything else
-    RETRY = 0xF9                # transient: try again
-    NO_SPACE = 0xFA             # pool exhausted past the timeout, or extent full
+    NOT_LEADER = 0xF2           # this replica is not the partition's leader
+    REPLICATION_FAILED = 0xF3   # followers down, slow or said no; arg = bitmask of their replica indexes
+    WRONG_OFFSET = 0xF4         # an append not at the extent's end; arg = the extent's end
+    CRC_MISMATCH = 0xF5         # bytes fail their CRC32C (a payload in transit, or a stored block on read)
+    NOT_FOUND = 0xF6            # partition or extent does not exist (or was deleted)
+    DISK_ERROR = 0xF7           # the disk failed an I/O (EIO, a failed fsync, a broken extent)
+    ERROR = 0xF8                # a bug on the node (logged there with its traceback)
+    RETRY = 0xF9                # transient: the node is starting or shutting down; try again
+    NO_SPACE = 0xFA             # the node's disk is full (ENOSPC)
     STALE_EPOCH = 0xFB          # arg = the receiver's epoch
     DIVERGED = 0xFC             # replicas of this extent disagree: no more appends; use a new extent
     REMOTE_ACCESS = 0xFD        # the one-sided op on the sender's buffer failed (rkey, bounds, rights)
-    PROTOCOL = 0xFE             # malformed header (bad magic/version/CRC, truncated, unknown opcode, ...)
+    PROTOCOL = 0xFE             # malformed header; arg = index in PROTOCOL_REASONS
+    EXISTS = 0xE1               # the partition (arg = its epoch) or extent (arg = its id) already exists
+    TOO_LARGE = 0xE2            # more than a limit allows; arg = the limit (max block, max extent size)
+    OUT_OF_RANGE = 0xE3         # a read or truncate beyond the extent's end; arg = the extent's size
+    SHORT_BUFFER = 0xE4         # the requester's buffer cannot hold the answer; arg = bytes needed
+    BAD_BODY = 0xE5             # an admin request's JSON body is malformed; arg = index in BODY_REASONS
+    WRONG_ROLE = 0xE6           # an op this replica does not take in its role (e.g. TRUNCATE on a leader)
+    POOL_BUSY = 0xE7            # no pool block free within pool_wait (transient: back off and retry)
+    FORBIDDEN = 0xE8            # the connection's authenticated role (or node identity) may not do this
+    BUSY = 0xE9                 # this connection is over its share (pool bytes held): retry after some finish
+
+
+# Why an admin request's JSON body was refused; a BAD_BODY result carries the index in ``arg``.
+BODY_REASONS = ["other", "missing", "too_large", "not_json", "not_an_object", "replicas_not_a_list",
+                "replicas_empty", "too_many_replicas", "replica_not_an_address", "replicas_not_distinct",
+                "epoch_not_an_integer", "epoch_out_of_range", "not_a_member"]
 
 
 class Flag(enum.IntFlag):
     NONE = 0
     FORWARDED = 0x01    # leader -> follower: this is a replica write, do not forward further
-    ANY_REPLICA = 0x02  # read: the client asks this replica directly (not only the leader)
+    ANY_REPLICA = 0x02  # read: served by any replica (without it, only the leader serves reads)
     REPAIR = 0x04       # forwarded by the leader's repair: applies to a sealed extent on the follower too
 
 
-# What a request is allowed to carry.  Checked by decode so handlers see only sane headers.
-_NEEDS_PAYLOAD = {Op.WRITE}
+class Role(enum.IntEnum):
+    """Who authenticated a connection (in the hello), proven with the role's key (datanode/auth.py)."""
+    CLIENT = 1      # data ops: the hosts that mount
+    NODE = 2        # another datanode: forwarded writes, repair, truncate, pushing a view it leads
+    ADMIN = 3       # partition create/update/delete, replica changes, repair/scrub requests (and data ops)
+
+
+_ANY = frozenset(Role)
+_DATA = frozenset({Role.CLIENT, Role.ADMIN})
+# The roles each opcode accepts (without FORWARDED; a forwarded request needs NODE, whatever the opcode).
+OP_ROLES: dict[Op, frozenset] = {
+    Op.PING: _ANY, Op.READ: _ANY, Op.WATERMARKS: _ANY, Op.PARTITION_LIST: _ANY, Op.NODE_STATUS: _ANY,
+    Op.POOL_STATS: _ANY, Op.PARTITION_HEALTH: _ANY,
+    Op.WRITE: _DATA, Op.CREATE_EXTENT: _DATA, Op.MARK_DELETE: _DATA,
+    Op.TRUNCATE: frozenset({Role.NODE}),
+    Op.REPLICA_STATE: frozenset({Role.NODE, Role.ADMIN}), Op.BLOCK_CRCS: frozenset({Role.NODE, Role.ADMIN}),
+    Op.SCRUB_EXTENT: frozenset({Role.NODE, Role.ADMIN}),
+    Op.PARTITION_CREATE: frozenset({Role.ADMIN}), Op.PARTITION_DELETE: frozenset({Role.ADMIN}),
+    Op.REPAIR: frozenset({Role.ADMIN}), Op.SCRUB: frozenset({Role.ADMIN}),
+    # a node may push only a view in which it is the leader (checked by the handler)
+    Op.PARTITION_UPDATE: frozenset({Role.ADMIN, Role.NODE}),
+}
+assert set(OP_ROLES) == set(Op), "every opcode declares its roles"
+ADMIN_ACTIONS = frozenset({Op.PARTITION_CREATE, Op.PARTITION_UPDATE, Op.PARTITION_DELETE, Op.REPAIR, Op.SCRUB})
+
+
+_NODE_ONLY = frozenset({Role.NODE})
+
+
+def roles_for(h: "Header") -> frozenset:
+    """The roles that may send ``h`` (a decoded request)."""
+    if h.flags & Flag.FORWARDED:
+        return _NODE_ONLY
+    return OP_ROLES[h.opcode]
+
+
+# What a request is allowed to carry.  Checked by decode so handlers see only sane headers:
+# these ops move ``length`` bytes through the requester's buffer, so it must expose at least that many.
+_LENGTH_IN_BUFFER = {Op.WRITE, Op.READ, Op.PARTITION_CREATE, Op.PARTITION_UPDATE}
+MAX_EPOCH = (1 << 63) - 1
 DEFAULT_RESULT_TEXT = {
     Result.OK: "ok",
     Result.NOT_LEADER: "this node is not the partition's leader",
     Result.REPLICATION_FAILED: "replication to a follower failed",
-    Result.BAD_REQUEST: "bad request",
+    Result.WRONG_OFFSET: "append not at the extent's end",
     Result.CRC_MISMATCH: "CRC mismatch",
     Result.NOT_FOUND: "not found",
     Result.DISK_ERROR: "disk error",
-    Result.ERROR: "error",
-    Result.RETRY: "retry",
-    Result.NO_SPACE: "no space (pool exhausted or extent full)",
+    Result.ERROR: "internal error on the node (see its log)",
+    Result.RETRY: "node busy starting or stopping: retry",
+    Result.NO_SPACE: "no space left on the node's disk",
     Result.STALE_EPOCH: "stale partition epoch",
     Result.DIVERGED: "extent replicas diverged; write to a new extent",
     Result.REMOTE_ACCESS: "remote buffer access refused (rkey/bounds/rights)",
     Result.PROTOCOL: "malformed header",
+    Result.EXISTS: "already exists",
+    Result.TOO_LARGE: "too large",
+    Result.OUT_OF_RANGE: "beyond the end of the extent",
+    Result.SHORT_BUFFER: "buffer too small for the answer",
+    Result.BAD_BODY: "malformed request body",
+    Result.WRONG_ROLE: "not allowed in this replica's role",
+    Result.POOL_BUSY: "node's buffer pool is busy: retry",
+    Result.FORBIDDEN: "forbidden: this connection's role may not do that",
+    Result.BUSY: "this connection holds its share of the node's pool: retry when earlier requests finish",
+}
+# What a response's ``arg`` means, per result (for the human sentence).
+_ARG_TEXT = {
+    Result.WRONG_OFFSET: "the extent ends at {}",
+    Result.STALE_EPOCH: "the node is at epoch {}",
+    Result.EXISTS: "existing: {}",
+    Result.TOO_LARGE: "the limit is {}",
+    Result.OUT_OF_RANGE: "the extent holds {} bytes",
+    Result.SHORT_BUFFER: "{} bytes needed",
 }
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Header:
+    """One request or response.  Immutable: derive copies with ``reply``, ``forwarded`` or
+    ``dataclasses.replace``."""
     opcode: int
     partition: int = 0
     extent: int = 0
@@ -146,13 +220,12 @@ class Header:
     arg: int = 0
     result: int = 0
     flags: int = 0
-    hops: int = 0
     version: int = VERSION
 
     # -- encoding ---------------------------------------------------------------------------------
     def encode(self) -> bytes:
         try:
-            body = _FMT.pack(MAGIC, self.version, self.opcode, self.result, self.flags, self.hops,
+            body = _FMT.pack(MAGIC, self.version, self.opcode, self.result, self.flags, 0,
                              self.partition, self.extent, self.offset, self.length, self.crc, self.req_id,
                              self.epoch, self.addr, self.rkey, self.rlen, self.arg, 0)
         except struct.error as e:
@@ -165,6 +238,10 @@ class Header:
                       length=length, crc=crc, req_id=self.req_id, epoch=self.epoch, result=int(result),
                       arg=arg, flags=self.flags)
 
+    def forwarded(self, **changes) -> "Header":
+        """The copy a leader sends its followers (FORWARDED set), with ``changes`` applied."""
+        return dataclasses.replace(self, flags=self.flags | Flag.FORWARDED, **changes)
+
     def result_text(self) -> str:
         """A human sentence for a response's result."""
         try:
@@ -174,6 +251,12 @@ class Header:
         text = DEFAULT_RESULT_TEXT[res]
         if res == Result.PROTOCOL and self.arg < len(PROTOCOL_REASONS):
             text += f" ({PROTOCOL_REASONS[self.arg]})"
+        elif res == Result.BAD_BODY and self.arg < len(BODY_REASONS):
+            text += f" ({BODY_REASONS[self.arg].replace('_', ' ')})"
+        elif res == Result.REPLICATION_FAILED and self.arg:
+            text += f" (replica {', '.join('#%d' % i for i in failed_replicas(self.arg))})"
+        elif res in _ARG_TEXT:
+            text += f" ({_ARG_TEXT[res].format(self.arg)})"
         return text
 
     @property
@@ -187,6 +270,11 @@ class Header:
             op = hex(self.opcode)
         return (f"{op} p{self.partition} e{self.extent} off={self.offset} len={self.length} "
                 f"req={self.req_id} epoch={self.epoch}")
+
+
+def failed_replicas(mask: int) -> list[int]:
+    """The replica indexes set in a REPLICATION_FAILED ``arg``."""
+    return [i for i in range(64) if mask >> i & 1]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -212,7 +300,7 @@ def decode(data: bytes | bytearray | memoryview, *, request: bool = True) -> Hea
         raise ProtocolError("truncated" if n < HEADER_SIZE else "oversized",
                             f"header is {n} bytes, expected {HEADER_SIZE}")
     mv = memoryview(data)
-    (magic, version, opcode, result, flags, hops, partition, extent, offset, length, crc, req_id, epoch,
+    (magic, version, opcode, result, flags, pad, partition, extent, offset, length, crc, req_id, epoch,
      addr, rkey, rlen, arg, reserved) = _FMT.unpack_from(mv)
     if magic != MAGIC:
         raise ProtocolError("bad_magic", f"magic {magic:#06x}, expected {MAGIC:#06x}")
@@ -221,11 +309,11 @@ def decode(data: bytes | bytearray | memoryview, *, request: bool = True) -> Hea
         raise ProtocolError("bad_header_crc", "header CRC does not match")
     if version != VERSION:
         raise ProtocolError("bad_version", f"version {version}, this node speaks {VERSION}")
-    if reserved != 0:
+    if reserved != 0 or pad != 0:
         raise ProtocolError("bad_reserved", "reserved field is not zero")
     h = Header(opcode=opcode, partition=partition, extent=extent, offset=offset, length=length, crc=crc,
                req_id=req_id, epoch=epoch, addr=addr, rkey=rkey, rlen=rlen, arg=arg, result=result,
-               flags=flags, hops=hops, version=version)
+               flags=flags, version=version)
     if request:
         try:
             op = Op(opcode)
@@ -235,14 +323,63 @@ def decode(data: bytes | bytearray | memoryview, *, request: bool = True) -> Hea
             raise ProtocolError("bad_result", "a request carries no result code")
         if length > MAX_PAYLOAD:
             raise ProtocolError("absurd_length", f"length {length} > {MAX_PAYLOAD}")
-        if op in _NEEDS_PAYLOAD and rlen < length:
+        if op in _LENGTH_IN_BUFFER and rlen < length:
             raise ProtocolError("short_buffer", f"descriptor exposes {rlen} bytes for a {length}-byte payload")
+        if epoch > MAX_EPOCH:
+            raise ProtocolError("field_range", f"epoch {epoch} > {MAX_EPOCH}")
     else:
         try:
             Result(result)
         except ValueError:
             raise ProtocolError("bad_result", f"result {result:#04x}") from None
     return h
+
+
+# -- admin bodies (JSON, fetched from the requester's buffer) ------------------------------------------
+
+class BodyError(Exception):
+    """A malformed admin body; ``reason`` is one of BODY_REASONS (a BAD_BODY result carries its index)."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        assert reason in BODY_REASONS, reason
+        self.reason, self.detail = reason, detail
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+
+
+MAX_REPLICAS = 16
+
+
+def check_address(addr) -> str:
+    """``host:port`` with a port in 1..65535 (a replica's identity); raises BodyError."""
+    if not isinstance(addr, str) or not 3 <= len(addr) <= 255:
+        raise BodyError("replica_not_an_address", f"{addr!r} is not a host:port string")
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535 or any(c.isspace() for c in addr):
+        raise BodyError("replica_not_an_address", f"{addr!r} is not host:port")
+    return addr
+
+
+def decode_view(obj) -> tuple[list[str], int]:
+    """The body of PARTITION_CREATE / PARTITION_UPDATE (and a partition's meta): ``{"replicas": [addr...],
+    "epoch": n}``, leader first.  Returns (replicas, epoch) or raises BodyError naming what is wrong."""
+    if not isinstance(obj, dict):
+        raise BodyError("not_an_object", f"body is a {type(obj).__name__}, expected an object")
+    replicas, epoch = obj.get("replicas"), obj.get("epoch")
+    if not isinstance(replicas, list):
+        raise BodyError("replicas_not_a_list", "'replicas' must be a list of host:port strings")
+    if not replicas:
+        raise BodyError("replicas_empty", "'replicas' is empty")
+    if len(replicas) > MAX_REPLICAS:
+        raise BodyError("too_many_replicas", f"{len(replicas)} replicas, at most {MAX_REPLICAS}")
+    for r in replicas:
+        check_address(r)
+    if len(set(replicas)) != len(replicas):
+        raise BodyError("replicas_not_distinct", "a replica is listed twice")
+    if not isinstance(epoch, int) or isinstance(epoch, bool):
+        raise BodyError("epoch_not_an_integer", f"'epoch' must be an integer, got {epoch!r}")
+    if not 1 <= epoch <= MAX_EPOCH:
+        raise BodyError("epoch_out_of_range", f"'epoch' must be in 1..{MAX_EPOCH}")
+    return list(replicas), epoch
 
 
 def peek_req_id(data: bytes | bytearray | memoryview) -> int | None:
@@ -254,15 +391,24 @@ def peek_req_id(data: bytes | bytearray | memoryview) -> int | None:
 
 # -- connection hello (first bytes on every TCP stream) -------------------------------------------------
 #
-#   magic "DNHI" | version u8 | transport u8 | flags u8 | pad u8 | slots u32 | slot_size u32 | node_id u64
+#   magic "DNHI" | version u8 | transport u8 | flags u8 | role u8 | status u8 | ident_len u8 | pad u16 |
+#   slots u32 | slot_size u32 | node_id u64 | nonce 32 | proof 32        then ``ident_len`` bytes of identity
 #
 # ``transport`` in the client's hello is what it wants (auto/verbs/tcp); in the server's answer it is what
-# was chosen.  flags bit 0: "I have a working RDMA device".  When verbs is chosen, both ends then exchange
+# was chosen.  flags bit 0: "I have a working RDMA device"; bit 1: "I authenticate" (hold the cluster's keys).
+# ``role`` (Role) is what the client claims; ``identity`` a node's listen address (HOST:PORT).  With
+# authentication on both sides, the server's answer carries its nonce and proof, then the client sends
+# ``AuthProof`` and the server answers ``AuthVerdict`` (datanode/auth.py, transport/connect.py).  A server
+# refusing a connection says why in ``status`` (HELLO_STATUS).  When verbs is chosen, both ends then exchange
 # their queue-pair endpoint (``VerbsEndpoint``) on the same stream, so both belong to the same peer.
 
 HELLO_MAGIC = b"DNHI"
-_HELLO = struct.Struct(">4sBBBBIIQ")
-HELLO_SIZE = _HELLO.size
+_HELLO = struct.Struct(">4sBBBBBBHIIQ32s32s")
+HELLO_SIZE = _HELLO.size          # the fixed part; the identity follows
+HELLO_AUTH = 0x02
+HELLO_STATUS = ["ok", "authentication required: this node needs a cluster secret (secret file)",
+                "unknown role", "too many connections", "bad proof (wrong secret or role key)",
+                "this node does not authenticate but the peer holds a secret"]
 
 
 class Transport(enum.IntEnum):
@@ -279,16 +425,30 @@ class Hello:
     slot_size: int = HEADER_SIZE
     node_id: int = 0
     version: int = VERSION
+    auth: bool = False
+    role: int = 0
+    status: int = 0
+    nonce: bytes = bytes(32)
+    proof: bytes = bytes(32)
+    identity: str = ""
+    ident_len: int = 0
 
     def encode(self) -> bytes:
-        return _HELLO.pack(HELLO_MAGIC, self.version, self.transport, 1 if self.has_device else 0, 0,
-                           self.slots, self.slot_size, self.node_id)
+        ident = self.identity.encode()
+        if len(ident) > 255:
+            raise ProtocolError("field_range", "identity longer than 255 bytes")
+        flags = (1 if self.has_device else 0) | (HELLO_AUTH if self.auth else 0)
+        return _HELLO.pack(HELLO_MAGIC, self.version, self.transport, flags, self.role, self.status, len(ident),
+                           0, self.slots, self.slot_size, self.node_id, self.nonce, self.proof) + ident
 
 
 def decode_hello(data: bytes | bytearray | memoryview) -> Hello:
+    """The fixed part of a hello (``HELLO_SIZE`` bytes); ``ident_len`` bytes of identity follow it on the
+    stream (``decode_identity``)."""
     if len(data) != HELLO_SIZE:
         raise ProtocolError("truncated", f"hello is {len(data)} bytes, expected {HELLO_SIZE}")
-    magic, version, transport, flags, _pad, slots, slot_size, node_id = _HELLO.unpack(bytes(data))
+    (magic, version, transport, flags, role, status, ident_len, _pad, slots, slot_size, node_id, nonce,
+     proof) = _HELLO.unpack(bytes(data))
     if magic != HELLO_MAGIC:
         raise ProtocolError("bad_magic", "not a datanode connection hello")
     if version != VERSION:
@@ -297,10 +457,54 @@ def decode_hello(data: bytes | bytearray | memoryview) -> Hello:
         Transport(transport)
     except ValueError:
         raise ProtocolError("bad_transport", f"transport {transport}") from None
+    # slot_size: the largest control message the sender's slots take.  Every control message is one header,
+    # so a peer whose slots cannot take one is refused here; senders never send anything larger.
     if not (1 <= slots <= 4096) or slot_size < HEADER_SIZE:
         raise ProtocolError("bad_slots", f"{slots} slots of {slot_size} bytes")
     return Hello(transport=transport, has_device=bool(flags & 1), slots=slots, slot_size=slot_size,
-                 node_id=node_id, version=version)
+                 node_id=node_id, version=version, auth=bool(flags & HELLO_AUTH), role=role, status=status,
+                 nonce=nonce, proof=proof, ident_len=ident_len)
+
+
+def decode_identity(raw: bytes) -> str:
+    """A hello's identity: empty, or a node's HOST:PORT."""
+    if not raw:
+        return ""
+    try:
+        return check_address(raw.decode("ascii"))
+    except (UnicodeDecodeError, BodyError):
+        raise ProtocolError("field_range", "the hello's identity is not HOST:PORT") from None
+
+
+class AuthProof:
+    """Client -> server after the server's answer: ``"DNAU" | proof 32``."""
+    MAGIC = b"DNAU"
+    SIZE = 36
+
+    @staticmethod
+    def encode(proof: bytes) -> bytes:
+        return AuthProof.MAGIC + proof
+
+    @staticmethod
+    def decode(raw: bytes) -> bytes:
+        if len(raw) != AuthProof.SIZE or raw[:4] != AuthProof.MAGIC:
+            raise ProtocolError("bad_magic", "not an authentication proof")
+        return bytes(raw[4:])
+
+
+class AuthVerdict:
+    """Server -> client: ``"DNOK" | status u8 | pad 3`` (status: index in HELLO_STATUS, 0 = accepted)."""
+    SIZE = 8
+
+    @staticmethod
+    def encode(status: int) -> bytes:
+        return b"DNOK" + bytes([status, 0, 0, 0])
+
+    @staticmethod
+    def decode(raw: bytes) -> int:
+        if len(raw) != AuthVerdict.SIZE or raw[:4] != b"DNOK":
+            raise ProtocolError("bad_magic", "not an authentication verdict")
+        return raw[4]
 
 
 @dataclasses.dataclass(slots=True)

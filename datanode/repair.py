@@ -14,7 +14,8 @@ partition this node *leads* (a worker ends by itself when the node stops leading
   is no longer a member) and the worker ends.
 * the **repair loop**: wakes when the heartbeat finds a difference, when a follower comes back, every
   ``repair_interval_s`` (a full pass that compares block CRCs too), on demand (``Op.REPAIR``) and for a
-  scrub (``scrub_interval_s``, ``Op.SCRUB``).
+  scrub (``scrub_interval_s``, ``Op.SCRUB``; and, unless scrub_interval_s is 0, a few heartbeats after
+  start for a partition opened with ``open_verify = tail``, whose blocks were not all CRC-checked at open).
 
 Repair (the leader is authoritative)
 ------------------------------------
@@ -59,14 +60,15 @@ import trio
 
 from .crc import crc32c
 from .pool import BuddyPool, PoolExhausted
-from .protocol import Flag, Header, Op, Result
+from .protocol import BodyError, Flag, Header, Op, Result, decode_view
 from .store import BLOCK, StoreError
 from .transport.base import Access, TransportError
 
-log = logging.getLogger("datanode.repair")
+log = logging.getLogger(__name__)
 MiB = 1 << 20
 SCRUB_RANGE = 4 * MiB
 REPAIR_DEPTH = 4          # repair chunks in flight to one follower
+FIRST_SCRUB_HEARTBEATS = 3  # a partition opened without full verification is scrubbed this soon after start
 JSON_ANSWER = 1 << 20
 
 
@@ -100,6 +102,7 @@ class ReplicaHealth:
     extents_behind: int = 0
     epoch: int | None = None
     error: str = ""
+    in_flight_bytes: int = 0        # differences on open extents that are still moving (appends in flight)
     came_back: bool = False         # was unreachable, answered again: wants a full pass
     marks: dict | None = None       # follower sizes at the previous probe (to tell "moving" from "stuck")
 
@@ -108,55 +111,112 @@ class ReplicaHealth:
         return {"addr": self.addr, "state": self.state, "last_contact": self.last_contact,
                 "contact_age_s": round(now - self.last_contact, 2) if self.last_contact else None,
                 "bytes_behind": self.bytes_behind, "extents_behind": self.extents_behind,
+                "in_flight_bytes": self.in_flight_bytes,
                 "epoch": self.epoch, "error": self.error}
+
+
+@dataclasses.dataclass
+class Difference:
+    """How a follower's extents differ from the leader's (``compare_marks``)."""
+    behind: int = 0           # bytes of differences that need repair
+    extents: int = 0          # extents with such a difference
+    in_flight: int = 0        # bytes of differences that are appends in flight (open extents still moving)
+    first: str = ""           # the first difference that needs repair, in words
+
+
+def compare_marks(lmarks: dict[int, int], fmarks: dict[int, int], sealed: set[int], ldeleted: set[int],
+                  prev: dict[int, int] | None) -> Difference:
+    """Compare a follower's extent sizes (``fmarks``) with the leader's (``lmarks``).  Pure.
+
+    A difference needs repair when nothing can still close it by itself: the extent is sealed (no appends
+    will come), the follower's size did not move since the previous probe (``prev``), the follower has an
+    extent the leader deleted, or an extent appeared/vanished on one side and stayed so.  A difference on an
+    open extent whose follower size is moving (or on the first look, ``prev`` None) is appends in flight."""
+    d = Difference()
+
+    def needs_repair(e: int, n: int, why: str) -> None:
+        d.behind += n
+        d.extents += 1
+        d.first = d.first or f"extent {e}: {why}"
+
+    for e, size in sorted(lmarks.items()):
+        f = fmarks.get(e)
+        if f == size:
+            continue
+        gap = abs(size - (f or 0))
+        why = f"leader {size} bytes, follower {'missing' if f is None else f'{f} bytes'}"
+        moving = prev is None or prev.get(e) != f
+        if e in sealed or not moving:
+            needs_repair(e, gap, why + (" (sealed)" if e in sealed else ""))
+        else:
+            d.in_flight += gap
+    for e, f in sorted(fmarks.items()):
+        if e not in lmarks and (e in ldeleted or (prev is not None and e in prev)):
+            needs_repair(e, f, "only on the follower" + (" (deleted on the leader)" if e in ldeleted else ""))
+    return d
+
+
+@dataclasses.dataclass
+class RepairCounters:
+    repair_passes: int = 0
+    repair_bytes: int = 0
+    repair_truncates: int = 0
+    repair_creates: int = 0
+    repair_deletes: int = 0
+    repair_errors: int = 0
+    scrub_passes: int = 0
+    scrub_bytes: int = 0
+    scrub_bad_blocks: int = 0
+    scrub_repaired_blocks: int = 0
 
 
 class Repairer:
     """Runs the per-partition workers of one node; holds what they share (rate caps, landing region)."""
 
-    def __init__(self, node):
-        self.node = node
-        cfg = node.cfg
-        self.chunk = min(cfg.repair_chunk_kib << 10, node.pool.max_block)
+    def __init__(self, *, me: str, cfg, table, pool: BuddyPool, region, domain, replication, views):
+        self.me = me                    # this node's address
+        self.cfg = cfg
+        self.table = table              # the partitions hosted here (datanode/partition.py)
+        self.pool = pool                # the registered pool: forwarded repair writes name its blocks
+        self.region = region            # ... registered as this region
+        self.replication = replication  # links to followers, and sealing (datanode/replication.py)
+        self.views = views              # installs a newer partition view or drops a partition (the node)
+        self.counters = RepairCounters()
+        self.chunk = min(cfg.repair_chunk_kib << 10, pool.max_block)
         self.limiter = RateLimiter(cfg.repair_mib_s)
         self.scrub_limiter = RateLimiter(cfg.scrub_mib_s)
         # Where JSON answers from peers and pulled repair data land: peers may WRITE here (only here).
         big = max(self.chunk, JSON_ANSWER)
         self.landing = BuddyPool(8 * big, big)
-        self.landing_region = node.domain.register(self.landing.arena, self.landing.base_addr,
-                                                   Access.LOCAL_WRITE | Access.REMOTE_WRITE)
+        self.landing_region = domain.register(self.landing.arena, self.landing.base_addr,
+                                              Access.LOCAL_WRITE | Access.REMOTE_WRITE)
         self.workers: dict[int, PartitionWorker] = {}
         self._kick = trio.Event()
-        node.counters.update({"repair_passes": 0, "repair_bytes": 0, "repair_truncates": 0,
-                              "repair_creates": 0, "repair_deletes": 0, "repair_errors": 0,
-                              "scrub_passes": 0, "scrub_bytes": 0, "scrub_bad_blocks": 0,
-                              "scrub_repaired_blocks": 0})
 
     @property
-    def counters(self) -> dict:
-        return self.node.counters
+    def links(self):
+        return self.replication.links
 
     def kick(self) -> None:
         """Look at leadership now (after a partition create/update), not at the next heartbeat."""
         self._kick.set()
 
     async def run(self) -> None:
-        node = self.node
         async with trio.open_nursery() as nursery:
             while True:
-                for pid, part in list(node.table.parts.items()):
-                    if part.leader == node.me and pid not in self.workers:
+                for pid, part in list(self.table.parts.items()):
+                    if part.leader == self.me and pid not in self.workers:
                         w = self.workers[pid] = PartitionWorker(self, pid)
                         nursery.start_soon(w.run)
-                with trio.move_on_after(node.cfg.heartbeat_s):
+                with trio.move_on_after(self.cfg.heartbeat_s):
                     await self._kick.wait()
                 self._kick = trio.Event()
 
     def health(self, pid: int) -> dict:
-        part = self.node.table.get(pid)
+        part = self.table.get(pid)
         w = self.workers.get(pid)
-        out = {"id": pid, "node": self.node.me, "epoch": part.epoch, "replicas": part.replicas,
-               "leader": part.leader, "role": "leader" if part.leader == self.node.me else "follower",
+        out = {"id": pid, "node": self.me, "epoch": part.epoch, "replicas": part.replicas,
+               "leader": part.leader, "role": "leader" if part.leader == self.me else "follower",
                "sealed_extents": sorted(int(e) for e in part.sealed)}
         if w is None:
             out["note"] = "replica health is kept by the leader; ask it"
@@ -167,19 +227,19 @@ class Repairer:
     # -- talking to peers ------------------------------------------------------------------------------
     async def call(self, addr: str, h: Header, timeout: float | None = None) -> Header:
         try:
-            link = await self.node.links.get(addr)
-            return await link.call(h, timeout or self.node.cfg.replica_timeout)
+            link = await self.links.get(addr)
+            return await link.call(h, timeout or self.cfg.replica_timeout)
         except (TransportError, OSError) as e:
             raise RepairAbort(f"{addr}: {e}") from None
 
     async def call_json(self, addr: str, h: Header, timeout: float | None = None):
         """A request whose JSON answer the peer WRITEs into our landing region."""
         try:
-            block = await self.landing.alloc(JSON_ANSWER, timeout=self.node.cfg.pool_wait)
+            block = await self.landing.alloc(JSON_ANSWER, timeout=self.cfg.pool_wait)
         except PoolExhausted as e:
             raise RepairAbort(str(e)) from None
         try:
-            h.addr, h.rkey, h.rlen = block.addr, self.landing_region.rkey, JSON_ANSWER
+            h = dataclasses.replace(h, addr=block.addr, rkey=self.landing_region.rkey, rlen=JSON_ANSWER)
             r = await self.call(addr, h, timeout)
             if r.result == Result.NOT_FOUND:
                 raise NotHosted(f"{addr}: {h.describe()} -> NOT_FOUND")
@@ -220,7 +280,7 @@ def scrub_range(part, extent: int, offset: int, length: int) -> dict:
         except StoreError as e:
             if e.code == "crc":
                 bad.append(b)
-            elif e.code != "bad_offset":      # truncated meanwhile: nothing left to check
+            elif e.code != "out_of_range":    # truncated meanwhile: nothing left to check
                 raise
         checked += n
         b += 1
@@ -232,7 +292,6 @@ class PartitionWorker:
 
     def __init__(self, rep: Repairer, pid: int):
         self.rep = rep
-        self.node = rep.node
         self.pid = pid
         self.replicas: dict[str, ReplicaHealth] = {}
         self.wake = trio.Event()
@@ -246,12 +305,12 @@ class PartitionWorker:
 
     # -- lifecycle --------------------------------------------------------------------------------------
     def part(self):
-        p = self.node.table.get(self.pid)
-        return p if p is not None and p.leader == self.node.me else None
+        p = self.rep.table.get(self.pid)
+        return p if p is not None and p.leader == self.rep.me else None
 
     async def run(self) -> None:
         log.info("partition %d: leading; heartbeat every %gs, repair cap %g MiB/s", self.pid,
-                 self.node.cfg.heartbeat_s, self.node.cfg.repair_mib_s)
+                 self.rep.cfg.heartbeat_s, self.rep.cfg.repair_mib_s)
         try:
             async with trio.open_nursery() as n:
                 n.start_soon(self._heartbeat)
@@ -259,11 +318,11 @@ class PartitionWorker:
                 n.cancel_scope.cancel()
         except Exception:       # a bug (or a partition deleted under our feet) must not take the node down
             log.exception("partition %d: repair worker failed; restarting it at the next heartbeat", self.pid)
-            self.rep.counters["repair_errors"] += 1
-            await trio.sleep(self.node.cfg.heartbeat_s)
+            self.rep.counters.repair_errors += 1
+            await trio.sleep(self.rep.cfg.heartbeat_s)
         finally:
             self.rep.workers.pop(self.pid, None)
-            p = self.node.table.get(self.pid)
+            p = self.rep.table.get(self.pid)
             if p is not None:
                 p.health = {}
             if self.part() is None:
@@ -289,15 +348,15 @@ class PartitionWorker:
             left = max(p["total"] - p["copied"], 0)
             prog = {"addr": p["addr"], "copied": p["copied"], "total": p["total"],
                     "rate_mib_s": round(rate / MiB, 2), "eta_s": round(left / rate, 1) if rate > 0 else None}
-        part = self.node.table.get(self.pid)
+        part = self.rep.table.get(self.pid)
         order = part.replicas[1:] if part is not None else list(self.replicas)
         return {"followers": [self.replicas[a].to_dict() for a in order if a in self.replicas],
                 "repair": {"running": self.running == "repair", "passes": self.repair_done,
                            "requested": self.repair_requested, "current": prog, "last": self.last_repair,
-                           "cap_mib_s": self.node.cfg.repair_mib_s},
+                           "cap_mib_s": self.rep.cfg.repair_mib_s},
                 "scrub": {"running": self.running == "scrub", "passes": self.scrub_done,
                           "requested": self.scrub_requested, "last": self.last_scrub,
-                          "cap_mib_s": self.node.cfg.scrub_mib_s}}
+                          "cap_mib_s": self.rep.cfg.scrub_mib_s}}
 
     def _summarize(self, part) -> None:
         states = {a: self.replicas[a].state for a in part.replicas[1:] if a in self.replicas}
@@ -327,7 +386,7 @@ class PartitionWorker:
             self._summarize(part)
             if any(h.state == "lagging" or h.came_back for h in self.replicas.values()):
                 self.wake.set()
-            await trio.sleep(self.node.cfg.heartbeat_s)
+            await trio.sleep(self.rep.cfg.heartbeat_s)
 
     async def _probe(self, part, addr: str) -> None:
         h = self.replicas.setdefault(addr, ReplicaHealth(addr))
@@ -357,74 +416,62 @@ class PartitionWorker:
             if h.state == "unreachable":
                 log.info("partition %d: follower %s is reachable again", self.pid, addr)
         fmarks = {int(k): v for k, v in st["marks"].items()}
-        behind, extents, stuck = self._compare(part, fmarks, set(st["deleted"]), h.marks)
+        d = self._compare(part, fmarks, h.marks)
         h.marks = fmarks
-        h.bytes_behind, h.extents_behind = behind, extents
+        h.bytes_behind, h.extents_behind, h.in_flight_bytes = d.behind, d.extents, d.in_flight
         if self.running == "repair" and self.progress and self.progress["addr"] == addr:
             h.state = "repairing"
-        elif stuck or h.came_back:
-            h.state = "lagging"
+        elif d.extents or h.came_back:
+            h.state = "lagging"          # any difference that is not appends in flight: never "healthy"
         else:
-            h.state = "healthy" if not extents else h.state if h.state != "unknown" else "lagging"
+            h.state = "healthy"
 
-    def _compare(self, part, fmarks: dict, fdeleted: set, prev: dict | None):
-        """(bytes behind, extents that differ, whether a difference needs repair).  A difference on an
-        open extent whose follower size is still moving is in-flight appends, not lag."""
-        lmarks = part.store.watermarks()
-        ldeleted = part.deleted_extents()
-        behind = extents = 0
-        stuck = False
-        for e, size in lmarks.items():
-            f = fmarks.get(e)
-            if f == size:
-                continue
-            extents += 1
-            behind += max(size - (f or 0), 0)
-            if prev is None:
-                continue                    # first look: the next probe tells stuck from moving
-            if str(e) in part.sealed or prev.get(e) == f:
-                stuck = True
-        for e in fmarks:
-            if e not in lmarks:
-                extents += 1
-                stuck = stuck or e in ldeleted or prev is not None
-        return behind, extents, stuck
+    def _compare(self, part, fmarks: dict, prev: dict | None) -> "Difference":
+        return compare_marks(part.store.watermarks(), fmarks, {int(e) for e in part.sealed},
+                             part.deleted_extents(), prev)
 
     async def _push_view(self, part, addr: str, op: Op) -> None:
         body = json.dumps({"replicas": part.replicas, "epoch": part.epoch}).encode()
-        block = await self.node.pool.alloc(len(body), timeout=self.node.cfg.pool_wait)
+        block = await self.rep.pool.alloc(len(body), timeout=self.rep.cfg.pool_wait)
         try:
             block.view(len(body))[:] = body
             r = await self.rep.call(addr, Header(opcode=op, partition=self.pid, epoch=part.epoch,
-                                                 addr=block.addr, rkey=self.node.region.rkey,
+                                                 addr=block.addr, rkey=self.rep.region.rkey,
                                                  rlen=len(body), length=len(body)))
         except RepairAbort as e:
             log.warning("partition %d: telling %s about epoch %d failed: %s", self.pid, addr, part.epoch, e)
             return
         finally:
-            self.node.pool.free(block)
+            self.rep.pool.free(block)
         log.info("partition %d: %s %s (epoch %d, replicas %s) -> %s", self.pid, op.name, addr, part.epoch,
                  ",".join(part.replicas), _name(r.result))
 
     async def _deposed(self, part, addr: str, st: dict) -> None:
         """A follower is at a newer epoch: someone else leads now.  Learn its view and step down."""
-        replicas, epoch = list(st["replicas"]), st["epoch"]
+        try:
+            replicas, epoch = decode_view(st)
+        except BodyError as e:
+            log.warning("partition %d: %s answered an unusable view (%s): ignored", self.pid, addr, e)
+            return
         if self.part() is None or epoch <= part.epoch:
             return
         log.warning("partition %d: %s is at epoch %d (we are at %d): stepping down; replicas now %s",
                     self.pid, addr, epoch, part.epoch, ",".join(replicas))
-        if self.node.me in replicas:
-            part.replicas, part.epoch = replicas, epoch
-            await trio.to_thread.run_sync(part.save)
+        if self.rep.me in replicas:
+            await self.rep.views.install_view(self.pid, replicas, epoch)
         else:
             log.warning("partition %d: this node is no longer a replica: dropping its data", self.pid)
-            await trio.to_thread.run_sync(self.node.table.delete, self.pid)
+            await self.rep.views.drop_partition(self.pid)
 
     # -- the repair loop --------------------------------------------------------------------------------
     async def _repair_loop(self) -> None:
-        cfg = self.node.cfg
+        cfg = self.rep.cfg
         next_full = trio.current_time() + cfg.repair_interval_s
         next_scrub = trio.current_time() + cfg.scrub_interval_s if cfg.scrub_interval_s else math.inf
+        part = self.part()
+        if cfg.scrub_interval_s and part is not None and part.unverified:
+            # opened with open_verify = tail: scrub soon (a few heartbeats in: the first repair pass goes first)
+            next_scrub = min(next_scrub, trio.current_time() + FIRST_SCRUB_HEARTBEATS * cfg.heartbeat_s)
         while self.part() is not None:
             with trio.move_on_at(min(next_full, next_scrub)):
                 await self.wake.wait()
@@ -437,6 +484,8 @@ class PartitionWorker:
                 want = self.scrub_started = max(self.scrub_requested, self.scrub_done + 1)
                 await self._scrub_pass(part)
                 self.scrub_done = want
+                if self.part() is not None:
+                    part.unverified = False      # every block of our copy has been re-read since open
                 if cfg.scrub_interval_s:
                     next_scrub = trio.current_time() + cfg.scrub_interval_s
             full = self.full_wanted or now >= next_full or self.repair_requested > self.repair_done
@@ -454,7 +503,7 @@ class PartitionWorker:
     async def _repair_pass(self, part, full: bool) -> bool:
         self.running = "repair"
         t0 = time.monotonic()
-        copied0 = self.rep.counters["repair_bytes"]
+        copied0 = self.rep.counters.repair_bytes
         results = {}
         try:
             for addr in list(part.replicas[1:]):
@@ -473,7 +522,7 @@ class PartitionWorker:
                     h.state, h.error = "lagging", f"does not host the partition ({e})"
                     results[addr] = "not hosting the partition"
                 except RepairAbort as e:
-                    self.rep.counters["repair_errors"] += 1
+                    self.rep.counters.repair_errors += 1
                     log.warning("partition %d: repair of %s stopped: %s", self.pid, addr, e)
                     h.state, h.error = "lagging", f"repair: {e}"
                     results[addr] = f"failed: {e}"
@@ -482,8 +531,8 @@ class PartitionWorker:
         finally:
             self.running = None
             self.progress = None
-            self.rep.counters["repair_passes"] += 1
-            copied = self.rep.counters["repair_bytes"] - copied0
+            self.rep.counters.repair_passes += 1
+            copied = self.rep.counters.repair_bytes - copied0
             el = time.monotonic() - t0
             self.last_repair = {"finished": time.time(), "full": full, "seconds": round(el, 3),
                                 "bytes_copied": copied, "mib_s": round(copied / MiB / max(el, 1e-6), 2),
@@ -508,7 +557,7 @@ class PartitionWorker:
         for e in sorted(fmarks):
             if e in ldeleted:
                 await self._forward(part, addr, Header(opcode=Op.MARK_DELETE, extent=e))
-                self.rep.counters["repair_deletes"] += 1
+                self.rep.counters.repair_deletes += 1
                 log.info("partition %d: repair: deleted extent %d on %s", self.pid, e, addr)
                 del fmarks[e]
             elif part.store.watermarks().get(e) is None:
@@ -531,17 +580,24 @@ class PartitionWorker:
                     continue
                 r = await self._forward(part, addr, Header(opcode=Op.CREATE_EXTENT, extent=e), ok_if_exists=True)
                 if r.result == Result.OK:
-                    self.rep.counters["repair_creates"] += 1
+                    self.rep.counters.repair_creates += 1
             await self._repair_extent(part, addr, e)
             if self.part() is None:
                 raise RepairAbort("lost the lead")
+        # healthy only if it now is: every difference left must be appends in flight on an open extent
+        st = await self.rep.call_json(addr, Header(opcode=Op.REPLICA_STATE, partition=self.pid,
+                                                   epoch=part.epoch))
+        d = self._compare(part, {int(k): v for k, v in st["marks"].items()}, None)
+        h.bytes_behind, h.extents_behind, h.in_flight_bytes = d.behind, d.extents, d.in_flight
+        if d.extents:
+            raise RepairAbort(f"{d.extents} extent(s) still differ after the pass ({d.behind} bytes): "
+                              f"{d.first}")
         h.state = "healthy"
-        h.bytes_behind = h.extents_behind = 0
 
     async def _forward(self, part, addr: str, h: Header, *, ok_if_exists: bool = False) -> Header:
-        h.partition, h.epoch, h.flags = self.pid, part.epoch, Flag.FORWARDED | Flag.REPAIR
+        h = dataclasses.replace(h, partition=self.pid, epoch=part.epoch, flags=Flag.FORWARDED | Flag.REPAIR)
         r = await self.rep.call(addr, h)
-        if r.result != Result.OK and not (ok_if_exists and r.result == Result.BAD_REQUEST):
+        if r.result != Result.OK and not (ok_if_exists and r.result == Result.EXISTS):
             raise RepairAbort(f"{h.describe()} -> {_name(r.result)}")
         return r
 
@@ -551,9 +607,7 @@ class PartitionWorker:
         if lane is None:
             return                                          # deleted meanwhile
         # compare, and cut the follower back if it diverged, in our lane turn (no append half-way)
-        t = lane.ticket()
-        try:
-            await lane.wait_turn(t)
+        async with lane.turn():
             try:
                 lsize, lent = await trio.to_thread.run_sync(part.block_entries, e)
             except StoreError:
@@ -570,12 +624,10 @@ class PartitionWorker:
             cut = await self._first_difference(part, e, lent, fent)
             if cut is not None and cut < fsize:
                 await self._forward(part, addr, Header(opcode=Op.TRUNCATE, extent=e, offset=cut))
-                self.rep.counters["repair_truncates"] += 1
+                self.rep.counters.repair_truncates += 1
                 log.warning("partition %d: repair: extent %d on %s differs from byte %d: cut %d -> %d",
                             self.pid, e, addr, cut, fsize, cut)
                 fsize = cut
-        finally:
-            lane.done(t)
         # copy what is missing: each chunk read and sent in its own lane turn, REPAIR_DEPTH in flight
         pos = fsize                 # next offset to send
         resync = None               # the follower's end, when a client append got somewhere first
@@ -599,19 +651,19 @@ class PartitionWorker:
                 except TransportError as err:
                     raise RepairAbort(f"{addr}: {err}") from None
                 finally:
-                    self.node.pool.free(block)
+                    self.rep.pool.free(block)
                 if r.result == Result.OK:
-                    self.rep.counters["repair_bytes"] += n
+                    self.rep.counters.repair_bytes += n
                     if self.progress is not None and self.progress["addr"] == addr:
                         self.progress["copied"] += n
                     if resync is not None:
                         resync = max(resync, off + n)
-                elif r.result == Result.BAD_REQUEST and (r.arg > off or resync is not None):
+                elif r.result == Result.WRONG_OFFSET and (r.arg > off or resync is not None):
                     resync = max(resync or 0, r.arg)        # a client append forwarded earlier got there first
                 else:
                     raise RepairAbort(f"write of extent {e} at {off} on {addr} -> {_name(r.result)}")
         except RepairAbort:
-            with trio.move_on_after(self.node.cfg.replica_timeout):   # let the follower finish with our blocks
+            with trio.move_on_after(self.rep.cfg.replica_timeout):   # let the follower finish with our blocks
                 for _, _, _, pending in q:
                     try:
                         await pending.result()
@@ -620,41 +672,39 @@ class PartitionWorker:
             raise
         finally:
             for _, _, block, _ in q:
-                self.node.pool.free(block)
+                self.rep.pool.free(block)
 
     async def _send_chunk(self, part, addr: str, e: int, lane, pos: int):
         """In the extent's lane turn: read ``[pos, pos+chunk)`` of our copy into a pool block and send the
         follower a forwarded WRITE naming it.  Returns (pos, length, block, pending) or None at our end."""
         await self.rep.limiter.take(self.rep.chunk)         # outside the turn: never hold appends up
-        t = lane.ticket()
         block = pending = None
         try:
-            await lane.wait_turn(t)
-            try:
-                lsize = part.store.size(e)
-            except StoreError:
-                return None                                 # deleted meanwhile
-            if pos >= lsize:
-                return None
-            n = min(self.rep.chunk, lsize - pos)
-            block = await self.node.pool.alloc(n, timeout=self.node.cfg.pool_wait)
-            view = block.view(n)
-            try:
-                crc = await trio.to_thread.run_sync(part.store.read_into, e, pos, n, view)
-            except StoreError as err:
-                raise RepairAbort(f"reading extent {e} here: {err} (scrub repairs our copy)") from None
-            fwd = Header(opcode=Op.WRITE, partition=self.pid, extent=e, offset=pos, length=n, crc=crc,
-                         epoch=part.epoch, addr=block.addr, rkey=self.node.region.rkey, rlen=n,
-                         flags=Flag.FORWARDED | Flag.REPAIR)
-            link = await self.node.links.get(addr)
-            pending = await link.submit(fwd, self.node.cfg.replica_timeout)
-            return pos, n, block, pending
+            async with lane.turn():   # released once sent: client appends go on while the follower fetches
+                try:
+                    lsize = part.store.size(e)
+                except StoreError:
+                    return None                             # deleted meanwhile
+                if pos >= lsize:
+                    return None
+                n = min(self.rep.chunk, lsize - pos)
+                block = await self.rep.pool.alloc(n, timeout=self.rep.cfg.pool_wait)
+                view = block.view(n)
+                try:
+                    crc = await trio.to_thread.run_sync(part.store.read_into, e, pos, n, view)
+                except StoreError as err:
+                    raise RepairAbort(f"reading extent {e} here: {err} (scrub repairs our copy)") from None
+                fwd = Header(opcode=Op.WRITE, partition=self.pid, extent=e, offset=pos, length=n, crc=crc,
+                             epoch=part.epoch, addr=block.addr, rkey=self.rep.region.rkey, rlen=n,
+                             flags=Flag.FORWARDED | Flag.REPAIR)
+                link = await self.rep.links.get(addr)
+                pending = await link.submit(fwd, self.rep.cfg.replica_timeout)
+                return pos, n, block, pending
         except (TransportError, OSError, PoolExhausted) as err:
             raise RepairAbort(f"{addr}: {err}") from None
         finally:
-            lane.done(t)              # client appends go on while the follower fetches the chunk
             if block is not None and pending is None:
-                self.node.pool.free(block)
+                self.rep.pool.free(block)
 
     async def _cut_to(self, part, addr: str, e: int, lsize: int, fsize: int):
         """Cut the follower's extent back to our size (to the block start if its last block does not
@@ -664,7 +714,7 @@ class PartitionWorker:
             await self._forward(part, addr, h)
         except RepairAbort:
             await self._forward(part, addr, Header(opcode=Op.TRUNCATE, extent=e, offset=lsize // BLOCK * BLOCK))
-        self.rep.counters["repair_truncates"] += 1
+        self.rep.counters.repair_truncates += 1
         log.warning("partition %d: repair: extent %d on %s was longer than ours: cut %d -> %d", self.pid, e,
                     addr, fsize, lsize)
         fst = await self.rep.call_json(addr, Header(opcode=Op.BLOCK_CRCS, partition=self.pid, extent=e,
@@ -708,12 +758,12 @@ class PartitionWorker:
                         if r.get("bad"):
                             bad.setdefault(addr, []).extend(r["bad"])
                     stats["bytes"] += n
-                    self.rep.counters["scrub_bytes"] += n
+                    self.rep.counters.scrub_bytes += n
                 if bad:
                     await self._scrub_fix(part, e, bad, stats)
         finally:
             self.running = None
-            self.rep.counters["scrub_passes"] += 1
+            self.rep.counters.scrub_passes += 1
             stats["seconds"] = round(time.monotonic() - t0, 3)
             stats["finished"] = time.time()
             self.last_scrub = stats
@@ -726,7 +776,7 @@ class PartitionWorker:
 
         async def one(addr):
             try:
-                if addr == self.node.me:
+                if addr == self.rep.me:
                     out[addr] = await self.rep.scrub_local(part, e, off, n)
                 else:
                     out[addr] = await self.rep.call_json(addr, Header(
@@ -743,21 +793,21 @@ class PartitionWorker:
     async def _scrub_fix(self, part, e: int, bad: dict[str, list[int]], stats: dict) -> None:
         nbad = sum(len(v) for v in bad.values())
         stats["bad_blocks"] += nbad
-        self.rep.counters["scrub_bad_blocks"] += nbad
+        self.rep.counters.scrub_bad_blocks += nbad
         for addr, blocks in bad.items():
             log.error("partition %d: scrub: extent %d on %s: bad block(s) %s", self.pid, e, addr, blocks)
             stats["events"].append({"extent": e, "replica": addr, "blocks": blocks})
         lane = part.lane(e)
         if lane is None:
             return
-        self.node._seal(part, e, lane, f"scrub found bad blocks on {', '.join(bad)}")
-        me = self.node.me
+        self.rep.replication.seal(part, e, lane, f"scrub found bad blocks on {', '.join(bad)}")
+        me = self.rep.me
         if me in bad:
             try:
                 await self._fix_leader(part, e, lane, min(bad[me]), [a for a in part.replicas[1:]
                                                                       if a not in bad])
                 stats["repaired"] += len(bad[me])
-                self.rep.counters["scrub_repaired_blocks"] += len(bad[me])
+                self.rep.counters.scrub_repaired_blocks += len(bad[me])
             except RepairAbort as err:
                 log.error("partition %d: scrub: could not repair extent %d here: %s", self.pid, e, err)
                 return
@@ -765,17 +815,13 @@ class PartitionWorker:
             if addr == me:
                 continue
             try:
-                t = lane.ticket()
-                try:
-                    await lane.wait_turn(t)
+                async with lane.turn():
                     await self._forward(part, addr, Header(opcode=Op.TRUNCATE, extent=e,
                                                            offset=min(blocks) * BLOCK))
-                    self.rep.counters["repair_truncates"] += 1
-                finally:
-                    lane.done(t)
+                    self.rep.counters.repair_truncates += 1
                 await self._repair_extent(part, addr, e)
                 stats["repaired"] += len(blocks)
-                self.rep.counters["scrub_repaired_blocks"] += len(blocks)
+                self.rep.counters.scrub_repaired_blocks += len(blocks)
                 log.warning("partition %d: scrub: extent %d on %s repaired from block %d", self.pid, e, addr,
                             min(blocks))
             except RepairAbort as err:
@@ -798,31 +844,27 @@ class PartitionWorker:
         if source is None:
             raise RepairAbort(f"no follower holds a verified copy of extent {e} from block {first_bad}")
         cut = first_bad * BLOCK
-        t = lane.ticket()
         try:
-            await lane.wait_turn(t)
-            await trio.to_thread.run_sync(part.store.truncate, e, cut)
-            lane.next_offset = pos = cut
-            while pos < lsize:
-                n = min(self.rep.chunk, lsize - pos)
-                await self.rep.limiter.take(n)
-                block = await self.rep.landing.alloc(n, timeout=self.node.cfg.pool_wait)
-                try:
-                    view = block.view(n)
-                    r = await self.rep.call(source, Header(
-                        opcode=Op.READ, partition=self.pid, extent=e, offset=pos, length=n, epoch=part.epoch,
-                        addr=block.addr, rkey=self.rep.landing_region.rkey, rlen=n, flags=Flag.ANY_REPLICA))
-                    if r.result != Result.OK or crc32c(view) != r.crc:
-                        raise RepairAbort(f"reading extent {e} at {pos} from {source}: {_name(r.result)}")
-                    await trio.to_thread.run_sync(part.store.write, e, pos, view, r.crc)
-                finally:
-                    self.rep.landing.free(block)
-                pos += n
-                lane.next_offset = pos
-                self.rep.counters["repair_bytes"] += n
+            async with lane.turn():
+                await trio.to_thread.run_sync(part.store.truncate, e, cut)
+                pos = cut
+                while pos < lsize:
+                    n = min(self.rep.chunk, lsize - pos)
+                    await self.rep.limiter.take(n)
+                    block = await self.rep.landing.alloc(n, timeout=self.rep.cfg.pool_wait)
+                    try:
+                        view = block.view(n)
+                        r = await self.rep.call(source, Header(
+                            opcode=Op.READ, partition=self.pid, extent=e, offset=pos, length=n, epoch=part.epoch,
+                            addr=block.addr, rkey=self.rep.landing_region.rkey, rlen=n, flags=Flag.ANY_REPLICA))
+                        if r.result != Result.OK or crc32c(view) != r.crc:
+                            raise RepairAbort(f"reading extent {e} at {pos} from {source}: {_name(r.result)}")
+                        await trio.to_thread.run_sync(part.store.write, e, pos, view, r.crc)
+                    finally:
+                        self.rep.landing.free(block)
+                    pos += n
+                    self.rep.counters.repair_bytes += n
         except StoreError as err:
             raise RepairAbort(f"extent {e} here: {err}") from None
-        finally:
-            lane.done(t)
         log.warning("partition %d: scrub: our extent %d refilled from %s from block %d (%d bytes)",
                     self.pid, e, source, first_bad, lsize - cut)

@@ -4,22 +4,39 @@
 preposted control slots: the credit rule), matches each response to its request and fails everything in
 flight, promptly, when the connection dies.  A request that times out poisons the connection (its late
 answer would otherwise land in a slot we no longer account for) so the caller drops it and reconnects.
+
+A request that names a buffer of ours (``addr/rkey/rlen``) grants the connection's peer exactly that range
+(read for a payload or body it fetches, write for an answer it pushes) while the request is in flight: the
+grant is revoked when the answer arrives, the request times out or the connection dies
+(``transport.base.Grants``).  So a follower can READ a leader's pool block only while the leader waits for
+that follower's ack of the forward naming it.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 
 import trio
 
-from .protocol import Header, ProtocolError, decode
-from .transport.base import Connection, ConnectionClosed, TransportError
+from .protocol import Header, Op, ProtocolError, decode
+from .transport.base import Access, Connection, ConnectionClosed, TransportError
 
-log = logging.getLogger("datanode.rpc")
+log = logging.getLogger(__name__)
 
 
 class RequestTimeout(TransportError):
     pass
+
+
+_PEER_READS = frozenset({Op.WRITE, Op.PARTITION_CREATE, Op.PARTITION_UPDATE})   # the peer fetches our buffer
+
+
+def _grant(conn: Connection, h: Header) -> int | None:
+    if not h.rlen:
+        return None
+    return conn.grants.add(h.addr, h.rkey, h.rlen,
+                           Access.REMOTE_READ if h.opcode in _PEER_READS else Access.REMOTE_WRITE)
 
 
 class Requester:
@@ -49,6 +66,7 @@ class Requester:
                 if slot is None:
                     log.debug("late response req=%s from %s dropped", resp.req_id, self.conn.peer)
                     continue
+                self.conn.grants.drop(slot[2])     # answered: the peer is done with our buffer
                 slot[1] = resp
                 slot[0].set()
         except TransportError as e:
@@ -59,12 +77,13 @@ class Requester:
     def _fail(self, why: str) -> None:
         if self._dead is None:
             self._dead = why
-        for ev, _ in self._waiting.values():
+        for ev, _, token in self._waiting.values():
+            self.conn.grants.drop(token)
             ev.set()
         self._waiting.clear()
 
     async def submit(self, header: Header, timeout: float) -> "Pending":
-        """Send ``header`` (its req_id is assigned here) and return at once; ``Pending.result`` waits.
+        """Send a copy of ``header`` with a req_id of ours and return at once; ``Pending.result`` waits.
 
         Splitting the two lets a leader send forwards in a fixed order and wait for the acks later."""
         if self._dead:
@@ -74,17 +93,20 @@ class Requester:
             await self._credits.acquire()
         if scope.cancelled_caught:
             await self._timed_out(timeout)
-        header.req_id = next(self._ids)
+        header = dataclasses.replace(header, req_id=next(self._ids))
         p.req_id = header.req_id
+        p.slot[2] = _grant(self.conn, header)     # before the send: the peer may fetch at once
         self._waiting[header.req_id] = p.slot
         try:
             with trio.move_on_after(timeout) as scope:
                 await self.conn.send(header.encode())
         except BaseException:
             self._waiting.pop(header.req_id, None)
+            self.conn.grants.drop(p.slot[2])
             self._credits.release()
             raise
         if scope.cancelled_caught:
+            self.conn.grants.drop(p.slot[2])
             self._credits.release()
             await self._timed_out(timeout)
         return p
@@ -105,7 +127,7 @@ class Pending:
         self.requester = requester
         self.deadline = trio.current_time() + timeout
         self.timeout = timeout
-        self.slot = [trio.Event(), None]
+        self.slot = [trio.Event(), None, None]      # answered, the answer, our grant to the peer
         self.req_id = 0
         self._done = False
 
@@ -118,6 +140,7 @@ class Pending:
             if not self._done:
                 self._done = True
                 r._waiting.pop(self.req_id, None)
+                r.conn.grants.drop(self.slot[2])
                 r._credits.release()
         if scope.cancelled_caught and not self.slot[0].is_set():   # an answer that already came is no timeout
             await r._timed_out(self.timeout)
@@ -133,13 +156,14 @@ class Links:
     Used by a leader for its followers and by the client SDK for the datanodes it talks to."""
 
     def __init__(self, nursery: trio.Nursery, domain, *, transport: str, slots: int, connect_timeout: float,
-                 on_conn=None):
+                 on_conn=None, auth=None):
         self._nursery = nursery
         self._domain = domain
         self._transport = transport
         self._slots = slots
         self._timeout = connect_timeout
         self._on_conn = on_conn            # callback(conn, opened: bool), e.g. for node status
+        self._auth = auth                  # auth.DialAuth: the credentials and role presented in every hello
         self._links: dict[str, Requester] = {}
         self._locks: dict[str, trio.Lock] = {}
 
@@ -166,7 +190,7 @@ class Links:
 
         try:
             async with dial(host, port, self._domain, transport=self._transport, slots=self._slots,
-                            timeout=self._timeout) as conn:
+                            timeout=self._timeout, auth=self._auth) as conn:
                 req = Requester(conn)
                 if self._on_conn:
                     self._on_conn(conn, True)

@@ -1,26 +1,16 @@
-"""The datanode: accepts connections, serves requests, replicates writes to the partition's followers.
+"""The datanode process: accepts connections, dispatches requests to the handlers, and owns the node's parts.
 
-Follow a write from the client to the disk (``Node.op_write``):
-
-  1. the client SENDs a header naming its buffer (addr, rkey, len) into one of our control slots;
-     ``_connection`` decodes it and, for appends, takes a ticket in the extent's lane (arrival order);
-  2. we allocate a block from the registered pool and fetch the payload with a one-sided READ from the
-     client's buffer straight into the block, then check its CRC32C;
-  3. in the extent's turn: check the offset is the extent's end, SEND each follower the same header with
-     the descriptor rewritten to name *our pool block* (followers READ it from there: no copy here), and
-     persist the block to our extent (fdatasync under ``sync = always``);
-  4. wait for every follower's ack (matched on request id, partition, extent, offset, CRC) within
-     ``replica_timeout``; reply OK to the client only then; free the block.
-  Any failure after the turn began seals the extent (DIVERGED): its replicas may differ, so no more appends.
-
-Repair (``datanode/repair.py``, one task per partition this node leads) reuses step 3 for a follower that
-missed writes: in the extent's turn the leader reads the range from its store into a pool block and sends
-the follower a forwarded WRITE naming that block (``Flag.REPAIR``); ``TRUNCATE`` cuts back what differs.
+``Node`` is the lifecycle (listen, serve, drain on SIGTERM), the connection boundary (``_on_stream``: nothing a
+peer does can end the process), and dispatch (``_dispatch``/``_handle``: one task per request, the extent's
+arrival order taken synchronously).  What a request does is in ``datanode/ops/`` -- follow a write from the
+client to the disk in ``datanode/ops/data.py`` -- with replication to the followers in
+``datanode/replication.py`` and the leader's repair and scrub in ``datanode/repair.py``.
 """
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
+import math
 import os
 import pathlib
 import signal
@@ -29,34 +19,38 @@ import time
 import trio
 
 from . import config as config_mod
-from .crc import crc32c
-from .partition import Partition, PartitionTable
-from .repair import Repairer, scrub_range
-from .pool import BuddyPool, PoolExhausted
-from .protocol import (PROTOCOL_REASONS, Flag, Header, Op, ProtocolError, RemoteBuf, Result,
-                       decode, peek_req_id)
+from .audit import AuditLog
+from .auth import AuthConfigError, Credentials, DialAuth
+from .metrics import NodeMetrics, serve_metrics
+from .ops.admin import AdminOps
+from .ops.base import PeerTimeout, Reply, RequestCounters
+from .ops.data import DataOps
+from .ops.repair import RepairOps
+from .partition import OpenProgress, PartitionTable
+from .pool import BuddyPool
+from .protocol import (
+    ADMIN_ACTIONS,
+    PROTOCOL_REASONS,
+    Flag,
+    Header,
+    Op,
+    ProtocolError,
+    Result,
+    Role,
+    decode,
+    peek_req_id,
+    roles_for,
+)
+from .repair import Repairer
+from .replication import Replicator
 from .rpc import Links
 from .store import StoreError
-from .transport.base import Access, Connection, ConnectionClosed, Domain, RemoteAccessError, TransportError
-from .transport.connect import accept, make_domain
+from .transport.base import Access, Connection, ConnectionClosed, Domain, TransportError
+from .transport.connect import ServerAuth, accept, make_domain, refuse
 
-log = logging.getLogger("datanode")
+log = logging.getLogger(__name__)
 
-STORE_RESULTS = {"not_found": Result.NOT_FOUND, "bad_offset": Result.BAD_REQUEST,
-                 "too_large": Result.NO_SPACE, "crc": Result.CRC_MISMATCH, "disk": Result.DISK_ERROR,
-                 "exists": Result.BAD_REQUEST, "deleted": Result.NOT_FOUND}
-MAX_JSON = 1 << 20
-
-
-class Reply(Exception):
-    """Raised inside a handler to answer with a result code (and arg)."""
-
-    def __init__(self, result: Result, arg: int = 0, why: str = ""):
-        self.result, self.arg, self.why = result, arg, why
-        super().__init__(why or result.name)
-
-
-class Node:
+class Node(DataOps, AdminOps, RepairOps):
     def __init__(self, cfg: config_mod.Config, domain: Domain | None = None):
         self.cfg = cfg
         self.me = cfg.listen
@@ -65,39 +59,87 @@ class Node:
             self.domain = domain or make_domain(cfg.transport, cfg.rdma_device or None, cfg.gid_index)
         except TransportError as e:
             raise config_mod.ConfigError(f"config key 'transport': {e}") from None
+        try:
+            creds = Credentials.load(cfg.secret_file) if cfg.secret_file else None
+            self.server_auth = ServerAuth(creds)
+        except (AuthConfigError, ValueError) as e:
+            raise config_mod.ConfigError(f"config key 'secret_file': {e}") from None
+        # towards other datanodes we are role ``node``, identified by our listen address
+        self.dial_auth = DialAuth(creds, Role.NODE, identity=self.me) if creds else None
+        self.audit = AuditLog(cfg.audit_log or str(pathlib.Path(cfg.data_dir) / "audit.log"), self.me)
+        self.accepted = 0                    # connections accepted and not yet ended (max_connections)
+        self.refused_connections = 0
+        self.domain.scoped = True            # our memory is reachable only through grants (transport/base.py)
         self.pool = BuddyPool(cfg.pool_mib << 20, cfg.max_block_kib << 10)
         # The whole arena, registered once; peers may read it (followers fetch forwards), never write.
         self.region = self.domain.register(self.pool.arena, self.pool.base_addr,
                                            Access.LOCAL_WRITE | Access.REMOTE_READ)
-        self.table = PartitionTable(pathlib.Path(cfg.data_dir), cfg.sync)
-        self.table.load()
+        self.table = PartitionTable(pathlib.Path(cfg.data_dir), cfg.sync, cfg.open_verify)
+        self.state = "starting"              # -> "serving" once serve() has opened the partitions
+        self.opening = OpenProgress(verify=cfg.open_verify)
         self.conns: set[Connection] = set()
-        self.links: Links | None = None      # to followers; set up in serve()
         self.inflight = 0
         self.draining = False
         self._idle = trio.Event()
         self._create_lock = trio.Lock()      # partition creates: check-then-create must not interleave
-        self.counters = {"requests": 0, "writes": 0, "write_bytes": 0, "reads": 0, "read_bytes": 0,
-                         "forwarded": 0, "replica_writes": 0, "replication_failures": 0,
-                         "protocol_errors": 0, "forward_fetch_bytes_by_rkey": {}}
+        self.counters = RequestCounters()
         self._nursery: trio.Nursery | None = None
-        self.repair = Repairer(self)         # follower health, repair, scrub (datanode/repair.py)
+        self.replication = Replicator(cfg.replica_timeout)   # fan-out to followers (links set up in serve)
+        self.metrics = NodeMetrics(self)     # Prometheus (datanode/metrics.py); served on metrics_listen
+        self.repair = Repairer(me=self.me, cfg=cfg, table=self.table, pool=self.pool, region=self.region,
+                               domain=self.domain, replication=self.replication, views=self)  # health, repair, scrub
+        self._view_lock = trio.Lock()        # view installs and drops of partitions: one at a time
+        self.agent = None                    # the cluster map in etcd, when configured (datanode/etcdagent.py)
+        if cfg.etcd:
+            from .etcdagent import EtcdAgent
+            self.agent = EtcdAgent(self)
 
     # -- lifecycle ------------------------------------------------------------------------------------
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Listen at once; open the partitions in a worker thread meanwhile (state "starting": PING and
+        NODE_STATUS answer, with progress; anything else is RETRY); then serve ("serving") and start repair."""
         cfg = self.cfg
         listeners = await trio.open_tcp_listeners(cfg.port, host=cfg.host)
-        log.info("datanode %s serving (pid %d, data_dir %s, pool %d MiB, max block %d KiB, sync=%s, "
-                 "transport=%s, %d partitions)", self.me, os.getpid(), cfg.data_dir, cfg.pool_mib,
-                 cfg.max_block_kib, cfg.sync, cfg.transport, len(self.table.parts))
+        if self.server_auth.creds is None:
+            log.warning("!!! AUTHENTICATION IS OFF: no secret_file configured; anyone who can reach %s can read, "
+                        "write and delete data and change partitions. Set secret_file (datanode gen-secret) "
+                        "before exposing this node to any network. !!!", self.me)
+        else:
+            log.info("authentication on (cluster secret %s)", pathlib.Path(cfg.secret_file).resolve())
+        log.info("datanode %s listening (pid %d, data_dir %s, pool %d MiB, max block %d KiB, sync=%s, "
+                 "transport=%s); opening partitions (open_verify=%s)", self.me, os.getpid(), cfg.data_dir,
+                 cfg.pool_mib, cfg.max_block_kib, cfg.sync, cfg.transport, cfg.open_verify)
+
+        failed: list[str] = []
+
+        async def open_partitions():
+            try:
+                await trio.to_thread.run_sync(self.table.load, self.opening, trio.from_thread.check_cancelled)
+            except (OSError, StoreError) as e:
+                failed.append(f"opening the partitions in {cfg.data_dir}: {e}")
+                log.error("%s", failed[0])
+                self._nursery.cancel_scope.cancel()
+                return
+            o = self.opening.to_dict()
+            log.info("datanode %s serving: %d partitions, %d extents, %d bytes opened in %.2fs (verify=%s)",
+                     self.me, o["partitions"], o["extents"], o["bytes"], o["seconds"], o["verify"])
+            self.state = "serving"
+            self._nursery.start_soon(self.repair.run)
+            if self.agent is not None:            # registers the partitions it now holds
+                self._nursery.start_soon(self.agent.run)
+
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
-                self.links = Links(nursery, self.domain, transport=cfg.transport, slots=cfg.slots,
-                                   connect_timeout=cfg.replica_timeout, on_conn=self._track)
-                nursery.start_soon(self.repair.run)
+                self.replication.links = Links(nursery, self.domain, transport=cfg.transport, slots=cfg.slots,
+                                               connect_timeout=cfg.replica_timeout, on_conn=self._track,
+                                               auth=self.dial_auth)
+                nursery.start_soon(self._keep_trash)
+                if cfg.metrics_listen:
+                    await nursery.start(serve_metrics, cfg.metrics_listen, self.metrics)
                 accepting = trio.CancelScope()
                 nursery.start_soon(self._accept_loop, listeners, accepting)
+                nursery.start_soon(open_partitions)
                 task_status.started(self)
                 with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                     async for sig in signals:
@@ -111,6 +153,8 @@ class Node:
                         self._idle = trio.Event()
                         await self._idle.wait()
                 nursery.cancel_scope.cancel()
+            if failed:
+                raise OSError(failed[0])
         finally:
             self.table.close()
             log.info("datanode %s stopped", self.me)
@@ -120,19 +164,37 @@ class Node:
             await trio.serve_listeners(self._on_stream, listeners, handler_nursery=self._nursery)
 
     async def _on_stream(self, stream: trio.SocketStream) -> None:
+        """One peer's connection, from its hello to its end.  The boundary of everything a peer can cause:
+        whatever the peer does (or a bug its requests hit), only this connection ends, with one log line."""
         try:
             host, port = stream.socket.getpeername()[:2]
-            peer = f"{host}:{port}"
-        except OSError:
+        except OSError:                          # reset before we even looked at it
             return
+        peer = f"{host}:{port}"
+        if self.accepted >= self.cfg.max_connections:
+            self.refused_connections += 1
+            if self.refused_connections % 1000 == 1:
+                log.warning("refusing connection from %s: %d connections open (max_connections); %d refused "
+                            "so far", peer, self.accepted, self.refused_connections)
+            with trio.move_on_after(1):
+                await refuse(stream.socket, self.domain, self.cfg.slots, 3)
+            return
+        self.accepted += 1
         try:
             async with accept(stream.socket, peer, self.domain, transport=self.cfg.transport,
-                              slots=self.cfg.slots) as conn:
+                              slots=self.cfg.slots, timeout=self.cfg.hello_timeout,
+                              auth=self.server_auth) as conn:
                 await self._connection(conn)
-        except ConnectionClosed:
-            log.debug("connection from %s closed before its hello", peer)   # e.g. a port probe
-        except (TransportError, ProtocolError, trio.TooSlowError) as e:
-            log.warning("connection from %s: %s", peer, e)
+        except ConnectionClosed as e:
+            log.debug("connection from %s ended: %s", peer, e)               # e.g. a port probe
+        except (TransportError, ProtocolError, trio.TooSlowError, OSError, trio.BrokenResourceError,
+                trio.ClosedResourceError) as e:
+            log.warning("connection from %s ended: %s", peer, str(e) or type(e).__name__)
+        except Exception:     # a bug must cost one connection, never the node
+            log.exception("connection from %s ended by an internal error", peer)
+        finally:
+            self.accepted -= 1
+        # (trio.serve_listeners closes the stream when this returns)
 
     def _track(self, conn: Connection, opened: bool) -> None:
         (self.conns.add if opened else self.conns.discard)(conn)
@@ -140,23 +202,31 @@ class Node:
     # -- one connection -------------------------------------------------------------------------------
     async def _connection(self, conn: Connection) -> None:
         self.conns.add(conn)
+        idle = self.cfg.idle_timeout_s or math.inf
         try:
             async with trio.open_nursery() as nursery:
                 while True:
                     try:
-                        raw = await conn.recv()
+                        with trio.move_on_after(idle) as waiting:
+                            raw = await conn.recv()
                     except TransportError:
+                        break
+                    if waiting.cancelled_caught:
+                        if conn.busy:         # idle means nothing in flight either
+                            continue
+                        log.info("closing connection from %s: idle for %ss", conn.peer, idle)
+                        await conn.aclose()
                         break
                     self._dispatch(nursery, conn, raw)
         finally:
             self.conns.discard(conn)
 
     def _dispatch(self, nursery: trio.Nursery, conn: Connection, raw: bytes) -> None:
-        self.counters["requests"] += 1
+        self.counters.requests += 1
         try:
             h = decode(raw)
         except ProtocolError as e:
-            self.counters["protocol_errors"] += 1
+            self.counters.protocol_errors += 1
             log.warning("malformed header from %s: %s", conn.peer, e)
             opcode = raw[3] if len(raw) > 3 else 0
             resp = Header(opcode=opcode, req_id=peek_req_id(raw) or 0, result=Result.PROTOCOL,
@@ -170,25 +240,41 @@ class Node:
             if lane is not None:
                 ticket = (lane, lane.ticket())
         self.inflight += 1
-        nursery.start_soon(self._handle, conn, h, ticket)
+        conn.busy += 1
+        nursery.start_soon(self._handle, conn, h, ticket, trio.current_time())
 
     async def _send(self, conn: Connection, resp: Header) -> None:
         try:
-            await conn.send(resp.encode())
+            raw = resp.encode()
+        except ProtocolError as e:                # a field out of range: a bug, answered as one
+            log.error("reply %s to %s does not encode (%s): answering ERROR", resp.describe(), conn.peer, e)
+            raw = Header(opcode=resp.opcode, req_id=resp.req_id, result=Result.ERROR).encode()
+        try:
+            await conn.send(raw)
         except TransportError as e:
             log.debug("reply to %s lost: %s", conn.peer, e)
 
-    async def _handle(self, conn: Connection, h: Header, ticket) -> None:
+    async def _handle(self, conn: Connection, h: Header, ticket, t0: float) -> None:
         resp = None
+        why = ""
         try:
             if self.draining and h.opcode not in (Op.PING,):
                 raise Reply(Result.RETRY, why="node is shutting down")
-            handler = self.HANDLERS[Op(h.opcode)]
+            if self.state != "serving" and h.opcode not in (Op.PING, Op.NODE_STATUS):
+                raise Reply(Result.RETRY, why="node is starting (opening its partitions)")
+            if conn.role is not None:
+                self._authorize(conn, h)
+            handler = HANDLERS[h.opcode]
             resp = await handler(self, conn, h, ticket)
         except Reply as r:
+            why = r.why
             if r.result not in (Result.OK, Result.STALE_EPOCH, Result.NOT_FOUND):
                 log.info("%s from %s -> %s %s", h.describe(), conn.peer, r.result.name, r.why)
             resp = h.reply(r.result, arg=r.arg)
+        except PeerTimeout as e:
+            log.warning("%s from %s: %s: dropping the connection", h.describe(), conn.peer, e)
+            await conn.aclose()
+            resp = None
         except TransportError as e:
             log.warning("%s from %s: connection failed: %s", h.describe(), conn.peer, e)
             resp = None
@@ -202,356 +288,99 @@ class Node:
                 if resp is not None:   # still in flight until answered: a drain must not cancel the reply
                     await self._send(conn, resp)
             finally:
+                self.metrics.observe(h.opcode, resp.result if resp is not None else -1, h.length,
+                                     trio.current_time() - t0)
                 self.inflight -= 1
+                conn.busy -= 1
                 if self.inflight == 0:
                     self._idle.set()
+                if h.opcode in ADMIN_ACTIONS:
+                    await self.audit.record(peer=conn.peer, role=conn.role, identity=conn.identity,
+                                            op=Op(h.opcode).name, partition=h.partition, epoch=h.epoch,
+                                            result=Result(resp.result).name if resp is not None else "DROPPED",
+                                            detail=why)
 
-    # -- helpers --------------------------------------------------------------------------------------
-    def _hosted(self, h: Header) -> Partition:
-        """The request's partition, or NOT_FOUND."""
-        part = self.table.get(h.partition)
-        if part is None:
-            raise Reply(Result.NOT_FOUND, why=f"partition {h.partition} is not on this node")
-        return part
+    async def install_view(self, pid: int, replicas: list[str], epoch: int) -> bool:
+        """Adopt a higher epoch and its replica list (False if ``epoch`` is not above ours)."""
+        async with self._view_lock:
+            part = self.table.get(pid)
+            if part is None or epoch <= part.epoch:
+                return False
+            part.replicas, part.epoch = list(replicas), epoch
+            await self._store(part.save)
+        self.repair.kick()                   # leadership may have moved here (or away)
+        if self.agent is not None:
+            self.agent.changed()
+        log.info("partition %d now epoch %d replicas %s", part.pid, epoch, ",".join(replicas))
+        return True
 
-    def _partition(self, h: Header) -> Partition:
-        """The request's partition, at the request's epoch (else NOT_FOUND / STALE_EPOCH)."""
-        part = self._hosted(h)
-        if h.epoch != part.epoch:
-            raise Reply(Result.STALE_EPOCH, arg=part.epoch,
-                        why=f"epoch {h.epoch} but partition {part.pid} is at {part.epoch}")
-        return part
+    async def drop_partition(self, pid: int) -> None:
+        """Delete a partition and its data (idempotent)."""
+        async with self._view_lock:
+            if self.table.get(pid) is None:
+                return
+            await self._store(self.table.delete, pid)
+        log.info("partition %d deleted (its data is kept in the trash for %ss)", pid, self.cfg.trash_retention_s)
+        if self.agent is not None:
+            self.agent.changed()
 
-    async def _alloc(self, length: int):
-        if length > self.pool.max_block:
-            raise Reply(Result.BAD_REQUEST, arg=self.pool.max_block,
-                        why=f"{length} bytes is more than the max block {self.pool.max_block}")
+    def disk(self) -> dict:
+        """Capacity and use of the file system holding ``data_dir`` (bytes)."""
         try:
-            return await self.pool.alloc(length, timeout=self.cfg.pool_wait)
-        except PoolExhausted as e:
-            raise Reply(Result.NO_SPACE, why=str(e)) from None
-
-    async def _fetch(self, conn: Connection, remote: RemoteBuf, view: memoryview) -> None:
-        try:
-            await conn.read(remote, view, self.region)
-        except RemoteAccessError as e:
-            raise Reply(Result.REMOTE_ACCESS, why=str(e)) from None
-
-    async def _store(self, fn, *args):
-        try:
-            return await trio.to_thread.run_sync(fn, *args)
-        except StoreError as e:
-            raise Reply(STORE_RESULTS.get(e.code, Result.ERROR), why=str(e)) from None
+            st = os.statvfs(self.cfg.data_dir)
         except OSError as e:
-            raise Reply(Result.DISK_ERROR, why=str(e)) from None
+            return {"path": self.cfg.data_dir, "error": str(e)}
+        return {"path": self.cfg.data_dir, "total": st.f_blocks * st.f_frsize,
+                "used": (st.f_blocks - st.f_bfree) * st.f_frsize, "free": st.f_bavail * st.f_frsize}
 
-    async def _push_json(self, conn: Connection, h: Header, obj) -> Header:
-        data = json.dumps(obj).encode()
-        if len(data) > h.rlen:
-            raise Reply(Result.BAD_REQUEST, arg=len(data), why=f"answer needs {len(data)} bytes")
-        block = await self._alloc(len(data))
-        try:
-            view = block.view(len(data))
-            view[:] = data
-            if data:
-                await self._write_remote(conn, view, h.remote.slice(0, len(data)))
-        finally:
-            self.pool.free(block)
-        return h.reply(Result.OK, length=len(data))
+    _LEADER_ONLY = frozenset({Op.WRITE, Op.TRUNCATE, Op.CREATE_EXTENT, Op.MARK_DELETE})
 
-    async def _pull_json(self, conn: Connection, h: Header):
-        if not (0 < h.length <= MAX_JSON):
-            raise Reply(Result.BAD_REQUEST, why="request body missing or too large")
-        block = await self._alloc(h.length)
-        try:
-            view = block.view(h.length)
-            await self._fetch(conn, h.remote.slice(0, h.length), view)
-            try:
-                return json.loads(bytes(view))
-            except ValueError:
-                raise Reply(Result.BAD_REQUEST, why="body is not JSON") from None
-        finally:
-            self.pool.free(block)
+    def _authorize(self, conn: Connection, h: Header) -> None:
+        """The connection's proven role must be one the request's opcode accepts (protocol.OP_ROLES), and a
+        forwarded change must come from the partition's current leader (the identity proven in the hello)."""
+        if conn.role not in roles_for(h):
+            self.counters.forbidden += 1
+            raise Reply(Result.FORBIDDEN, why=f"role {conn.role.name.lower()} may not send "
+                                              f"{'forwarded ' if h.flags & Flag.FORWARDED else ''}{Op(h.opcode).name}")
+        if h.flags & Flag.FORWARDED and h.opcode in self._LEADER_ONLY:
+            part = self.table.get(h.partition)
+            if part is not None and part.leader != conn.identity:
+                self.counters.forbidden += 1
+                raise Reply(Result.FORBIDDEN, why=f"forwarded {Op(h.opcode).name} from node {conn.identity}, "
+                                                  f"but the leader of partition {part.pid} is {part.leader}")
 
-    async def _write_remote(self, conn: Connection, view: memoryview, remote: RemoteBuf) -> None:
-        try:
-            await conn.write(view, self.region, remote)
-        except RemoteAccessError as e:
-            raise Reply(Result.REMOTE_ACCESS, why=str(e)) from None
-
-    async def _forward_all(self, part: Partition, h: Header):
-        """Submit a forwarded copy of ``h`` to every follower; returns [(index, pending | exception)]."""
-        out = []
-        for i, addr in enumerate(part.replicas[1:], start=1):
-            fwd = Header(opcode=h.opcode, partition=h.partition, extent=h.extent, offset=h.offset,
-                         length=h.length, crc=h.crc, epoch=h.epoch, addr=h.addr, rkey=h.rkey, rlen=h.rlen,
-                         arg=h.arg, flags=Flag.FORWARDED, hops=len(part.replicas) - 1 - i)
-            try:
-                link = await self.links.get(addr)
-                out.append((i, await link.submit(fwd, self.cfg.replica_timeout)))
-            except (TransportError, OSError) as e:
-                out.append((i, e))
+    def pool_stats(self, reveal: bool = True) -> dict:
+        """The pool's figures; its rkey and base address only when ``reveal`` (to admins, or with
+        authentication off): a peer has no use for them (it reaches our memory only through grants)."""
+        out = {**self.pool.stats(), "registered_once": True,
+               "remote_write": bool(self.region.access & Access.REMOTE_WRITE), "grants_required": True}
+        if reveal:
+            out.update(rkey=self.region.rkey, base_addr=self.pool.base_addr)
         return out
 
-    async def _await_acks(self, part: Partition, h: Header, pendings) -> int | None:
-        """Wait for every follower's answer; returns the index of the first failed replica, or None."""
-        failed: list[int] = []
+    async def _keep_trash(self) -> None:
+        """Purges partitions deleted (or removed from) more than ``trash_retention_s`` ago."""
+        every = max(1.0, min(3600.0, self.cfg.trash_retention_s / 4))
+        while True:
+            await trio.sleep(every)          # not at start: a restarting node has more urgent things to do
+            await trio.to_thread.run_sync(self.table.purge_trash, self.cfg.trash_retention_s)
 
-        async def one(i, p):
-            if isinstance(p, BaseException):
-                log.warning("replica %s of partition %d: %s", part.replicas[i], part.pid, p)
-                failed.append(i)
-                return
-            try:
-                r = await p.result()
-            except TransportError as e:
-                log.warning("replica %s of partition %d: %s", part.replicas[i], part.pid, e)
-                failed.append(i)
-                return
-            if (r.result != Result.OK or r.partition != h.partition or r.extent != h.extent
-                    or r.offset != h.offset or r.crc != h.crc):
-                log.warning("replica %s of partition %d answered %s (%s)", part.replicas[i], part.pid,
-                            Result(r.result).name if r.result in Result._value2member_map_ else r.result,
-                            h.describe())
-                failed.append(i)
-
-        async with trio.open_nursery() as n:
-            for i, p in pendings:
-                n.start_soon(one, i, p)
-        if failed:
-            self.counters["replication_failures"] += 1
-            return min(failed)
-        return None
-
-    # -- handlers -------------------------------------------------------------------------------------
-    async def op_ping(self, conn, h, _t):
-        return h.reply(Result.OK, arg=os.getpid())
-
-    async def op_write(self, conn: Connection, h: Header, ticket) -> Header:
-        part = self._partition(h)
-        forwarded = bool(h.flags & Flag.FORWARDED)
-        if not forwarded and part.leader != self.me:
-            raise Reply(Result.NOT_LEADER, why=f"leader of partition {part.pid} is {part.leader}")
-        if ticket is None:
-            raise Reply(Result.NOT_FOUND, why=f"extent {h.extent} does not exist")
-        lane, t = ticket
-        block = await self._alloc(h.length)
-        try:
-            view = block.view(h.length)
-            await self._fetch(conn, h.remote.slice(0, h.length), view)          # one-sided READ
-            if crc32c(view) != h.crc:
-                raise Reply(Result.CRC_MISMATCH, why="payload CRC does not match the header")
-            if forwarded:
-                rkeys = self.counters["forward_fetch_bytes_by_rkey"]
-                rkeys[str(h.rkey)] = rkeys.get(str(h.rkey), 0) + h.length
-            await lane.wait_turn(t)
-            if lane.diverged and not (forwarded and h.flags & Flag.REPAIR):   # repair may fill a sealed one
-                raise Reply(Result.DIVERGED, why=f"extent {h.extent} sealed: {lane.diverged}")
-            if h.offset != lane.next_offset:
-                raise Reply(Result.BAD_REQUEST, arg=lane.next_offset,
-                            why=f"append at {h.offset} but extent {h.extent} ends at {lane.next_offset}")
-            lane.next_offset += h.length
-            pendings = []
-            try:
-                if not forwarded and len(part.replicas) > 1:
-                    # the forward names our pool block: followers READ the payload from it, we copy nothing
-                    pool_view = Header(**{**_fields(h), "addr": block.addr, "rkey": self.region.rkey,
-                                          "rlen": h.length})
-                    pendings = await self._forward_all(part, pool_view)
-                    self.counters["forwarded"] += 1
-                size = await self._store(part.store.write, h.extent, h.offset, view, h.crc)
-            except BaseException as e:
-                self._seal(part, h.extent, lane, f"local write failed: {e}")
-                if pendings:
-                    await self._await_acks(part, h, pendings)   # let the followers finish with our block
-                raise
-            finally:
-                lane.done(t)          # the next append to this extent may go on while we wait for acks
-            if pendings:
-                bad = await self._await_acks(part, h, pendings)
-                if bad is not None:
-                    self._seal(part, h.extent, lane, f"replica {part.replicas[bad]} failed a write")
-                    raise Reply(Result.REPLICATION_FAILED, arg=bad,
-                                why=f"replica {part.replicas[bad]} failed {h.describe()}")
-        finally:
-            self.pool.free(block)
-        self.counters["replica_writes" if forwarded else "writes"] += 1
-        self.counters["write_bytes"] += h.length
-        return h.reply(Result.OK, arg=size, crc=h.crc)
-
-    def _seal(self, part: Partition, extent: int, lane, why: str) -> None:
-        if not lane.diverged:
-            lane.diverged = why
-            part.seal(extent, why)
-            log.warning("partition %d extent %d sealed for appends: %s", part.pid, extent, why)
-
-    async def op_read(self, conn, h: Header, _t) -> Header:
-        part = self._partition(h)
-        if h.rlen < h.length:
-            raise Reply(Result.BAD_REQUEST, why="destination buffer smaller than the read")
-        block = await self._alloc(h.length)
-        try:
-            view = block.view(h.length)
-            crc = await self._store(part.store.read_into, h.extent, h.offset, h.length, view)
-            if h.length:
-                await self._write_remote(conn, view, h.remote.slice(0, h.length))  # one-sided WRITE
-        finally:
-            self.pool.free(block)
-        self.counters["reads"] += 1
-        self.counters["read_bytes"] += h.length
-        return h.reply(Result.OK, length=h.length, crc=crc, arg=part.store.size(h.extent))
-
-    async def op_create_extent(self, conn, h: Header, _t) -> Header:
-        part = self._partition(h)
-        if h.flags & Flag.FORWARDED:
-            if part.lane(h.extent) is not None and part.store.size(h.extent) == 0:
-                return h.reply(Result.OK, arg=h.extent)   # repair and a client's create raced: same result
-            eid = await self._store(part.store.create_extent, h.extent)
-            return h.reply(Result.OK, arg=eid)
-        if part.leader != self.me:
-            raise Reply(Result.NOT_LEADER, why=f"leader of partition {part.pid} is {part.leader}")
-        eid = await self._store(part.store.create_extent, None)
-        fh = Header(**{**_fields(h), "extent": eid})
-        bad = await self._await_acks(part, fh, await self._forward_all(part, fh))
-        if bad is not None:
-            raise Reply(Result.REPLICATION_FAILED, arg=bad, why=f"replica {part.replicas[bad]} failed create")
-        r = h.reply(Result.OK, arg=eid)
-        r.extent = eid
-        return r
-
-    async def op_mark_delete(self, conn, h: Header, _t) -> Header:
-        part = self._partition(h)
-        if not h.flags & Flag.FORWARDED:
-            if part.leader != self.me:
-                raise Reply(Result.NOT_LEADER)
-            bad = await self._await_acks(part, h, await self._forward_all(part, h))
-            if bad is not None:
-                raise Reply(Result.REPLICATION_FAILED, arg=bad)
-        await self._store(part.store.mark_delete, h.extent)
-        part.lanes.pop(h.extent, None)
-        return h.reply(Result.OK)
-
-    async def op_watermarks(self, conn, h: Header, _t) -> Header:
-        part = self._hosted(h)
-        return await self._push_json(conn, h, {str(k): v for k, v in part.store.watermarks().items()})
-
-    async def op_partition_create(self, conn, h: Header, _t) -> Header:
-        body = await self._pull_json(conn, h)
-        replicas, epoch = body.get("replicas"), body.get("epoch", 1)
-        if (not isinstance(replicas, list) or not replicas or not all(isinstance(r, str) for r in replicas)
-                or len(set(replicas)) != len(replicas) or not isinstance(epoch, int) or epoch < 1):
-            raise Reply(Result.BAD_REQUEST, why="body needs replicas: [distinct addresses], epoch >= 1")
-        if self.me not in replicas:
-            raise Reply(Result.BAD_REQUEST, why=f"this node ({self.me}) is not among the replicas")
-        async with self._create_lock:
-            old = self.table.get(h.partition)
-            if old is not None:
-                if old.replicas == replicas and old.epoch == epoch:
-                    return h.reply(Result.OK, arg=epoch)
-                raise Reply(Result.BAD_REQUEST, arg=old.epoch, why=f"partition {h.partition} exists")
-            await trio.to_thread.run_sync(self.table.create, h.partition, replicas, epoch)
-        self.repair.kick()
-        log.info("partition %d created: replicas %s epoch %d", h.partition, ",".join(replicas), epoch)
-        return h.reply(Result.OK, arg=epoch)
-
-    async def op_partition_update(self, conn, h: Header, _t) -> Header:
-        part = self._hosted(h)
-        body = await self._pull_json(conn, h)
-        replicas, epoch = body.get("replicas"), body.get("epoch")
-        if not isinstance(replicas, list) or not replicas or not isinstance(epoch, int):
-            raise Reply(Result.BAD_REQUEST, why="body needs replicas and epoch")
-        if epoch <= part.epoch:
-            raise Reply(Result.STALE_EPOCH, arg=part.epoch, why=f"epoch {epoch} is not above {part.epoch}")
-        part.replicas, part.epoch = list(replicas), epoch
-        await trio.to_thread.run_sync(part.save)
-        self.repair.kick()                   # leadership may have moved here (or away)
-        log.info("partition %d now epoch %d replicas %s", part.pid, epoch, ",".join(replicas))
-        return h.reply(Result.OK, arg=epoch)
-
-    async def op_partition_delete(self, conn, h: Header, _t) -> Header:
-        self._hosted(h)
-        await trio.to_thread.run_sync(self.table.delete, h.partition)
-        log.info("partition %d deleted", h.partition)
-        return h.reply(Result.OK)
-
-    async def op_partition_list(self, conn, h: Header, _t) -> Header:
-        return await self._push_json(conn, h, [p.describe(self.me) for p in self.table.parts.values()])
-
-    async def op_pool_stats(self, conn, h: Header, _t) -> Header:
-        return await self._push_json(conn, h, self.pool_stats())
-
-    async def op_node_status(self, conn, h: Header, _t) -> Header:
-        return await self._push_json(conn, h, self.status())
-
-    def pool_stats(self) -> dict:
-        return {**self.pool.stats(), "rkey": self.region.rkey, "base_addr": self.pool.base_addr,
-                "registered_once": True, "remote_write": bool(self.region.access & Access.REMOTE_WRITE)}
-
-    def status(self) -> dict:
-        return {"node": self.me, "pid": os.getpid(), "uptime_s": round(time.time() - self.started, 1),
+    def status(self, *, asking: int = 0, reveal: bool = True) -> dict:
+        """The node's state; ``asking``: requests of the asker's own to leave out of ``inflight``;
+        ``reveal``: the pool's rkey and address too (admins, or authentication off)."""
+        return {"node": self.me, "state": self.state, "opening": self.opening.to_dict(), "pid": os.getpid(),
+                "uptime_s": round(time.time() - self.started, 1),
+                "auth": "on" if self.server_auth.creds is not None else "off",
+                "refused_connections": self.refused_connections,
                 "transport": self.cfg.transport, "sync": self.cfg.sync,
                 "rdma_device": getattr(self.domain.device, "name", None), "draining": self.draining,
-                "inflight": self.inflight, "partitions": sorted(self.table.parts),
-                "connections": [c.info() for c in list(self.conns)], "counters": self.counters,
-                "pool": self.pool_stats()}
-
-    # -- repair and scrub: the follower's side, and asking the leader (the work is in datanode/repair.py)
-    async def op_replica_state(self, conn, h: Header, _t) -> Header:
-        part = self._hosted(h)
-        return await self._push_json(conn, h, {
-            "epoch": part.epoch, "replicas": part.replicas,
-            "marks": {str(k): v for k, v in part.store.watermarks().items()},
-            "deleted": sorted(part.deleted_extents()), "sealed": sorted(int(e) for e in part.sealed)})
-
-    async def op_block_crcs(self, conn, h: Header, _t) -> Header:
-        size, entries = await self._store(self._hosted(h).block_entries, h.extent)
-        return await self._push_json(conn, h, {"size": size, "blocks": entries})
-
-    async def op_scrub_extent(self, conn, h: Header, _t) -> Header:
-        res = await self._store(scrub_range, self._hosted(h), h.extent, h.offset, h.length)
-        self.counters["scrub_bytes"] += res["checked"]
-        return await self._push_json(conn, h, res)
-
-    async def op_truncate(self, conn, h: Header, ticket) -> Header:
-        """Leader's repair -> follower: cut an extent back to ``offset`` bytes (in the extent's turn)."""
-        part = self._partition(h)
-        if not h.flags & Flag.FORWARDED or part.leader == self.me:
-            raise Reply(Result.BAD_REQUEST, why="only a leader's repair truncates, and only on followers")
-        if ticket is None:
-            raise Reply(Result.NOT_FOUND, why=f"extent {h.extent} does not exist")
-        lane, t = ticket
-        await lane.wait_turn(t)
-        await self._store(part.store.truncate, h.extent, h.offset)
-        lane.next_offset = h.offset
-        return h.reply(Result.OK, arg=h.offset)
-
-    def _worker(self, h: Header):
-        part = self._hosted(h)
-        w = self.repair.workers.get(part.pid)
-        if w is None:
-            raise Reply(Result.NOT_LEADER, why=f"leader of partition {part.pid} is {part.leader}")
-        return w
-
-    async def op_partition_health(self, conn, h: Header, _t) -> Header:
-        self._hosted(h)
-        return await self._push_json(conn, h, self.repair.health(h.partition))
-
-    async def op_repair(self, conn, h: Header, _t) -> Header:
-        return h.reply(Result.OK, arg=self._worker(h).request_repair())
-
-    async def op_scrub(self, conn, h: Header, _t) -> Header:
-        return h.reply(Result.OK, arg=self._worker(h).request_scrub())
-
-    HANDLERS = {Op.PING: op_ping, Op.WRITE: op_write, Op.READ: op_read, Op.CREATE_EXTENT: op_create_extent,
-                Op.MARK_DELETE: op_mark_delete, Op.WATERMARKS: op_watermarks,
-                Op.PARTITION_CREATE: op_partition_create, Op.PARTITION_UPDATE: op_partition_update,
-                Op.PARTITION_DELETE: op_partition_delete, Op.PARTITION_LIST: op_partition_list,
-                Op.POOL_STATS: op_pool_stats, Op.NODE_STATUS: op_node_status,
-                Op.REPLICA_STATE: op_replica_state, Op.BLOCK_CRCS: op_block_crcs,
-                Op.SCRUB_EXTENT: op_scrub_extent, Op.TRUNCATE: op_truncate,
-                Op.PARTITION_HEALTH: op_partition_health, Op.REPAIR: op_repair, Op.SCRUB: op_scrub}
+                "inflight": self.inflight - asking, "partitions": sorted(self.table.parts),
+                "disk": self.disk(),
+                "connections": [c.info() for c in list(self.conns)],
+                "counters": {**dataclasses.asdict(self.counters), **dataclasses.asdict(self.replication.counters),
+                             **dataclasses.asdict(self.repair.counters)},
+                "pool": self.pool_stats(reveal)}
 
 
-def _fields(h: Header) -> dict:
-    return {k: getattr(h, k) for k in Header.__dataclass_fields__}
-
+HANDLERS = {Op[name].value: fn for group in (DataOps, AdminOps, RepairOps) for name, fn in group.HANDLERS.items()}
+assert set(HANDLERS) == {op.value for op in Op}, "every opcode has exactly one handler"

@@ -67,7 +67,11 @@ acknowledged before (only reachable after a power cut with sync=none, or externa
 
 ``verify="full"`` (default) CRC-checks every block at open so mid-extent damage is logged then;
 ``verify="tail"`` checks only what the rule needs (partial entries, and backwards from the end to the last
-good block) -- same recovered sizes, much faster open for big partitions; damage is then found on read.
+good block) -- same recovered sizes, much faster open for big partitions (about one block read per extent
+instead of every byte); damage is then found on read, or by the scrub (the datanode opens with
+``open_verify = tail`` by default and has its leader scrub soon after start: datanode/repair.py).
+``on_extent(size)``, if given, is called after each extent is opened (progress for a node that is starting);
+it may raise to stop opening: the extents opened so far are closed again and the exception propagates.
 
 Concurrency: a per-extent mutation lock serialises write/truncate/delete; reads run concurrently with each
 other and with appends (they snapshot size + entries and only read bytes below the snapshot, which are never
@@ -75,13 +79,16 @@ rewritten); truncate/delete wait for in-flight reads to drain and block new ones
 """
 from __future__ import annotations
 
+import enum
 import errno
 import logging
 import os
 import pathlib
 import struct
 import threading
+from typing import Callable
 
+from .config import SyncMode
 from .crc import HARDWARE, crc32c, crc32c_combine
 
 log = logging.getLogger(__name__)
@@ -91,21 +98,40 @@ MAX_EXTENT = 128 * 1024 * 1024  # extents are append-only, up to 128 MiB
 
 _ENTRY = struct.Struct(">II")
 _ESZ = _ENTRY.size  # 8
-_SYNC_MODES = ("always", "none")
+_SYNC_MODES = tuple(SyncMode)
 _VERIFY_MODES = ("full", "tail")
 _NEXT_ID = "next_extent_id"
+MAX_EXTENT_ID = (1 << 48) - 1     # ids stay far from the 64-bit wire field's end
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
+class StoreCode(enum.StrEnum):
+    """Why a store operation failed: one code per condition (the server maps each to one result code)."""
+    NOT_FOUND = "not_found"          # no such extent
+    DELETED = "deleted"              # the extent was deleted (its id is never reused)
+    EXISTS = "exists"                # create of an id that exists; arg = the id
+    WRONG_OFFSET = "wrong_offset"    # an append not at the end; arg = the extent's end
+    OUT_OF_RANGE = "out_of_range"    # a read/truncate beyond the end (or negative); arg = the extent's size
+    TOO_LARGE = "too_large"          # the extent would exceed MAX_EXTENT; arg = MAX_EXTENT
+    CRC = "crc"                      # bytes fail their CRC (a payload, or a stored block)
+    NO_SPACE = "no_space"            # the file system is full (ENOSPC/EDQUOT)
+    DISK = "disk"                    # any other I/O failure, a closed store, a broken extent
+
+
 class StoreError(Exception):
-    """``code`` is one of: not_found, bad_offset, too_large, crc, disk, exists, deleted."""
+    """``code`` is a StoreCode; ``arg`` what that code says it carries (else 0)."""
 
-    CODES = ("not_found", "bad_offset", "too_large", "crc", "disk", "exists", "deleted")
-
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: StoreCode, message: str, arg: int = 0):
         super().__init__(f"{code}: {message}")
-        self.code = code
+        self.code = StoreCode(code)
         self.message = message
+        self.arg = arg
+
+
+def io_error(what: str, e: OSError) -> StoreError:
+    """An OSError as a StoreError: a full disk is NO_SPACE, anything else DISK."""
+    code = StoreCode.NO_SPACE if e.errno in (errno.ENOSPC, errno.EDQUOT) else StoreCode.DISK
+    return StoreError(code, f"{what}: {e}")
 
 
 def _fdatasync(fd: int) -> None:
@@ -233,7 +259,8 @@ class _Extent:
 
 
 class ExtentStore:
-    def __init__(self, root: pathlib.Path, sync: str = "always", *, verify: str = "full"):
+    def __init__(self, root: pathlib.Path, sync: str = SyncMode.ALWAYS, *, verify: str = "full",
+                 on_extent: Callable[[int], None] | None = None):
         if sync not in _SYNC_MODES:
             raise ValueError(f"sync must be one of {_SYNC_MODES}, not {sync!r}")
         if verify not in _VERIFY_MODES:
@@ -261,11 +288,17 @@ class ExtentStore:
             pass
         except ValueError:
             log.warning("%s: unreadable %s, recomputing from the extents present", self.root, _NEXT_ID)
-        self._open_all()
+        self._on_extent = on_extent
+        try:
+            self._open_all()
+        except BaseException:
+            self.close()
+            raise
+        self._on_extent = None
 
     @property
     def _durable(self) -> bool:
-        return self.sync == "always"
+        return self.sync == SyncMode.ALWAYS
 
     # ------------------------------------------------------------------------------------------- open
     def _paths(self, eid: int) -> tuple[pathlib.Path, pathlib.Path, pathlib.Path]:
@@ -299,6 +332,8 @@ class ExtentStore:
         for eid in sorted(dats):
             ext, cut = self._recover(eid)
             self._extents[eid] = ext
+            if self._on_extent is not None:
+                self._on_extent(ext.size)
             cut_total += cut
             bad_total += len(ext.bad)
             dir_changed = dir_changed or eid not in crcs
@@ -433,10 +468,11 @@ class ExtentStore:
                     eid = self._next_id
                 else:
                     eid = int(extent_id)
-                    if eid < 1:
-                        raise ValueError(f"extent id must be >= 1, not {eid}")
+                    if not 1 <= eid <= MAX_EXTENT_ID:
+                        raise StoreError("out_of_range", f"extent id {eid} is not in 1..{MAX_EXTENT_ID}",
+                                         MAX_EXTENT_ID)
                     if eid in self._extents:
-                        raise StoreError("exists", f"extent {eid} already exists")
+                        raise StoreError("exists", f"extent {eid} already exists", eid)
                     if eid in self._tombstones:
                         raise StoreError("deleted", f"extent {eid} was deleted; ids are never reused")
                 bump = eid >= self._next_id
@@ -456,9 +492,9 @@ class ExtentStore:
                 if self._durable:
                     _fsync_dir(self._dir)
             except FileExistsError as e:
-                raise StoreError("exists", f"extent {eid}: {e}") from None
+                raise StoreError("exists", f"extent {eid}: {e}", eid) from None
             except OSError as e:
-                raise StoreError("disk", f"create extent {eid}: {e}") from e
+                raise io_error(f"create extent {eid}", e) from e
             with self._lock:
                 if self._closed:
                     os.close(dat)
@@ -489,9 +525,10 @@ class ExtentStore:
                 raise StoreError("not_found", f"extent {extent_id} does not exist")
             size = ext.size
             if offset != size:
-                raise StoreError("bad_offset", f"extent {extent_id}: append at {offset}, current size is {size}")
+                raise StoreError("wrong_offset", f"extent {extent_id}: append at {offset}, current size is {size}",
+                                 size)
             if offset + n > MAX_EXTENT:
-                raise StoreError("too_large", f"extent {extent_id}: {offset}+{n} exceeds {MAX_EXTENT}")
+                raise StoreError("too_large", f"extent {extent_id}: {offset}+{n} exceeds {MAX_EXTENT}", MAX_EXTENT)
             if ext.broken:
                 raise StoreError("disk", f"extent {extent_id} needs recovery (reopen): {ext.broken}")
             # per-block CRCs (and the whole-buffer CRC) in one pass over the bytes
@@ -533,7 +570,7 @@ class ExtentStore:
                     _fdatasync(ext.crc)
             except OSError as e:
                 self._rollback(ext, size, first, stage, e)
-                raise StoreError("disk", f"extent {extent_id}: {stage}: {e}") from e
+                raise io_error(f"extent {extent_id}: {stage}", e) from e
             with ext.mu:
                 entries[first:] = new       # readers copy slices under mu, so in place is fine
                 ext.size = size + n
@@ -558,7 +595,8 @@ class ExtentStore:
     def read_into(self, extent_id: int, offset: int, length: int, out: memoryview) -> int:
         ext = self._get(extent_id)
         if offset < 0 or length < 0:
-            raise StoreError("bad_offset", f"extent {extent_id}: negative offset/length {offset}/{length}")
+            raise StoreError("out_of_range", f"extent {extent_id}: negative offset/length {offset}/{length}",
+                             ext.size)
         out = _byte_view(out)
         if len(out) < length:
             raise ValueError(f"output buffer holds {len(out)} bytes, {length} requested")
@@ -568,7 +606,8 @@ class ExtentStore:
         size, ents = ext.begin_read(b0, b1)
         try:
             if end > size:
-                raise StoreError("bad_offset", f"extent {extent_id}: range {offset}+{length} beyond size {size}")
+                raise StoreError("out_of_range", f"extent {extent_id}: range {offset}+{length} beyond size {size}",
+                                 size)
             if not length:
                 return 0
             head_buf, tail_buf = _scratch_bufs()
@@ -617,6 +656,17 @@ class ExtentStore:
     def size(self, extent_id: int) -> int:
         return self._get(extent_id).size
 
+    def tombstones(self) -> set[int]:
+        """Ids of the extents deleted from this store (never handed out again)."""
+        with self._lock:
+            return set(self._tombstones)
+
+    def block_entries(self, extent_id: int) -> tuple[int, list[tuple[int, int]]]:
+        """(size, [(crc, covered)] per block) of one extent, one consistent snapshot."""
+        ext = self._get(extent_id)
+        with ext.mu:
+            return ext.size, list(ext.entries)
+
     def watermarks(self) -> dict[int, int]:
         with self._lock:
             exts = list(self._extents.values())
@@ -649,7 +699,7 @@ class ExtentStore:
                     if self._durable:
                         _fsync_dir(self._dir)
                 except OSError as e:
-                    raise StoreError("disk", f"delete extent {extent_id}: {e}") from e
+                    raise io_error(f"delete extent {extent_id}", e) from e
             finally:
                 ext.end_exclusive()
         log.info("extent %d (%s): deleted", extent_id, self.root)
@@ -661,7 +711,8 @@ class ExtentStore:
                 raise StoreError("not_found", f"extent {extent_id} does not exist")
             cur = ext.size
             if size < 0 or size > cur:
-                raise StoreError("bad_offset", f"extent {extent_id}: truncate to {size}, current size is {cur}")
+                raise StoreError("out_of_range", f"extent {extent_id}: truncate to {size}, current size is {cur}",
+                                 cur)
             if size == cur:
                 return
             ext.begin_exclusive()
@@ -690,7 +741,7 @@ class ExtentStore:
                         _fdatasync(ext.dat)
                 except OSError as e:
                     ext.broken = f"truncate: {e}"
-                    raise StoreError("disk", f"extent {extent_id}: truncate: {e}") from e
+                    raise io_error(f"extent {extent_id}: truncate", e) from e
                 with ext.mu:
                     ext.entries = entries
                     ext.size = size

@@ -2,6 +2,8 @@
 and configuration errors."""
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import pathlib
@@ -250,7 +252,7 @@ class Raw:
 
     async def call(self, h: Header) -> Header:
         self.next_id += 1
-        h.req_id = self.next_id
+        h = dataclasses.replace(h, req_id=self.next_id)
         resp = await self.send_raw(h.encode())
         assert resp.req_id == h.req_id
         return resp

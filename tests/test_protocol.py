@@ -2,6 +2,7 @@
 ProtocolError -- a malformed header must never crash the decoder with another exception."""
 from __future__ import annotations
 
+import dataclasses
 import struct
 
 import pytest
@@ -9,13 +10,13 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from datanode.crc import crc32c
-from datanode.protocol import (HEADER_SIZE, HELLO_SIZE, MAGIC, MAX_PAYLOAD, PROTOCOL_REASONS, VERSION,
-                               Header, Hello, Op, ProtocolError, Result, Transport, decode, decode_hello,
-                               peek_req_id)
+from datanode.protocol import (BODY_REASONS, HEADER_SIZE, HELLO_SIZE, MAGIC, MAX_EPOCH, MAX_PAYLOAD,
+                               PROTOCOL_REASONS, VERSION, BodyError, Header, Hello, Op, ProtocolError, Result,
+                               Transport, decode, decode_hello, decode_view, peek_req_id)
 
 U8, U16, U32, U64 = (st.integers(0, (1 << b) - 1) for b in (8, 16, 32, 64))
 FIELDS = ["opcode", "partition", "extent", "offset", "length", "crc", "req_id", "epoch", "addr", "rkey", "rlen",
-          "arg", "result", "flags", "hops", "version"]
+          "arg", "result", "flags", "version"]
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -28,10 +29,12 @@ def requests(draw):
     """Any header a sender may legally put on the wire as a request."""
     op = draw(st.sampled_from(list(Op)))
     length = draw(st.integers(0, MAX_PAYLOAD))
-    rlen = draw(st.integers(length, (1 << 32) - 1)) if op == Op.WRITE else draw(U32)
+    in_buffer = op in (Op.WRITE, Op.READ, Op.PARTITION_CREATE, Op.PARTITION_UPDATE)
+    rlen = draw(st.integers(length, (1 << 32) - 1)) if in_buffer else draw(U32)
     return Header(opcode=op, partition=draw(U64), extent=draw(U64), offset=draw(U64), length=length,
-                  crc=draw(U32), req_id=draw(U64), epoch=draw(U64), addr=draw(U64), rkey=draw(U32), rlen=rlen,
-                  arg=draw(U64), result=0, flags=draw(U8), hops=draw(U16))
+                  crc=draw(U32), req_id=draw(U64), epoch=draw(st.integers(0, MAX_EPOCH)), addr=draw(U64),
+                  rkey=draw(U32), rlen=rlen,
+                  arg=draw(U64), result=0, flags=draw(U8))
 
 
 @st.composite
@@ -39,7 +42,7 @@ def responses(draw):
     return Header(opcode=draw(U8), partition=draw(U64), extent=draw(U64), offset=draw(U64), length=draw(U32),
                   crc=draw(U32), req_id=draw(U64), epoch=draw(U64), addr=draw(U64), rkey=draw(U32),
                   rlen=draw(U32), arg=draw(U64), result=draw(st.sampled_from(list(Result))), flags=draw(U8),
-                  hops=draw(U16))
+                  )
 
 
 def seal(body: bytes) -> bytes:
@@ -76,11 +79,10 @@ def test_reply_keeps_identity(h, result, arg, length, crc):
     assert (r.result, r.arg, r.length, r.crc) == (result, arg, length, crc)
 
 
-@pytest.mark.parametrize("field,value", [("partition", 1 << 64), ("length", 1 << 32), ("hops", 1 << 16),
+@pytest.mark.parametrize("field,value", [("partition", 1 << 64), ("length", 1 << 32), ("flags", 1 << 8),
                                          ("opcode", 256), ("rkey", -1), ("arg", -5)])
 def test_encode_out_of_range_is_protocol_error(field, value):
-    h = Header(opcode=Op.PING)
-    setattr(h, field, value)
+    h = dataclasses.replace(Header(opcode=Op.PING), **{field: value})
     with pytest.raises(ProtocolError) as ei:
         h.encode()
     assert ei.value.reason == "field_range"
@@ -111,11 +113,19 @@ def test_each_malformation_has_its_reason():
         with pytest.raises(ProtocolError) as ei:
             decode(raw)
         assert ei.value.reason == reason, (reason, ei.value)
-    # a write whose descriptor exposes fewer bytes than the payload
-    short = Header(opcode=Op.WRITE, length=4096, rlen=4095).encode()
+    with pytest.raises(ProtocolError) as ei:                  # the 16-bit pad after the flags, too
+        decode(variant(6, ">H", 1))
+    assert ei.value.reason == "bad_reserved"
+    # a write (or read, or admin body) whose descriptor exposes fewer bytes than it moves
+    for op in (Op.WRITE, Op.READ, Op.PARTITION_CREATE, Op.PARTITION_UPDATE):
+        short = Header(opcode=op, length=4096, rlen=4095).encode()
+        with pytest.raises(ProtocolError) as ei:
+            decode(short)
+        assert ei.value.reason == "short_buffer", op
+    # an epoch no node can ever be at (its STALE_EPOCH answer could not be encoded past +1)
     with pytest.raises(ProtocolError) as ei:
-        decode(short)
-    assert ei.value.reason == "short_buffer"
+        decode(Header(opcode=Op.PING, epoch=MAX_EPOCH + 1).encode())
+    assert ei.value.reason == "field_range"
     # a response must carry a known result code
     with pytest.raises(ProtocolError) as ei:
         decode(Header(opcode=Op.PING, result=0x01).encode(), request=False)
@@ -128,6 +138,48 @@ def test_result_text_names_the_protocol_reason():
         assert reason in text and "malformed" in text
     assert "0x01" in Header(opcode=Op.PING, result=0x01).result_text()
     assert Header(opcode=Op.PING, result=Result.CRC_MISMATCH).result_text() == "CRC mismatch"
+
+
+def test_result_text_carries_the_arg_and_every_code_has_a_text():
+    assert "1000" in Header(opcode=Op.READ, result=Result.OUT_OF_RANGE, arg=1000).result_text()
+    assert "1000" in Header(opcode=Op.WRITE, result=Result.WRONG_OFFSET, arg=1000).result_text()
+    assert "#1, #2" in Header(opcode=Op.WRITE, result=Result.REPLICATION_FAILED, arg=0b110).result_text()
+    for i, reason in enumerate(BODY_REASONS):
+        assert reason.replace("_", " ") in Header(opcode=Op.PING, result=Result.BAD_BODY, arg=i).result_text()
+    for res in Result:
+        assert Header(opcode=Op.PING, result=res).result_text()
+
+
+GOOD_VIEW = {"replicas": ["127.0.0.1:1", "h:65535"], "epoch": 3}
+
+
+@pytest.mark.parametrize("body,reason", [
+    ("a string", "not_an_object"), (None, "not_an_object"), ([1, 2], "not_an_object"),
+    ({"epoch": 1}, "replicas_not_a_list"), ({"replicas": "a:1", "epoch": 1}, "replicas_not_a_list"),
+    ({"replicas": [], "epoch": 1}, "replicas_empty"),
+    ({"replicas": [f"h:{i}" for i in range(1, 18)], "epoch": 1}, "too_many_replicas"),
+    ({"replicas": [None], "epoch": 1}, "replica_not_an_address"),
+    ({"replicas": [7], "epoch": 1}, "replica_not_an_address"),
+    ({"replicas": ["nohost"], "epoch": 1}, "replica_not_an_address"),
+    ({"replicas": ["h:0"], "epoch": 1}, "replica_not_an_address"),
+    ({"replicas": ["h:65536"], "epoch": 1}, "replica_not_an_address"),
+    ({"replicas": [":80"], "epoch": 1}, "replica_not_an_address"),
+    ({"replicas": ["a b:80"], "epoch": 1}, "replica_not_an_address"),
+    ({"replicas": ["h:1", "h:1"], "epoch": 1}, "replicas_not_distinct"),
+    ({"replicas": ["h:1"]}, "epoch_not_an_integer"),
+    ({"replicas": ["h:1"], "epoch": "2"}, "epoch_not_an_integer"),
+    ({"replicas": ["h:1"], "epoch": True}, "epoch_not_an_integer"),
+    ({"replicas": ["h:1"], "epoch": 0}, "epoch_out_of_range"),
+    ({"replicas": ["h:1"], "epoch": 2**64}, "epoch_out_of_range"),
+])
+def test_view_body_validation_names_the_reason(body, reason):
+    with pytest.raises(BodyError) as ei:
+        decode_view(body)
+    assert ei.value.reason == reason
+
+
+def test_view_body_accepts_a_good_view():
+    assert decode_view(GOOD_VIEW) == (GOOD_VIEW["replicas"], 3)
 
 
 # -------------------------------------------------------------------------------------------- fuzzing
@@ -217,9 +269,9 @@ def test_hello_bit_flips_only_protocol_error(hello, bits):
     (lambda b: b"XXXX" + b[4:], "bad_magic"),
     (lambda b: b[:4] + bytes([VERSION + 1]) + b[5:], "bad_version"),
     (lambda b: b[:5] + bytes([9]) + b[6:], "bad_transport"),
-    (lambda b: b[:8] + struct.pack(">I", 0) + b[12:], "bad_slots"),
-    (lambda b: b[:8] + struct.pack(">I", 4097) + b[12:], "bad_slots"),
-    (lambda b: b[:12] + struct.pack(">I", HEADER_SIZE - 1) + b[16:], "bad_slots"),
+    (lambda b: b[:12] + struct.pack(">I", 0) + b[16:], "bad_slots"),       # slots at 12 (v3)
+    (lambda b: b[:12] + struct.pack(">I", 4097) + b[16:], "bad_slots"),
+    (lambda b: b[:16] + struct.pack(">I", HEADER_SIZE - 1) + b[20:], "bad_slots"),
 ])
 def test_hello_malformations(mutate, reason):
     raw = Hello(transport=Transport.TCP, has_device=False, slots=64).encode()

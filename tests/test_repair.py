@@ -18,7 +18,7 @@ from datanode.crc import crc32c
 from datanode.protocol import Flag, Header, Op, Result
 from datanode.store import BLOCK
 from tests.conftest import REPO, create_partition, pattern, run
-from tools import dnctl_repair as dr
+from client import admin as dr
 
 KiB, MiB = 1 << 10, 1 << 20
 PID = 1
@@ -49,7 +49,7 @@ def dnctl(*args, check: bool = True, timeout: float = 120) -> subprocess.Complet
 
 async def settle(dc, leader: str, pid: int = PID, timeout: float = 90, **kw) -> dict:
     """Ask the leader for a full repair pass and wait until every follower is healthy."""
-    n = await dr.request(dc, leader, pid, Op.REPAIR)
+    n = await dr.request_pass(dc, leader, pid, Op.REPAIR)
     return await dr.wait_settled(dc, leader, pid, repair_pass=n, timeout=timeout, **kw)
 
 
@@ -252,7 +252,7 @@ def test_scrub_finds_flipped_bytes_and_repairs_them(nodes, client):
             st = await dc.admin(a.addr, Op.NODE_STATUS)
             assert st["counters"]["scrub_bad_blocks"] == 2 and st["counters"]["scrub_repaired_blocks"] == 2
             # a second pass finds nothing
-            n = await dr.request(dc, a.addr, PID, Op.SCRUB)
+            n = await dr.request_pass(dc, a.addr, PID, Op.SCRUB)
             h = await dr.wait_settled(dc, a.addr, PID, scrub_pass=n, timeout=60)
             assert h["scrub"]["last"]["bad_blocks"] == 0
     run(body)

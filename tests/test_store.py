@@ -127,12 +127,12 @@ def test_bad_offset_and_errors(tmp_path, rng):
     s = ExtentStore(tmp_path, sync="none")
     eid = s.create_extent()
     s.write(eid, 0, b"x" * 1000)
-    e = expect("bad_offset", s.write, eid, 999, b"y")
+    e = expect("wrong_offset", s.write, eid, 999, b"y")
     assert "1000" in e.message
-    expect("bad_offset", s.write, eid, 1001, b"y")
-    expect("bad_offset", s.read_into, eid, 990, 11, memoryview(bytearray(11)))
-    expect("bad_offset", s.read_into, eid, 1001, 0, memoryview(bytearray(1)))
-    expect("bad_offset", s.read_into, eid, -1, 1, memoryview(bytearray(1)))
+    expect("wrong_offset", s.write, eid, 1001, b"y")
+    expect("out_of_range", s.read_into, eid, 990, 11, memoryview(bytearray(11)))
+    expect("out_of_range", s.read_into, eid, 1001, 0, memoryview(bytearray(1)))
+    expect("out_of_range", s.read_into, eid, -1, 1, memoryview(bytearray(1)))
     assert s.read_into(eid, 1000, 0, memoryview(bytearray(0))) == 0
     with pytest.raises(ValueError):
         s.read_into(eid, 0, 10, memoryview(bytearray(5)))
@@ -145,8 +145,9 @@ def test_bad_offset_and_errors(tmp_path, rng):
     expect("not_found", s.size, 99)
     expect("not_found", s.read_into, 99, 0, 0, memoryview(bytearray(0)))
     expect("exists", s.create_extent, eid)
-    with pytest.raises(ValueError):
-        s.create_extent(0)
+    expect("out_of_range", s.create_extent, 0)
+    expect("out_of_range", s.create_extent, 2**64 - 1)        # an id the wire could not carry past +1
+    assert s.create_extent() == eid + 1                        # and the next id is still sane
     s.close()
     expect("disk", s.size, eid)
 
@@ -484,11 +485,11 @@ def test_truncate(tmp_path, rng):
     s = ExtentStore(tmp_path)
     eid = s.create_extent()
     append_random(s, eid, data, rng)
-    expect("bad_offset", s.truncate, eid, len(data) + 1)
+    expect("out_of_range", s.truncate, eid, len(data) + 1)
     s.truncate(eid, len(data))
     s.truncate(eid, 2 * BLOCK + 100)
     assert s.size(eid) == 2 * BLOCK + 100
-    expect("bad_offset", s.read_into, eid, 2 * BLOCK, 101, memoryview(bytearray(101)))
+    expect("out_of_range", s.read_into, eid, 2 * BLOCK, 101, memoryview(bytearray(101)))
     assert read(s, eid, 0, 2 * BLOCK + 100) == data[:2 * BLOCK + 100]
     assert s.block_crcs(eid)[-1] == ORACLE(data[2 * BLOCK:2 * BLOCK + 100])
     s.truncate(eid, 2 * BLOCK)

@@ -263,13 +263,13 @@ def test_garbage_instead_of_a_hello_costs_only_that_connection(nodes):
 
 def test_oversized_control_frame_drops_only_that_connection(nodes):
     """A peer that sends a control message bigger than any slot is cut off; everybody else is served."""
-    from datanode.protocol import Hello
+    from datanode.protocol import HELLO_SIZE, Hello
     from datanode.transport.tcp import CTRL, FRAME, MAX_CTRL
     [node] = nodes(1, transport="tcp")
     host, port = node.addr.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=10) as s:
         s.sendall(Hello(transport=Transport.TCP, has_device=False, slots=4).encode())
-        s.recv(64)
+        s.recv(HELLO_SIZE)
         s.sendall(FRAME.pack(CTRL, 0, 0, MAX_CTRL + 1, 0, 0, 0, 0) + b"\0" * (MAX_CTRL + 1))
         s.settimeout(10)
         try:

@@ -3,7 +3,7 @@
 Each client is its own process (``python -m tools.bench worker SPEC``) with its own DataClient, so its CPU
 time (getrusage of the worker, all threads) is measured separately from the parent and from the datanodes.
 A client keeps ``depth`` requests in flight: writes are pipelined appends to one extent (the SDK's
-``_submit_append``, as ``DataClient.write`` does), reads are ``DataClient.read`` calls of one request each.
+``submit_append``, as ``DataClient.write`` does), reads are ``DataClient.read`` calls of one request each.
 Every request is one latency sample (submit -> answer, so it includes queueing behind the other in-flight
 requests of that client).
 
@@ -29,6 +29,9 @@ import threading
 import time
 
 import click
+
+from datanode.config import TransportChoice
+from tools.clikit import ADDR, ADDRS, CTX, Command, cluster_nodes, cluster_option
 
 MIB = 1 << 20
 GB = 1e9
@@ -122,7 +125,7 @@ async def _worker_main(spec: dict) -> None:
                             state["extent"], state["off"] = await dc.create_extent(pid), 0
                             written.append([state["extent"], 0])
                         t0 = time.perf_counter()
-                        fut = await dc._submit_append(part, state["extent"], state["off"], payload)
+                        fut = await dc.submit_append(part, state["extent"], state["off"], payload)
                     except ClientError as e:
                         errors.append(str(e))
                         window.release()
@@ -440,14 +443,15 @@ def _f(v) -> str:
     return f"{v:>8.2f}" if v is not None else f"{'-':>8}"
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.option("--dir", "root", type=click.Path(file_okay=False), help="A running local cluster (dnctl cluster up).")
-@click.option("--nodes", help="Or: datanodes HOST:PORT,... (any that know the partition).")
+@click.command(cls=Command, context_settings=CTX)
+@cluster_option(help="A running local cluster (dnctl cluster up).")
+@click.option("--nodes", type=ADDRS, help="Or: datanodes HOST:PORT,... (the scratch partition's replicas, "
+              "or any nodes that know --partition).")
 @click.option("--partition", "pid", type=click.IntRange(1),
-              help="Existing partition to write into (default 1 with --dir).")
+              help="Write into this existing partition instead of a scratch one (its data stays there).")
 @click.option("--replicas", "replica_counts",
-              help="Instead: scratch partitions on the first K nodes of --dir, e.g. '1,3' for single-node vs "
-                   "3-replica side by side (deleted afterwards).")
+              help="Scratch partitions on the first K nodes, e.g. '1,3' for single-node vs 3-replica side by "
+                   "side (default: one on every node).")
 @click.option("--size", default="1MiB", show_default=True, help="Request size: 4KiB, 128KiB, 1MiB, 4MiB ...")
 @click.option("--clients", type=click.IntRange(1, 64), default=1, show_default=True,
               help="Client processes, each with its own DataClient.")
@@ -458,44 +462,47 @@ def _f(v) -> str:
 @click.option("--mode", type=click.Choice(["write", "read", "both"]), default="both", show_default=True)
 @click.option("--read-from", default="leader", show_default=True,
               help="leader | spread (client i reads replica i mod N) | HOST:PORT.")
-@click.option("--transport", type=click.Choice(["auto", "tcp", "verbs"]), default="auto", show_default=True,
+@click.option("--transport", type=click.Choice([m.value for m in TransportChoice]), default="auto", show_default=True,
               help="Client transport.")
 @click.option("--dd", "with_dd", is_flag=True,
               help="Also run dd if=/dev/zero of=DIR/ddtest bs=1M count=1024 conv=fdatasync and show its MB/s.")
 @click.option("--dd-mib", type=click.IntRange(1, 1 << 16), default=1024, show_default=True)
-@click.option("--keep", is_flag=True, help="Keep the scratch partitions of --replicas.")
+@click.option("--keep", is_flag=True, help="Keep the scratch partitions (default: deleted at the end).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON (progress stays on stderr).")
-def bench_command(root, nodes, pid, replica_counts, size, clients, depth, seconds, total_mib, mode, read_from,
+def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, seconds, total_mib, mode, read_from,
                   transport, with_dd, dd_mib, keep, as_json):
     """Measure write and read throughput, latency percentiles and CPU per GB.
 
     \b
-    dnctl bench --dir /tmp/dn                                   # 1MiB, 1 client x depth 8, 10 s each
-    dnctl bench --dir /tmp/dn --size 128KiB --clients 2 --seconds 5
-    dnctl bench --dir /tmp/dn --replicas 1,3 --dd               # single node vs 3 replicas, and dd
+    dnctl bench --cluster /tmp/dn                               # 1MiB, 1 client x depth 8, 10 s each
+    dnctl bench --cluster /tmp/dn --size 128KiB --clients 2 --seconds 5
+    dnctl bench --cluster /tmp/dn --replicas 1,3 --dd           # single node vs 3 replicas, and dd
     dnctl bench --nodes 127.0.0.1:17310 --partition 7 --mode write --total-mib 512 --json
 
-    Writes are pipelined appends (--depth in flight per client) to one extent at a time; each client's
-    read phase reads back what it wrote (--mode read alone first writes some data, unmeasured).  The
-    writes stay in the partition (use --replicas for throw-away scratch partitions).  Latency is per
-    request, submit to answer.  Datanode CPU comes from /proc/PID/stat, so it is measured only for nodes on
-    this machine.
+    By default the data goes into a throw-away scratch partition on every node (deleted at the end, also
+    after an error or Ctrl-C; --keep keeps it); --partition N writes into an existing partition instead
+    (its data stays).  Writes are pipelined appends (--depth in flight per client) to one extent at a
+    time; each client's read phase reads back what it wrote (--mode read alone first writes some data,
+    unmeasured).  Latency is per request, submit to answer.  Datanode CPU comes from /proc/PID/stat, so
+    it is measured only for nodes on this machine.  Nothing is left in the cluster directory.
     """
+    import tempfile
+
     import trio
 
-    from client.sdk import ClientError
+    from client import admin
+    from client.sdk import ClientError, DataClient
     from tools import cluster as cl
-    from tools.dnctl import DataClient, cluster_nodes, create_partition, delete_partition, split_addrs
-    from datanode.protocol import Op
 
+    root = cluster
     if bool(root) == bool(nodes):
-        raise click.UsageError("give exactly one of --dir DIR or --nodes A,B,C")
+        raise click.UsageError("give exactly one of --cluster DIR or --nodes A,B,C")
     if seconds and total_mib:
         raise click.UsageError("give only one of --seconds or --total-mib")
-    if replica_counts and (nodes or pid):
-        raise click.UsageError("--replicas needs --dir and no --partition (it makes scratch partitions)")
+    if replica_counts and pid:
+        raise click.UsageError("give only one of --replicas (scratch partitions) or --partition (an existing one)")
     if with_dd and not root:
-        raise click.UsageError("--dd needs --dir (dd writes DIR/ddtest)")
+        raise click.UsageError("--dd needs --cluster (dd writes DIR/ddtest)")
     try:
         nbytes = parse_size(size)
     except ValueError as e:
@@ -505,21 +512,22 @@ def bench_command(root, nodes, pid, replica_counts, size, clients, depth, second
     if not seconds and not total_mib:
         seconds = 10.0
     total = total_mib * MIB if total_mib else None
-    addrs = cluster_nodes(root) if root else split_addrs(nodes)
+    addrs = cluster_nodes(root) if root else nodes
     if read_from not in ("leader", "spread"):
-        from tools.dnctl import check_addr
-        check_addr(read_from)
+        ADDR.convert(read_from, None, None)
+    if not pid and not replica_counts:
+        replica_counts = str(len(addrs))
     if replica_counts:
         try:
             counts = [int(x) for x in replica_counts.split(",") if x.strip()]
         except ValueError:
             raise click.BadParameter("expected numbers like 1,3", param_hint="--replicas") from None
         if not counts or any(not 1 <= k <= len(addrs) for k in counts):
-            raise click.BadParameter(f"each count must be between 1 and {len(addrs)} (the cluster's nodes)",
+            raise click.BadParameter(f"each count must be between 1 and {len(addrs)} (the nodes given)",
                                      param_hint="--replicas")
         targets = [(SCRATCH_BASE + k, addrs[:k], True) for k in counts]
     else:
-        targets = [(pid or 1, None, False)]
+        targets = [(pid, None, False)]
     phases = ["write", "read"] if mode == "both" else [mode]
 
     async def setup():
@@ -527,21 +535,21 @@ def bench_command(root, nodes, pid, replica_counts, size, clients, depth, second
             status = {}
             for a in addrs:
                 try:
-                    status[a] = await dc.admin(a, Op.NODE_STATUS)
+                    status[a] = await admin.node_status(dc, a)
                 except ClientError as e:
                     status[a] = {"error": str(e)}
             infos = []
             for tpid, members, scratch in targets:
                 if scratch:
-                    await delete_partition(dc, tpid, members)      # leftovers of an interrupted run
-                    await create_partition(dc, tpid, members)
+                    await admin.delete_partition(dc, tpid, members)      # leftovers of an interrupted run
+                    await admin.create_partition(dc, tpid, members)
                     infos.append((tpid, members))
                     continue
                 found = None
                 for a in addrs:
                     if "error" in status[a]:
                         continue
-                    for p in await dc.admin(a, Op.PARTITION_LIST):
+                    for p in await admin.partition_list(dc, a):
                         if p["id"] == tpid:
                             found = p["replicas"]
                     if found:
@@ -553,7 +561,7 @@ def bench_command(root, nodes, pid, replica_counts, size, clients, depth, second
                 for a in members:
                     if a not in status:
                         try:
-                            status[a] = await dc.admin(a, Op.NODE_STATUS)
+                            status[a] = await admin.node_status(dc, a)
                         except ClientError as e:
                             status[a] = {"error": str(e)}
             return status, infos
@@ -561,12 +569,13 @@ def bench_command(root, nodes, pid, replica_counts, size, clients, depth, second
     async def cleanup(infos):
         async with DataClient.open(timeout=10) as dc:
             for tpid, members in infos:
-                await delete_partition(dc, tpid, members)
+                await admin.delete_partition(dc, tpid, members)
 
     try:
         status, infos = trio.run(setup)
     except ClientError as e:
         raise click.ClickException(str(e)) from None
+    scratch = [(tpid, members) for tpid, members in infos if tpid >= SCRATCH_BASE]
     up = {a: s for a, s in status.items() if "error" not in s}
     if not up:
         raise click.ClickException("no datanode answered: " + "; ".join(s["error"] for s in status.values()))
@@ -581,7 +590,8 @@ def bench_command(root, nodes, pid, replica_counts, size, clients, depth, second
     header = {"size": nbytes, "clients": clients, "depth": depth,
               "budget": f"{seconds:g} s" if seconds else f"{total_mib} MiB", "sync": first.get("sync"),
               "transport": transport_used, "read_from": read_from, "nodes": addrs, "node_pids": node_pids}
-    log_dir = pathlib.Path(root) if root else None
+    log_tmp = tempfile.TemporaryDirectory(prefix="dnctl-bench-")    # workers' stderr: nothing left behind
+    log_dir = pathlib.Path(log_tmp.name)
     rows = []
     dd = None
     try:
@@ -601,9 +611,10 @@ def bench_command(root, nodes, pid, replica_counts, size, clients, depth, second
             click.echo(f"dd: writing {dd_mib} MiB to {root}/ddtest ...", err=True)
             dd = run_dd(pathlib.Path(root), dd_mib)
     finally:
-        if replica_counts and not keep:
+        log_tmp.cleanup()
+        if scratch and not keep:
             try:
-                trio.run(cleanup, infos)
+                trio.run(cleanup, scratch)
             except ClientError as e:
                 click.echo(f"warning: could not delete scratch partitions: {e}", err=True)
     out = {"config": header, "results": rows, "dd": dd}

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 from datanode import config as config_mod
@@ -24,10 +25,21 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 # Python starts slowly under software emulation (the Soft-RoCE VM): give daemons longer to come up there.
+# How long a starting node may go without progress: to listen, then between two looks at its opening
+# progress (a node holding much data keeps reporting progress, and is waited for as long as it does).
 START_TIMEOUT = float(os.environ.get("DATANODE_START_TIMEOUT", "90" if os.environ.get("SOFTROCE_VM") else "20"))
 
 
-def wait_listening(addr: str, timeout: float = START_TIMEOUT, proc: subprocess.Popen | None = None) -> None:
+def wait_listening(addr: str, timeout: float = START_TIMEOUT, proc: subprocess.Popen | None = None,
+                   secret: str | None = None) -> None:
+    """Wait until the datanode at ``addr`` serves: it listens, then answers NODE_STATUS with state
+    "starting" (and progress) while it opens its partitions, then "serving".  ``timeout`` bounds each
+    stretch without progress, not the whole start; TimeoutError names what the node was doing."""
+    import trio
+
+    from client.sdk import ClientError, DataClient
+    from datanode.protocol import Op
+
     host, _, port = addr.rpartition(":")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -35,10 +47,49 @@ def wait_listening(addr: str, timeout: float = START_TIMEOUT, proc: subprocess.P
             raise RuntimeError(f"datanode {addr} exited with status {proc.returncode} while starting")
         try:
             with socket.create_connection((host, int(port)), timeout=0.5):
-                return
+                break
         except OSError:
             time.sleep(0.05)
-    raise TimeoutError(f"datanode {addr} did not start listening within {timeout}s")
+    else:
+        raise TimeoutError(f"datanode {addr} did not start listening within {timeout}s")
+
+    async def until_serving() -> None:
+        last, seen = None, None
+        stall = time.monotonic() + timeout
+        async with DataClient.open(timeout=min(timeout, 10.0), pool_mib=2, secret=secret) as dc:
+            while True:
+                if proc is not None and proc.poll() is not None:
+                    raise RuntimeError(f"datanode {addr} exited with status {proc.returncode} while starting")
+                try:
+                    st = await dc.admin(addr, Op.NODE_STATUS)
+                except ClientError as e:
+                    seen = f"no status ({e})"
+                else:
+                    if st.get("state", "serving") == "serving":    # (a node without "state" serves once listening)
+                        return
+                    o = st.get("opening", {})
+                    progress = (o.get("partitions"), o.get("extents"), o.get("bytes"))
+                    if progress != last:
+                        last, stall = progress, time.monotonic() + timeout
+                    seen = (f"{st['state']}: {o.get('extents')} of {o.get('extents_total')} extents, "
+                            f"{o.get('bytes')} of {o.get('bytes_total')} bytes opened")
+                if time.monotonic() > stall:
+                    raise TimeoutError(f"datanode {addr} made no progress starting for {timeout}s ({seen})")
+                await trio.sleep(0.05)
+
+    failure: list[BaseException] = []
+
+    def in_own_thread() -> None:      # callers may be inside a trio run themselves (tests, torture)
+        try:
+            trio.run(until_serving)
+        except BaseException as e:    # noqa: BLE001 - handed to the caller's thread
+            failure.append(e)
+
+    t = threading.Thread(target=in_own_thread, name=f"wait-serving-{addr}")
+    t.start()
+    t.join()
+    if failure:
+        raise failure[0]
 
 
 class NodeProc:
@@ -65,7 +116,7 @@ class NodeProc:
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
         self.pid = self.proc.pid
-        wait_listening(self.addr, timeout, self.proc)
+        wait_listening(self.addr, timeout, self.proc, secret=self.cfg.get("secret_file") or None)
         return self
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
@@ -97,7 +148,7 @@ def load(root: pathlib.Path) -> dict:
     path = root / "cluster.json"
     if not path.exists():
         raise FileNotFoundError(f"{root} is not a cluster directory (no cluster.json); "
-                                f"start one with: dnctl cluster up --dir {root}")
+                                f"start one with: dnctl cluster up --cluster {root}")
     return json.loads(path.read_text())
 
 
@@ -143,6 +194,48 @@ def node_alive(pid: int) -> bool:
     return pid_alive(pid) and is_datanode(pid)
 
 
+def listener_pid(addr: str) -> int | None:
+    """The pid of the process listening on ``addr`` (TCP), or None if nothing listens there."""
+    import psutil      # here, not at the top: tests and tools that only start nodes do not need it
+    host, _, port = addr.rpartition(":")
+    try:
+        conns = psutil.net_connections(kind="tcp")
+    except (psutil.Error, OSError):
+        return None
+    for c in conns:
+        if (c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == int(port) and c.pid
+                and c.laddr.ip in (host, "0.0.0.0", "::", "::ffff:" + host)):
+            return c.pid
+    return None
+
+
+def node_process(rec: dict) -> tuple[int | None, str]:
+    """The datanode process that is this cluster.json node *now*, and how it was found.
+
+    The process listening on the node's address is it (whoever started it: ``dnctl``, a test, or a
+    person by hand), if it is a datanode; otherwise the recorded pid, if that is still a datanode started
+    with this node's config (it may still be opening its data, not listening yet).  Returns (pid, note):
+    (None, why) when no such process runs."""
+    pid = listener_pid(rec["addr"])
+    if pid is not None:
+        if is_datanode(pid):
+            return pid, ("" if pid == rec.get("pid") else f"pid {pid} listens on {rec['addr']} "
+                         f"(not started by dnctl: cluster.json says {rec.get('pid')})")
+        return None, f"{rec['addr']} is taken by another process (pid {pid}, not a datanode)"
+    rp = rec.get("pid")
+    if rp and node_alive(rp) and _started_with(rp, pathlib.Path(rec["dir"]) / "node.toml"):
+        return rp, "not listening yet"
+    return None, "no process"
+
+
+def _started_with(pid: int, path: pathlib.Path) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return str(path).encode() in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -156,7 +249,8 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / _TICK     # fields 14 and 15 of proc(5)
 
 
-def up(root: pathlib.Path, nodes: int = 3, base_port: int | None = None, **cfg) -> dict:
+def up(root: pathlib.Path, nodes: int = 3, base_port: int | None = None, *, start_timeout: float = START_TIMEOUT,
+       **cfg) -> dict:
     """Start ``nodes`` daemons (detached: they outlive this process) and record them in cluster.json.
 
     ``cfg`` is node.toml keys (sync, transport, pool_mib, replica_timeout, ...), the same for every node.
@@ -166,16 +260,16 @@ def up(root: pathlib.Path, nodes: int = 3, base_port: int | None = None, **cfg) 
     root.mkdir(parents=True, exist_ok=True)
     if (root / "cluster.json").exists():
         info = load(root)
-        running = [n["addr"] for n in info["nodes"] if node_alive(n["pid"])]
+        running = [n["addr"] for n in info["nodes"] if node_process(n)[0] is not None]
         if running:
             raise RuntimeError(f"a cluster is already running in {root} ({', '.join(running)}); stop it with: "
-                               f"dnctl cluster down --dir {root}")
-        return _restart(root, info)
+                               f"dnctl cluster down --cluster {root}")
+        return _restart(root, info, start_timeout)
     for i in range(nodes):
         pdir = root / f"node{i + 1}" / "data" / "partitions"
         if pdir.is_dir() and any(pdir.iterdir()):
             raise RuntimeError(f"{root / f'node{i + 1}'} holds data but {root} has no cluster.json; "
-                               f"use an empty --dir")
+                               f"use an empty --cluster dir")
     if base_port:
         if not (1 <= base_port and base_port + nodes - 1 <= 65535):
             raise ValueError(f"ports {base_port}..{base_port + nodes - 1} are out of range")
@@ -196,7 +290,7 @@ def up(root: pathlib.Path, nodes: int = 3, base_port: int | None = None, **cfg) 
             ports.add(port)
             n = NodeProc(root / f"node{i + 1}", f"127.0.0.1:{port}", **cfg)
             started.append(n)
-            n.start()
+            n.start(start_timeout)
     except BaseException as e:
         for n in started:
             n.stop()
@@ -213,7 +307,7 @@ def up(root: pathlib.Path, nodes: int = 3, base_port: int | None = None, **cfg) 
     return info
 
 
-def add_node(root: pathlib.Path, port: int | None = None) -> dict:
+def add_node(root: pathlib.Path, port: int | None = None, start_timeout: float = START_TIMEOUT) -> dict:
     """Start one more node (no partitions) in a running cluster's directory, with the cluster's config."""
     info = load(root)
     i = len(info["nodes"]) + 1
@@ -225,14 +319,14 @@ def add_node(root: pathlib.Path, port: int | None = None) -> dict:
         if port is None:
             raise RuntimeError("could not find a free port on 127.0.0.1")
     proc = NodeProc(root / f"node{i}", f"127.0.0.1:{port}", **info.get("config", {}))
-    proc.start()
+    proc.start(start_timeout)
     rec = {"addr": proc.addr, "pid": proc.pid, "dir": str(proc.root), "log": str(proc.log_path)}
     info["nodes"].append(rec)
     save(root, info)
     return rec
 
 
-def _restart(root: pathlib.Path, info: dict) -> dict:
+def _restart(root: pathlib.Path, info: dict, start_timeout: float = START_TIMEOUT) -> dict:
     """Start a stopped cluster again: same addresses (partitions name them), same config, data kept."""
     busy = [n["addr"] for n in info["nodes"]
             if not port_free(n["addr"].rpartition(":")[0], int(n["addr"].rpartition(":")[2]))]
@@ -245,7 +339,7 @@ def _restart(root: pathlib.Path, info: dict) -> dict:
         for n in info["nodes"]:
             proc = NodeProc(pathlib.Path(n["dir"]), n["addr"], **cfg)
             started.append(proc)
-            proc.start()
+            proc.start(start_timeout)
     except BaseException:
         for proc in started:
             proc.stop()
@@ -266,35 +360,99 @@ def _log_tail(path: pathlib.Path) -> str:
     return lines[-1].strip() if lines else ""
 
 
-def down(root: pathlib.Path, timeout: float = 30.0) -> list[dict]:
-    """SIGTERM every node (they drain in-flight requests), SIGKILL one that does not exit within
-    ``timeout``.  Nodes are signalled together and waited for together."""
-    info = load(root)
-    out = []
-    waiting = []
+def _find(info: dict, addr: str) -> dict:
     for n in info["nodes"]:
-        pid = n["pid"]
-        rec = {"addr": n["addr"], "pid": pid, "result": "not running"}
-        out.append(rec)
-        if not pid_alive(pid):
+        if n["addr"] == addr:
+            return n
+    raise ValueError(f"{addr} is not a node of this cluster (nodes: {', '.join(n['addr'] for n in info['nodes'])})")
+
+
+def _stop_pids(recs: list[tuple[dict, int]], timeout: float) -> None:
+    """SIGTERM each (rec, pid) together, wait together, SIGKILL what did not drain; fills rec["result"]."""
+    waiting = []
+    for rec, pid in recs:
+        try:
+            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            rec["result"] = "not running"
             continue
-        if not is_datanode(pid):
-            rec["result"] = "not running (pid now belongs to another process; left alone)"
-            continue
-        os.kill(pid, signal.SIGCONT)
-        os.kill(pid, signal.SIGTERM)
-        waiting.append((rec, time.monotonic()))
+        waiting.append((rec, pid, time.monotonic()))
     deadline = time.monotonic() + timeout
-    for rec, t0 in waiting:
-        while pid_alive(rec["pid"]) and time.monotonic() < deadline:
+    for rec, pid, t0 in waiting:
+        while pid_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.02)
-        if pid_alive(rec["pid"]):
-            os.kill(rec["pid"], signal.SIGKILL)
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
             rec["result"] = f"killed (did not drain within {timeout:g}s)"
         else:
             rec["result"] = "stopped"
             rec["seconds"] = round(time.monotonic() - t0, 2)
-            tail = _log_tail(pathlib.Path(next(n["log"] for n in info["nodes"] if n["pid"] == rec["pid"])))
+
+
+def down(root: pathlib.Path, timeout: float = 30.0) -> list[dict]:
+    """SIGTERM every node (they drain in-flight requests), SIGKILL one that does not exit within
+    ``timeout``.  Nodes are signalled together and waited for together.  Each node is found by its real
+    process (``node_process``): a node restarted by hand is stopped too, a stale pid is never signalled."""
+    info = load(root)
+    out = []
+    todo = []
+    for n in info["nodes"]:
+        pid, note = node_process(n)
+        rec = {"addr": n["addr"], "pid": pid, "result": "not running"}
+        if pid is None and note.startswith(n["addr"]):
+            rec["result"] = f"not running ({note}; left alone)"
+        elif note and pid is not None and note != "not listening yet":
+            rec["note"] = note
+        out.append(rec)
+        if pid is not None:
+            todo.append((rec, pid))
+    _stop_pids(todo, timeout)
+    for rec in out:
+        if rec["result"] == "stopped":
+            tail = _log_tail(pathlib.Path(_find(info, rec["addr"])["log"]))
             if tail and "stopped" not in tail:
                 rec["log_tail"] = tail
+    return out
+
+
+def stop_node(root: pathlib.Path, addr: str, timeout: float = 30.0) -> dict:
+    """Stop one node of the cluster (SIGTERM: it drains; SIGKILL after ``timeout``)."""
+    info = load(root)
+    n = _find(info, addr)
+    pid, note = node_process(n)
+    rec = {"addr": addr, "pid": pid, "result": "not running" + (f" ({note})" if note.startswith(addr) else "")}
+    if pid is not None:
+        _stop_pids([(rec, pid)], timeout)
+    return rec
+
+
+def start_node(root: pathlib.Path, addr: str, start_timeout: float = START_TIMEOUT) -> dict:
+    """Start one stopped node of the cluster again: same address, config and data."""
+    info = load(root)
+    n = _find(info, addr)
+    pid, note = node_process(n)
+    if pid is not None:
+        raise RuntimeError(f"{addr} is already running (pid {pid})")
+    if note.startswith(addr):
+        raise RuntimeError(note)
+    proc = NodeProc(pathlib.Path(n["dir"]), addr, **info.get("config", {}))
+    try:
+        proc.start(start_timeout)
+    except (RuntimeError, TimeoutError) as e:
+        proc.stop()
+        tail = _log_tail(proc.log_path)
+        raise RuntimeError(f"{e}" + (f"; its log ({proc.log_path}) ends with: {tail}" if tail else "")) from None
+    n["pid"] = proc.pid
+    save(root, info)
+    return {"addr": addr, "pid": proc.pid, "result": "started", "log": n["log"]}
+
+
+def status_pids(root: pathlib.Path) -> list[dict]:
+    """Each node of cluster.json with the pid of its real process (None: not running) and a note."""
+    info = load(root)
+    out = []
+    for n in info["nodes"]:
+        pid, note = node_process(n)
+        out.append({**n, "pid": pid, "recorded_pid": n.get("pid"), "note": note})
     return out

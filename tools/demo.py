@@ -1,7 +1,7 @@
 """`dnctl demo`: write random files through the SDK, read each back from every replica, compare the bytes.
 
-    dnctl cluster up --nodes 3 --dir /tmp/dn
-    dnctl demo --dir /tmp/dn --mib 300 --files 12
+    dnctl cluster up --nodes 3 --cluster /tmp/dn
+    dnctl demo --cluster /tmp/dn --mib 300 --files 12
 
 Files are generated from a seed (``random.Random(seed + i)``), so the check compares every byte read
 against a fresh copy of what was written without keeping all of it in memory.  Throughput counts only
@@ -15,8 +15,9 @@ import time
 
 import click
 
+from client import admin
 from client.sdk import ClientError
-from datanode.protocol import Op
+from tools.clikit import CTX, Command, cluster_nodes, cluster_option, run
 
 MIB = 1 << 20
 
@@ -38,16 +39,15 @@ def _ranges(locs):
 
 async def run_demo(nodes: list[str], pid: int, total_mib: int, files: int, seed: int, echo,
                    block_kib: int = 1024, depth: int = 8) -> dict:
-    from tools.dnctl import open_client
     sizes = [total_mib * MIB // files] * files
     sizes[-1] += total_mib * MIB - sum(sizes)
-    async with open_client(nodes, block_size=block_kib << 10, depth=depth) as dc:
+    async with admin.open_client(nodes, block_size=block_kib << 10, depth=depth) as dc:
         part = dc.partition(pid)
         replicas = list(part.replicas)
         before = {}
         for addr in replicas:
             try:
-                before[addr] = (await dc.admin(addr, Op.NODE_STATUS))["counters"]
+                before[addr] = (await admin.node_status(dc, addr))["counters"]
             except ClientError:
                 before[addr] = None
         echo(f"partition {pid}: replicas {', '.join(replicas)} (leader {replicas[0]}, epoch {part.epoch})")
@@ -93,7 +93,7 @@ async def run_demo(nodes: list[str], pid: int, total_mib: int, files: int, seed:
         after = {}
         for addr in replicas:
             try:
-                after[addr] = (await dc.admin(addr, Op.NODE_STATUS))["counters"]
+                after[addr] = (await admin.node_status(dc, addr))["counters"]
             except ClientError:
                 after[addr] = None
     nodes_delta = {}
@@ -110,9 +110,8 @@ async def run_demo(nodes: list[str], pid: int, total_mib: int, files: int, seed:
             "per_file": per_file}
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.option("--dir", "root", type=click.Path(file_okay=False), required=True,
-              help="A running local cluster (dnctl cluster up).")
+@click.command(cls=Command, context_settings=CTX)
+@cluster_option(required=True, help="A running local cluster (dnctl cluster up).")
 @click.option("--mib", type=click.IntRange(1, 1 << 16), default=300, show_default=True,
               help="Total MiB to write.")
 @click.option("--files", type=click.IntRange(1, 10000), default=12, show_default=True,
@@ -120,21 +119,20 @@ async def run_demo(nodes: list[str], pid: int, total_mib: int, files: int, seed:
 @click.option("--partition", "pid", type=click.IntRange(1), default=1, show_default=True)
 @click.option("--seed", type=int, default=1, show_default=True, help="Seed of the random file contents.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON result at the end (progress on stderr).")
-def demo_command(root, mib, files, pid, seed, as_json):
+def demo_command(cluster, mib, files, pid, seed, as_json):
     """Write random files through the SDK, read every one back from EACH replica, verify the bytes.
 
     \b
-    dnctl cluster up --nodes 3 --dir /tmp/dn
-    dnctl demo --dir /tmp/dn                  # 300 MiB in 12 files
-    dnctl demo --dir /tmp/dn --mib 100 --files 4 --json
+    dnctl cluster up --nodes 3 --cluster /tmp/dn
+    dnctl demo --cluster /tmp/dn                  # 300 MiB in 12 files
+    dnctl demo --cluster /tmp/dn --mib 100 --files 4 --json
 
     Prints a line per file (where it went, write MiB/s, read MiB/s from each replica), then a summary;
     exit status 1 if any byte differs.
     """
-    from tools.dnctl import cluster_nodes, run
     if files > mib * MIB:
         raise click.BadParameter("more files than bytes", param_hint="--files")
-    nodes = cluster_nodes(root)
+    nodes = cluster_nodes(cluster)
 
     def echo(line):
         click.echo(line, err=as_json)

@@ -1,292 +1,56 @@
-"""`dnctl` — the admin CLI: partitions, replicas, data, pools, nodes, local clusters, benchmarks."""
+"""`dnctl` -- the admin CLI: local clusters, partitions and their replicas, data, pools, nodes, benchmarks.
+
+Presentation only: every action is a call into ``client/admin.py`` (partition membership, health, repair
+and scrub passes, node queries) or ``tools/cluster.py`` (local processes); this file parses options,
+renders the results (text with human units, or ``--json`` with raw numbers) and turns errors into one
+line.  Each command is defined here exactly once; ``demo``, ``bench`` and ``torture`` come from their own
+modules (tools/demo.py, tools/bench.py, tools/torture.py), which do not import this one.
+"""
 from __future__ import annotations
 
-import dataclasses
-import json
 import pathlib
 import sys
-from contextlib import asynccontextmanager
 
 import click
-import trio
 
+from client import admin
 from client.sdk import ClientError, DataClient, Location
-from datanode.protocol import Op, Result
+from datanode.config import SyncMode, TransportChoice
+from datanode.protocol import Op
+from tools import cluster as cl
+from tools.bench import bench_command
+from tools.clikit import (ADDR, ADDRS, CTX, Group, ProgressLine, bar, cluster_nodes, cluster_option, emit,
+                          fmt_bytes, fmt_count, fmt_seconds, load_cluster, run, seeds, version)
+from tools.demo import demo_command
+from tools.fuzz import fuzz_command
+from tools.torture import torture_command
 
-CTX = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
-
-
-def emit(obj, as_json: bool, text: str | None = None) -> None:
-    if as_json:
-        click.echo(json.dumps(obj, indent=2, sort_keys=True))
-    else:
-        click.echo(text if text is not None else json.dumps(obj, indent=2))
-
-
-def run(fn, *args):
-    """Run an async CLI action; a ClientError becomes a clean one-line error and exit status 1."""
-    try:
-        return trio.run(fn, *args)
-    except ClientError as e:
-        raise click.ClickException(str(e)) from None
-    except trio.TooSlowError:
-        raise click.ClickException("timed out") from None
+MiB = 1 << 20
 
 
-def split_addrs(s: str) -> list[str]:
-    addrs = [a.strip() for a in s.split(",") if a.strip()]
-    if not addrs:
-        raise click.BadParameter("give at least one HOST:PORT")
-    for a in addrs:
-        check_addr(a)
-    if len(set(addrs)) != len(addrs):
-        raise click.BadParameter(f"{s!r} names a node twice")
-    return addrs
+@click.group(cls=Group, context_settings=CTX)
+@click.version_option(version(), "--version", prog_name="dnctl")
+def main():
+    """Administer datanodes: local clusters, partitions and their replicas, data, pools, benchmarks.
+
+    \b
+    Start a local 3-node cluster:  dnctl cluster up --nodes 3 --cluster /tmp/dn
+    See it:                        dnctl cluster status --cluster /tmp/dn
+    Store a file:                  dnctl put --cluster /tmp/dn --partition 1 FILE
+    Read it back:                  dnctl get --cluster /tmp/dn --partition 1 --extent 1 --out OUT
+    Write, read back, verify:      dnctl demo --cluster /tmp/dn --mib 300
+    Measure:                       dnctl bench --cluster /tmp/dn --size 1MiB --clients 2
+    Stop it:                       dnctl cluster down --cluster /tmp/dn
+
+    Every command takes --help; most take --json for scripts (raw numbers; text shows human units).
+    Errors are one line and exit status 1.  --cluster DIR is also spelled --dir DIR.
+    """
 
 
-def check_addr(a: str) -> str:
-    host, sep, port = a.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise click.BadParameter(f"{a!r} is not HOST:PORT")
-    return a
-
-
-def load_cluster(cluster_dir: str) -> dict:
-    from tools import cluster
-    try:
-        return cluster.load(pathlib.Path(cluster_dir))
-    except FileNotFoundError as e:
-        raise click.ClickException(str(e)) from None
-    except (OSError, ValueError, KeyError) as e:
-        raise click.ClickException(f"{cluster_dir}/cluster.json is unreadable: {e}") from None
-
-
-def cluster_nodes(cluster_dir: str) -> list[str]:
-    return [n["addr"] for n in load_cluster(cluster_dir)["nodes"]]
-
-
-def _why(e: Exception, addr: str) -> str:
-    """The error text without a leading "ADDR: " (callers name the node themselves)."""
-    text = str(e)
-    return text[len(addr) + 2:] if text.startswith(addr + ": ") else text
-
-
-@asynccontextmanager
-async def open_client(nodes, **kw):
-    """A DataClient whose partition map comes from any of ``nodes`` that answer (a node may be down)."""
-    async with DataClient.open(**kw) as dc:
-        errors = []
-        for addr in nodes:
-            try:
-                await dc.discover(addr)
-            except ClientError as e:
-                errors.append(f"{addr}: {_why(e, addr)}")
-        if nodes and len(errors) == len(nodes):
-            raise ClientError("no datanode answered: " + "; ".join(errors))
-        yield dc
-
-
-# -- partition membership: shared by `partition create`, `cluster up`, `replica add/remove`, bench ----------
-@dataclasses.dataclass
-class View:
-    """A partition's replica list and epoch as one node (``source``) reports it."""
-    pid: int
-    replicas: list[str]
-    epoch: int
-    source: str
-
-    @property
-    def leader(self) -> str:
-        return self.replicas[0]
-
-
-async def node_view(dc: DataClient, addr: str, pid: int) -> View | None:
-    """The partition as ``addr`` sees it (None: not hosted there).  Raises ClientError if unreachable."""
-    for p in await dc.admin(addr, Op.PARTITION_LIST):
-        if p["id"] == pid:
-            return View(pid, list(p["replicas"]), p["epoch"], addr)
-    return None
-
-
-async def create_partition(dc: DataClient, pid: int, addrs: list[str], epoch: int = 1) -> dict:
-    """Create partition ``pid`` on every node of ``addrs`` (leader first).  All or nothing: if one node
-    fails, the partition is deleted again from the nodes this call created it on."""
-    existing = {}
-    for addr in addrs:
-        try:
-            v = await node_view(dc, addr, pid)
-        except ClientError as e:
-            raise ClientError(f"creating partition {pid}: {addr} is unreachable: {_why(e, addr)}") from None
-        if v is not None:
-            if v.replicas != addrs:
-                raise ClientError(f"partition {pid} already exists on {addr} with replicas "
-                                  f"{','.join(v.replicas)} (epoch {v.epoch})")
-            existing[addr] = v
-    if len(existing) == len(addrs) and len({v.epoch for v in existing.values()}) == 1:
-        return {"id": pid, "replicas": addrs, "epoch": next(iter(existing.values())).epoch, "existed": True}
-    if existing:
-        raise ClientError(f"partition {pid} already exists on {', '.join(existing)} but not on every replica; "
-                          f"use `dnctl replica add` to extend it")
-    done = []
-    for addr in addrs:
-        try:
-            await dc.admin(addr, Op.PARTITION_CREATE, partition=pid, body={"replicas": addrs, "epoch": epoch})
-        except ClientError as e:
-            undone = []
-            for d in done:
-                try:
-                    await dc.admin(d, Op.PARTITION_DELETE, partition=pid)
-                    undone.append(d)
-                except ClientError:
-                    pass
-            left = [d for d in done if d not in undone]
-            raise ClientError(f"creating partition {pid} failed on {addr}: {_why(e, addr)}"
-                              + (f" (undone on {', '.join(undone)})" if undone else "")
-                              + (f"; could NOT undo it on {', '.join(left)}" if left else "")) from None
-        done.append(addr)
-    return {"id": pid, "replicas": addrs, "epoch": epoch, "existed": False}
-
-
-async def delete_partition(dc: DataClient, pid: int, addrs: list[str]) -> dict[str, str]:
-    """Delete ``pid`` from each node; returns {addr: "deleted" | "not there" | error text}."""
-    out = {}
-    for addr in addrs:
-        try:
-            await dc.admin(addr, Op.PARTITION_DELETE, partition=pid)
-            out[addr] = "deleted"
-        except ClientError as e:
-            out[addr] = "not there" if e.result == Result.NOT_FOUND else _why(e, addr)
-    return out
-
-
-async def current_view(dc: DataClient, pid: int, seeds: list[str], *, may_lose: str | None = None) -> View:
-    """The partition's authoritative replica list and epoch: its leader's view.
-
-    ``seeds`` are nodes to ask who the leader is.  If the leader does not answer and the change at hand
-    takes it out of the lead (``may_lose`` = the leader's address), the newest view among the other
-    replicas is used instead; otherwise that is an error naming the leader."""
-    views: dict[str, View] = {}
-    errors: dict[str, str] = {}
-
-    async def ask(addr):
-        if addr in views or addr in errors:
-            return
-        try:
-            v = await node_view(dc, addr, pid)
-        except ClientError as e:
-            errors[addr] = _why(e, addr)
-            return
-        if v is not None:
-            views[addr] = v
-
-    for addr in seeds:
-        await ask(addr)
-        if views:
-            break
-    if not views:
-        if errors and len(errors) == len(seeds):
-            raise ClientError(f"partition {pid}: no node answered ("
-                              + "; ".join(f"{a}: {w}" for a, w in errors.items()) + ")")
-        raise ClientError(f"partition {pid} is not on {', '.join(seeds)}")
-    newest = max(views.values(), key=lambda v: v.epoch)
-    for _ in range(4):     # follow the leader named by the newest view (bounded: views may disagree)
-        await ask(newest.leader)
-        if newest.leader in views and views[newest.leader].epoch >= newest.epoch:
-            return views[newest.leader]
-        if newest.leader in errors:
-            break
-        newest = max(views.values(), key=lambda v: v.epoch)
-    leader = newest.leader
-    if leader in errors and may_lose == leader:
-        for addr in newest.replicas:
-            await ask(addr)
-        best = max(views.values(), key=lambda v: v.epoch)
-        click.echo(f"warning: leader {leader} of partition {pid} does not answer ({errors[leader]}); using "
-                   f"the view of {best.source} (epoch {best.epoch})", err=True)
-        return best
-    if leader in errors:
-        raise ClientError(f"partition {pid}: its leader {leader} does not answer: {errors[leader]}")
-    raise ClientError(f"partition {pid}: leader {leader} does not host it (views disagree: "
-                      + ", ".join(f"{a} epoch {v.epoch}" for a, v in views.items()) + ")")
-
-
-async def change_replicas(dc: DataClient, old: View, new: list[str]) -> dict:
-    """Move partition ``old.pid`` from ``old.replicas`` to ``new`` at epoch ``old.epoch + 1``.
-
-    New nodes get PARTITION_CREATE (new list and epoch) first; then every member of old ∪ new gets
-    PARTITION_UPDATE, the old leader first (it stops taking writes at the old epoch); removed nodes then get
-    PARTITION_DELETE (best effort: a dead node being removed is the usual case).  Raises ClientError naming
-    the node if a member of the new list cannot be updated."""
-    pid, epoch = old.pid, old.epoch + 1
-    added = [a for a in new if a not in old.replicas]
-    removed = [a for a in old.replicas if a not in new]
-    steps: list[dict] = []
-    warnings: list[str] = []
-    # pre-flight: every node that stays must be reachable and agree on the current epoch
-    for addr in new:
-        try:
-            v = await node_view(dc, addr, pid)
-        except ClientError as e:
-            raise ClientError(f"nothing changed: {addr} does not answer: {_why(e, addr)}") from None
-        if addr in added:
-            if v is not None:
-                raise ClientError(f"nothing changed: {addr} already hosts partition {pid} (epoch {v.epoch}, "
-                                  f"replicas {','.join(v.replicas)}); delete it there first")
-        elif v is None:
-            raise ClientError(f"nothing changed: replica {addr} does not host partition {pid}; "
-                              f"remove it and add it again")
-        elif v.epoch != old.epoch:
-            raise ClientError(f"nothing changed: replica {addr} is at epoch {v.epoch} but the leader at "
-                              f"{old.epoch}; bring them in line with: dnctl partition sync --id {pid} "
-                              f"--via {old.source}")
-    body = {"replicas": new, "epoch": epoch}
-    for addr in added:
-        try:
-            await dc.admin(addr, Op.PARTITION_CREATE, partition=pid, body=body)
-        except ClientError as e:
-            for a in [s["node"] for s in steps if s["action"] == "create"]:
-                await delete_partition(dc, pid, [a])
-            raise ClientError(f"nothing changed: creating partition {pid} on new replica {addr} failed: "
-                              f"{_why(e, addr)}") from None
-        steps.append({"node": addr, "action": "create", "result": "ok"})
-    order = [old.replicas[0]] + [a for a in old.replicas[1:]] + [a for a in new if a not in old.replicas]
-    updated: list[str] = list(added)
-    for addr in order:
-        if addr in added:
-            continue
-        try:
-            await dc.admin(addr, Op.PARTITION_UPDATE, partition=pid, body=body)
-        except ClientError as e:
-            why = _why(e, addr)
-            if e.result == Result.STALE_EPOCH and e.arg == epoch:
-                v = await node_view(dc, addr, pid)
-                if v is not None and v.replicas == new:
-                    steps.append({"node": addr, "action": "update", "result": "already done"})
-                    updated.append(addr)
-                    continue
-            if addr in removed:
-                steps.append({"node": addr, "action": "update", "result": why})
-                continue
-            behind = [a for a in new if a not in updated]
-            raise ClientError(f"partition {pid}: update to epoch {epoch} failed on {addr}: {why}; now at epoch "
-                              f"{epoch}: {', '.join(updated) or 'none'}; still at {old.epoch}: "
-                              f"{', '.join(behind)}; finish with: dnctl partition sync --id {pid} --via "
-                              f"{updated[0] if updated else old.source}") from None
-        steps.append({"node": addr, "action": "update", "result": "ok"})
-        updated.append(addr)
-    for addr in removed:
-        try:
-            await dc.admin(addr, Op.PARTITION_DELETE, partition=pid)
-            steps.append({"node": addr, "action": "delete", "result": "ok"})
-        except ClientError as e:
-            steps.append({"node": addr, "action": "delete", "result": _why(e, addr)})
-            told = any(s["node"] == addr and s["action"] == "update" and s["result"] == "ok" for s in steps)
-            warnings.append(f"removed replica {addr} did not delete its copy ({_why(e, addr)}); it "
-                            + (f"knows it was removed (epoch {epoch})" if told else
-                               f"still believes it is a replica at epoch {old.epoch} (the others refuse it)")
-                            + f"; delete it later with: dnctl partition delete --id {pid} --replicas {addr}")
-    return {"id": pid, "old": {"replicas": old.replicas, "epoch": old.epoch},
-            "new": {"replicas": new, "epoch": epoch}, "steps": steps, "warnings": warnings}
+def _where(fn):
+    """--via ADDR / --cluster DIR: where to find a partition."""
+    fn = cluster_option()(fn)
+    return click.option("--via", type=ADDR, help="Any node that hosts the partition (HOST:PORT).")(fn)
 
 
 def _change_text(res: dict) -> str:
@@ -298,31 +62,8 @@ def _change_text(res: dict) -> str:
     return "\n".join(lines)
 
 
-def _seeds(via, cluster, extra=()) -> list[str]:
-    if via and cluster:
-        raise click.UsageError("give only one of --via ADDR or --cluster DIR")
-    seeds = [check_addr(via)] if via else cluster_nodes(cluster) if cluster else []
-    seeds += [a for a in extra if a not in seeds]
-    if not seeds:
-        raise click.UsageError("say where the partition is: --via ADDR (any of its replicas) or --cluster DIR")
-    return seeds
-
-
-@click.group(context_settings=CTX)
-def main():
-    """Administer datanodes: local clusters, partitions and their replicas, data, pools, benchmarks.
-
-    \b
-    Start a local 3-node cluster:  dnctl cluster up --nodes 3 --dir /tmp/dn
-    See it:                        dnctl cluster status --dir /tmp/dn
-    Store a file:                  dnctl put --cluster /tmp/dn --partition 1 FILE
-    Read it back:                  dnctl get --cluster /tmp/dn --partition 1 --extent 1 --out OUT
-    Write, read back, verify:      dnctl demo --dir /tmp/dn --mib 300
-    Measure:                       dnctl bench --dir /tmp/dn --size 1MiB --clients 2
-    Stop it:                       dnctl cluster down --dir /tmp/dn
-
-    Every command takes --help; most take --json for scripts.  Errors are one line and exit status 1.
-    """
+def _warn(text: str) -> None:
+    click.echo(f"warning: {text}", err=True)
 
 
 # -- local clusters -----------------------------------------------------------------------------------
@@ -331,28 +72,35 @@ def cluster():
     """Run a cluster of datanode processes on this machine (127.0.0.1).
 
     \b
-    dnctl cluster up --nodes 3 --dir /tmp/dn             # 3 nodes, partition 1 on all of them
-    dnctl cluster up --dir /tmp/dn --sync none --base-port 17310
-    dnctl cluster status --dir /tmp/dn [--json]          # pid, health, partitions of each node
-    dnctl cluster add-node --dir /tmp/dn                 # one more node (for `dnctl replica add`)
-    dnctl cluster down --dir /tmp/dn                     # SIGTERM: each node drains, then exits
+    dnctl cluster up --nodes 3 --cluster /tmp/dn            # 3 nodes, partition 1 on all of them
+    dnctl cluster up --cluster /tmp/dn --sync none --base-port 17310
+    dnctl cluster status --cluster /tmp/dn [--json]         # pid, health, partitions of each node
+    dnctl cluster add-node --cluster /tmp/dn                # one more node (for `dnctl replica add`)
+    dnctl cluster stop-node ADDR --cluster /tmp/dn          # stop one node (it drains first)
+    dnctl cluster start-node ADDR --cluster /tmp/dn         # start it again (same address and data)
+    dnctl cluster restart-node ADDR --cluster /tmp/dn       # both
+    dnctl cluster down --cluster /tmp/dn                    # SIGTERM: each node drains, then exits
 
     The directory holds cluster.json and node1/, node2/, ... (node.toml, data/, node.log).  The nodes are
     detached: they keep running after dnctl exits.  `up` on a stopped cluster's directory starts the
-    same nodes again (same addresses, data kept).
+    same nodes again (same addresses, data kept).  status/down follow each node's real process (the one
+    listening on its address), also when it was restarted by hand.
     """
+
+
+_start_timeout = click.option("--start-timeout", type=click.FloatRange(1, 3600), default=cl.START_TIMEOUT,
+                              show_default=True, help="Seconds a node may take to start listening.")
 
 
 @cluster.command("up")
 @click.option("--nodes", "count", type=click.IntRange(1, 64), default=3, show_default=True,
               help="How many datanodes.")
-@click.option("--dir", "root", type=click.Path(file_okay=False), required=True,
-              help="Cluster directory (created if needed).")
+@cluster_option(required=True, help="Cluster directory (created if needed).")
 @click.option("--base-port", type=click.IntRange(1, 65535),
               help="Node i listens on BASE+i-1 (default: free ports picked at random).")
-@click.option("--sync", type=click.Choice(["always", "none"]), default="always", show_default=True,
+@click.option("--sync", type=click.Choice([m.value for m in SyncMode]), default="always", show_default=True,
               help="always: fdatasync before each ack; none: page cache only (faster, not durable).")
-@click.option("--transport", type=click.Choice(["auto", "tcp", "verbs"]), default="auto", show_default=True,
+@click.option("--transport", type=click.Choice([m.value for m in TransportChoice]), default="auto", show_default=True,
               help="Data path: auto uses RDMA if a device works, else TCP.")
 @click.option("--pool-mib", type=click.IntRange(8, 65536), default=128, show_default=True,
               help="Registered memory pool per node.")
@@ -360,21 +108,22 @@ def cluster():
               help="Seconds a follower may take to ack a forwarded write.")
 @click.option("--partition", "pid", type=click.IntRange(1), default=1, show_default=True,
               help="Id of the partition created on all nodes.")
+@_start_timeout
 @click.option("--json", "as_json", is_flag=True)
-def cluster_up(count, root, base_port, sync, transport, pool_mib, replica_timeout, pid, as_json):
+def cluster_up(count, cluster, base_port, sync, transport, pool_mib, replica_timeout, pid, start_timeout,
+               as_json):
     """Start N datanodes and create a partition replicated on all of them (leader: node1).
 
     \b
     Example:
-      dnctl cluster up --nodes 3 --dir /tmp/dn
+      dnctl cluster up --nodes 3 --cluster /tmp/dn
       dnctl put --cluster /tmp/dn --partition 1 /etc/services
     """
     from datanode.config import ConfigError
-    from tools import cluster as cl
-    rootp = pathlib.Path(root)
+    rootp = pathlib.Path(cluster)
     try:
         info = cl.up(rootp, count, base_port, sync=sync, transport=transport, pool_mib=pool_mib,
-                     replica_timeout=replica_timeout)
+                     replica_timeout=replica_timeout, start_timeout=start_timeout)
     except (RuntimeError, TimeoutError, ValueError, ConfigError, OSError) as e:
         raise click.ClickException(str(e)) from None
     addrs = [n["addr"] for n in info["nodes"]]
@@ -383,17 +132,15 @@ def cluster_up(count, root, base_port, sync, transport, pool_mib, replica_timeou
         async with DataClient.open(timeout=10) as dc:
             part = None
             if not info.get("restarted"):
-                part = await create_partition(dc, pid, addrs)
-            status = await dc.admin(addrs[0], Op.NODE_STATUS)
-            parts = await dc.admin(addrs[0], Op.PARTITION_LIST)
-            return part, status, parts
+                part = await admin.create_partition(dc, pid, addrs)
+            return part, await admin.node_status(dc, addrs[0]), await admin.partition_list(dc, addrs[0])
 
     try:
-        part, status, parts = trio.run(go)
-    except ClientError as e:
+        part, status, parts = run(go)
+    except click.ClickException as e:
         if not info.get("restarted"):
             cl.down(rootp)
-        raise click.ClickException(f"{e} (cluster stopped again)") from None
+        raise click.ClickException(f"{e.message} (cluster stopped again)") from None
     transport_used = ("verbs (RDMA device %s)" % status["rdma_device"]) if status.get("rdma_device") else (
         "tcp" if transport == "tcp" else "tcp (no RDMA device)")
     res = {"dir": str(rootp.resolve()), "nodes": info["nodes"], "config": info.get("config", {}),
@@ -416,117 +163,181 @@ def cluster_up(count, root, base_port, sync, transport, pool_mib, replica_timeou
               f"  dnctl put --cluster {d} --partition {show} FILE          # prints the extent it went to",
               f"  dnctl get --cluster {d} --partition {show} --extent 1 --out OUT",
               f"  dnctl get --cluster {d} --partition {show} --extent 1 --replica {rep} --out OUT",
-              f"  dnctl demo --dir {d} --mib 300",
-              f"  dnctl cluster status --dir {d}",
-              f"  dnctl cluster down --dir {d}"]
+              f"  dnctl demo --cluster {d} --mib 300",
+              f"  dnctl cluster status --cluster {d}",
+              f"  dnctl cluster down --cluster {d}"]
     emit(res, as_json, "\n".join(lines))
+
+
+def _stop_line(r: dict) -> str:
+    extra = f" in {r['seconds']}s" if "seconds" in r else ""
+    return (f"{r['addr']:21} pid {r['pid'] if r['pid'] is not None else '-':<7} {r['result']}{extra}"
+            + (f"  ({r['note']})" if r.get("note") else "")
+            + (f"  (log: {r['log_tail']})" if r.get("log_tail") else ""))
 
 
 @cluster.command("down")
-@click.option("--dir", "root", type=click.Path(file_okay=False), required=True)
+@cluster_option(required=True)
 @click.option("--timeout", type=click.FloatRange(0.1, 600), default=30.0, show_default=True,
               help="Seconds each node may take to drain before it is killed.")
 @click.option("--json", "as_json", is_flag=True)
-def cluster_down(root, timeout, as_json):
+def cluster_down(cluster, timeout, as_json):
     """Stop the cluster's nodes: SIGTERM (in-flight requests drain), SIGKILL after --timeout.
 
-    Data stays in the directory; `dnctl cluster up --dir DIR` starts the same nodes again.
+    Each node is found by the process listening on its address (also one restarted by hand); a pid in
+    cluster.json that now belongs to another process is never signalled.  Data stays in the directory;
+    `dnctl cluster up --cluster DIR` starts the same nodes again.
     """
-    from tools import cluster as cl
-    load_cluster(root)
-    res = cl.down(pathlib.Path(root), timeout)
-    lines = []
-    for r in res:
-        extra = f" in {r['seconds']}s" if "seconds" in r else ""
-        lines.append(f"{r['addr']:21} pid {r['pid']:<7} {r['result']}{extra}"
-                     + (f"  (log: {r['log_tail']})" if r.get("log_tail") else ""))
-    emit(res, as_json, "\n".join(lines))
+    load_cluster(cluster)
+    res = cl.down(pathlib.Path(cluster), timeout)
+    emit(res, as_json, "\n".join(_stop_line(r) for r in res))
     if any(r["result"].startswith("killed") for r in res):
         sys.exit(1)
 
 
 @cluster.command("add-node")
-@click.option("--dir", "root", type=click.Path(file_okay=False), required=True)
+@cluster_option(required=True)
 @click.option("--port", type=click.IntRange(1, 65535), help="Port to listen on (default: a free one).")
+@_start_timeout
 @click.option("--json", "as_json", is_flag=True)
-def cluster_add_node(root, port, as_json):
+def cluster_add_node(cluster, port, start_timeout, as_json):
     """Start one more datanode in the cluster (same config, no partitions yet).
 
     \b
-    dnctl cluster add-node --dir /tmp/dn
+    dnctl cluster add-node --cluster /tmp/dn
     dnctl replica add --id 1 --node ADDR --cluster /tmp/dn
     """
     from datanode.config import ConfigError
-    from tools import cluster as cl
-    load_cluster(root)
+    load_cluster(cluster)
     try:
-        rec = cl.add_node(pathlib.Path(root), port)
+        rec = cl.add_node(pathlib.Path(cluster), port, start_timeout)
     except (RuntimeError, TimeoutError, ValueError, ConfigError, OSError) as e:
         raise click.ClickException(str(e)) from None
     emit(rec, as_json, f"{rec['addr']} up (pid {rec['pid']}, log {rec['log']}); add it to a partition with:\n"
-                       f"  dnctl replica add --id 1 --node {rec['addr']} --cluster {root}")
+                       f"  dnctl replica add --id 1 --node {rec['addr']} --cluster {cluster}")
+
+
+@cluster.command("stop-node")
+@click.argument("addr", type=ADDR)
+@cluster_option(required=True)
+@click.option("--timeout", type=click.FloatRange(0.1, 600), default=30.0, show_default=True,
+              help="Seconds the node may take to drain before it is killed.")
+@click.option("--json", "as_json", is_flag=True)
+def cluster_stop_node(addr, cluster, timeout, as_json):
+    """Stop one node of the cluster (SIGTERM: it drains; SIGKILL after --timeout).  Its data stays."""
+    load_cluster(cluster)
+    try:
+        rec = cl.stop_node(pathlib.Path(cluster), addr, timeout)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    emit(rec, as_json, _stop_line(rec))
+
+
+@cluster.command("start-node")
+@click.argument("addr", type=ADDR)
+@cluster_option(required=True)
+@_start_timeout
+@click.option("--json", "as_json", is_flag=True)
+def cluster_start_node(addr, cluster, start_timeout, as_json):
+    """Start one stopped node of the cluster again (same address, config and data)."""
+    from datanode.config import ConfigError
+    load_cluster(cluster)
+    try:
+        rec = cl.start_node(pathlib.Path(cluster), addr, start_timeout)
+    except (RuntimeError, TimeoutError, ValueError, ConfigError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    emit(rec, as_json, f"{addr} started (pid {rec['pid']}, log {rec['log']})")
+
+
+@cluster.command("restart-node")
+@click.argument("addr", type=ADDR)
+@cluster_option(required=True)
+@click.option("--timeout", type=click.FloatRange(0.1, 600), default=30.0, show_default=True,
+              help="Seconds the node may take to drain before it is killed.")
+@_start_timeout
+@click.option("--json", "as_json", is_flag=True)
+def cluster_restart_node(addr, cluster, timeout, start_timeout, as_json):
+    """Stop one node of the cluster (it drains) and start it again (same address, config and data)."""
+    from datanode.config import ConfigError
+    load_cluster(cluster)
+    root = pathlib.Path(cluster)
+    try:
+        stopped = cl.stop_node(root, addr, timeout)
+        rec = cl.start_node(root, addr, start_timeout)
+    except (RuntimeError, TimeoutError, ValueError, ConfigError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    rec["stopped"] = stopped
+    emit(rec, as_json, _stop_line(stopped) + f"\n{addr} started (pid {rec['pid']}, log {rec['log']})")
 
 
 @cluster.command("status")
-@click.option("--dir", "root", type=click.Path(file_okay=False), required=True)
+@cluster_option(required=True)
 @click.option("--timeout", type=click.FloatRange(0.1, 60), default=2.0, show_default=True,
               help="Seconds a node has to answer NODE_STATUS.")
 @click.option("--json", "as_json", is_flag=True)
-def cluster_status(root, timeout, as_json):
+def cluster_status(cluster, timeout, as_json):
     """Each node's address, pid and health; exit status 1 if any node is not healthy.
 
     \b
     health: up            process alive and answers NODE_STATUS within --timeout
-            not answering process alive but no answer (stopped? overloaded?)
-            down          process gone
+            not answering process alive but no answer (starting? stopped? overloaded?)
+            down          no datanode process for this node
+
+    The pid is that of the process listening on the node's address (also one started by hand), not
+    only the one cluster.json recorded.
     """
-    from tools import cluster as cl
-    info = load_cluster(root)
+    import trio
+    load_cluster(cluster)
+    procs = cl.status_pids(pathlib.Path(cluster))
 
     async def probe(dc, n, out):
-        rec = {"addr": n["addr"], "pid": n["pid"], "alive": cl.node_alive(n["pid"]), "health": "down"}
+        rec = {"addr": n["addr"], "pid": n["pid"], "alive": n["pid"] is not None, "health": "down"}
+        if n["note"] and n["note"] != "no process":
+            rec["note"] = n["note"]
         out.append(rec)
         if not rec["alive"]:
             return
         rec["health"] = "not answering"
         with trio.move_on_after(timeout):
             try:
-                st = await dc.admin(n["addr"], Op.NODE_STATUS)
-                parts = await dc.admin(n["addr"], Op.PARTITION_LIST)
+                st = await admin.node_status(dc, n["addr"])
+                parts = await admin.partition_list(dc, n["addr"])
             except ClientError as e:
-                rec["error"] = _why(e, n["addr"])
+                rec["error"] = admin.why(e, n["addr"])
                 return
             rec.update(health="up", uptime_s=st["uptime_s"], inflight=st["inflight"], sync=st["sync"],
                        transport=st["transport"], rdma_device=st["rdma_device"], draining=st["draining"],
                        connections=len(st["connections"]),
                        partitions=[{"id": p["id"], "role": p["role"], "epoch": p["epoch"],
-                                    "extents": p["extents"], "bytes": p["bytes"], "replicas": p["replicas"]}
-                                   for p in parts])
-            if st["pid"] != n["pid"]:
-                rec["warning"] = f"answered as pid {st['pid']}, cluster.json says {n['pid']}"
+                                    "extents": p["extents"], "bytes": p["bytes"], "replicas": p["replicas"],
+                                    "state": admin.partition_state(p)} for p in parts])
+            if "state" in st:
+                rec["state"] = st["state"]
         if rec["health"] != "up" and "error" not in rec:
             rec["error"] = f"no answer within {timeout:g}s"
 
     async def go():
         out: list = []
         async with DataClient.open(timeout=timeout) as dc:
-            for n in info["nodes"]:    # one at a time: a hung node costs --timeout, not the others' answers
+            for n in procs:      # one at a time: a hung node costs --timeout, not the others' answers
                 await probe(dc, n, out)
         return out
 
     res = run(go)
     lines = [f"{'node':6} {'address':21} {'pid':>7}  {'health':13} {'uptime':>8}  partitions"]
     for i, r in enumerate(res, 1):
-        parts = ", ".join(f"{p['id']} ({p['role']}, epoch {p['epoch']}, {p['extents']} extents, "
-                          f"{p['bytes']} B)" for p in r.get("partitions", [])) or "-"
-        up = f"{r['uptime_s']:.0f}s" if "uptime_s" in r else "-"
-        lines.append(f"node{i:<2} {r['addr']:21} {r['pid']:>7}  {r['health']:13} {up:>8}  "
+        parts = ", ".join(f"{p['id']} ({p['role']}, {p['state']}, epoch {p['epoch']}, {p['extents']} extents, "
+                          f"{fmt_bytes(p['bytes'])})" for p in r.get("partitions", [])) or "-"
+        up = fmt_seconds(r["uptime_s"]) if "uptime_s" in r else "-"
+        pid = r["pid"] if r["pid"] is not None else "-"
+        lines.append(f"node{i:<2} {r['addr']:21} {pid:>7}  {r['health']:13} {up:>8}  "
                      + (parts if r["health"] == "up" else r.get("error", "")))
-        if r.get("warning"):
-            lines.append(f"       warning: {r['warning']}")
+        if r.get("note"):
+            lines.append(f"       note: {r['note']}")
     healthy = all(r["health"] == "up" for r in res)
     lines.append(f"{sum(r['health'] == 'up' for r in res)}/{len(res)} nodes up")
-    emit({"dir": str(pathlib.Path(root).resolve()), "healthy": healthy, "nodes": res}, as_json, "\n".join(lines))
+    emit({"dir": str(pathlib.Path(cluster).resolve()), "healthy": healthy, "nodes": res}, as_json,
+         "\n".join(lines))
     if not healthy:
         sys.exit(1)
 
@@ -534,49 +345,48 @@ def cluster_status(root, timeout, as_json):
 # -- partitions ---------------------------------------------------------------------------------------
 @main.group(context_settings=CTX)
 def partition():
-    """Create, list and show data partitions; change their leader.
+    """Create, list, show and delete data partitions; change their leader; health, scrub.
 
     \b
     dnctl partition create --id 2 --replicas 127.0.0.1:17310,127.0.0.1:17311
     dnctl partition list 127.0.0.1:17310
     dnctl partition show --id 2 127.0.0.1:17311
-    dnctl partition set-leader --id 2 127.0.0.1:17311
-    dnctl partition sync --id 2 --via 127.0.0.1:17310     # push the leader's view to lagging replicas
+    dnctl partition health --id 2 --via 127.0.0.1:17310      # the leader's view of every replica
+    dnctl partition scrub  --id 2 --via 127.0.0.1:17310      # re-read every block on every replica
+    dnctl partition set-leader --id 2 127.0.0.1:17311        # also when the old leader is dead
+    dnctl partition sync --id 2 --via 127.0.0.1:17310        # push the leader's view to lagging replicas
     dnctl partition delete --id 2 --replicas 127.0.0.1:17310,127.0.0.1:17311
-    Replicas are added and removed with `dnctl replica`.
+    Replicas are added, removed and repaired with `dnctl replica`.
     """
 
 
 @partition.command("create")
 @click.option("--id", "pid", type=click.IntRange(1), required=True, help="Partition id.")
-@click.option("--replicas", required=True, help="Comma-separated HOST:PORT list, leader first.")
+@click.option("--replicas", type=ADDRS, required=True, help="Comma-separated HOST:PORT list, leader first.")
 @click.option("--json", "as_json", is_flag=True)
 def partition_create(pid, replicas, as_json):
     """Create a partition on every replica (all or nothing: undone everywhere if one node fails)."""
-    addrs = split_addrs(replicas)
-
     async def go():
         async with DataClient.open() as dc:
-            return await create_partition(dc, pid, addrs)
-
+            return await admin.create_partition(dc, pid, replicas)
     res = run(go)
     emit(res, as_json, f"partition {pid} {'already exists' if res['existed'] else 'created'} on "
-                       f"{', '.join(addrs)} (leader {addrs[0]}, epoch {res['epoch']})")
+                       f"{', '.join(replicas)} (leader {replicas[0]}, epoch {res['epoch']})")
 
 
 @partition.command("delete")
 @click.option("--id", "pid", type=click.IntRange(1), required=True, help="Partition id.")
-@click.option("--replicas", help="Comma-separated HOST:PORT list (default: the partition's replicas).")
-@click.option("--via", help="Any replica HOST:PORT, to find the replicas.")
-@click.option("--cluster", type=click.Path(file_okay=False), help="A local cluster dir, to find them.")
+@click.option("--replicas", type=ADDRS, help="Comma-separated HOST:PORT list (default: the partition's replicas).")
+@_where
 @click.option("--json", "as_json", is_flag=True)
 def partition_delete(pid, replicas, via, cluster, as_json):
     """Delete a partition and its data from its replicas (irreversible)."""
+    where = None if replicas else seeds(via, cluster)
+
     async def go():
         async with DataClient.open() as dc:
-            addrs = split_addrs(replicas) if replicas else (await current_view(
-                dc, pid, _seeds(via, cluster))).replicas
-            return await delete_partition(dc, pid, addrs)
+            addrs = replicas or (await admin.current_view(dc, pid, where)).replicas
+            return await admin.delete_partition(dc, pid, addrs)
     res = run(go)
     emit(res, as_json, "\n".join(f"{a:21} {r}" for a, r in res.items()))
     if any(r not in ("deleted", "not there") for r in res.values()):
@@ -585,28 +395,22 @@ def partition_delete(pid, replicas, via, cluster, as_json):
 
 @partition.command("set-leader")
 @click.option("--id", "pid", type=click.IntRange(1), required=True, help="Partition id.")
-@click.argument("addr")
-@click.option("--via", help="Another replica to ask (default: ADDR itself).")
-@click.option("--cluster", type=click.Path(file_okay=False), help="A local cluster dir.")
+@click.argument("addr", type=ADDR)
+@_where
 @click.option("--json", "as_json", is_flag=True)
 def partition_set_leader(pid, addr, via, cluster, as_json):
-    """Make replica ADDR the partition's leader (moves it to the front of the list, epoch + 1).
+    """Make replica ADDR the leader (moved to the front of the list, epoch + 1), also when the old
+    leader is dead: the old leader is then fenced by the epoch, learns the new list from the new leader
+    when it comes back, and is repaired as a follower.
 
-    Clients must re-read the partition map (their epoch is now stale).  In-flight writes to the old
-    leader may fail; retry them.
+    Clients re-read the partition map (their epoch is now stale); in-flight writes to the old leader may
+    fail: retry them.
     """
-    check_addr(addr)
-    seeds = [addr] + [a for a in (_seeds(via, cluster) if (via or cluster) else []) if a != addr]
+    others = [a for a in (seeds(via, cluster) if (via or cluster) else []) if a != addr]
 
     async def go():
-        async with DataClient.open() as dc:
-            old = await current_view(dc, pid, seeds, may_lose=None)
-            if addr not in old.replicas:
-                raise ClientError(f"{addr} is not a replica of partition {pid} "
-                                  f"(replicas: {', '.join(old.replicas)})")
-            if old.leader == addr:
-                return {"id": pid, "unchanged": True, "replicas": old.replicas, "epoch": old.epoch}
-            return await change_replicas(dc, old, [addr] + [a for a in old.replicas if a != addr])
+        async with DataClient.open(timeout=5) as dc:
+            return await admin.set_leader(dc, pid, addr, others)
     res = run(go)
     if res.get("unchanged"):
         emit(res, as_json, f"{addr} already leads partition {pid} (epoch {res['epoch']})")
@@ -616,33 +420,15 @@ def partition_set_leader(pid, addr, via, cluster, as_json):
 
 @partition.command("sync")
 @click.option("--id", "pid", type=click.IntRange(1), required=True, help="Partition id.")
-@click.option("--via", help="Any replica HOST:PORT.")
-@click.option("--cluster", type=click.Path(file_okay=False), help="A local cluster dir.")
+@_where
 @click.option("--json", "as_json", is_flag=True)
 def partition_sync(pid, via, cluster, as_json):
     """Send the leader's replica list and epoch to replicas that are behind (after a failed change)."""
+    where = seeds(via, cluster)
+
     async def go():
         async with DataClient.open() as dc:
-            view = await current_view(dc, pid, _seeds(via, cluster))
-            out = {}
-            for addr in view.replicas:
-                try:
-                    v = await node_view(dc, addr, pid)
-                    if v is None:
-                        await dc.admin(addr, Op.PARTITION_CREATE, partition=pid,
-                                       body={"replicas": view.replicas, "epoch": view.epoch})
-                        out[addr] = f"created at epoch {view.epoch} (empty: no data repair yet)"
-                    elif v.epoch < view.epoch:
-                        await dc.admin(addr, Op.PARTITION_UPDATE, partition=pid,
-                                       body={"replicas": view.replicas, "epoch": view.epoch})
-                        out[addr] = f"updated {v.epoch} -> {view.epoch}"
-                    elif v.epoch == view.epoch and v.replicas == view.replicas:
-                        out[addr] = "in sync"
-                    else:
-                        out[addr] = f"disagrees: epoch {v.epoch}, replicas {','.join(v.replicas)}"
-                except ClientError as e:
-                    out[addr] = f"failed: {_why(e, addr)}"
-            return {"id": pid, "replicas": view.replicas, "epoch": view.epoch, "nodes": out}
+            return await admin.sync_partition(dc, pid, where)
     res = run(go)
     emit(res, as_json, f"partition {pid} epoch {res['epoch']} (leader {res['replicas'][0]})\n"
          + "\n".join(f"  {a:21} {r}" for a, r in res["nodes"].items()))
@@ -650,130 +436,316 @@ def partition_sync(pid, via, cluster, as_json):
         sys.exit(1)
 
 
+def _replica_health(p: dict) -> str:
+    """The followers' states from a PARTITION_LIST entry ("-" on a follower: the leader keeps them)."""
+    fs = (p.get("health") or {}).get("followers") or {}
+    if p.get("role") != "leader":
+        return "(kept by the leader)"
+    return ", ".join(f"{a} {s}" for a, s in fs.items()) or "no followers"
+
+
+@partition.command("list")
+@click.argument("addr", type=ADDR)
+@click.option("--json", "as_json", is_flag=True)
+def partition_list(addr, as_json):
+    """List the partitions a node hosts: role, state, epoch, size, replicas and (on a leader) each
+    follower's health."""
+    async def go():
+        async with DataClient.open() as dc:
+            return await admin.partition_list(dc, addr)
+    parts = run(go)
+    lines = [f"{'id':>4} {'role':9} {'state':10} {'epoch':>5} {'extents':>7} {'size':>10}  replicas  [follower health]"]
+    for p in parts:
+        lines.append(f"{p['id']:>4} {p['role']:9} {admin.partition_state(p):10} {p['epoch']:>5} {p['extents']:>7} "
+                     f"{fmt_bytes(p['bytes']):>10}  {','.join(p['replicas'])}  [{_replica_health(p)}]")
+    if not parts:
+        lines.append(f"(no partitions on {addr})")
+    emit(parts, as_json, "\n".join(lines))
+
+
+@partition.command("show")
+@click.option("--id", "pid", type=click.IntRange(1), required=True, help="Partition id.")
+@click.argument("addr", type=ADDR)
+@click.option("--json", "as_json", is_flag=True)
+def partition_show(pid, addr, as_json):
+    """Show one partition as a node sees it: state, replicas and their health, epoch, extents and sizes."""
+    async def go():
+        async with DataClient.open() as dc:
+            return await admin.partition_show(dc, addr, pid)
+    p = run(go)
+    h = p.get("health") or {}
+    sizes = p.get("extent_sizes") or {}
+    text = (f"partition {p['id']} on {addr}: {p['role']}, epoch {p['epoch']}, state {admin.partition_state(p)}\n"
+            f"  replicas: {', '.join(p['replicas'])} (leader {p['replicas'][0]})\n"
+            f"  follower health: {_replica_health(p)}"
+            + (f"; {fmt_bytes(h['bytes_behind'])} behind" if h.get("bytes_behind") else "") + "\n"
+            f"  extents: {p['extents']}, size: {fmt_bytes(p['bytes'])}\n"
+            f"  sealed extents: {p['sealed_extents'] or 'none'}")
+    if sizes:
+        shown = list(sizes.items())[:20]
+        text += "\n  extent sizes: " + ", ".join(f"{e}: {fmt_bytes(n)}" for e, n in shown) + (
+            f" ... ({len(sizes) - len(shown)} more; --json has all)" if len(sizes) > len(shown) else "")
+    emit(p, as_json, text)
+
+
+def _health_text(h: dict) -> str:
+    lines = [f"partition {h['id']} on {h['node']}: {h['role']}, epoch {h['epoch']}, leader {h['leader']}",
+             f"  replicas: {', '.join(h['replicas'])}"]
+    if "followers" not in h:
+        lines.append(f"  {h.get('note', '')}")
+        return "\n".join(lines)
+    lines.append(f"  {'follower':21} {'state':11} {'last contact':>12} {'behind':>10} {'extents':>7}  error")
+    for f in h["followers"]:
+        age = f"{fmt_seconds(f['contact_age_s'])} ago" if f["contact_age_s"] is not None else "never"
+        lines.append(f"  {f['addr']:21} {f['state']:11} {age:>12} {fmt_bytes(f['bytes_behind']):>10} "
+                     f"{f['extents_behind']:>7}  {f['error'] or ''}")
+    r, s = h["repair"], h["scrub"]
+    cur = r["current"]
+    lines.append(f"  repair: {'running' if r['running'] else 'idle'}, {r['passes']} passes, cap "
+                 f"{r['cap_mib_s'] or 'none'} MiB/s"
+                 + (f"; now {cur['addr']}: {fmt_bytes(cur['copied'])} of {fmt_bytes(cur['total'])} at "
+                    f"{cur['rate_mib_s']} MiB/s" if cur else "")
+                 + (f"; last: {fmt_bytes(r['last']['bytes_copied'])} in {fmt_seconds(r['last']['seconds'])}"
+                    if r["last"] else ""))
+    lines.append(f"  scrub: {'running' if s['running'] else 'idle'}, {s['passes']} passes"
+                 + (f"; last: {s['last']['extents']} extents, {fmt_bytes(s['last']['bytes'])}, "
+                    f"{s['last']['bad_blocks']} bad blocks, {s['last']['repaired']} repaired"
+                    if s["last"] else ""))
+    if h["sealed_extents"]:
+        lines.append(f"  sealed extents: {h['sealed_extents']}")
+    return "\n".join(lines)
+
+
+@partition.command("health")
+@click.option("--id", "pid", type=click.IntRange(1), required=True, help="Partition id.")
+@_where
+@click.option("--json", "as_json", is_flag=True)
+def partition_health(pid, via, cluster, as_json):
+    """The leader's view of each follower: state (healthy, lagging, repairing, unreachable), last
+    contact, bytes behind; repair and scrub progress."""
+    where = seeds(via, cluster)
+
+    async def go():
+        async with DataClient.open(timeout=5) as dc:
+            return await admin.health(dc, await admin.find_leader(dc, pid, where), pid)
+    h = run(go)
+    emit(h, as_json, _health_text(h))
+
+
+class _PassProgress:
+    """Progress of a repair or scrub pass on stderr while dnctl waits for it.
+
+    Repair: the leader's ``repair.current`` (bytes copied of total, rate, ETA).  Scrub: the bytes the
+    replicas have checked since the pass was asked for (their ``scrub_bytes`` counters) of the partition's
+    size times its replicas; a node that reports ``scrub.current`` itself is shown as it says."""
+
+    def __init__(self, name: str, dc=None, view=None):
+        self.name, self.dc, self.view = name, dc, view
+        self.line = ProgressLine()
+        self.t0 = None
+        self.base: dict[str, int] = {}
+        self.total = 0
+
+    async def start(self, trio_now: float) -> None:
+        self.t0 = trio_now
+        if self.name != "scrub" or self.dc is None:
+            return
+        for a in self.view.replicas:
+            self.base[a] = await self._scrubbed(a) or 0
+        try:
+            p = next(p for p in await admin.partition_list(self.dc, self.view.leader) if p["id"] == self.view.pid)
+            self.total = p["bytes"] * len(self.view.replicas)
+        except (ClientError, StopIteration):
+            self.total = 0
+
+    async def _scrubbed(self, addr: str) -> int | None:
+        try:
+            st = await admin.node_status(self.dc, addr)
+        except ClientError:
+            return None
+        c = st.get("counters") or {}
+        return c.get("scrub_bytes") if isinstance(c, dict) else None
+
+    async def __call__(self, h: dict) -> None:
+        import trio
+        if self.t0 is None:
+            self.t0 = trio.current_time()
+        el = max(trio.current_time() - self.t0, 0.0)
+        r, s = h.get("repair") or {}, h.get("scrub") or {}
+        if self.name == "repair":
+            cur = r.get("current")
+            if cur:
+                eta = f"{fmt_seconds(cur['eta_s'])}" if cur.get("eta_s") is not None else "?"
+                self.line.update(f"{cur['addr']} repairing {bar(cur['copied'], max(cur['total'], 1))} "
+                                 f"{fmt_bytes(cur['copied'])}/{fmt_bytes(cur['total'])} {cur['rate_mib_s']:.1f} "
+                                 f"MiB/s ETA {eta}")
+            else:
+                states = ", ".join(f"{f['addr']} {f['state']}" for f in h.get("followers", []))
+                self.line.update(f"repair {'running' if r.get('running') else 'waiting'} {fmt_seconds(el)}: "
+                                 f"{states}")
+            return
+        cur = s.get("current")
+        if cur and cur.get("total"):
+            done, total = cur.get("checked", 0), cur["total"]
+        else:
+            done, total = 0, self.total
+            for a, b in self.base.items():
+                now = await self._scrubbed(a)
+                if now is not None:
+                    done += max(now - b, 0)
+        if total:
+            rate = done / MiB / el if el > 0 else 0.0
+            self.line.update(f"scrub {bar(done, total)} {fmt_bytes(done)}/{fmt_bytes(total)} checked, "
+                             f"{rate:.1f} MiB/s, {fmt_seconds(el)}")
+        else:
+            self.line.update(f"scrub {'running' if s.get('running') else 'waiting'} {fmt_seconds(el)}")
+
+    def close(self) -> None:
+        self.line.close()
+
+
+def _run_pass(op: Op, name: str, pid, via, cluster, wait, timeout, as_json, quiet) -> None:
+    """Ask the partition's leader for a repair or scrub pass; with --wait show progress until it settled."""
+    where = seeds(via, cluster)
+    key = f"{name}_pass"
+
+    async def go():
+        import trio
+        async with DataClient.open(timeout=10) as dc:
+            view = await admin.current_view(dc, pid, where)
+            prog = _PassProgress(name, dc, view) if wait and not quiet else None
+            if prog:
+                await prog.start(trio.current_time())
+            try:
+                return await admin.run_pass(dc, op, pid, [view.leader], wait=wait, timeout=timeout,
+                                            on_progress=prog)
+            finally:
+                if prog:
+                    prog.close()
+    h = run(go)
+    if key in h:
+        emit(h, as_json, f"{name} pass {h[key]} requested on leader {h['leader']}")
+    else:
+        emit(h, as_json, _health_text(h))
+
+
+_pass_opts = [click.option("--timeout", type=click.FloatRange(1), default=600, show_default=True,
+                           help="Seconds to wait for the pass."),
+              click.option("--quiet", "-q", is_flag=True, help="No progress line on stderr."),
+              click.option("--json", "as_json", is_flag=True)]
+
+
+def _with_pass_opts(fn):
+    for opt in reversed(_pass_opts):
+        fn = opt(fn)
+    return fn
+
+
+@partition.command("scrub")
+@click.option("--id", "pid", type=click.IntRange(1), required=True, help="Partition id.")
+@_where
+@click.option("--wait/--no-wait", default=True, show_default=True, help="Wait for the pass to finish.")
+@_with_pass_opts
+def partition_scrub(pid, via, cluster, wait, timeout, quiet, as_json):
+    """Re-read every block on every replica now and check its CRC; bad blocks are refetched from a
+    replica whose copy verifies (rate: the leader's scrub_mib_s).  Shows progress on stderr while it waits."""
+    _run_pass(Op.SCRUB, "scrub", pid, via, cluster, wait, timeout, as_json, quiet)
+
+
 # -- replicas -----------------------------------------------------------------------------------------
 @main.group(context_settings=CTX)
 def replica():
-    """Add a node to a partition's replicas, or remove one.
+    """Add a node to a partition's replicas, remove one, or repair them now.
 
     \b
-    dnctl replica add    --id 1 --node 127.0.0.1:17313 --cluster /tmp/dn
+    dnctl replica add    --id 1 --node 127.0.0.1:17313 --cluster /tmp/dn   # waits until it is filled
     dnctl replica remove --id 1 --node 127.0.0.1:17312 --via 127.0.0.1:17310
+    dnctl replica repair --id 1 --cluster /tmp/dn                         # a full repair pass now
 
     The current list and epoch are read from the partition's leader; the new list is installed at
     epoch + 1 on every member of the old and new lists (a new node gets the partition created first, a
     removed node has it deleted afterwards).  Clients re-read the partition map after a change.
 
-    No data is copied by this command: a new replica starts EMPTY (extents written before it joined
-    exist only on the other replicas; reads fail over to them).  Filling it is the leader's repair
-    (datanode/repair.py), where the datanode has it, not this command's job.
+    A new replica starts empty; the leader's repair (datanode/repair.py) fills it, and `replica add`
+    waits for that with a progress line (bytes copied, rate, ETA) unless --no-wait.
     """
-
-
-_where = [click.option("--via", help="Any node that hosts the partition (HOST:PORT)."),
-          click.option("--cluster", type=click.Path(file_okay=False), help="A local cluster dir."),
-          click.option("--json", "as_json", is_flag=True)]
-
-
-def _with_where(fn):
-    for opt in reversed(_where):
-        fn = opt(fn)
-    return fn
 
 
 @replica.command("add")
 @click.option("--id", "pid", type=click.IntRange(1), required=True, help="Partition id.")
-@click.option("--node", "addr", required=True, help="The node to add (HOST:PORT); it must be running.")
-@_with_where
-def replica_add(pid, addr, via, cluster, as_json):
-    """Add NODE as the last replica of a partition (it starts empty: this command copies no data)."""
-    check_addr(addr)
-    seeds = _seeds(via, cluster)
+@click.option("--node", "addr", type=ADDR, required=True, help="The node to add (HOST:PORT); it must be running.")
+@_where
+@click.option("--wait/--no-wait", default=True, show_default=True,
+              help="Wait until repair made the new replica identical (progress on stderr).")
+@click.option("--timeout", type=click.FloatRange(1), default=3600, show_default=True)
+@click.option("--quiet", "-q", is_flag=True, help="No progress line on stderr.")
+@click.option("--json", "as_json", is_flag=True)
+def replica_add(pid, addr, via, cluster, wait, timeout, quiet, as_json):
+    """Add NODE as the last replica of a partition (epoch + 1); the leader's repair fills it, and it is
+    healthy only when identical.  Shows bytes copied, rate and ETA while waiting."""
+    where = seeds(via, cluster)
 
     async def go():
-        async with DataClient.open() as dc:
-            old = await current_view(dc, pid, seeds)
-            if addr in old.replicas:
-                raise ClientError(f"{addr} is already a replica of partition {pid} "
-                                  f"({', '.join(old.replicas)}, epoch {old.epoch})")
-            return await change_replicas(dc, old, old.replicas + [addr])
+        async with DataClient.open(timeout=10) as dc:
+            prog = None if quiet else _PassProgress("repair")
+            try:
+                return await admin.add_replica(dc, pid, addr, where, wait=wait, timeout=timeout,
+                                               on_progress=prog)
+            finally:
+                if prog:
+                    prog.close()
     res = run(go)
-    emit(res, as_json, _change_text(res) + f"\nnote: {addr} starts empty; this command copies no data")
+    text = _change_text(res)
+    if "repair" in res:
+        r = res["repair"]
+        text += (f"\n{addr} is {r['state']}: identical to the leader after {fmt_seconds(r['seconds'])} "
+                 f"(last pass copied {fmt_bytes(r['bytes_copied'])} at {r['mib_s']} MiB/s)")
+    else:
+        text += f"\nnote: {addr} is being filled by repair; see: dnctl partition health --id {pid}"
+    emit(res, as_json, text)
 
 
 @replica.command("remove")
 @click.option("--id", "pid", type=click.IntRange(1), required=True, help="Partition id.")
-@click.option("--node", "addr", required=True, help="The replica to remove (HOST:PORT); may be down.")
-@_with_where
+@click.option("--node", "addr", type=ADDR, required=True, help="The replica to remove (HOST:PORT); may be down.")
+@_where
+@click.option("--json", "as_json", is_flag=True)
 def replica_remove(pid, addr, via, cluster, as_json):
     """Remove NODE from a partition's replicas and delete the partition there (best effort if NODE is down).
 
     Removing the leader makes the next replica the leader.
     """
-    check_addr(addr)
-    seeds = [a for a in _seeds(via, cluster) if a != addr] or [addr]
+    where = seeds(via, cluster)
 
     async def go():
         async with DataClient.open(timeout=5) as dc:
-            old = await current_view(dc, pid, seeds, may_lose=addr)
-            if addr not in old.replicas:
-                raise ClientError(f"{addr} is not a replica of partition {pid} "
-                                  f"({', '.join(old.replicas)}, epoch {old.epoch})")
-            if len(old.replicas) == 1:
-                raise ClientError(f"{addr} is the only replica of partition {pid}; use "
-                                  f"`dnctl partition delete` to delete the partition")
-            return await change_replicas(dc, old, [a for a in old.replicas if a != addr])
+            return await admin.remove_replica(dc, pid, addr, where, warn=_warn)
     res = run(go)
     emit(res, as_json, _change_text(res))
 
 
-@partition.command("list")
-@click.argument("addr")
-@click.option("--json", "as_json", is_flag=True)
-def partition_list(addr, as_json):
-    """List the partitions a node hosts."""
-    async def go():
-        async with DataClient.open() as dc:
-            return await dc.admin(addr, Op.PARTITION_LIST)
-    parts = run(go)
-    lines = [f"{'id':>4} {'role':9} {'epoch':>5} {'extents':>7} {'bytes':>12}  replicas"]
-    for p in parts:
-        lines.append(f"{p['id']:>4} {p['role']:9} {p['epoch']:>5} {p['extents']:>7} {p['bytes']:>12}  "
-                     f"{','.join(p['replicas'])}")
-    emit(parts, as_json, "\n".join(lines))
-
-
-@partition.command("show")
-@click.option("--id", "pid", type=int, required=True)
-@click.argument("addr")
-@click.option("--json", "as_json", is_flag=True)
-def partition_show(pid, addr, as_json):
-    """Show one partition as a node sees it: replicas, epoch, extents and their sizes."""
-    async def go():
-        async with DataClient.open() as dc:
-            parts = [p for p in await dc.admin(addr, Op.PARTITION_LIST) if p["id"] == pid]
-            if not parts:
-                raise ClientError(f"partition {pid} is not on {addr}")
-            p = parts[0]
-            p["extent_sizes"] = await dc.admin(addr, Op.WATERMARKS, partition=pid)
-            return p
-    p = run(go)
-    text = (f"partition {p['id']} on {addr}: {p['role']}, epoch {p['epoch']}, state {p['state']}\n"
-            f"  replicas: {', '.join(p['replicas'])}\n  extents: {p['extents']}, bytes: {p['bytes']}\n"
-            f"  sealed extents: {p['sealed_extents'] or 'none'}")
-    emit(p, as_json, text)
+@replica.command("repair")
+@click.option("--id", "pid", type=click.IntRange(1), required=True, help="Partition id.")
+@_where
+@click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until every replica is healthy.")
+@_with_pass_opts
+def replica_repair(pid, via, cluster, wait, timeout, quiet, as_json):
+    """A full repair pass now: compare sizes and block CRCs with every follower and copy, cut or
+    delete what differs (the leader is authoritative).  Shows progress on stderr while it waits."""
+    _run_pass(Op.REPAIR, "repair", pid, via, cluster, wait, timeout, as_json, quiet)
 
 
 # -- data ---------------------------------------------------------------------------------------------
 def _nodes(node, cluster):
     if bool(node) == bool(cluster):
         raise click.UsageError("give exactly one of --node ADDR or --cluster DIR")
-    return [check_addr(node)] if node else cluster_nodes(cluster)
+    return [node] if node else cluster_nodes(cluster)
 
 
 @main.command()
-@click.option("--node", help="A datanode HOST:PORT (its partition map is used).")
-@click.option("--cluster", type=click.Path(file_okay=False), help="A local cluster dir (dnctl cluster up).")
-@click.option("--partition", "pid", type=int, required=True)
+@click.option("--node", type=ADDR, help="A datanode HOST:PORT (its partition map is used).")
+@cluster_option()
+@click.option("--partition", "pid", type=click.IntRange(1), required=True)
 @click.argument("file", type=click.File("rb"))
 @click.option("--json", "as_json", is_flag=True)
 def put(node, cluster, pid, file, as_json):
@@ -787,9 +759,10 @@ def put(node, cluster, pid, file, as_json):
     dnctl put --node 127.0.0.1:17310 --partition 1 --json big.bin
     """
     data = file.read()
+    nodes = _nodes(node, cluster)
 
     async def go():
-        async with open_client(_nodes(node, cluster)) as dc:
+        async with admin.open_client(nodes) as dc:
             return await dc.write(pid, data)
     locs = run(go)
     out = {"size": len(data), "locations": [loc.to_dict() for loc in locs]}
@@ -813,44 +786,43 @@ def _merge(locs: list[Location]) -> list[Location]:
 
 
 @main.command()
-@click.option("--node")
-@click.option("--cluster", type=click.Path(file_okay=False))
-@click.option("--partition", "pid", type=int, required=True)
-@click.option("--extent", type=int, required=True)
-@click.option("--offset", type=int, default=0, show_default=True)
-@click.option("--length", type=int, help="Bytes to read (default: to the end of the extent).")
-@click.option("--replica", help="Read from this replica HOST:PORT only.")
+@click.option("--node", type=ADDR, help="A datanode HOST:PORT (its partition map is used).")
+@cluster_option()
+@click.option("--partition", "pid", type=click.IntRange(1), required=True)
+@click.option("--extent", type=click.IntRange(1), required=True)
+@click.option("--offset", type=click.IntRange(0), default=0, show_default=True, help="First byte to read.")
+@click.option("--length", type=click.IntRange(0), help="Bytes to read (default: to the end of the extent).")
+@click.option("--replica", type=ADDR, help="Read from this replica HOST:PORT only.")
 @click.option("--out", "out", type=click.File("wb"), required=True, help="Output file ('-' for stdout).")
-def get(node, cluster, pid, extent, offset, length, replica, out):
+@click.option("--json", "as_json", is_flag=True,
+              help="Print what was read (bytes, CRC32C, range, replica) as JSON on stdout (needs --out FILE).")
+def get(node, cluster, pid, extent, offset, length, replica, out, as_json):
     """Read an extent range (CRC-checked, failing over across replicas) into --out.
 
     \b
     dnctl get --cluster /tmp/dn --partition 1 --extent 1 --out copy.bin
     dnctl get --cluster /tmp/dn --partition 1 --extent 1 --replica 127.0.0.1:17312 --out -
     dnctl get --node 127.0.0.1:17310 --partition 1 --extent 1 --offset 4096 --length 100 --out -
+    dnctl get --cluster /tmp/dn --partition 1 --extent 1 --out copy.bin --json
     """
+    from datanode.crc import crc32c
+    to_stdout = out is sys.stdout.buffer or getattr(out, "name", "-") in ("-", "<stdout>")
+    if as_json and to_stdout:
+        raise click.UsageError("--json prints to stdout: give --out FILE for the data")
+    nodes = _nodes(node, cluster)
+
     async def go():
-        async with open_client(_nodes(node, cluster)) as dc:
-            n = length
-            if n is None:
-                marks, errors = None, []
-                for addr in [replica] if replica else dc.partition(pid).replicas:   # leader first, then others
-                    try:
-                        marks = await dc.watermarks(pid, addr)
-                        break
-                    except ClientError as e:
-                        errors.append(str(e))
-                if marks is None:
-                    raise ClientError("cannot learn the extent's size: " + "; ".join(errors))
-                if extent not in marks:
-                    raise ClientError(f"extent {extent} not found in partition {pid}")
-                n = marks[extent] - offset
-            return await dc.read(pid, extent, offset, n, replica=replica)
+        async with admin.open_client(nodes) as dc:
+            return await admin.read_range(dc, pid, extent, offset, length, replica)
     data = run(go)
     out.write(data)
-    if out is not sys.stdout.buffer and getattr(out, "name", "-") != "<stdout>":
-        click.echo(f"{len(data)} bytes read from extent {extent}"
-                   + (f" on {replica}" if replica else ""), err=True)
+    info = {"partition": pid, "extent": extent, "offset": offset, "length": len(data), "crc32c": crc32c(data),
+            "replica": replica, "out": getattr(out, "name", None)}
+    if as_json:
+        emit(info, True)
+    elif not to_stdout:
+        click.echo(f"{len(data)} bytes read from extent {extent} at offset {offset}"
+                   + (f" on {replica}" if replica else "") + f" (crc32c {info['crc32c']:#010x})", err=True)
 
 
 # -- pools and nodes ----------------------------------------------------------------------------------
@@ -860,22 +832,22 @@ def pool():
 
 
 @pool.command("stats")
-@click.argument("addr")
+@click.argument("addr", type=ADDR)
 @click.option("--json", "as_json", is_flag=True)
 def pool_stats(addr, as_json):
     """A node's pool: arena size, bytes in use, high-water mark, free blocks per order, waits."""
     async def go():
         async with DataClient.open() as dc:
-            return await dc.admin(addr, Op.POOL_STATS)
+            return await admin.pool_stats(dc, addr)
     s = run(go)
-    mib = 1 << 20
-    free = ", ".join(f"{int(k) // 1024}K x{v}" for k, v in sorted(s["free_blocks_per_order"].items(),
-                                                                   key=lambda kv: int(kv[0])) if v)
-    text = (f"arena {s['arena_bytes'] / mib:.0f} MiB (one registration, rkey {s['rkey']:#x}), "
-            f"max block {s['max_block'] // 1024} KiB\n"
-            f"in use {s['in_use_bytes'] / mib:.1f} MiB, high-water {s['high_water_bytes'] / mib:.1f} MiB, "
-            f"live blocks {s['live_blocks']}\nallocs {s['allocs']}, waits {s['waits']}, "
-            f"timeouts {s['timeouts']}\nfree blocks: {free}")
+    free = ", ".join(f"{fmt_bytes(int(k))} x{v}" for k, v in sorted(s["free_blocks_per_order"].items(),
+                                                                 key=lambda kv: int(kv[0])) if v)
+    rkey = f", rkey {s['rkey']:#x}" if "rkey" in s else ""      # shown to admins only when auth is on
+    text = (f"arena {fmt_bytes(s['arena_bytes'])} (one registration{rkey}), "
+            f"max block {fmt_bytes(s['max_block'])}\n"
+            f"in use {fmt_bytes(s['in_use_bytes'])}, high-water {fmt_bytes(s['high_water_bytes'])}, "
+            f"live blocks {s['live_blocks']}\nallocs {fmt_count(s['allocs'])}, waits {s['waits']}, "
+            f"timeouts {s['timeouts']}\nfree blocks: {free or 'none'}")
     emit(s, as_json, text)
 
 
@@ -884,39 +856,60 @@ def node():
     """Datanodes."""
 
 
+def _counter(c, key):
+    v = c.get(key) if isinstance(c, dict) else None
+    return v if isinstance(v, (int, float)) else None
+
+
+def _status_text(s: dict) -> str:
+    c = s.get("counters") or {}
+    lines = [f"node {s['node']} pid {s['pid']} up {fmt_seconds(s['uptime_s'])}"
+             + (f", {s['state']}" if s.get("state") else "") + (", DRAINING" if s.get("draining") else "")
+             + f"; configured transport {s['transport']}, sync {s['sync']}, rdma device "
+             f"{s.get('rdma_device') or 'none'}",
+             f"partitions {len(s['partitions']) if isinstance(s['partitions'], list) else s['partitions']}, "
+             f"requests in flight {s['inflight']}"]
+    disk = s.get("disk")
+    if disk:
+        lines.append(f"disk {disk.get('path', '')}: {fmt_bytes(disk.get('used'))} used of "
+                     f"{fmt_bytes(disk.get('total'))}, {fmt_bytes(disk.get('free'))} free")
+    pool_ = s.get("pool")
+    if pool_:
+        lines.append(f"pool {fmt_bytes(pool_.get('arena_bytes'))}: {fmt_bytes(pool_.get('in_use_bytes'))} in use, "
+                     f"high-water {fmt_bytes(pool_.get('high_water_bytes'))}, waits {pool_.get('waits')}")
+    lines.append(f"writes {fmt_count(_counter(c, 'writes'))} ({fmt_bytes(_counter(c, 'write_bytes'))}, of them "
+                 f"replica writes {fmt_count(_counter(c, 'replica_writes'))}), reads {fmt_count(_counter(c, 'reads'))} "
+                 f"({fmt_bytes(_counter(c, 'read_bytes'))}), forwarded {fmt_count(_counter(c, 'forwarded'))}, "
+                 f"replication failures {fmt_count(_counter(c, 'replication_failures'))}, protocol errors "
+                 f"{fmt_count(_counter(c, 'protocol_errors'))}")
+    conns = s.get("connections") or []
+    lines.append(f"connections ({len(conns)}):" if conns else "connections: none")
+    for conn in conns:
+        lines.append(f"  {conn['peer']:22} {conn['transport']:6} sends {fmt_count(conn.get('sends'))} "
+                     f"recvs {fmt_count(conn.get('recvs'))} served reads {fmt_count(conn.get('served_reads'))} "
+                     f"({fmt_bytes(conn.get('served_read_bytes'))})")
+    return "\n".join(lines)
+
+
 @node.command("status")
-@click.argument("addr")
-@click.option("--json", "as_json", is_flag=True)
+@click.argument("addr", type=ADDR)
+@click.option("--json", "as_json", is_flag=True, help="The node's status document, raw numbers.")
 def node_status(addr, as_json):
-    """Health, partitions, counters and each connection's transport."""
+    """Health, partitions, counters, disk, pool and each connection's transport (the one actually in
+    use: tcp or verbs, per connection), in human units; --json has the raw numbers."""
     async def go():
         async with DataClient.open() as dc:
-            return await dc.admin(addr, Op.NODE_STATUS)
+            return await admin.node_status(dc, addr)
     s = run(go)
-    c = s["counters"]
-    lines = [f"node {s['node']} pid {s['pid']} up {s['uptime_s']}s, transport {s['transport']}, "
-             f"sync {s['sync']}, rdma device {s['rdma_device'] or 'none'}",
-             f"partitions {s['partitions']}, in flight {s['inflight']}",
-             f"writes {c['writes']} ({c['write_bytes']} B incl. replica writes {c['replica_writes']}), "
-             f"reads {c['reads']}, replication failures {c['replication_failures']}, "
-             f"protocol errors {c['protocol_errors']}",
-             "connections:"]
-    for conn in s["connections"]:
-        lines.append(f"  {conn['peer']:22} {conn['transport']:5} sends {conn['sends']} recvs {conn['recvs']} "
-                     f"served reads {conn['served_reads']}")
-    emit(s, as_json, "\n".join(lines))
+    emit(s, as_json, _status_text(s))
 
 
-# -- demo and benchmarks (their code lives in tools/demo.py and tools/bench.py) ---------------------------
-def _register() -> None:
-    from tools.bench import bench_command
-    from tools.demo import demo_command
-    main.add_command(demo_command, "demo")
-    main.add_command(bench_command, "bench")
+# -- demo, benchmarks, torture (each in its own module) -------------------------------------------------
+main.add_command(demo_command, "demo")
+main.add_command(bench_command, "bench")
+main.add_command(torture_command, "torture")
+main.add_command(fuzz_command, "fuzz")
 
-
-_register()
-from tools import dnctl_repair; dnctl_repair.register(main)  # noqa: E402,E702  health/repair/scrub/torture
 
 if __name__ == "__main__":
     main()

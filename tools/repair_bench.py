@@ -16,18 +16,19 @@ baseline its drop is measured against.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import pathlib
 import shutil
-import sys
 import tempfile
 import time
 
+import click
 import trio
 
+from client.admin import View, change_replicas, partition_list, request_pass, wait_settled
 from client.sdk import DataClient
+from datanode.config import SyncMode
 from datanode.protocol import Op
+from tools.clikit import CTX, Command, emit
 
 MiB = 1 << 20
 CFG = {"pool_mib": 128, "replica_timeout": 5.0, "transport": "tcp", "heartbeat_s": 0.5,
@@ -36,8 +37,6 @@ CFG = {"pool_mib": 128, "replica_timeout": 5.0, "transport": "tcp", "heartbeat_s
 
 async def _bench(root: pathlib.Path, mib: int, cap: float, sync: str, seconds: float) -> dict:
     from tools.cluster import NodeProc, free_port
-    from tools.dnctl import View, change_replicas
-    from tools.dnctl_repair import request, wait_settled
 
     procs = [NodeProc(root / f"node{i + 1}", f"127.0.0.1:{free_port()}", **CFG, sync=sync, repair_mib_s=0.0)
              for i in range(3)]
@@ -71,8 +70,8 @@ async def _bench(root: pathlib.Path, mib: int, cap: float, sync: str, seconds: f
 
     async def fill_c(dc, with_load: bool) -> dict:
         base = await baseline(dc) if with_load else None    # same processes, just before
-        view = View(1, [a, b], (await dc.admin(a, Op.PARTITION_LIST))[0]["epoch"], a)
-        for p in await dc.admin(a, Op.PARTITION_LIST):
+        view = View(1, [a, b], (await partition_list(dc, a))[0]["epoch"], a)
+        for p in await partition_list(dc, a):
             if p["id"] == 1:
                 view = View(1, p["replicas"], p["epoch"], a)
         box: dict = {}
@@ -84,7 +83,7 @@ async def _bench(root: pathlib.Path, mib: int, cap: float, sync: str, seconds: f
                 await trio.sleep(0.5)
             t0 = time.monotonic()
             await change_replicas(dc, view, [a, b, c])
-            k = await request(dc, a, 1, Op.REPAIR)
+            k = await request_pass(dc, a, 1, Op.REPAIR)
             h = await wait_settled(dc, a, 1, only=c, repair_pass=k, timeout=1800, interval=0.1)
             el = time.monotonic() - t0
             stop.set()
@@ -122,23 +121,32 @@ async def _bench(root: pathlib.Path, mib: int, cap: float, sync: str, seconds: f
     return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.repair_bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mib", type=int, default=256, help="data in the partition being repaired")
-    ap.add_argument("--cap", type=float, default=64.0, help="repair_mib_s for the capped scenario")
-    ap.add_argument("--sync", choices=["always", "none"], default="always")
-    ap.add_argument("--seconds", type=float, default=5.0, help="length of the baseline write run")
-    ap.add_argument("--dir")
-    a = ap.parse_args(argv)
-    root = pathlib.Path(a.dir or tempfile.mkdtemp(prefix="dn-repair-bench-"))
+@click.command("repair-bench", cls=Command, context_settings=CTX)
+@click.option("--mib", type=click.IntRange(1), default=256, show_default=True,
+              help="Data in the partition being repaired.")
+@click.option("--cap", type=click.FloatRange(0.1), default=64.0, show_default=True,
+              help="repair_mib_s for the capped scenario.")
+@click.option("--sync", type=click.Choice([m.value for m in SyncMode]), default="always", show_default=True)
+@click.option("--seconds", type=click.FloatRange(0.5), default=5.0, show_default=True,
+              help="Length of the baseline write run.")
+@click.option("--dir", "root", type=click.Path(file_okay=False),
+              help="Work dir, kept afterwards (default: a temp dir, removed).")
+def repair_bench_command(mib, cap, sync, seconds, root):
+    """Repair throughput alone and under client writes, and what capped repair costs client writes.
+
+    \b
+    python -m tools.repair_bench --mib 256 --cap 64
+
+    Prints one JSON document (the scenarios are described in tools/repair_bench.py).
+    """
+    work = pathlib.Path(root or tempfile.mkdtemp(prefix="dn-repair-bench-"))
     try:
-        res = trio.run(_bench, root, a.mib, a.cap, a.sync, a.seconds)
+        res = trio.run(_bench, work, mib, cap, sync, seconds)
     finally:
-        if not a.dir:
-            shutil.rmtree(root, ignore_errors=True)
-    print(json.dumps(res, indent=2))
-    return 0
+        if not root:
+            shutil.rmtree(work, ignore_errors=True)
+    emit(res, True)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    repair_bench_command()

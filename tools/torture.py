@@ -15,7 +15,6 @@ Exit status 0 only if all of that holds.  Only 127.0.0.1; every process started 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import pathlib
@@ -26,11 +25,14 @@ import sys
 import tempfile
 import time
 
+import click
 import trio
 
+from client.admin import request_pass, wait_settled
 from client.sdk import ClientError, DataClient, Location
 from datanode.crc import crc32c
 from datanode.protocol import Op
+from tools.clikit import CTX, Command, emit
 
 KiB, MiB = 1 << 10, 1 << 20
 NODE_CFG = {"pool_mib": 64, "replica_timeout": 2.0, "pool_wait": 5.0, "sync": "always", "transport": "tcp",
@@ -44,7 +46,6 @@ def payload(seed: int, client: int, n: int, size: int) -> bytes:
 
 async def _run(seed: int, seconds: float, clients: int, root: pathlib.Path, log) -> dict:
     from tools.cluster import NodeProc, free_port
-    from tools.dnctl_repair import request, wait_settled
 
     rng = random.Random(seed)
     procs = [NodeProc(root / f"node{i + 1}", f"127.0.0.1:{free_port()}", **NODE_CFG) for i in range(3)]
@@ -124,7 +125,7 @@ async def _run(seed: int, seconds: float, clients: int, root: pathlib.Path, log)
         t1 = time.monotonic()
         async with DataClient.open(addrs, timeout=10, transport="tcp", pool_mib=32) as dc:
             for pid, reps in parts.items():
-                k = await request(dc, reps[0], pid, Op.REPAIR)
+                k = await request_pass(dc, reps[0], pid, Op.REPAIR)
                 await wait_settled(dc, reps[0], pid, repair_pass=k, timeout=180)
             res["settle_seconds"] = round(time.monotonic() - t1, 1)
             for ci, n, locs in acked:
@@ -169,7 +170,7 @@ def main_sync(seed: int | None = None, seconds: float = 60, clients: int = 3, ro
     if seed is None:
         seed = random.SystemRandom().randrange(1 << 31)
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    logging.getLogger("datanode.client").setLevel(logging.ERROR)   # "continuing on a new extent" is expected
+    logging.getLogger("client.sdk").setLevel(logging.ERROR)   # "continuing on a new extent" is expected
     log(f"torture: seed {seed}, {seconds:g}s, {clients} clients")
     tmp = None
     if root is None:
@@ -191,18 +192,27 @@ def summary(res: dict) -> str:
             f"{len(res['verify_errors'])} verify errors")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.torture", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seed", type=int)
-    ap.add_argument("--seconds", type=float, default=60)
-    ap.add_argument("--clients", type=int, default=3)
-    ap.add_argument("--dir", help="work dir (kept); default: a temp dir, removed")
-    ap.add_argument("--json", action="store_true")
-    a = ap.parse_args(argv)
-    res = main_sync(a.seed, a.seconds, a.clients, a.dir)
-    print(json.dumps(res, indent=2) if a.json else summary(res))
-    return 0 if res["ok"] else 1
+@click.command("torture", cls=Command, context_settings=CTX)
+@click.option("--seed", type=int, help="Random seed (default: random, printed).")
+@click.option("--seconds", type=click.FloatRange(1), default=60, show_default=True)
+@click.option("--clients", type=click.IntRange(1, 16), default=3, show_default=True)
+@click.option("--dir", "root", type=click.Path(file_okay=False),
+              help="Work dir, kept afterwards (default: a temp dir, removed).")
+@click.option("--json", "as_json", is_flag=True)
+def torture_command(seed, seconds, clients, root, as_json):
+    """Crash torture: clients write continuously while random nodes (leaders too) are SIGKILLed and
+    restarted; at the end every acknowledged write must read back from every replica.  Exit status 1
+    if anything was lost or wrong.
+
+    \b
+    python -m tools.torture --seed 7 --seconds 300
+    dnctl torture --seconds 60
+    """
+    res = main_sync(seed=seed, seconds=seconds, clients=clients, root=root)
+    emit(res, as_json, summary(res))
+    if not res["ok"]:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    torture_command()

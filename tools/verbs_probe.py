@@ -19,7 +19,6 @@ Exit status 0 when every check passed.
 """
 from __future__ import annotations
 
-import argparse
 import errno
 import mmap
 import os
@@ -28,8 +27,10 @@ import shutil
 import subprocess
 import sys
 import time
+import types
 
 import cffi
+import click
 import trio
 
 import pyverbs.enums as e
@@ -478,15 +479,19 @@ def run_ib_read_bw(args) -> None:
         print(f"  could not parse ib_read_bw output (rc={cli.returncode}): {cli.stdout[-500:]} {cli.stderr[-500:]}")
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seconds", type=float, default=5.0, help="pyverbs READ throughput run length")
-    ap.add_argument("--qd", type=int, default=8, help="outstanding RDMA READs")
-    ap.add_argument("--size", type=int, default=MiB, help="bytes per READ")
-    ap.add_argument("--arena-mib", type=int, default=32)
-    ap.add_argument("--ib-iters", type=int, default=0, help="ib_read_bw -n (0: its default, 1000)")
-    ap.add_argument("--no-ib", action="store_true", help="skip ib_read_bw")
-    args = ap.parse_args()
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--seconds", type=float, default=5.0, show_default=True, help="pyverbs READ throughput run length")
+@click.option("--qd", type=int, default=8, show_default=True, help="outstanding RDMA READs")
+@click.option("--size", type=int, default=MiB, show_default=True, help="bytes per READ")
+@click.option("--arena-mib", type=int, default=32, show_default=True)
+@click.option("--ib-iters", type=int, default=0, show_default=True, help="ib_read_bw -n (0: its default, 1000)")
+@click.option("--no-ib", is_flag=True, help="skip ib_read_bw")
+def main(**opts) -> None:
+    """Probe pyverbs on the Soft-RoCE device: the checks, READ throughput, and ib_read_bw beside it."""
+    sys.exit(probe(types.SimpleNamespace(**opts)))
+
+
+def probe(args) -> int:
     if not os.path.exists(f"/sys/class/infiniband/{DEV}"):
         print(f"no RDMA device {DEV}: run inside the VM (tools/softroce-vm run -- python tools/verbs_probe.py)")
         return 2
@@ -506,4 +511,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -12,11 +12,18 @@ A connection gives each side
 
 Memory is registered once per process in a ``Domain`` (verbs: the protection domain; TCP: the table the
 transport consults when a peer asks for a one-sided op).
+
+A region registered ``scoped`` (the datanode's pool and landing memory, the SDK's buffers) is exposed on TCP
+only through *grants*: a connection's ``grants`` hold the ranges a request in flight on it named (granted by
+``rpc.Requester`` when it sends the request, revoked when the answer arrives or the request fails), and a
+peer's one-sided op outside them is refused whatever rkey it names.  On verbs the NIC serves one-sided ops
+from the MR alone, so grants do not bind there (see README "Trust boundaries").
 """
 from __future__ import annotations
 
 import abc
 import enum
+import itertools
 import secrets
 from dataclasses import dataclass, field
 
@@ -52,6 +59,7 @@ class Region:
     rkey: int
     lkey: int = 0
     mr: object = None            # the pyverbs MR when registered with a device
+    scoped: bool = False         # peers reach it only through a grant on their connection (TCP)
 
     @property
     def length(self) -> int:
@@ -75,13 +83,15 @@ class Domain:
     def __init__(self) -> None:
         self._regions: dict[int, Region] = {}
         self.device = None       # datanode.transport.verbs.Device when RDMA is usable
+        self.scoped = False      # the default for ``register(scoped=None)`` (the datanode sets True)
 
-    def register(self, view: memoryview, addr: int, access: Access) -> Region:
+    def register(self, view: memoryview, addr: int, access: Access, *, scoped: bool | None = None) -> Region:
         if not isinstance(view, memoryview) or view.readonly:
             raise ValueError("register needs a writable memoryview")
         if access & Access.REMOTE_WRITE:
             access |= Access.LOCAL_WRITE          # verbs requires it
-        region = Region(view=view, addr=addr, access=access, rkey=0)
+        region = Region(view=view, addr=addr, access=access, rkey=0,
+                        scoped=self.scoped if scoped is None else scoped)
         if self.device is not None:
             self.device.register(region)          # sets rkey/lkey/mr
         else:
@@ -105,9 +115,11 @@ class Domain:
                 return r
         raise ValueError("local buffer is not inside any registered region")
 
-    def resolve(self, addr: int, rkey: int, length: int, need: Access) -> memoryview:
+    def resolve(self, addr: int, rkey: int, length: int, need: Access,
+                grants: "Grants | None" = None) -> memoryview:
         """Serve a peer's one-sided op: the memory it may touch, or RemoteAccessError.  Never reveals which
-        check failed beyond a short reason."""
+        check failed beyond a short reason.  A scoped region also needs a grant in ``grants`` (the peer's
+        connection's) covering the range with that right."""
         region = self._regions.get(rkey)
         if region is None:
             raise RemoteAccessError("unknown rkey")
@@ -117,7 +129,37 @@ class Domain:
         start = addr - region.addr
         if length < 0 or start < 0 or start + length > region.length:
             raise RemoteAccessError("outside the registered region")
+        if region.scoped and (grants is None or not grants.covers(addr, rkey, length, need)):
+            raise RemoteAccessError("not granted to this connection")
         return region.view[start:start + length]
+
+
+class Grants:
+    """The ranges of our memory one connection's peer may touch right now (one entry per request in flight
+    that named a buffer).  Small: at most one per outstanding request."""
+
+    def __init__(self) -> None:
+        self._g: dict[int, tuple[int, int, int, Access]] = {}
+        self._ids = itertools.count(1)
+
+    def add(self, addr: int, rkey: int, length: int, access: Access) -> int:
+        token = next(self._ids)
+        self._g[token] = (addr, addr + length, rkey, access)
+        return token
+
+    def drop(self, token: int | None) -> None:
+        if token is not None:
+            self._g.pop(token, None)
+
+    def covers(self, addr: int, rkey: int, length: int, need: Access) -> bool:
+        end = addr + length
+        for lo, hi, k, acc in self._g.values():
+            if k == rkey and lo <= addr and end <= hi and acc & need:
+                return True
+        return False
+
+    def __len__(self) -> int:
+        return len(self._g)
 
 
 @dataclass
@@ -143,9 +185,14 @@ class Connection(abc.ABC):
     transport: str = "?"
     peer: str = "?"
     slots: int = 0           # the peer's control slots: our credit limit for outstanding requests
+    role = None              # protocol.Role the peer proved in the hello; None: authentication is off
+    identity: str = ""       # a NODE peer's address (its listen HOST:PORT), bound into its proof
 
     def __init__(self, our_slots: int) -> None:
         self.stats = ConnStats()
+        self.grants = Grants()               # our memory this peer may touch now (requests in flight)
+        self.pool_held = 0                   # bytes of the node's pool held by this peer's requests
+        self.busy = 0                        # its requests being handled now (the server's count)
         self._closed: str | None = None     # why the connection ended
         # control messages that landed in our slots, in arrival order; a transport puts them in ``_ctrl_in``
         self._ctrl_in, self._ctrl_out = trio.open_memory_channel(our_slots)
@@ -175,7 +222,9 @@ class Connection(abc.ABC):
 
     def info(self) -> dict:
         s = self.stats
-        return {"peer": self.peer, "transport": self.transport, "sends": s.sends, "recvs": s.recvs,
+        return {"peer": self.peer, "transport": self.transport,
+                "role": self.role.name.lower() if self.role is not None else None, "identity": self.identity,
+                "pool_held": self.pool_held, "sends": s.sends, "recvs": s.recvs,
                 "reads": s.reads, "read_bytes": s.read_bytes, "writes": s.writes, "write_bytes": s.write_bytes,
                 "served_reads": s.served_reads, "served_read_bytes": s.served_read_bytes,
                 "served_writes": s.served_writes, "refused": s.refused, **s.extra}

@@ -9,9 +9,16 @@ a working RDMA device, how many control slots it preposts); the server answers w
 
 If setting up the queue pair fails after verbs was chosen, both ends agree on it over the stream and the
 connection stays on TCP, with a warning in the log.
+
+Authentication (datanode/auth.py) happens in the same exchange, before any transport is brought up: the
+client's hello carries its role, nonce and identity; a server that holds the cluster secret answers with its
+nonce and proof, checks the client's proof (``AuthProof``) and says yes or no (``AuthVerdict``).  The
+accepted connection carries the proven ``role`` and ``identity``; with no secret on the server both are
+unset (authentication off: the node serves everyone, as it warns at start).
 """
 from __future__ import annotations
 
+import hmac
 import logging
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
@@ -19,18 +26,30 @@ from typing import AsyncIterator
 import trio
 
 from .. import aio
-from ..protocol import HELLO_SIZE, Hello, ProtocolError, Transport, decode_hello
+from ..auth import Credentials, DialAuth, new_nonce, proof, transcript
+from ..config import TransportChoice
+from ..protocol import (HELLO_SIZE, HELLO_STATUS, AuthProof, AuthVerdict, Hello, ProtocolError, Role, Transport,
+                        decode_hello, decode_identity)
 from .base import Connection, Domain, TransportError
 from .tcp import TcpConnection, recv_exactly, send_all, tune_socket
 
-log = logging.getLogger("datanode.connect")
+log = logging.getLogger(__name__)
 
 DEFAULT_SLOTS = 64
-TRANSPORT_NAMES = {"auto": Transport.AUTO, "tcp": Transport.TCP, "verbs": Transport.VERBS}
+TRANSPORT_NAMES = {TransportChoice.AUTO: Transport.AUTO, TransportChoice.TCP: Transport.TCP,
+                   TransportChoice.VERBS: Transport.VERBS}
 
 
 class NegotiationError(TransportError):
     pass
+
+
+class AuthError(NegotiationError):
+    """The hello's authentication failed (either side); the message says which side and why."""
+
+
+def _status(code: int) -> str:
+    return HELLO_STATUS[code] if 0 <= code < len(HELLO_STATUS) else f"refused ({code})"
 
 
 def choose(server_pref: int, client_pref: int, server_dev: bool, client_dev: bool) -> int:
@@ -54,7 +73,18 @@ def has_device(domain: Domain) -> bool:
 async def _read_hello(sock) -> Hello:
     buf = bytearray(HELLO_SIZE)
     await recv_exactly(sock, memoryview(buf))
-    return decode_hello(buf)
+    hello = decode_hello(buf)
+    if hello.ident_len:
+        ident = bytearray(hello.ident_len)
+        await recv_exactly(sock, memoryview(ident))
+        hello.identity = decode_identity(bytes(ident))
+    return hello
+
+
+async def _read(sock, n: int) -> bytes:
+    buf = bytearray(n)
+    await recv_exactly(sock, memoryview(buf))
+    return bytes(buf)
 
 
 @asynccontextmanager
@@ -70,7 +100,7 @@ async def _running(conn: Connection) -> AsyncIterator[Connection]:
 
 async def _upgrade(sock, domain: Domain, peer: str, is_server: bool, peer_slots: int, our_slots: int):
     """Try to bring up verbs on this stream; None means both ends agreed to stay on TCP."""
-    from . import verbs   # imported only when a device is in play (pyverbs is optional)
+    from . import verbs  # imported only when a device is in play (pyverbs is optional)
     try:
         return await verbs.establish(sock, domain, peer, is_server=is_server, peer_slots=peer_slots,
                                      our_slots=our_slots)
@@ -81,9 +111,13 @@ async def _upgrade(sock, domain: Domain, peer: str, is_server: bool, peer_slots:
 
 @asynccontextmanager
 async def dial(host: str, port: int, domain: Domain, *, transport: str = "auto",
-               slots: int = DEFAULT_SLOTS, timeout: float = 5.0) -> AsyncIterator[Connection]:
-    """Connect to a datanode; yields a running Connection."""
+               slots: int = DEFAULT_SLOTS, timeout: float = 5.0,
+               auth: DialAuth | None = None) -> AsyncIterator[Connection]:
+    """Connect to a datanode; yields a running Connection.  ``auth``: the credentials and role to present
+    (None or without credentials: authentication off, refused by a node that has a secret)."""
     peer = f"{host}:{port}"
+    auth = auth or DialAuth(None)
+    key = auth.key
     sock = trio.socket.socket()
     try:
         with trio.fail_after(timeout):
@@ -92,9 +126,27 @@ async def dial(host: str, port: int, domain: Domain, *, transport: str = "auto",
                 await sock.connect((host, port))
             except OSError as e:
                 raise TransportError(f"cannot connect to {peer}: {e.strerror or e}") from None
+            nonce = new_nonce() if key else bytes(32)
             await send_all(sock, Hello(transport=TRANSPORT_NAMES[transport], has_device=has_device(domain),
-                                       slots=slots).encode())
+                                       slots=slots, auth=key is not None, role=int(auth.role), nonce=nonce,
+                                       identity=auth.identity).encode())
             answer = await _read_hello(sock)
+            if answer.status == 1 or (answer.auth and key is None):
+                raise AuthError(f"{peer} requires authentication: give a cluster secret or role key file "
+                                f"(secret_file, $DATANODE_SECRET_FILE)")
+            if answer.status:
+                raise AuthError(f"{peer} refused the connection: {_status(answer.status)}")
+            if key is not None:
+                if not answer.auth:
+                    raise AuthError(f"{peer} does not authenticate (no secret configured there) but we hold "
+                                    f"one: refusing to trust it")
+                text = transcript(int(auth.role), nonce, answer.nonce, auth.identity)
+                if not hmac.compare_digest(answer.proof, proof(key, b"server", text)):
+                    raise AuthError(f"{peer} failed to prove it holds the cluster secret (a different secret?)")
+                await send_all(sock, AuthProof.encode(proof(key, b"client", text)))
+                verdict = AuthVerdict.decode(await _read(sock, AuthVerdict.SIZE))
+                if verdict:
+                    raise AuthError(f"{peer} refused our credentials: {_status(verdict)}")
             if answer.transport == Transport.AUTO:
                 raise NegotiationError(f"{peer} refused the connection: transports cannot agree "
                                        f"(we asked for {transport}, device={has_device(domain)})")
@@ -116,27 +168,79 @@ async def dial(host: str, port: int, domain: Domain, *, transport: str = "auto",
         yield c
 
 
+class ServerAuth:
+    """The accepting side's credentials (the cluster secret), or None for authentication off."""
+
+    def __init__(self, creds: Credentials | None):
+        if creds is not None and not creds.master:
+            raise ValueError(f"{creds.source}: a datanode needs the cluster secret, not a role key file")
+        self.creds = creds
+
+
+async def refuse(sock, domain: Domain, slots: int, status: int) -> None:
+    await send_all(sock, Hello(transport=Transport.AUTO, has_device=has_device(domain), slots=slots,
+                               status=status).encode())
+
+
+async def _authenticate(sock, peer: str, hello: Hello, creds: Credentials | None, answer: Hello) -> tuple:
+    """The server's half of the hello's authentication; returns the (role, identity) proven, (None, "") when
+    authentication is off, or raises AuthError after telling the peer why."""
+    if creds is None:         # a peer holding a secret refuses us itself (we cannot prove anything)
+        await send_all(sock, answer.encode())
+        return None, ""
+    if not hello.auth:
+        answer.status, answer.transport = 1, Transport.AUTO
+        await send_all(sock, answer.encode())
+        raise AuthError(f"connection from {peer} refused: it presents no credentials")
+    try:
+        role = Role(hello.role)
+    except ValueError:
+        answer.status, answer.transport = 2, Transport.AUTO
+        await send_all(sock, answer.encode())
+        raise AuthError(f"connection from {peer} refused: unknown role {hello.role}") from None
+    if role == Role.NODE and not hello.identity:
+        answer.status, answer.transport = 2, Transport.AUTO
+        await send_all(sock, answer.encode())
+        raise AuthError(f"connection from {peer} refused: role node without an identity")
+    key = creds.key(role)
+    text = transcript(int(role), hello.nonce, answer.nonce, hello.identity)
+    answer.auth, answer.proof = True, proof(key, b"server", text)
+    await send_all(sock, answer.encode())
+    got = AuthProof.decode(await _read(sock, AuthProof.SIZE))
+    if not hmac.compare_digest(got, proof(key, b"client", text)):
+        await send_all(sock, AuthVerdict.encode(4))
+        raise AuthError(f"connection from {peer} refused: bad proof for role {role.name.lower()} "
+                        f"(wrong secret or role key)")
+    await send_all(sock, AuthVerdict.encode(0))
+    return role, hello.identity if role == Role.NODE else ""
+
+
 @asynccontextmanager
 async def accept(sock, peer: str, domain: Domain, *, transport: str = "auto", slots: int = DEFAULT_SLOTS,
-                 timeout: float = 5.0) -> AsyncIterator[Connection]:
-    """The server side of ``dial`` on an accepted socket."""
+                 timeout: float = 5.0, auth: ServerAuth | None = None) -> AsyncIterator[Connection]:
+    """The server side of ``dial`` on an accepted socket.  ``timeout`` bounds the whole hello (a peer that
+    does not complete it in time is dropped)."""
     tune_socket(sock)
+    creds = auth.creds if auth is not None else None
     with trio.fail_after(timeout):
         hello = await _read_hello(sock)
         mine = TRANSPORT_NAMES[transport]
         try:
             chosen = choose(mine, hello.transport, has_device(domain), hello.has_device)
         except NegotiationError as e:
-            await send_all(sock, Hello(transport=Transport.AUTO, has_device=has_device(domain),
-                                       slots=slots).encode())
+            await refuse(sock, domain, slots, 0)
             raise NegotiationError(f"connection from {peer}: {e}") from None
-        await send_all(sock, Hello(transport=chosen, has_device=has_device(domain), slots=slots).encode())
+        answer = Hello(transport=chosen, has_device=has_device(domain), slots=slots,
+                       nonce=new_nonce() if creds else bytes(32))
+        role, identity = await _authenticate(sock, peer, hello, creds, answer)
         conn: Connection | None = None
         if chosen == Transport.VERBS:
             conn = await _upgrade(sock, domain, peer, True, hello.slots, slots)
         if conn is None:
             conn = TcpConnection(sock, domain, peer, hello.slots, slots)
-    log.debug("connection from %s on %s", peer, conn.transport)
+        conn.role, conn.identity = role, identity
+    log.debug("connection from %s on %s (role %s)", peer, conn.transport,
+              role.name.lower() if role is not None else "unauthenticated")
     async with _running(conn) as c:
         yield c
 
@@ -147,7 +251,7 @@ def make_domain(transport: str = "auto", device: str | None = None, gid_index: i
     active device, GID index 1).  ``transport = verbs`` without a usable device raises TransportError."""
     import os
     domain = Domain()
-    if transport == "tcp":
+    if transport == TransportChoice.TCP:
         return domain
     device = device or os.environ.get("DATANODE_RDMA_DEVICE") or None
     if gid_index is None:
@@ -157,7 +261,7 @@ def make_domain(transport: str = "auto", device: str | None = None, gid_index: i
         verbs.attach(domain, device, gid_index)
         log.info("RDMA device %s ready (gid index %d)", domain.device.name, gid_index)
     except Exception as e:  # noqa: BLE001 - whatever the reason, this process has no verbs
-        if transport == "verbs":
+        if transport == TransportChoice.VERBS:
             raise TransportError(f"transport 'verbs' needs a usable RDMA device: {e}") from None
         log.info("no usable RDMA device (%s); connections use TCP", e)
     return domain

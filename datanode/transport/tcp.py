@@ -20,7 +20,6 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
-import math
 import socket as _socket
 import struct
 from dataclasses import dataclass
@@ -30,19 +29,21 @@ import trio
 from ..protocol import MAX_PAYLOAD, RemoteBuf
 from .base import Access, Connection, ConnectionClosed, Domain, Region, RemoteAccessError, TransportError
 
-log = logging.getLogger("datanode.tcp")
+log = logging.getLogger(__name__)
 
 FRAME = struct.Struct(">BBHIQQII")
 CTRL, READ_REQ, READ_RESP, WRITE_REQ, WRITE_RESP = 1, 2, 3, 4, 5
 MAX_CTRL = 4096
+SERVE_QUEUE = 64        # one-sided requests of a peer queued for answering at most
 REFUSALS = {1: "unknown rkey", 2: "no remote right on that region", 3: "outside the registered region",
-            4: "refused"}
+            4: "refused", 5: "not granted to this connection"}
 _CLOSED = 255
 
 
 def _refusal_code(err: RemoteAccessError) -> int:
     msg = str(err)
-    return 1 if "rkey" in msg else 2 if "allow" in msg else 3 if "outside" in msg else 4
+    return (1 if "rkey" in msg else 2 if "allow" in msg else 3 if "outside" in msg
+            else 5 if "granted" in msg else 4)
 
 
 async def recv_exactly(sock, view: memoryview) -> None:
@@ -66,6 +67,7 @@ class _Pending:
     view: memoryview | None       # READ: where the answer lands; None -> drain (the caller gave up)
     event: trio.Event
     status: int = 0
+    landing: bool = False         # the reader is copying the answer into ``view`` right now
 
 
 class TcpConnection(Connection):
@@ -78,7 +80,9 @@ class TcpConnection(Connection):
         self.peer = peer
         self.slots = peer_slots
         self._send_lock = trio.Lock()
-        self._serve_in, self._serve_out = trio.open_memory_channel(math.inf)
+        # one-sided requests waiting to be answered: bounded, so a peer that sends them without reading the
+        # answers stalls its own connection (the reader waits here) instead of growing our memory
+        self._serve_in, self._serve_out = trio.open_memory_channel(SERVE_QUEUE)
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
 
@@ -100,8 +104,10 @@ class TcpConnection(Connection):
                                                                     remote.addr, remote.rkey, 0)))
             await p.event.wait()
         finally:
-            if not p.event.is_set():
-                p.view = None            # cancelled: the reader drains the answer instead of landing it
+            if not p.event.is_set():     # cancelled (or timed out): ``local`` must not be touched after this
+                p.view = None            # an answer not yet begun is drained instead of landed
+                if p.landing:            # one half-way in: only ending the connection stops it
+                    self._shutdown("a one-sided read was abandoned while its answer was landing")
         self._raise_status(p, "read")
         self.stats.reads += 1
         self.stats.read_bytes += remote.length
@@ -202,22 +208,29 @@ class TcpConnection(Connection):
                 except trio.WouldBlock:
                     raise TransportError("peer sent more control messages than we have slots") from None
             elif ftype == READ_REQ:
-                self._serve_in.send_nowait((READ_REQ, op, addr, rkey, length))
+                await self._serve_in.send((READ_REQ, op, addr, rkey, length))
             elif ftype == READ_RESP:
-                p = self._pending.pop(op, None)
+                # the op stays in _pending until its answer has landed: if the stream ends half-way,
+                # _shutdown fails it (and so frees whoever waits for it)
+                p = self._pending.get(op)
                 if status == 0:
                     if p is not None and p.view is not None and len(p.view) == length:
+                        p.landing = True
                         await recv_exactly(sock, p.view)
+                        p.landing = False
                     else:
+                        if p is not None and p.view is not None:
+                            status = 4           # an answer of the wrong length is a refusal, not data
                         await self._drain(length)
                 if p is not None:
+                    del self._pending[op]
                     p.status = status
                     p.event.set()
             elif ftype == WRITE_REQ:
                 if length > MAX_PAYLOAD:
                     raise TransportError(f"one-sided write of {length} bytes")
                 try:
-                    target = self.domain.resolve(addr, rkey, length, Access.REMOTE_WRITE)
+                    target = self.domain.resolve(addr, rkey, length, Access.REMOTE_WRITE, self.grants)
                     code = 0
                 except RemoteAccessError as e:
                     target, code = None, _refusal_code(e)
@@ -229,7 +242,7 @@ class TcpConnection(Connection):
                     await self._drain(length)
                     self.stats.refused += 1
                     log.warning("refused one-sided write from %s: %s", self.peer, REFUSALS[code])
-                self._serve_in.send_nowait((WRITE_RESP, op, code, 0, 0))
+                await self._serve_in.send((WRITE_RESP, op, code, 0, 0))
             elif ftype == WRITE_RESP:
                 p = self._pending.pop(op, None)
                 if p is not None:
@@ -251,7 +264,7 @@ class TcpConnection(Connection):
             if kind == READ_REQ:
                 addr, rkey = a, b
                 try:
-                    view = self.domain.resolve(addr, rkey, length, Access.REMOTE_READ)
+                    view = self.domain.resolve(addr, rkey, length, Access.REMOTE_READ, self.grants)
                     code = 0
                 except RemoteAccessError as e:
                     view, code = None, _refusal_code(e)

@@ -40,7 +40,7 @@ from ..protocol import VerbsEndpoint
 from .base import Access, Connection, ConnectionClosed, Domain, Region, RemoteAccessError
 from .tcp import recv_exactly, send_all
 
-log = logging.getLogger("datanode.verbs")
+log = logging.getLogger(__name__)
 ffi = cffi.FFI()
 
 PORT = 1

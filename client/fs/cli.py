@@ -1,0 +1,225 @@
+"""dnfs: mount the cluster as a filesystem, unmount it, check it.
+
+\b
+  dnfs mount --cluster /tmp/dn /mnt/dn        # metadata in /tmp/dn/dnfs.db (SQLite), returns once mounted
+  dnfs umount /mnt/dn                         # flushes, waits for the mount process to exit
+  dnfs fsck --cluster /tmp/dn [--repair]      # while unmounted
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import click
+import trio
+
+from client.fs.engines import open_meta
+from client.fs.meta import MetaBusy
+from client.fs.mount import MountError, mount_pid, serve, unmount
+from datanode import aio
+
+KNOWN = (MountError, MetaBusy, ValueError, OSError)
+
+
+def _run(fn, *args, **kw):
+    """trio.run, with expected failures turned into one clear message (never a traceback)."""
+    from client.sdk import ClientError
+    try:
+        return trio.run(lambda: fn(*args, **kw))
+    except BaseException as e:     # noqa: BLE001 - sorted below
+        leaves = [x for x in aio.leaves(e) if not isinstance(x, trio.Cancelled)]
+        known = [x for x in leaves if isinstance(x, KNOWN + (ClientError,))]
+        if known:
+            raise click.ClickException(str(known[0])) from None
+        if leaves and isinstance(leaves[0], KeyboardInterrupt):
+            raise click.Abort() from None
+        raise
+
+
+def _cluster(cluster_dir: str | None, node: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """(datanode addresses, node directories) from a cluster directory and/or --node."""
+    addrs, dirs = list(node), []
+    if cluster_dir:
+        path = pathlib.Path(cluster_dir) / "cluster.json"
+        try:
+            info = json.loads(path.read_text())
+            addrs += [n["addr"] for n in info["nodes"]]
+            dirs += [n["dir"] for n in info["nodes"]]
+        except FileNotFoundError:
+            raise click.ClickException(f"{cluster_dir} is not a cluster directory (no cluster.json); start one "
+                                       f"with: dnctl cluster up --dir {cluster_dir}") from None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise click.ClickException(f"{path} is unreadable: {e}") from None
+    if not addrs:
+        raise click.UsageError("name the cluster: --cluster DIR or --node ADDR")
+    return addrs, dirs
+
+
+def _meta_url(meta: str | None, cluster_dir: str | None) -> str:
+    if meta:
+        if not (meta.startswith("sqlite:") and meta != "sqlite:") and not meta.startswith("etcd://"):
+            raise click.BadParameter(f"{meta!r}: use sqlite:PATH or etcd://HOST:PORT[/VOLUME]",
+                                     param_hint="--meta")
+        return meta
+    if not cluster_dir:
+        raise click.UsageError("--meta sqlite:PATH is needed without --cluster")
+    return "sqlite:" + str(pathlib.Path(cluster_dir).resolve() / "dnfs.db")
+
+
+@click.group(help=__doc__)
+def main():
+    pass
+
+
+cluster_opts = [
+    click.option("--cluster", "cluster_dir", type=click.Path(file_okay=False),
+                 help="Local cluster directory (from `dnctl cluster up --dir`)."),
+    click.option("--node", multiple=True, help="A datanode address HOST:PORT (repeatable), instead of --cluster."),
+    click.option("--meta", help="Metadata store: sqlite:PATH (one mount; default sqlite:CLUSTER_DIR/dnfs.db) or "
+                      "etcd://HOST:PORT[/VOLUME] (shared by many mounts)."),
+]
+
+
+def with_cluster(fn):
+    for opt in reversed(cluster_opts):
+        fn = opt(fn)
+    return fn
+
+
+@main.command("mount")
+@with_cluster
+@click.argument("mountpoint", type=click.Path(file_okay=False))
+@click.option("--partition", type=click.IntRange(1), multiple=True,
+              help="Data partition(s) files are written to (default: every partition of the cluster).")
+@click.option("--buffer-mib", type=click.IntRange(4, 1 << 16), default=256, show_default=True,
+              help="Write-back buffer budget of the whole mount.")
+@click.option("--chunk-mib", type=click.IntRange(1, 1024), default=16, show_default=True,
+              help="A file's buffered bytes are flushed in the background at this size.")
+@click.option("--timeout", type=click.FloatRange(1, 3600), default=30.0, show_default=True,
+              help="Seconds a request to the cluster may take before it fails (EIO).")
+@click.option("--foreground", "-f", is_flag=True, help="Stay in the foreground (logs to stderr).")
+@click.option("--log", "log_path", type=click.Path(dir_okay=False),
+              help="Log file of the background mount (default: META_PATH.log).")
+@click.option("--debug", is_flag=True, help="Log every request.")
+@click.option("--json", "as_json", is_flag=True)
+def mount_cmd(cluster_dir, node, meta, mountpoint, partition, buffer_mib, chunk_mib, timeout, foreground, log_path,
+              debug, as_json):
+    """Mount the cluster at MOUNTPOINT.  Returns once the mount is up (the filesystem runs in a background
+    process; `dnfs umount MOUNTPOINT` stops it).
+
+    \b
+    Example:
+      dnctl cluster up --nodes 3 --dir /tmp/dn
+      dnfs mount --cluster /tmp/dn /mnt/dn
+      cp -r ~/src /mnt/dn/ && dnfs umount /mnt/dn
+    """
+    addrs, dirs = _cluster(cluster_dir, node)
+    url = _meta_url(meta, cluster_dir)
+    mountpoint = os.path.abspath(mountpoint)
+    if foreground:
+        logging.basicConfig(level=logging.DEBUG if debug else logging.INFO,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        _run(serve, mountpoint, addrs, url, partitions=list(partition) or None, budget=buffer_mib << 20,
+             chunk=chunk_mib << 20, capacity_paths=dirs, timeout=timeout)
+        return
+    if not log_path:
+        log_path = (url.partition(":")[2] + ".log" if url.startswith("sqlite:") else
+                    os.path.join(os.environ.get("TMPDIR", "/tmp"), f"dnfs-{os.getpid()}.log"))
+    log_path = os.path.abspath(log_path)
+    args = [sys.executable, "-m", "client.fs.cli", "mount", "--foreground", "--meta", url, "--buffer-mib",
+            str(buffer_mib), "--chunk-mib", str(chunk_mib), "--timeout", str(timeout)]
+    if cluster_dir:
+        args += ["--cluster", cluster_dir]
+    for a in node:
+        args += ["--node", a]
+    for p in partition:
+        args += ["--partition", str(p)]
+    if debug:
+        args.append("--debug")
+    args.append(mountpoint)
+    with open(log_path, "ab") as logf:
+        proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                start_new_session=True, cwd="/")
+    deadline = time.monotonic() + timeout + 30
+    while mount_pid(mountpoint) != proc.pid:
+        if proc.poll() is not None:
+            raise click.ClickException(f"mount failed: {_tail(log_path)}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise click.ClickException(f"the mount did not come up within {timeout + 30:g}s; see {log_path}")
+        time.sleep(0.05)
+    res = {"mountpoint": mountpoint, "pid": proc.pid, "meta": url, "log": log_path, "nodes": addrs}
+    click.echo(json.dumps(res) if as_json else
+               f"mounted {mountpoint} (pid {proc.pid}, meta {url}, log {log_path}); unmount: dnfs umount {mountpoint}")
+
+
+def _tail(path: str) -> str:
+    try:
+        lines = [ln for ln in pathlib.Path(path).read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return f"(no log at {path})"
+    return lines[-1].split(": ", 1)[-1] if lines else f"(empty log {path})"
+
+
+@main.command("umount")
+@click.argument("mountpoint", type=click.Path(file_okay=False))
+@click.option("--lazy", is_flag=True, help="Detach now even if files are open (fusermount3 -z).")
+@click.option("--timeout", type=click.FloatRange(1, 3600), default=120.0, show_default=True,
+              help="Seconds to wait for the mount process to flush and exit.")
+@click.option("--json", "as_json", is_flag=True)
+def umount_cmd(mountpoint, lazy, timeout, as_json):
+    """Unmount a dnfs mount and wait until its process has flushed and exited."""
+    try:
+        res = unmount(mountpoint, timeout, lazy)
+    except MountError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(json.dumps(res) if as_json else f"unmounted {res['mountpoint']}")
+
+
+@main.command("fsck")
+@with_cluster
+@click.option("--repair", is_flag=True, help="Fix what is safe to fix (see dnfs fsck --help).")
+@click.option("--no-crc", is_flag=True, help="Do not read data back to check CRCs (metadata and sizes only).")
+@click.option("--json", "as_json", is_flag=True)
+def fsck_cmd(cluster_dir, node, meta, repair, no_crc, as_json):
+    """Check the metadata against itself and the datanodes (run it while unmounted).  Exit status 1 if
+    problems remain."""
+    from client.fs.fsck import fsck
+    from client.sdk import DataClient
+    addrs, _ = _cluster(cluster_dir, node)
+    url = _meta_url(meta, cluster_dir)
+
+    async def go():
+        m = await trio.to_thread.run_sync(open_meta, url)
+        try:
+            async with DataClient.open(addrs) as dc:
+                return await fsck(m, dc, repair=repair, verify_crc=not no_crc)
+        finally:
+            await m.close()
+
+    rep = _run(go)
+    left = rep["problems"] if not repair else [p for p in rep["problems"]
+                                               if p not in [{k: v for k, v in r.items() if k != "action"}
+                                                            for r in rep["repaired"]]]
+    if as_json:
+        click.echo(json.dumps(rep))
+    else:
+        click.echo(f"{rep['slices']} slices, {rep['pieces_crc_checked']} pieces CRC-checked, "
+                   f"deletion queue {rep['deletion_queue']}")
+        for p in rep["problems"]:
+            click.echo("problem: " + " ".join(f"{k}={v}" for k, v in p.items()))
+        for r in rep["repaired"]:
+            click.echo("repaired: " + " ".join(f"{k}={v}" for k, v in r.items()))
+        if repair:
+            click.echo(f"{rep['extents_released']} extent(s) released on the datanodes")
+        click.echo("clean" if not left else f"{len(left)} problem(s) left")
+    sys.exit(1 if left else 0)
+
+
+if __name__ == "__main__":
+    main()

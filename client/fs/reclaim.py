@@ -1,0 +1,108 @@
+"""Releasing data on the datanodes: the deletion queue's worker.
+
+The datanode is append-only and frees space a whole extent at a time (``MARK_DELETE``).  An extent goes
+into the metadata's deletion queue whenever a slice into it is dropped or trimmed (overwrite, truncate,
+unlink).  The reclaimer deletes it on the datanodes only if, at that moment, no slice references it and no
+write can be about to commit one: flushes hold the :class:`DataLock` shared, the reclaimer exclusive.  An
+extent still referenced just leaves the queue (it comes back when its next slice goes).
+"""
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from client.sdk import ClientError, DataClient
+from datanode.protocol import Result
+
+from client.fs.meta import Meta
+
+log = logging.getLogger(__name__)
+
+
+class DataLock:
+    """Many flushes at once, or one reclaim pass; a waiting reclaim pass stops new flushes from starting."""
+
+    def __init__(self):
+        self._cond = trio.Condition()
+        self._shared = 0
+        self._exclusive = False
+
+    async def acquire_shared(self) -> None:
+        async with self._cond:
+            while self._exclusive:
+                await self._cond.wait()
+            self._shared += 1
+
+    async def release_shared(self) -> None:
+        async with self._cond:
+            self._shared -= 1
+            self._cond.notify_all()
+
+    async def acquire_exclusive(self) -> None:
+        async with self._cond:
+            while self._exclusive:
+                await self._cond.wait()
+            self._exclusive = True
+            while self._shared:
+                await self._cond.wait()
+
+    async def release_exclusive(self) -> None:
+        async with self._cond:
+            self._exclusive = False
+            self._cond.notify_all()
+
+
+class Reclaimer:
+    def __init__(self, meta: Meta, dc: DataClient, lock: DataLock | None = None, batch: int = 64):
+        self.meta, self.dc, self.lock, self.batch = meta, dc, lock or DataLock(), batch
+        self.deleted = 0
+        self._kick = trio.Event()
+
+    def kick(self) -> None:
+        self._kick.set()
+
+    async def run(self, interval: float = 1.0) -> None:
+        while True:
+            with trio.move_on_after(interval):
+                await self._kick.wait()
+            self._kick = trio.Event()
+            try:
+                await self.drain()
+            except ClientError as e:        # the cluster is unreachable: the queue is kept, try again later
+                log.warning("deletion queue: %s", e)
+            except Exception:               # noqa: BLE001 - never take the mount down; the queue is kept
+                log.exception("deletion queue")
+
+    async def drain(self) -> int:
+        """Work through the queue; returns how many extents were deleted on the datanodes."""
+        total = 0
+        while True:
+            batch = await self.meta.queued(self.batch)
+            if not batch:
+                return total
+            n = await self._pass(batch)
+            total += n
+            if n == 0 and len(batch) < self.batch:
+                return total
+
+    async def _pass(self, batch) -> int:
+        deleted = 0
+        await self.lock.acquire_exclusive()
+        try:
+            for pid, extent in batch:
+                if not await self.meta.referenced(pid, extent):
+                    self.dc.forget_extent(pid, extent)
+                    try:
+                        await self.dc.delete_extent(pid, extent)
+                        deleted += 1
+                        log.info("extent %d/%d released (no slice references it)", pid, extent)
+                    except ClientError as e:
+                        if e.result != Result.NOT_FOUND:
+                            log.warning("delete extent %d/%d: %s (kept in the queue)", pid, extent, e)
+                            continue
+                await self.meta.dequeue(pid, extent)
+        finally:
+            await self.lock.release_exclusive()
+        self.deleted += deleted
+        return deleted

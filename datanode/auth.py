@@ -1,0 +1,140 @@
+"""Cluster credentials and the proofs exchanged in the connection hello (HMAC-SHA256, standard library only).
+
+Keys.  The *cluster secret* is a file of random bytes (``datanode gen-secret``) held by the datanodes and the
+admin hosts.  Each role has its own key derived from it: ``K_role = HMAC-SHA256(secret, "datanode role key
+v1/" + role)``.  A host that should only read and write data gets a *role key file* holding ``K_client`` alone
+(``datanode derive-key --role client``): it cannot compute ``K_node`` or ``K_admin`` (HMAC is one-way), so it
+can never claim those roles.  Where each lives:
+
+    datanodes      the cluster secret (they verify every role, and act as ``node`` towards each other)
+    admin hosts    the cluster secret, or an ``admin`` role key file (dnctl)
+    client hosts   a ``client`` role key file (the SDK, a FUSE mount)
+
+The hello (datanode/transport/connect.py) is a mutual challenge-response: the client sends its role, a fresh
+32-byte nonce and (role ``node``) its identity; the server answers with its own nonce and
+``HMAC(K_role, "server" | transcript)``; the client checks that, then sends ``HMAC(K_role, "client" |
+transcript)``; the transcript binds the role, both nonces and the identity.  Neither side can replay an old
+exchange (the other side's nonce is fresh), and the two proofs use different labels, so one is never usable as
+the other.  Without TLS the stream after the hello is not encrypted or integrity-protected (see README
+"Trust boundaries").
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import pathlib
+import secrets
+
+from .protocol import Role
+
+NONCE_SIZE = 32
+PROOF_SIZE = 32
+MIN_SECRET = 16
+KEY_FILE_MAGIC = "datanode-role-key"
+ROLE_NAMES = {r.name.lower(): r for r in Role}
+
+
+class AuthConfigError(Exception):
+    """A secret or key file that cannot be used (named in the message)."""
+
+
+def role_key(secret: bytes, role: Role) -> bytes:
+    return hmac.new(secret, b"datanode role key v1/" + role.name.lower().encode(), hashlib.sha256).digest()
+
+
+def transcript(role: int, client_nonce: bytes, server_nonce: bytes, identity: str) -> bytes:
+    return b"datanode hello v3|%d|" % role + client_nonce + b"|" + server_nonce + b"|" + identity.encode()
+
+
+def proof(key: bytes, side: bytes, text: bytes) -> bytes:
+    return hmac.new(key, side + b"|" + text, hashlib.sha256).digest()
+
+
+def new_nonce() -> bytes:
+    return secrets.token_bytes(NONCE_SIZE)
+
+
+class Credentials:
+    """The role keys this process holds: all of them (from the cluster secret) or one (a role key file)."""
+
+    def __init__(self, keys: dict[Role, bytes], source: str = "", master: bool = False):
+        self.keys = dict(keys)
+        self.source = source
+        self.master = master
+
+    @classmethod
+    def from_secret(cls, secret: bytes, source: str = "") -> "Credentials":
+        if len(secret) < MIN_SECRET:
+            raise AuthConfigError(f"{source or 'secret'}: the cluster secret is {len(secret)} bytes, "
+                                  f"at least {MIN_SECRET} are needed (make one with: datanode gen-secret)")
+        return cls({r: role_key(secret, r) for r in Role}, source, master=True)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Credentials":
+        """A cluster secret file, or a role key file (first word ``datanode-role-key``)."""
+        p = pathlib.Path(path)
+        try:
+            raw = p.read_bytes()
+        except OSError as e:
+            raise AuthConfigError(f"secret file {p}: {e.strerror or e}") from None
+        text = raw.strip()
+        if text.startswith(KEY_FILE_MAGIC.encode()):
+            parts = text.decode(errors="replace").split()
+            if len(parts) != 4 or parts[1] != "v1" or parts[2] not in ROLE_NAMES:
+                raise AuthConfigError(f"key file {p}: expected '{KEY_FILE_MAGIC} v1 ROLE HEX' "
+                                      f"with ROLE one of {', '.join(ROLE_NAMES)}")
+            try:
+                key = bytes.fromhex(parts[3])
+            except ValueError:
+                raise AuthConfigError(f"key file {p}: the key is not hex") from None
+            if len(key) != 32:
+                raise AuthConfigError(f"key file {p}: the key must be 32 bytes (64 hex digits)")
+            return cls({ROLE_NAMES[parts[2]]: key}, str(p))
+        return cls.from_secret(text, str(p))
+
+    def key(self, role: Role) -> bytes | None:
+        return self.keys.get(role)
+
+    def default_role(self) -> Role:
+        """What a tool claims when not told: admin when it can (dnctl on an admin host), else its one role."""
+        for r in (Role.ADMIN, Role.CLIENT, Role.NODE):
+            if r in self.keys:
+                return r
+        raise AuthConfigError("no key")   # pragma: no cover - a Credentials always holds one
+
+    def role_key_file(self, role: Role) -> str:
+        """The text of a role key file for ``role`` (only from the cluster secret)."""
+        if not self.master:
+            raise AuthConfigError(f"{self.source}: a role key file cannot make other keys; use the cluster secret")
+        return f"{KEY_FILE_MAGIC} v1 {role.name.lower()} {self.keys[role].hex()}\n"
+
+
+class DialAuth:
+    """What one side of ``connect.dial`` presents: credentials (or None: authentication off), the role it
+    claims and, for a datanode, its identity (its listen address)."""
+
+    def __init__(self, creds: Credentials | None, role: Role | None = None, identity: str = ""):
+        self.creds = creds
+        self.role = role if role is not None else (creds.default_role() if creds else Role.CLIENT)
+        self.identity = identity
+        if creds is not None and creds.key(self.role) is None:
+            raise AuthConfigError(f"{creds.source}: holds no key for role '{self.role.name.lower()}' "
+                                  f"(it holds: {', '.join(r.name.lower() for r in creds.keys)})")
+
+    @property
+    def key(self) -> bytes | None:
+        return self.creds.key(self.role) if self.creds else None
+
+
+def gen_secret() -> str:
+    """A new cluster secret (64 hex digits)."""
+    return secrets.token_hex(32) + "\n"
+
+
+def from_env_or(path: str | os.PathLike | Credentials | None) -> Credentials | None:
+    """Credentials from ``path`` (or a Credentials as is), else from $DATANODE_SECRET_FILE, else None."""
+    if isinstance(path, Credentials):
+        return path
+    path = path or os.environ.get("DATANODE_SECRET_FILE") or None
+    return Credentials.load(path) if path else None

@@ -1,0 +1,453 @@
+"""The cluster map in etcd: the one module that talks to etcd (datanodes, the manager and the SDK use it).
+
+Library and how it is driven
+----------------------------
+``etcd3gw`` (OpenStack's client for etcd's v3 JSON gateway, ``/v3/...``; plain HTTP through ``requests``,
+few dependencies, works against Debian's etcd-server 3.4).  Its calls block, so every call here runs in a
+worker thread through ``trio.to_thread.run_sync``; the event loop never waits on a socket.  A watch is a
+streaming HTTP response read line by line in a worker thread (``Etcd.watch``), which hands each batch of
+events to the trio side with ``trio.from_thread.run_sync`` into a memory channel.  The watch lives in a
+nursery: when that nursery is cancelled a sibling task shuts the stream's socket down, the blocked read in
+the thread returns, and the thread ends before the nursery does (no orphan thread).  Several endpoints
+(``etcd = "http://a:2379,http://b:2379"``) are tried in turn; the last one that answered is tried first.
+
+Keys (under ``etcd_prefix``, default ``/datanode``)
+--------------------------------------------------
+* ``nodes/<addr>``   -- a datanode's registration, attached to its **lease** (``lease_ttl_s``): address, pid,
+  transport, zone, capacity/free bytes, and the partitions it holds (id -> epoch, replicas).  It disappears
+  when the node dies or cannot reach etcd for a TTL: that is how the manager learns a node is gone.
+* ``parts/<id>``     -- a partition's view (``PartView``): ``replicas`` (leader first), ``epoch``, ``want``
+  (its replica count), ``synced`` (replicas known to hold every acknowledged write: only these may lead),
+  ``state`` (``writable`` | ``degraded`` | ``recovering`` | ``read_only``) and ``installed`` (every member
+  has this epoch).  Changed **only** by compare-and-swap transactions on the key's mod revision (``cas``);
+  a manager's changes also require that it still holds the manager key (a deposed manager cannot write).
+* ``manager``        -- the active manager's id, attached to its lease (an election: create-if-absent).
+
+How a membership change is made (tools/manager.py), and why failover loses no acknowledged write
+------------------------------------------------------------------------------------------------
+The manager computes the new view (epoch + 1), writes it with a CAS (``installed = false``), then sends
+the datanodes' own ``PARTITION_UPDATE`` (and ``PARTITION_CREATE`` for a new replica) -- followers first,
+the new leader last -- and only then marks the view ``installed``.  Datanodes also watch ``parts/`` and
+install any higher epoch that names them (and drop a partition whose newer view no longer names them), so a
+change the manager could not deliver (it died, a node was unreachable) still arrives.
+
+* A write is acknowledged by a leader only after **every** replica of its epoch acknowledged the forwarded
+  write at that epoch (``Node.op_write``), i.e. after it is durable on all of them.
+* A leader is replaced only when it lost its lease; the new leader is chosen among the **surviving
+  replicas of the current epoch** that are in ``synced`` (a replica still being filled by repair is not:
+  it may lack older acknowledged writes).  So every write the old leader acknowledged is already on the
+  new leader.
+* The new epoch is installed on every surviving replica before the new leader is told (it is last), and
+  a replica at the new epoch refuses the old epoch's forwards (``STALE_EPOCH``).  From the moment any
+  surviving replica has installed it, the old leader -- even if it is alive, merely cut off from etcd --
+  can no longer collect an acknowledgement from every replica of its epoch, so it acknowledges nothing
+  more; whatever it acknowledged before is on every survivor.  Two managers cannot publish two different
+  views of one epoch: the CAS on the mod revision lets only one of them through.
+* Unacknowledged tails (a write that reached some replicas but was never acknowledged) are settled by the
+  existing leader-authoritative repair (datanode/repair.py): bytes the new leader has are copied to the
+  followers, bytes only a follower has are cut back.  Either outcome is correct, because the writer never
+  got an OK for them and the SDK re-sends unacknowledged blocks to a new extent.
+
+A datanode that cannot reach etcd keeps serving the map it has: the data path never waits for etcd.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import socket
+import threading
+import urllib.parse
+
+import trio
+
+log = logging.getLogger(__name__)
+
+STATES = ("writable", "degraded", "recovering", "read_only")
+DEFAULT_PREFIX = "/datanode"
+
+
+class EtcdError(Exception):
+    """etcd could not be reached or refused a request; the message names the endpoint(s)."""
+
+
+@dataclasses.dataclass
+class PartView:
+    """One partition as the cluster map has it."""
+    id: int
+    replicas: list[str]
+    epoch: int
+    want: int = 0                 # replica count it should have (0: len(replicas) at adoption)
+    synced: list[str] = dataclasses.field(default_factory=list)
+    state: str = "writable"
+    installed: bool = True
+    rev: int = 0                  # etcd mod revision this view was read at (not stored)
+
+    @property
+    def leader(self) -> str:
+        return self.replicas[0]
+
+    def encode(self) -> str:
+        d = dataclasses.asdict(self)
+        d.pop("rev")
+        return json.dumps(d, sort_keys=True)
+
+    @classmethod
+    def decode(cls, raw: bytes | str, rev: int = 0) -> "PartView":
+        d = json.loads(raw)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        v = cls(**{k: v for k, v in d.items() if k in fields})
+        v.rev = rev
+        return v
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "replicas": self.replicas, "leader": self.leader, "epoch": self.epoch,
+                "want": self.want, "synced": self.synced, "state": self.state, "installed": self.installed}
+
+
+def parse_urls(text: str) -> list[tuple[str, str, int]]:
+    """``"http://h:2379,http://h2:2379"`` -> [(scheme, host, port)]; ValueError names a bad one."""
+    out = []
+    for u in (s.strip() for s in text.split(",")):
+        if not u:
+            continue
+        p = urllib.parse.urlsplit(u if "://" in u else "http://" + u)
+        if p.scheme not in ("http", "https") or not p.hostname:
+            raise ValueError(f"bad etcd URL {u!r}: expected http://HOST:PORT")
+        try:
+            port = p.port or 2379
+        except ValueError:
+            raise ValueError(f"bad etcd URL {u!r}: the port is not a number") from None
+        out.append((p.scheme, p.hostname, port))
+    if not out:
+        raise ValueError("no etcd URL given (expected http://HOST:PORT[,http://HOST:PORT...])")
+    return out
+
+
+def _b64(s: str | bytes) -> str:
+    import base64
+    return base64.b64encode(s.encode() if isinstance(s, str) else s).decode()
+
+
+def _unb64(s: str) -> bytes:
+    import base64
+    return base64.b64decode(s)
+
+
+def _prefix_end(prefix: str) -> str:
+    b = bytearray(prefix.encode())
+    b[-1] += 1
+    return bytes(b).decode()
+
+
+class Etcd:
+    """A handle on the cluster map in etcd (blocking etcd3gw calls, run in worker threads)."""
+
+    def __init__(self, urls: str, prefix: str = DEFAULT_PREFIX, timeout: float = 2.0):
+        import etcd3gw   # imported here: a datanode without etcd configured never needs it
+        self.urls = urls
+        self.prefix = "/" + prefix.strip("/")
+        self.timeout = timeout
+        self._clients = [etcd3gw.Etcd3Client(host=h, port=p, protocol=s, timeout=timeout, api_path="/v3/")
+                         for s, h, p in parse_urls(urls)]
+        self._good = 0
+        self._mu = threading.Lock()
+
+    # -- keys ---------------------------------------------------------------------------------------
+    def key(self, *parts) -> str:
+        return "/".join([self.prefix, *map(str, parts)])
+
+    @property
+    def nodes_prefix(self) -> str:
+        return self.key("nodes") + "/"
+
+    @property
+    def parts_prefix(self) -> str:
+        return self.key("parts") + "/"
+
+    # -- plumbing -----------------------------------------------------------------------------------
+    def _call_sync(self, fn):
+        """Run ``fn(client)`` against the endpoints in turn (the last good one first)."""
+        import etcd3gw.exceptions as ex
+        errors = []
+        n = len(self._clients)
+        start = self._good
+        for i in range(n):
+            k = (start + i) % n
+            c = self._clients[k]
+            try:
+                out = fn(c)
+            except (ex.ConnectionFailedError, ex.ConnectionTimeoutError, ex.InternalServerError) as e:
+                errors.append(f"{c.base_url}: {type(e).__name__}")
+                continue
+            except ex.Etcd3Exception as e:
+                raise EtcdError(f"etcd {c.base_url} refused the request: {e}") from None
+            self._good = k
+            return out
+        raise EtcdError("etcd unreachable (" + "; ".join(errors) + ")")
+
+    async def call(self, fn):
+        return await trio.to_thread.run_sync(self._call_sync, fn)
+
+    async def _post(self, path: str, body: dict) -> dict:
+        return await self.call(lambda c: c.post(c.get_url(path), json=body))
+
+    # -- kv -----------------------------------------------------------------------------------------
+    async def get_prefix(self, prefix: str) -> tuple[list[tuple[str, bytes, int]], int]:
+        """[(key, value, mod_revision)] under ``prefix`` and the store revision they were read at."""
+        r = await self._post("/kv/range", {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix))})
+        kvs = [(_unb64(kv["key"]).decode(), _unb64(kv.get("value", "")), int(kv.get("mod_revision", 0)))
+               for kv in r.get("kvs", [])]
+        return kvs, int(r.get("header", {}).get("revision", 0))
+
+    async def get(self, key: str) -> tuple[bytes, int] | None:
+        r = await self._post("/kv/range", {"key": _b64(key)})
+        kvs = r.get("kvs", [])
+        if not kvs:
+            return None
+        return _unb64(kvs[0].get("value", "")), int(kvs[0].get("mod_revision", 0))
+
+    async def put(self, key: str, value: str, lease: int | None = None) -> None:
+        body = {"key": _b64(key), "value": _b64(value)}
+        if lease:
+            body["lease"] = lease
+        await self._post("/kv/put", body)
+
+    async def delete(self, key: str) -> None:
+        await self._post("/kv/deleterange", {"key": _b64(key)})
+
+    async def txn(self, compare: list[dict], success: list[dict]) -> tuple[bool, int]:
+        """(succeeded, the store revision after it: a put's new mod revision)."""
+        r = await self._post("/kv/txn", {"compare": compare, "success": success, "failure": []})
+        return bool(r.get("succeeded", False)), int(r.get("header", {}).get("revision", 0))
+
+    # -- leases -------------------------------------------------------------------------------------
+    async def grant(self, ttl: int) -> int:
+        r = await self._post("/lease/grant", {"TTL": int(ttl), "ID": 0})
+        return int(r["ID"])
+
+    async def keepalive(self, lease: int) -> int:
+        """Refresh ``lease``; returns its TTL, or -1 if it has already expired."""
+        r = await self._post("/lease/keepalive", {"ID": lease})
+        return int(r.get("result", {}).get("TTL", -1))
+
+    async def revoke(self, lease: int) -> None:
+        await self._post("/kv/lease/revoke", {"ID": lease})
+
+    async def release(self, lease: "Lease", timeout: float = 1.0) -> None:
+        """On a clean stop: revoke ``lease`` now (shielded, bounded), so others need not wait for its TTL."""
+        if lease is None or not lease.ok:
+            return
+        with trio.move_on_after(timeout) as s:
+            s.shield = True
+            try:
+                await self.revoke(lease.id)
+            except EtcdError:
+                pass
+
+    # -- the map ------------------------------------------------------------------------------------
+    def part_key(self, pid: int) -> str:
+        return self.key("parts", pid)
+
+    def node_key(self, addr: str) -> str:
+        return self.key("nodes", addr)
+
+    @property
+    def manager_key(self) -> str:
+        return self.key("manager")
+
+    async def parts(self) -> dict[int, PartView]:
+        kvs, _ = await self.get_prefix(self.parts_prefix)
+        out = {}
+        for k, v, rev in kvs:
+            try:
+                pv = PartView.decode(v, rev)
+            except (ValueError, TypeError) as e:
+                log.warning("etcd key %s is not a partition view: %s", k, e)
+                continue
+            out[pv.id] = pv
+        return out
+
+    async def part(self, pid: int) -> PartView | None:
+        got = await self.get(self.part_key(pid))
+        return PartView.decode(got[0], got[1]) if got else None
+
+    async def nodes(self) -> dict[str, dict]:
+        kvs, _ = await self.get_prefix(self.nodes_prefix)
+        out = {}
+        for k, v, _rev in kvs:
+            try:
+                d = json.loads(v)
+            except ValueError:
+                continue
+            out[k[len(self.nodes_prefix):]] = d
+        return out
+
+    async def cas_part(self, view: PartView, *, expect_rev: int, holder: tuple[str, str] | None = None) -> bool:
+        """Write ``view`` if its key is still at ``expect_rev`` (0: does not exist yet) and, with
+        ``holder=(key, value)``, only while ``key`` still holds ``value`` (the manager's election key)."""
+        key = self.part_key(view.id)
+        cmp = ([{"key": _b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": 0}]
+               if expect_rev == 0 else
+               [{"key": _b64(key), "result": "EQUAL", "target": "MOD", "mod_revision": expect_rev}])
+        if holder is not None:
+            cmp.append({"key": _b64(holder[0]), "result": "EQUAL", "target": "VALUE", "value": _b64(holder[1])})
+        ok, rev = await self.txn(cmp, [{"request_put": {"key": _b64(key), "value": _b64(view.encode())}}])
+        if ok:
+            view.rev = rev
+        return ok
+
+    async def campaign(self, key: str, value: str, lease: int) -> bool:
+        """Take ``key`` for ``value`` if nobody holds it (an election: the key lives as long as ``lease``)."""
+        ok, _ = await self.txn([{"key": _b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": 0}],
+                               [{"request_put": {"key": _b64(key), "value": _b64(value), "lease": lease}}])
+        return ok
+
+    # -- watch --------------------------------------------------------------------------------------
+    async def watch(self, prefix: str, send: trio.MemorySendChannel, *, start_revision: int = 0,
+                    task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Stream changes under ``prefix`` into ``send`` as lists of (type, key, value, mod_revision) with
+        type "PUT" or "DELETE", until cancelled.  Reconnects (to any endpoint) when the stream ends,
+        resuming after the last revision seen; a ``None`` item means "events may have been missed: re-read"
+        (sent after every reconnect)."""
+        body = {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix))}
+        next_rev = start_revision
+        started = False
+        backoff = 0.2
+        while True:
+            req = {"create_request": {**body, **({"start_revision": next_rev} if next_rev else {})}}
+            try:
+                resp = await self.call(
+                    lambda c: c.session.post(c.get_url("/watch"), json=req, stream=True,
+                                             timeout=(self.timeout, None)))
+            except EtcdError as e:
+                log.debug("watch %s: %s", prefix, e)
+                resp = None
+            except Exception as e:   # requests' own connection errors (not wrapped by etcd3gw here)
+                log.debug("watch %s: %s", prefix, e)
+                resp = None
+            if resp is not None:
+                if not started:
+                    started = True
+                    task_status.started()
+                else:
+                    send.send_nowait(None)
+                last = await self._pump_stream(resp, send)
+                if last < 0:
+                    next_rev = 0              # our revision was compacted away: from now on (+ re-read)
+                elif last:
+                    next_rev = last + 1
+                backoff = 0.2
+            await trio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+
+    async def _pump_stream(self, resp, send: trio.MemorySendChannel) -> int:
+        """Read one watch stream in a worker thread until it ends or we are cancelled; returns the last
+        revision seen (0: none, -1: etcd cancelled the watch, e.g. its start revision was compacted)."""
+        last = [0]
+
+        def pump():
+            try:
+                for line in resp.iter_lines(chunk_size=None):
+                    if not line.strip():
+                        continue
+                    res = json.loads(line).get("result", {})
+                    batch = []
+                    for ev in res.get("events", []):
+                        kv = ev["kv"]
+                        rev = int(kv.get("mod_revision", 0))
+                        batch.append((ev.get("type", "PUT"), _unb64(kv["key"]).decode(),
+                                      _unb64(kv.get("value", "")), rev))
+                        last[0] = max(last[0], rev)
+                    if res.get("canceled") or res.get("compact_revision"):
+                        log.warning("watch canceled by etcd (compaction?): re-reading")
+                        last[0] = -1
+                        return
+                    if batch:
+                        trio.from_thread.run_sync(send.send_nowait, batch)
+            except Exception as e:   # the stream broke (etcd gone) or we shut it down
+                log.debug("watch stream ended: %s", e)
+
+        async def closer():
+            try:
+                await trio.sleep_forever()
+            finally:
+                _shutdown(resp)
+
+        async with trio.open_nursery() as n:
+            n.start_soon(closer)
+            await trio.to_thread.run_sync(pump)
+            n.cancel_scope.cancel()
+        _shutdown(resp)
+        return last[0]
+
+
+def _shutdown(resp) -> None:
+    """Unblock a thread reading ``resp``: shut its socket down, then close it."""
+    try:
+        s = socket.fromfd(resp.raw.fileno(), socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        finally:
+            s.close()
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
+        resp.close()
+    except Exception:  # noqa: BLE001 - closing a broken stream
+        pass
+
+
+def open_channel():
+    """A channel for ``Etcd.watch`` (unbounded: the watch thread must never block on the trio side)."""
+    return trio.open_memory_channel(math.inf)
+
+
+class Lease:
+    """A lease kept alive in the background: ``ok`` is False from the moment a keepalive finds it expired
+    (or etcd has not confirmed it for a whole TTL) until ``renew`` got a new one."""
+
+    def __init__(self, etcd: Etcd, ttl: int):
+        self.etcd, self.ttl = etcd, max(2, int(ttl))
+        self.id = 0
+        self.ok = False
+        self.lost = trio.Event()
+        self._confirmed = 0.0
+
+    async def grant(self) -> int:
+        self.id = await self.etcd.grant(self.ttl)
+        self.ok, self.lost = True, trio.Event()
+        self._confirmed = trio.current_time()
+        return self.id
+
+    async def keep_alive(self) -> None:
+        """Refresh every TTL/3 until the lease is lost (then set ``lost`` and return) or cancelled."""
+        while True:
+            await trio.sleep(self.ttl / 3)
+            try:
+                with trio.fail_after(self.ttl / 3 + self.etcd.timeout):
+                    ttl = await self.etcd.keepalive(self.id)
+            except (EtcdError, trio.TooSlowError) as e:
+                ttl = None
+                log.warning("lease %x: keepalive failed: %s", self.id, e)
+            now = trio.current_time()
+            if ttl is not None and ttl > 0:
+                self._confirmed = now
+            elif ttl is not None or now - self._confirmed >= self.ttl:
+                self.ok = False
+                self.lost.set()
+                log.warning("lease %x lost (%s)", self.id, "expired" if ttl is not None else "etcd unreachable")
+                return
+
+
+async def snapshot(urls: str, prefix: str = DEFAULT_PREFIX) -> dict:
+    """The whole map as JSON-able data: nodes (registered, with their lease), partitions, manager.
+    Meant for ``dnctl partition list --etcd URL --json`` / ``dnctl cluster status --etcd URL``."""
+    e = Etcd(urls, prefix)
+    nodes = await e.nodes()
+    parts = await e.parts()
+    mgr = await e.get(e.manager_key)
+    return {"etcd": urls, "prefix": e.prefix, "manager": mgr[0].decode() if mgr else None,
+            "nodes": [{"addr": a, **{k: v for k, v in d.items() if k != "addr"}} for a, d in sorted(nodes.items())],
+            "partitions": [parts[p].to_dict() for p in sorted(parts)]}

@@ -1,0 +1,182 @@
+"""Prometheus metrics of a datanode, with prometheus-client (its registry, metric types and text exposition).
+
+Two kinds:
+* **observed on the request path**: requests and bytes by op and result, request latency histograms by op
+  (``NodeMetrics.observe``, called once per answered request by ``Node._handle``);
+* **read at scrape time** from the components that own the numbers (``_NodeCollector``): the pool, the
+  connections by transport, partitions with their role, health and bytes, replication failures by replica,
+  forwarded bytes, repair and scrub, and the disk of ``data_dir``.  Nothing on the hot path pays for those.
+
+``serve_metrics`` answers ``GET /metrics`` on ``metrics_listen`` (a config key; empty = off) from the
+node's own nursery.  The SDK's client-side families are in ``client/metrics.py``.
+"""
+from __future__ import annotations
+
+import logging
+
+import trio
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .protocol import Op, Result
+
+log = logging.getLogger(__name__)
+
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                   2.5, 5.0, 10.0)
+_OP_NAMES = {op.value: op.name for op in Op}
+_RESULT_NAMES = {r.value: r.name for r in Result} | {-1: "NO_ANSWER"}   # -1: the peer was gone
+_BYTES_OPS = {Op.WRITE, Op.READ}
+
+
+class RequestFamilies:
+    """Requests and payload bytes by op and result, latency by op: the families the node (answered
+    requests) and the SDK (requests as the client sees them, client/metrics.py) both keep.  ``registry``
+    None: not registered, for a program to register the object (it is a collector) where it wants."""
+
+    def __init__(self, prefix: str, what: str, registry: CollectorRegistry | None, *,
+                 bytes_name: str = "request_payload_bytes"):
+        self.requests = Counter(f"{prefix}_requests", f"Requests {what}, by op and result", ["op", "result"],
+                                registry=registry)
+        self.bytes = Counter(f"{prefix}_{bytes_name}", f"Payload bytes of OK requests {what}, by op",
+                             ["op"], registry=registry)
+        self.latency = Histogram(f"{prefix}_request_seconds", f"Latency of requests {what}, by op", ["op"],
+                                 buckets=LATENCY_BUCKETS, registry=registry)
+
+    def observe(self, opcode: int, result: int, length: int, seconds: float) -> None:
+        op = _OP_NAMES.get(opcode, "unknown")
+        self.requests.labels(op, _RESULT_NAMES.get(result, "unknown")).inc()
+        self.latency.labels(op).observe(seconds)
+        if result == Result.OK and opcode in _BYTES_OPS:
+            self.bytes.labels(op).inc(length)
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        for m in (self.requests, self.bytes, self.latency):
+            yield from m.collect()
+
+
+class NodeMetrics(RequestFamilies):
+    def __init__(self, node):
+        self.registry = CollectorRegistry(auto_describe=True)
+        super().__init__("datanode", "answered (arrival to answer)", self.registry)
+        self.registry.register(_NodeCollector(node))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _NodeCollector:
+    """Reads the numbers the node's components own, at scrape time."""
+
+    def __init__(self, node):
+        self.node = node
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        n = self.node
+        pool = n.pool.stats()
+        yield _gauge("datanode_pool_bytes", "Registered pool arena size", pool["arena_bytes"])
+        yield _gauge("datanode_pool_in_use_bytes", "Pool bytes allocated to requests now", pool["in_use_bytes"])
+        yield _gauge("datanode_pool_high_water_bytes", "Most pool bytes ever in use", pool["high_water_bytes"])
+        yield _counter("datanode_pool_waits", "Allocations that had to wait for pool memory", pool["waits"])
+        yield _counter("datanode_pool_timeouts", "Allocations that gave up (POOL_BUSY)", pool["timeouts"])
+
+        conns = GaugeMetricFamily("datanode_connections", "Open connections by transport", labels=["transport"])
+        by_transport: dict[str, int] = {}
+        for c in list(n.conns):
+            by_transport[c.transport] = by_transport.get(c.transport, 0) + 1
+        for t in ("tcp", "verbs"):
+            conns.add_metric([t], by_transport.get(t, 0))
+        yield conns
+
+        c = n.counters
+        yield _counter("datanode_protocol_errors", "Malformed headers received", c.protocol_errors)
+        r = n.replication.counters
+        yield _counter("datanode_forwarded_writes", "Appends forwarded to followers (as leader)", r.forwarded)
+        fb = CounterMetricFamily("datanode_forward_fetch_bytes", "Bytes fetched from leaders' pools (as follower)",
+                                 labels=[])
+        fb.add_metric([], sum(c.forward_fetch_bytes_by_rkey.values()))
+        yield fb
+        rf = CounterMetricFamily("datanode_replication_failures", "Forwarded requests a follower failed",
+                                 labels=["replica"])
+        for addr, k in sorted(r.failures_by_replica.items()):
+            rf.add_metric([addr], k)
+        yield rf
+        yield _counter("datanode_extent_seals", "Extents sealed because replicas may differ", r.seals)
+
+        rc = n.repair.counters
+        yield _counter("datanode_repair_bytes", "Bytes copied to followers by repair", rc.repair_bytes)
+        yield _counter("datanode_repair_passes", "Repair passes finished", rc.repair_passes)
+        yield _counter("datanode_repair_errors", "Repair passes of a follower that stopped", rc.repair_errors)
+        yield _counter("datanode_scrub_bytes", "Bytes re-read and CRC-checked by scrub", rc.scrub_bytes)
+        yield _counter("datanode_scrub_passes", "Scrub passes finished", rc.scrub_passes)
+        yield _counter("datanode_scrub_bad_blocks", "Blocks scrub found failing their CRC", rc.scrub_bad_blocks)
+
+        parts = list(n.table.parts.values())
+        yield _gauge("datanode_partitions", "Partitions hosted", len(parts))
+        role = GaugeMetricFamily("datanode_partition_leader", "1 if this node leads the partition",
+                                 labels=["partition"])
+        pbytes = GaugeMetricFamily("datanode_partition_bytes", "Bytes in the partition's extents here",
+                                   labels=["partition"])
+        healthy = GaugeMetricFamily("datanode_partition_followers_healthy",
+                                    "Followers the leader sees healthy (leader only)", labels=["partition"])
+        behind = GaugeMetricFamily("datanode_partition_bytes_behind",
+                                   "Bytes the followers lack (leader only)", labels=["partition"])
+        for p in parts:
+            pid = str(p.pid)
+            role.add_metric([pid], 1 if p.leader == n.me else 0)
+            pbytes.add_metric([pid], sum(p.store.watermarks().values()))
+            if p.leader == n.me and p.health:
+                healthy.add_metric([pid], sum(1 for s in p.health.get("followers", {}).values() if s == "healthy"))
+                behind.add_metric([pid], p.health.get("bytes_behind", 0))
+        yield from (role, pbytes, healthy, behind)
+
+        disk = n.disk()
+        if "total" in disk:
+            yield _gauge("datanode_disk_total_bytes", "Size of the file system holding data_dir", disk["total"])
+            yield _gauge("datanode_disk_free_bytes", "Bytes available to the node in data_dir", disk["free"])
+            yield _gauge("datanode_disk_used_bytes", "Bytes used on the file system holding data_dir", disk["used"])
+
+
+def _gauge(name: str, doc: str, value) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+async def serve_metrics(listen: str, metrics: NodeMetrics, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Answer ``GET /metrics`` (text exposition) on ``listen`` until cancelled."""
+    host, _, port = listen.rpartition(":")
+    listeners = await trio.open_tcp_listeners(int(port), host=host)
+    log.info("metrics on http://%s/metrics", listen)
+    task_status.started()
+    await trio.serve_listeners(lambda s: _answer(s, metrics), listeners)
+
+
+async def _answer(stream: trio.SocketStream, metrics: NodeMetrics) -> None:
+    try:
+        with trio.fail_after(5):
+            head = b""
+            while b"\r\n\r\n" not in head and len(head) < 8192:
+                chunk = await stream.receive_some(4096)
+                if not chunk:
+                    return
+                head += chunk
+            line = head.split(b"\r\n", 1)[0].split()
+            if len(line) >= 2 and line[0] == b"GET" and line[1].split(b"?")[0] == b"/metrics":
+                body = metrics.exposition()
+                status, ctype = b"200 OK", b"text/plain; version=0.0.4; charset=utf-8"
+            else:
+                body, status, ctype = b"not found: try /metrics\n", b"404 Not Found", b"text/plain"
+            await stream.send_all(b"HTTP/1.1 " + status + b"\r\nContent-Type: " + ctype +
+                                  b"\r\nContent-Length: " + str(len(body)).encode() +
+                                  b"\r\nConnection: close\r\n\r\n" + body)
+    except (trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
+        log.debug("metrics request: %s", e)

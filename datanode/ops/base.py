@@ -1,0 +1,205 @@
+"""What every request handler uses.  A handler raises ``Reply`` to answer with a result code; anything it
+cannot answer (the peer is gone) is a ``TransportError``; ``PeerTimeout`` drops the peer."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import trio
+
+from ..partition import Partition
+from ..protocol import BODY_REASONS, BodyError, Header, RemoteBuf, Result, decode_view
+from ..pool import PoolExhausted
+from ..store import StoreCode, StoreError, io_error
+from ..transport.base import Connection, RemoteAccessError, TransportError
+
+MAX_JSON = 1 << 20
+STORE_RESULTS = {StoreCode.NOT_FOUND: Result.NOT_FOUND, StoreCode.DELETED: Result.NOT_FOUND,
+                 StoreCode.EXISTS: Result.EXISTS, StoreCode.WRONG_OFFSET: Result.WRONG_OFFSET,
+                 StoreCode.OUT_OF_RANGE: Result.OUT_OF_RANGE, StoreCode.TOO_LARGE: Result.TOO_LARGE,
+                 StoreCode.CRC: Result.CRC_MISMATCH, StoreCode.NO_SPACE: Result.NO_SPACE,
+                 StoreCode.DISK: Result.DISK_ERROR}
+assert set(STORE_RESULTS) == set(StoreCode)
+
+
+class Reply(Exception):
+    """Raised inside a handler to answer with a result code (and arg)."""
+
+    def __init__(self, result: Result, arg: int = 0, why: str = ""):
+        self.result, self.arg, self.why = result, arg, why
+        super().__init__(why or result.name)
+
+
+class PeerTimeout(TransportError):
+    """The peer did not serve a one-sided op on its buffer within ``peer_timeout``."""
+
+
+def bad_body(e: BodyError) -> Reply:
+    return Reply(Result.BAD_BODY, arg=BODY_REASONS.index(e.reason), why=str(e))
+
+
+def store_reply(e: StoreError) -> Reply:
+    return Reply(STORE_RESULTS[e.code], arg=e.arg, why=str(e))
+
+
+@dataclasses.dataclass
+class RequestCounters:
+    requests: int = 0
+    protocol_errors: int = 0
+    forbidden: int = 0             # requests refused for the connection's role or node identity
+    writes: int = 0                # client appends acknowledged (as leader)
+    replica_writes: int = 0        # forwarded appends applied (as follower)
+    write_bytes: int = 0
+    reads: int = 0
+    read_bytes: int = 0
+    # follower: bytes READ from each leader pool (by its rkey); a bounded table, whatever peers send
+    forward_fetch_bytes_by_rkey: dict = dataclasses.field(default_factory=dict)
+
+    def count_forward_fetch(self, rkey: int, n: int, *, keys: int = 16) -> None:
+        t = self.forward_fetch_bytes_by_rkey
+        k = str(rkey) if str(rkey) in t or len(t) < keys else "other"
+        t[k] = t.get(k, 0) + n
+
+
+class Handlers:
+    """The services handlers share.  Attributes come from the Node (datanode/server.py)."""
+    cfg: object
+    me: str
+    table: object
+    pool: object
+    region: object
+    counters: RequestCounters
+
+    # -- the request's partition --------------------------------------------------------------------
+    def _hosted(self, h: Header) -> Partition:
+        """The request's partition, or NOT_FOUND."""
+        part = self.table.get(h.partition)
+        if part is None:
+            raise Reply(Result.NOT_FOUND, why=f"partition {h.partition} is not on this node")
+        return part
+
+    def _partition(self, h: Header) -> Partition:
+        """The request's partition, at the request's epoch (else NOT_FOUND / STALE_EPOCH)."""
+        part = self._hosted(h)
+        if h.epoch != part.epoch:
+            raise Reply(Result.STALE_EPOCH, arg=part.epoch,
+                        why=f"epoch {h.epoch} but partition {part.pid} is at {part.epoch}")
+        return part
+
+    def _leader_of(self, part: Partition) -> None:
+        if part.leader != self.me:
+            raise Reply(Result.NOT_LEADER, why=f"leader of partition {part.pid} is {part.leader}")
+
+    @staticmethod
+    def _size(part: Partition, extent: int) -> int:
+        try:
+            return part.store.size(extent)
+        except StoreError as e:
+            raise store_reply(e) from None
+
+    # -- memory and the peer's buffers --------------------------------------------------------------
+    pool_holders = 0          # connections holding pool blocks now (for the fair share)
+
+    def _share(self, conn: Connection | None) -> int:
+        """The most pool bytes ``conn``'s requests may hold: ``conn_pool_share`` of the arena, and when the
+        pool is more than half in use, no more than an equal share among the connections holding blocks."""
+        total = self.pool.arena_bytes
+        cap = int(total * self.cfg.conn_pool_share)
+        if self.pool.in_use * 2 > total:
+            holders = self.pool_holders + (0 if conn is not None and conn.pool_held else 1)
+            cap = min(cap, max(self.pool.max_block, total // max(1, holders)))
+        return cap
+
+    async def _alloc(self, length: int, conn: Connection | None = None):
+        """A pool block for a request of ``conn`` (counted against its share; free with ``_free``)."""
+        if length > self.pool.max_block:
+            raise Reply(Result.TOO_LARGE, arg=self.pool.max_block,
+                        why=f"{length} bytes is more than the max block {self.pool.max_block}")
+        if conn is not None and conn.pool_held and conn.pool_held + length > self._share(conn):
+            raise Reply(Result.BUSY, why=f"{conn.peer} holds {conn.pool_held} pool bytes, its share "
+                                         f"is {self._share(conn)}")
+        try:
+            block = await self.pool.alloc(length, timeout=self.cfg.pool_wait)
+        except PoolExhausted as e:
+            raise Reply(Result.POOL_BUSY, why=str(e)) from None
+        if conn is not None:
+            if not conn.pool_held:
+                self.pool_holders += 1
+            conn.pool_held += block.size
+        return block
+
+    def _free(self, block, conn: Connection | None = None) -> None:
+        size = block.size
+        self.pool.free(block)
+        if conn is not None:
+            conn.pool_held -= size
+            if not conn.pool_held:
+                self.pool_holders -= 1
+
+    async def _fetch(self, conn: Connection, remote: RemoteBuf, view: memoryview) -> None:
+        """One-sided READ of the peer's ``remote`` into ``view`` (a block of our pool), bounded in time."""
+        await self._one_sided(conn.read(remote, view, self.region), "read")
+
+    async def _write_remote(self, conn: Connection, view: memoryview, remote: RemoteBuf) -> None:
+        """One-sided WRITE of ``view`` into the peer's ``remote``, bounded in time."""
+        await self._one_sided(conn.write(view, self.region, remote), "write")
+
+    async def _one_sided(self, op, what: str) -> None:
+        try:
+            with trio.fail_after(self.cfg.peer_timeout):
+                await op
+        except RemoteAccessError as e:
+            raise Reply(Result.REMOTE_ACCESS, why=str(e)) from None
+        except trio.TooSlowError:
+            # the transport already made the late answer harmless (TCP drains it or ends the connection;
+            # verbs kills the QP and waits for the flush), so our block may be freed
+            raise PeerTimeout(f"one-sided {what} not served within {self.cfg.peer_timeout}s") from None
+
+    # -- the disk -------------------------------------------------------------------------------------
+    async def _store(self, fn, *args):
+        """A blocking store call in a worker thread; its failure as the one matching result code."""
+        try:
+            return await trio.to_thread.run_sync(fn, *args)
+        except StoreError as e:
+            raise store_reply(e) from None
+        except OSError as e:
+            raise store_reply(io_error(getattr(fn, "__name__", "disk"), e)) from None
+
+    # -- JSON bodies and answers -----------------------------------------------------------------------
+    async def _push_json(self, conn: Connection, h: Header, obj) -> Header:
+        data = json.dumps(obj).encode()
+        if len(data) > h.rlen:
+            raise Reply(Result.SHORT_BUFFER, arg=len(data),
+                        why=f"answer needs {len(data)} bytes, the buffer holds {h.rlen}")
+        block = await self._alloc(len(data), conn)
+        try:
+            view = block.view(len(data))
+            view[:] = data
+            if data:
+                await self._write_remote(conn, view, h.remote.slice(0, len(data)))
+        finally:
+            self._free(block, conn)
+        return h.reply(Result.OK, length=len(data))
+
+    async def _pull_json(self, conn: Connection, h: Header):
+        if not h.length:
+            raise bad_body(BodyError("missing", "the request names no body"))
+        if h.length > MAX_JSON:
+            raise bad_body(BodyError("too_large", f"{h.length} bytes, at most {MAX_JSON}"))
+        block = await self._alloc(h.length, conn)
+        try:
+            view = block.view(h.length)
+            await self._fetch(conn, h.remote.slice(0, h.length), view)   # rlen >= length: checked by decode
+            try:
+                return json.loads(bytes(view))
+            except ValueError as e:            # UnicodeDecodeError too
+                raise bad_body(BodyError("not_json", str(e))) from None
+        finally:
+            self._free(block, conn)
+
+    async def _pull_view(self, conn: Connection, h: Header) -> tuple[list[str], int]:
+        """The (replicas, epoch) body of PARTITION_CREATE / PARTITION_UPDATE, validated."""
+        try:
+            return decode_view(await self._pull_json(conn, h))
+        except BodyError as e:
+            raise bad_body(e) from None

@@ -1,0 +1,143 @@
+"""The data path: appends, reads, extent create/delete.
+
+Follow a write from the client to the disk (``DataOps.op_write``):
+
+  1. the client SENDs a header naming its buffer (addr, rkey, len) into one of our control slots;
+     ``Node._dispatch`` (datanode/server.py) decodes it and, for appends, takes a ticket in the extent's lane
+     (arrival order);
+  2. we allocate a block from the registered pool and fetch the payload with a one-sided READ from the
+     client's buffer straight into the block (bounded by ``peer_timeout``), then check its CRC32C;
+  3. in the extent's turn (``async with lane.turn(ticket)``): check the offset is the extent's end, SEND each
+     follower the same header marked forwarded with the descriptor rewritten to name *our pool block*
+     (``Replicator.submit``, datanode/replication.py: followers READ it from there, no copy here), and
+     persist the block to our extent (datanode/store.py: pwrite + CRC entries, fdatasync under
+     ``sync = always``);
+  4. outside the turn (the extent's next append may go on), wait for every follower's ack
+     (``Replicator.wait``: matched on request id, partition, extent, offset, CRC) within ``replica_timeout``;
+     reply OK to the client only then; free the block.
+  Any failure after the turn began seals the extent (DIVERGED): its replicas may differ, so no more appends.
+  A follower runs the same handler for the forwarded header: steps 2 and 3 without the forwarding.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+from ..crc import crc32c
+from ..protocol import Flag, Header, Result
+from ..replication import replica_names
+from ..transport.base import Connection
+from .base import Handlers, Reply
+
+log = logging.getLogger(__name__)
+
+
+class DataOps(Handlers):
+    async def op_ping(self, conn, h: Header, _t) -> Header:
+        return h.reply(Result.OK, arg=os.getpid())
+
+    async def op_write(self, conn: Connection, h: Header, ticket) -> Header:
+        part = self._partition(h)
+        forwarded = bool(h.flags & Flag.FORWARDED)
+        if not forwarded:
+            self._leader_of(part)
+        if ticket is None:
+            raise Reply(Result.NOT_FOUND, why=f"extent {h.extent} does not exist")
+        lane, t = ticket
+        holder = None if forwarded else conn     # a leader's forwards are not held to a client's share
+        block = await self._alloc(h.length, holder)
+        try:
+            view = block.view(h.length)
+            await self._fetch(conn, h.remote.slice(0, h.length), view)          # one-sided READ
+            if crc32c(view) != h.crc:
+                raise Reply(Result.CRC_MISMATCH, why="payload CRC does not match the header")
+            if forwarded:
+                self.counters.count_forward_fetch(h.rkey, h.length)
+            fan = None
+            async with lane.turn(t):
+                if lane.diverged and not (forwarded and h.flags & Flag.REPAIR):  # repair may fill a sealed one
+                    raise Reply(Result.DIVERGED, why=f"extent {h.extent} sealed: {lane.diverged}")
+                end = self._size(part, h.extent)     # in our turn, every earlier append has reached the store
+                if h.offset != end:
+                    raise Reply(Result.WRONG_OFFSET, arg=end,
+                                why=f"append at {h.offset} but extent {h.extent} ends at {end}")
+                try:
+                    if not forwarded and len(part.replicas) > 1:
+                        # the forward names our pool block: followers READ the payload from it, we copy nothing
+                        fan = await self.replication.submit(
+                            part, h.forwarded(addr=block.addr, rkey=self.region.rkey, rlen=h.length))
+                    size = await self._store(part.store.write, h.extent, h.offset, view, h.crc)
+                except BaseException as e:
+                    self.replication.seal(part, h.extent, lane, f"local write failed: {e}")
+                    if fan:
+                        await self.replication.wait(fan)   # the followers must be done with our block
+                    raise
+            if fan:
+                failed = await self.replication.wait(fan)
+                if failed:
+                    names = replica_names(part, failed)
+                    self.replication.seal(part, h.extent, lane, f"replica {names} failed a write")
+                    raise Reply(Result.REPLICATION_FAILED, arg=failed, why=f"replica {names} failed {h.describe()}")
+        finally:
+            self._free(block, holder)
+        if forwarded:
+            self.counters.replica_writes += 1
+        else:
+            self.counters.writes += 1
+        self.counters.write_bytes += h.length
+        return h.reply(Result.OK, arg=size, crc=h.crc)
+
+    async def op_read(self, conn, h: Header, _t) -> Header:
+        part = self._partition(h)        # the buffer holds h.length bytes: checked by decode
+        if not h.flags & Flag.ANY_REPLICA:
+            self._leader_of(part)
+        block = await self._alloc(h.length, conn)
+        try:
+            view = block.view(h.length)
+            crc = await self._store(part.store.read_into, h.extent, h.offset, h.length, view)
+            if h.length:
+                await self._write_remote(conn, view, h.remote.slice(0, h.length))  # one-sided WRITE
+        finally:
+            self._free(block, conn)
+        self.counters.reads += 1
+        self.counters.read_bytes += h.length
+        return h.reply(Result.OK, length=h.length, crc=crc, arg=self._size(part, h.extent))
+
+    async def op_create_extent(self, conn, h: Header, _t) -> Header:
+        part = self._partition(h)
+        if h.flags & Flag.FORWARDED:
+            if part.lane(h.extent) is not None and self._size(part, h.extent) == 0:
+                return h.reply(Result.OK, arg=h.extent)   # repair and a client's create raced: same result
+            eid = await self._store(part.store.create_extent, h.extent)
+            return h.reply(Result.OK, arg=eid)
+        self._leader_of(part)
+        eid = await self._store(part.store.create_extent, None)
+        failed = await self.replication.replicate(part, h.forwarded(extent=eid))
+        if failed:
+            # not on every replica: take it back (its tombstone makes repair delete it where it did land),
+            # so a client retrying against a dead follower does not leave an empty extent per try
+            await self._store(part.store.mark_delete, eid)
+            part.lanes.pop(eid, None)
+            raise Reply(Result.REPLICATION_FAILED, arg=failed,
+                        why=f"replica {replica_names(part, failed)} failed create (extent {eid} taken back)")
+        return dataclasses.replace(h.reply(Result.OK, arg=eid), extent=eid)
+
+    async def op_mark_delete(self, conn, h: Header, _t) -> Header:
+        part = self._partition(h)
+        if not h.flags & Flag.FORWARDED:
+            self._leader_of(part)
+            failed = await self.replication.replicate(part, h.forwarded())
+            if failed:
+                raise Reply(Result.REPLICATION_FAILED, arg=failed,
+                            why=f"replica {replica_names(part, failed)} failed delete")
+        await self._store(part.store.mark_delete, h.extent)
+        part.lanes.pop(h.extent, None)
+        return h.reply(Result.OK)
+
+    async def op_watermarks(self, conn, h: Header, _t) -> Header:
+        part = self._hosted(h)
+        return await self._push_json(conn, h, {str(k): v for k, v in part.store.watermarks().items()})
+
+    HANDLERS = {"PING": op_ping, "WRITE": op_write, "READ": op_read, "CREATE_EXTENT": op_create_extent,
+                "MARK_DELETE": op_mark_delete, "WATERMARKS": op_watermarks}

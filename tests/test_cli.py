@@ -1,0 +1,329 @@
+"""The command lines as a user meets them: real `dnctl` / `datanode` processes against real local clusters.
+
+No command shows a Python traceback (bad ranges, addresses without a port, a data_dir that cannot be made,
+a pool larger than memory); `cluster status/down` follow a node's real process (also one started by
+hand) and `cluster stop-node/start-node/restart-node` work; a put against a dead follower leaves no empty
+extent per attempt; `bench` leaves nothing behind; the README's commands run as written; --version,
+--json, print-config units, ./dev help; node status / partition list present what they should.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tools import cluster as cl
+from tools.cluster import free_port
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+BIN = pathlib.Path(sys.executable).parent
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+FAST = ["--replica-timeout", "2"]
+
+
+def dnctl(*args, check: bool = False, timeout: float = 120, input: bytes | None = None) -> subprocess.CompletedProcess:
+    p = subprocess.run([sys.executable, "-m", "tools.dnctl", *map(str, args)], cwd=REPO, env=ENV,
+                       capture_output=True, timeout=timeout, input=input)
+    p.out, p.err = p.stdout.decode(errors="replace"), p.stderr.decode(errors="replace")
+    if check and p.returncode != 0:
+        raise AssertionError(f"dnctl {' '.join(map(str, args))} -> {p.returncode}\n{p.out}\n{p.err}")
+    return p
+
+
+def refused(p: subprocess.CompletedProcess, *words: str) -> None:
+    """A clean refusal: nonzero exit, no traceback, one error naming ``words``."""
+    assert p.returncode != 0, p.out
+    assert "Traceback" not in p.err and "Traceback" not in p.out, p.err
+    assert "Error:" in p.err, p.err
+    for w in words:
+        assert w in p.err, (w, p.err)
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    """A 3-node local cluster made by `dnctl cluster up`, with one small file in partition 1."""
+    root = tmp_path_factory.mktemp("cli") / "c"
+    dnctl("cluster", "up", "--nodes", 3, "--cluster", root, *FAST, check=True)
+    info = json.loads((root / "cluster.json").read_text())
+    src = root.parent / "f.bin"
+    src.write_bytes(os.urandom(1000))
+    put = json.loads(dnctl("put", "--cluster", root, "--partition", 1, src, "--json", check=True).out)
+    yield {"root": root, "addrs": [n["addr"] for n in info["nodes"]], "extent": put["locations"][0]["extent"],
+           "data": src.read_bytes()}
+    dnctl("cluster", "down", "--cluster", root, "--timeout", 10)
+
+
+# -- no traceback, the reason named ------------------------------------------------------------------
+@pytest.mark.parametrize("args, words", [
+    (["--offset", "-5"], ["--offset", "-5"]),
+    (["--length", "-1"], ["--length", "-1"]),
+    (["--offset", "5000"], ["5000", "past the end", "1000 bytes"]),
+    (["--offset", "990", "--length", "100"], ["990+100", "1000 bytes"]),
+])
+def test_get_bad_range_is_refused_once_with_reason(live, tmp_path, args, words):
+    p = dnctl("get", "--cluster", live["root"], "--partition", 1, "--extent", live["extent"], *args,
+              "--out", tmp_path / "o")
+    refused(p, *words)
+    assert "bad request" not in p.err
+    assert p.err.count("Error:") == 1
+
+
+def test_get_json_and_range(live, tmp_path):
+    out = tmp_path / "o"
+    p = dnctl("get", "--cluster", live["root"], "--partition", 1, "--extent", live["extent"], "--offset", 100,
+              "--out", out, "--json", check=True)
+    res = json.loads(p.out)
+    assert out.read_bytes() == live["data"][100:]
+    assert res["length"] == 900 and res["offset"] == 100 and res["extent"] == live["extent"]
+    p = dnctl("get", "--cluster", live["root"], "--partition", 1, "--extent", live["extent"], "--offset", 1000,
+              "--out", out, check=True)
+    assert out.read_bytes() == b""
+
+
+@pytest.mark.parametrize("cmd", [["node", "status"], ["pool", "stats"], ["partition", "list"],
+                                 ["partition", "show", "--id", "1"]])
+def test_address_without_port_is_a_usage_error(cmd):
+    p = dnctl(*cmd, "nothostport")
+    refused(p, "nothostport", "HOST:PORT")
+    assert p.returncode == 2
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda tmp: "/proc/no-such-dir/data", ["data_dir", "/proc/no-such-dir/data"]),
+    (lambda tmp: (tmp / "file").write_text("x") and str(tmp / "file"), ["data_dir", "not a directory"]),
+])
+def test_serve_refuses_a_data_dir_it_cannot_use(tmp_path, make, words):
+    d = make(tmp_path)
+    p = subprocess.run([str(BIN / "datanode"), "serve", "--listen", f"127.0.0.1:{free_port()}", "--data-dir", d],
+                       capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
+    for w in words:
+        assert w in p.stderr, p.stderr
+
+
+def test_serve_refuses_a_pool_beyond_available_memory(tmp_path):
+    avail = int(next(ln.split()[1] for ln in open("/proc/meminfo") if ln.startswith("MemAvailable:"))) * 1024
+    if avail >= 64 << 30:
+        pytest.skip("this machine has 64 GiB available: pool_mib's maximum fits")
+    p = subprocess.run([str(BIN / "datanode"), "serve", "--listen", f"127.0.0.1:{free_port()}", "--data-dir",
+                        str(tmp_path / "d"), "--pool-mib", "65536"], capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
+    assert "pool_mib" in p.stderr and "available" in p.stderr, p.stderr
+
+
+def test_version_print_config_and_dev_help():
+    for exe in ("dnctl", "datanode"):
+        p = subprocess.run([str(BIN / exe), "--version"], capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0 and re.search(r"version \d+\.\d+", p.stdout), p.stdout + p.stderr
+    p = subprocess.run([str(BIN / "datanode"), "print-config"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    from datanode import config
+    import dataclasses
+    import tomllib
+    keys = {f.name for f in dataclasses.fields(config.Config)}
+    lines = [ln for ln in p.stdout.splitlines() if ln.strip()]
+    assert {ln.split("=")[0].strip() for ln in lines} == keys
+    for ln in lines:     # key = value   # [unit] one-line description
+        m = re.fullmatch(r"\S+ = .*?\s+# \[([^\]]+)\] (\S.{8,})", ln)
+        assert m, ln
+    assert set(tomllib.loads(p.stdout)) == keys     # still valid TOML: usable as node.toml
+    p = subprocess.run(["./dev"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "usage: ./dev" in p.stdout and "./dev test" in p.stdout, p.stdout + p.stderr
+    assert p.stderr == ""
+    p = subprocess.run(["bash", "-c", 'eval "$(sed -n "/^pick_python()/,/^}/p" dev)"; pick_python'], cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+
+
+# -- presentation -------------------------------------------------------------------------------------
+def test_node_status_and_partition_list_present_transport_units_health(live):
+    a = live["addrs"][0]
+    p = dnctl("node", "status", a, check=True)
+    conns = [ln for ln in p.out.splitlines() if ln.startswith("  127.0.0.1:")]
+    assert conns and all(" tcp " in ln for ln in conns), p.out
+    assert re.search(r"\d+(\.\d)? (B|KiB|MiB|GiB)", p.out), p.out
+    raw = json.loads(dnctl("node", "status", a, "--json", check=True).out)
+    assert isinstance(raw["uptime_s"], (int, float)) and all(c["transport"] == "tcp" for c in raw["connections"])
+    assert isinstance(raw["pool"]["arena_bytes"], int)
+    p = dnctl("partition", "list", a, check=True)
+    row = next(ln for ln in p.out.splitlines() if ln.split()[0] == "1")
+    assert "leader" in row and "healthy" in row and live["addrs"][1] in row, p.out
+    p = dnctl("partition", "show", "--id", 1, a, check=True)
+    assert "follower health:" in p.out and "healthy" in p.out and "state read-write" in p.out, p.out
+
+
+def test_scrub_and_repair_show_progress_while_waiting(live):
+    p = dnctl("partition", "scrub", "--id", 1, "--cluster", live["root"], check=True)
+    assert re.search(r"^scrub ", p.err, re.M), p.err
+    assert "scrub: idle" in p.out, p.out
+    p = dnctl("replica", "repair", "--id", 1, "--cluster", live["root"], check=True)
+    assert re.search(r"^(repair |\S+ repairing )", p.err, re.M), p.err
+    p = dnctl("replica", "repair", "--id", 1, "--cluster", live["root"], "--quiet", "--json", check=True)
+    assert p.err == "" and json.loads(p.out)["repair"]["passes"] >= 2
+
+
+# -- local cluster processes ---------------------------------------------------------------------------
+def _pid_gone(pid: int, timeout: float = 30) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not cl.pid_alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_cluster_follows_real_process_and_restarts_one_node(tmp_path):
+    root = tmp_path / "c"
+    dnctl("cluster", "up", "--nodes", 2, "--dir", root, *FAST, check=True)     # --dir: the old spelling
+    try:
+        info = json.loads((root / "cluster.json").read_text())
+        a, b = (n["addr"] for n in info["nodes"])
+        old_b = info["nodes"][1]["pid"]
+        src = tmp_path / "f"
+        src.write_bytes(os.urandom(300_000))
+        loc = json.loads(dnctl("put", "--cluster", root, "--partition", 1, src, "--json", check=True).out)
+        eid = loc["locations"][0]["extent"]
+
+        # restart-node: a new process on the same address, data kept
+        r = json.loads(dnctl("cluster", "restart-node", b, "--cluster", root, "--json", check=True).out)
+        assert r["stopped"]["result"] == "stopped" and r["pid"] != old_b and _pid_gone(old_b)
+        got = tmp_path / "g"
+        dnctl("get", "--cluster", root, "--partition", 1, "--extent", eid, "--replica", b, "--out", got, check=True)
+        assert got.read_bytes() == src.read_bytes()
+
+        # stop-node, then start it BY HAND: status reports the hand-started pid, down stops it
+        st = json.loads(dnctl("cluster", "stop-node", b, "--cluster", root, "--json", check=True).out)
+        assert st["result"] == "stopped"
+        s = json.loads(dnctl("cluster", "status", "--cluster", root, "--json").out)
+        assert [n["health"] for n in s["nodes"]] == ["up", "down"]
+        hand = subprocess.Popen([str(BIN / "datanode"), "serve", "--config", str(root / "node2" / "node.toml")],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            cl.wait_listening(b, proc=hand)
+            s = json.loads(dnctl("cluster", "status", "--cluster", root, "--json", check=True).out)
+            nb = s["nodes"][1]
+            assert nb["health"] == "up" and nb["pid"] == hand.pid, nb
+            p = dnctl("cluster", "start-node", b, "--cluster", root)
+            refused(p, "already running", str(hand.pid))
+            down = json.loads(dnctl("cluster", "down", "--cluster", root, "--json", check=True).out)
+            assert [d["result"] for d in down] == ["stopped", "stopped"], down
+            assert hand.wait(timeout=30) is not None
+        finally:
+            if hand.poll() is None:
+                hand.kill()
+                hand.wait()
+        s = json.loads(dnctl("cluster", "status", "--cluster", root, "--json").out)
+        assert [n["health"] for n in s["nodes"]] == ["down", "down"]
+        # start-node brings one back; the other stays down
+        r = json.loads(dnctl("cluster", "start-node", a, "--cluster", root, "--json", check=True).out)
+        assert r["result"] == "started" and cl.pid_alive(r["pid"])
+        s = json.loads(dnctl("cluster", "status", "--cluster", root, "--json").out)
+        assert [n["health"] for n in s["nodes"]] == ["up", "down"]
+    finally:
+        dnctl("cluster", "down", "--cluster", root, "--timeout", 10)
+
+
+def test_put_with_dead_follower_leaks_no_extent_and_partition_is_degraded(tmp_path):
+    root = tmp_path / "c"
+    dnctl("cluster", "up", "--nodes", 3, "--cluster", root, *FAST, check=True)
+    try:
+        a, _, c = (n["addr"] for n in json.loads((root / "cluster.json").read_text())["nodes"])
+        src = tmp_path / "f"
+        src.write_bytes(os.urandom(5000))
+        dnctl("put", "--cluster", root, "--partition", 1, src, check=True)
+        dnctl("cluster", "stop-node", c, "--cluster", root, check=True)
+
+        def leader_view():
+            return next(p for p in json.loads(dnctl("partition", "list", a, "--json", check=True).out)
+                        if p["id"] == 1)
+        deadline = time.monotonic() + 30
+        while (leader_view().get("health") or {}).get("followers", {}).get(c) != "unreachable":
+            assert time.monotonic() < deadline, "the leader never noticed the dead follower"
+            time.sleep(0.2)
+        before = leader_view()["extents"]
+        for _ in range(3):
+            p = dnctl("put", "--cluster", root, "--partition", 1, src)
+            refused(p, c)
+        assert leader_view()["extents"] == before
+        p = dnctl("partition", "show", "--id", 1, a, check=True)
+        assert "state degraded" in p.out and f"{c} unreachable" in p.out, p.out
+        # the follower back: writes work again
+        dnctl("cluster", "start-node", c, "--cluster", root, check=True)
+        deadline = time.monotonic() + 30
+        while True:
+            p = dnctl("put", "--cluster", root, "--partition", 1, src)
+            if p.returncode == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert p.returncode == 0, p.err
+    finally:
+        dnctl("cluster", "down", "--cluster", root, "--timeout", 10)
+
+
+def test_bench_uses_a_scratch_partition_and_leaves_nothing(tmp_path):
+    root = tmp_path / "c"
+    dnctl("cluster", "up", "--nodes", 2, "--cluster", root, *FAST, check=True)
+    try:
+        a = json.loads((root / "cluster.json").read_text())["nodes"][0]["addr"]
+        before = json.loads(dnctl("partition", "list", a, "--json", check=True).out)
+        p = dnctl("bench", "--cluster", root, "--size", "64KiB", "--total-mib", 4, "--json", timeout=300)
+        assert p.returncode == 0, p.out + p.err
+        res = json.loads(p.out)
+        assert {r["phase"] for r in res["results"]} == {"write", "read"}
+        assert all(r["bytes"] >= 4 << 20 and r["partition"] != 1 for r in res["results"])
+        after = json.loads(dnctl("partition", "list", a, "--json", check=True).out)
+        assert [(q["id"], q["extents"], q["bytes"]) for q in after] == [(q["id"], q["extents"], q["bytes"])
+                                                                        for q in before]
+        assert not list(root.glob("bench-worker*")), list(root.iterdir())
+    finally:
+        dnctl("cluster", "down", "--cluster", root, "--timeout", 10)
+
+
+# -- the README, as written ------------------------------------------------------------------------------
+def _readme_block(title: str) -> list[str]:
+    text = (REPO / "README.md").read_text()
+    sec = text[text.index(f"## {title}"):]
+    block = sec[sec.index("```sh\n") + 6:]
+    block = block[:block.index("```")]
+    return [ln for ln in block.splitlines() if ln.strip()]
+
+
+def test_readme_using_it_runs_as_written(tmp_path):
+    lines = _readme_block("Using it")
+    assert all(ln.startswith(".venv/bin/") for ln in lines), lines
+    for _ in range(50):
+        base = free_port()
+        if base + 2 < 65536 and all(cl.port_free("127.0.0.1", base + i) for i in range(3)):
+            break
+    root = tmp_path / "dn"
+    ports = {str(17310 + i): str(base + i) for i in range(3)}
+    try:
+        for ln in lines:
+            cmd = ln.split("  #")[0].strip()
+            cmd = cmd.replace("/tmp/dn", str(root)).replace(".venv/bin/", f"{BIN}/")
+            cmd = re.sub(r"1731[0-2]", lambda m: ports[m.group(0)], cmd)
+            p = subprocess.run(["bash", "-c", cmd], cwd=REPO, capture_output=True, timeout=300)
+            err = p.stderr.decode(errors="replace")
+            assert p.returncode == 0 and "Traceback" not in err, f"{ln}\n-> {p.returncode}\n{err}"
+    finally:
+        if (root / "cluster.json").exists():
+            dnctl("cluster", "down", "--cluster", root, "--timeout", 10)
+    assert not list(root.glob("bench-worker*"))
+    assert (root / "copy").read_bytes() == (REPO / "README.md").read_bytes()
+
+
+def test_readme_commands_name_the_venv():
+    """Every dnctl/datanode/python command in the README is spelled with .venv/bin/ (or after activate)."""
+    text = (REPO / "README.md").read_text()
+    for block in re.findall(r"```sh\n(.*?)```", text, re.S):
+        for ln in block.replace("\\\n", " ").splitlines():         # a command continued with \ is one line
+            first = shlex.split(ln, comments=True)[:1]
+            if first and first[0] in ("dnctl", "datanode", "python", "python3"):
+                raise AssertionError(f"README runs {first[0]} without .venv/bin/: {ln}")

@@ -1,0 +1,452 @@
+"""dnfs against a real kernel FUSE mount on a real 3-node local cluster (TCP).
+
+One cluster serves the module; every test mounts it afresh (its own SQLite metadata, its own mount point)
+through the real CLI (`dnfs mount` / `dnfs umount` / `dnfs fsck`)."""
+from __future__ import annotations
+
+import ctypes
+import errno
+import io
+import os
+import pathlib
+import signal
+import sqlite3
+import subprocess
+import sys
+import tarfile
+import time
+
+import pytest
+import trio
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from client.sdk import DataClient
+from tests.conftest import NODE_DEFAULTS, REPO, create_partition, pattern
+from tools.cluster import NodeProc, free_port
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
+
+
+def dnfs(*args, check=True, timeout=120):
+    r = subprocess.run([sys.executable, "-m", "client.fs.cli", *map(str, args)], cwd=REPO, capture_output=True,
+                       text=True, timeout=timeout)
+    if check and r.returncode != 0:
+        raise AssertionError(f"dnfs {' '.join(map(str, args))} failed ({r.returncode}): {r.stdout}{r.stderr}")
+    return r
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dnfs-cluster")
+    procs = [NodeProc(root / f"node{i}", f"127.0.0.1:{free_port()}", **NODE_DEFAULTS) for i in range(3)]
+    try:
+        for p in procs:
+            p.start()
+        addrs = [p.addr for p in procs]
+
+        async def mkpart():
+            async with DataClient.open(timeout=10) as dc:
+                await create_partition(dc, 1, addrs)
+        trio.run(mkpart)
+        yield addrs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+class Mount:
+    def __init__(self, addrs, tmp: pathlib.Path, meta: str | None = None, name: str = "mnt"):
+        self.addrs, self.tmp = addrs, tmp
+        self.path = tmp / name
+        self.path.mkdir()
+        self.db = tmp / "meta.db"
+        self.meta = meta or f"sqlite:{self.db}"
+        self.pid = None
+
+    @property
+    def node_args(self):
+        return [a for addr in self.addrs for a in ("--node", addr)]
+
+    def mount(self, *extra):
+        r = dnfs("mount", *self.node_args, "--meta", self.meta, "--json", "--timeout", "15", "--log",
+                 self.tmp / f"{self.path.name}.log", *extra, self.path)
+        import json
+        self.pid = json.loads(r.stdout)["pid"]
+        return self
+
+    def umount(self):
+        dnfs("umount", self.path)
+        self.pid = None
+
+    def fsck(self, *extra, check=True):
+        return dnfs("fsck", *self.node_args, "--meta", self.meta, *extra, check=check)
+
+    def cleanup(self):
+        if self.pid is not None:
+            r = dnfs("umount", self.path, check=False)
+            if r.returncode != 0:
+                subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)
+                try:
+                    os.kill(self.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                raise AssertionError(f"umount failed: {r.stderr}")
+
+    def file_extents(self, name: str) -> set[tuple[int, int]]:
+        db = sqlite3.connect(f"file:{self.db}?mode=ro", uri=True)
+        try:
+            ino = db.execute("SELECT ino FROM dentries WHERE parent=1 AND name=?", (name.encode(),)).fetchone()[0]
+            return {tuple(r) for r in db.execute("SELECT pid, extent FROM slices WHERE ino=?", (ino,))}
+        finally:
+            db.close()
+
+
+@pytest.fixture
+def mnt(cluster, tmp_path):
+    m = Mount(cluster, tmp_path).mount()
+    yield m
+    m.cleanup()
+
+
+def watermarks(addrs) -> dict[int, int]:
+    async def go():
+        async with DataClient.open(addrs, timeout=10) as dc:
+            return await dc.watermarks(1)
+    return trio.run(go)
+
+
+# ------------------------------------------------------------------------------------------- data
+SIZES = [0, 1, 4095, 4096, 131071, 131072, 131073, (1 << 20) + 1, 33 << 20]
+
+
+def test_round_trips_cp_and_python(mnt, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for n in SIZES:
+        data = pattern(n, n)
+        (src / f"f{n}").write_bytes(data)
+        subprocess.run(["cp", str(src / f"f{n}"), str(mnt.path / f"cp{n}")], check=True)
+        subprocess.run(["cmp", str(src / f"f{n}"), str(mnt.path / f"cp{n}")], check=True)
+        with open(mnt.path / f"py{n}", "wb") as f:
+            f.write(data)
+        assert (mnt.path / f"py{n}").read_bytes() == data
+        assert os.stat(mnt.path / f"py{n}").st_size == n
+    mnt.umount()                                  # and after a remount, from the metadata and the datanodes
+    mnt.mount()
+    for n in SIZES:
+        assert (mnt.path / f"cp{n}").read_bytes() == pattern(n, n), n
+    names = sorted(os.listdir(mnt.path))
+    assert names == sorted([f"cp{n}" for n in SIZES] + [f"py{n}" for n in SIZES])
+
+
+def test_large_file_100mib(mnt, tmp_path):
+    data = pattern(7, 100 << 20)
+    (tmp_path / "big").write_bytes(data)
+    subprocess.run(["cp", str(tmp_path / "big"), str(mnt.path / "big")], check=True)
+    subprocess.run(["sync", "-f", str(mnt.path / "big")], check=True)
+    mnt.umount()
+    mnt.mount()
+    subprocess.run(["cmp", str(tmp_path / "big"), str(mnt.path / "big")], check=True)
+
+
+def test_overwrite_append_truncate_holes(mnt):
+    p = mnt.path / "f"
+    base = pattern(1, 3 << 20)
+    p.write_bytes(base)
+    with open(p, "r+b") as f:                     # overwrite in the middle, across a block boundary
+        f.seek((1 << 20) - 10)
+        f.write(b"M" * 100)
+    model = bytearray(base)
+    model[(1 << 20) - 10:(1 << 20) + 90] = b"M" * 100
+    assert p.read_bytes() == model
+    with open(p, "ab") as f:                      # append after the overwrite
+        f.write(b"tail")
+    model += b"tail"
+    assert p.read_bytes() == model
+    os.truncate(p, 1000)                          # down ...
+    assert p.read_bytes() == model[:1000]
+    os.truncate(p, 5000)                          # ... and up: the new bytes are zeros
+    assert p.read_bytes() == model[:1000] + bytes(4000)
+    with open(p, "r+b") as f:                     # a write past EOF leaves a hole
+        f.seek(10 << 20)
+        f.write(b"after the hole")
+    got = p.read_bytes()
+    assert len(got) == (10 << 20) + 14
+    assert got[:5000] == model[:1000] + bytes(4000) and got[5000:10 << 20] == bytes((10 << 20) - 5000)
+    assert got[10 << 20:] == b"after the hole"
+    mnt.umount()
+    mnt.mount()
+    assert p.read_bytes() == got
+    mnt.umount()
+    assert "clean" in mnt.fsck().stdout
+    mnt.mount()
+
+
+class RandomWrites(RuleBasedStateMachine):
+    """Random writes, truncates, reopens and fsyncs on one file in the mount vs. a bytearray."""
+    path: pathlib.Path
+
+    @initialize()
+    def start(self):
+        self.model = bytearray()
+        self.f = open(self.path, "w+b", buffering=0)
+
+    @rule(off=st.integers(0, 600_000), n=st.integers(1, 200_000), seed=st.integers(0, 1 << 16))
+    def write(self, off, n, seed):
+        data = pattern(seed, n)
+        self.f.seek(off)
+        self.f.write(data)
+        if off > len(self.model):
+            self.model += bytes(off - len(self.model))
+        self.model[off:off + n] = data
+
+    @rule(size=st.integers(0, 700_000))
+    def truncate(self, size):
+        self.f.truncate(size)
+        if size < len(self.model):
+            del self.model[size:]
+        else:
+            self.model += bytes(size - len(self.model))
+
+    @rule()
+    def fsync(self):
+        os.fsync(self.f.fileno())
+
+    @rule()
+    def reopen(self):
+        self.f.close()
+        self.f = open(self.path, "r+b", buffering=0)
+
+    @precondition(lambda self: len(self.model) > 0)
+    @rule(data=st.data())
+    def read_range(self, data):
+        off = data.draw(st.integers(0, len(self.model) - 1))
+        n = data.draw(st.integers(1, 300_000))
+        self.f.seek(off)
+        assert self.f.read(n) == bytes(self.model[off:off + n])
+
+    @invariant()
+    def size(self):
+        if hasattr(self, "f"):
+            assert os.fstat(self.f.fileno()).st_size == len(self.model)
+
+    def teardown(self):
+        if hasattr(self, "f"):
+            self.f.close()
+            assert self.path.read_bytes() == bytes(self.model)
+
+
+def test_random_writes_against_a_model(mnt):
+    RandomWrites.path = mnt.path / "random"
+    RandomWrites.TestCase.settings = settings(max_examples=12, stateful_step_count=25, deadline=None,
+                                              suppress_health_check=list(HealthCheck))
+    RandomWrites.TestCase().runTest()
+    mnt.umount()
+    assert "clean" in mnt.fsck().stdout
+    mnt.mount()
+
+
+# ------------------------------------------------------------------------------------------- names
+def renameat2(src, dst, flags):
+    libc = ctypes.CDLL(None, use_errno=True)
+    AT_FDCWD = -100
+    if libc.renameat2(AT_FDCWD, os.fsencode(src), AT_FDCWD, os.fsencode(dst), flags) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+
+
+def test_directories_and_renames(mnt):
+    m = mnt.path
+    (m / "a" / "b" / "c").mkdir(parents=True)
+    (m / "a" / "b" / "c" / "f").write_bytes(b"one")
+    with pytest.raises(OSError) as e:
+        os.rmdir(m / "a" / "b")
+    assert e.value.errno == errno.ENOTEMPTY
+    (m / "a" / "g").write_bytes(b"two")
+    os.rename(m / "a" / "b" / "c" / "f", m / "a" / "g")            # over an existing file
+    assert (m / "a" / "g").read_bytes() == b"one" and not (m / "a" / "b" / "c" / "f").exists()
+    os.rename(m / "a" / "g", m / "top")                             # across directories
+    assert (m / "top").read_bytes() == b"one"
+    (m / "other").write_bytes(b"three")
+    with pytest.raises(OSError) as e:
+        renameat2(m / "other", m / "top", 1)                        # RENAME_NOREPLACE
+    assert e.value.errno == errno.EEXIST
+    renameat2(m / "other", m / "top", 2)                            # RENAME_EXCHANGE
+    assert (m / "top").read_bytes() == b"three" and (m / "other").read_bytes() == b"one"
+    os.rename(m / "a" / "b", m / "moved")                           # a directory to another parent
+    assert (m / "moved" / "c").is_dir() and os.stat(m / "a").st_nlink == 2
+    os.rmdir(m / "moved" / "c")
+    os.rmdir(m / "moved")
+    with pytest.raises(OSError) as e:
+        (m / ("x" * 256)).write_bytes(b"")
+    assert e.value.errno == errno.ENAMETOOLONG
+    os.link(m / "top", m / "hard")
+    assert os.stat(m / "top").st_nlink == 2 and (m / "hard").read_bytes() == b"three"
+    os.symlink("top", m / "sym")
+    assert os.readlink(m / "sym") == "top" and (m / "sym").read_bytes() == b"three"
+    os.chmod(m / "top", 0o600)
+    os.utime(m / "top", ns=(1_000_000_000, 2_000_000_000))
+    s = os.stat(m / "top")
+    assert s.st_mode & 0o777 == 0o600 and s.st_mtime_ns == 2_000_000_000
+    os.setxattr(m / "top", "user.k", b"v")
+    assert os.getxattr(m / "top", "user.k") == b"v" and "user.k" in os.listxattr(m / "top")
+    assert os.statvfs(m).f_bavail > 0
+    mnt.umount()
+    assert "clean" in mnt.fsck().stdout
+    mnt.mount()
+    assert (m / "hard").read_bytes() == b"three" and os.readlink(m / "sym") == "top"
+
+
+def test_readdir_many_entries(mnt):
+    n = 10_000
+    d = mnt.path / "many"
+    d.mkdir()
+    for i in range(n):
+        os.close(os.open(d / f"entry-{i:05d}", os.O_CREAT | os.O_WRONLY, 0o644))
+    assert sorted(os.listdir(d)) == [f"entry-{i:05d}" for i in range(n)]
+
+
+def test_unlink_open_file_then_extents_freed(mnt):
+    p = mnt.path / "doomed"
+    data = pattern(3, 20 << 20)
+    p.write_bytes(data)
+    extents = mnt.file_extents("doomed")
+    assert extents
+    with open(p, "rb") as f:
+        os.unlink(p)
+        assert not p.exists()
+        assert f.read() == data                   # still readable through its handle
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        marks = watermarks(mnt.addrs)
+        if not any(e in marks for _, e in extents):
+            break
+        time.sleep(0.5)
+    assert not any(e in marks for _, e in extents), f"extents {extents} still on the datanodes"
+    mnt.umount()
+    assert "clean" in mnt.fsck().stdout
+    mnt.mount()
+
+
+def test_second_mount_on_same_metadata_is_refused(mnt, tmp_path):
+    other = tmp_path / "mnt2"
+    other.mkdir()
+    r = dnfs("mount", *mnt.node_args, "--meta", f"sqlite:{mnt.db}", other, check=False)
+    assert r.returncode != 0 and "in use" in r.stderr and "Traceback" not in r.stderr
+
+
+# ------------------------------------------------------------------------------------------- crashes
+def test_kill9_mid_write_then_remount(mnt):
+    p = mnt.path / "log"
+    synced = pattern(5, 6 << 20)
+    tmp = os.open(mnt.path / "tmpfile", os.O_CREAT | os.O_RDWR, 0o644)   # unlinked but open at the crash
+    os.write(tmp, pattern(9, 2 << 20))
+    os.fsync(tmp)
+    os.unlink(mnt.path / "tmpfile")
+    fd = os.open(p, os.O_CREAT | os.O_WRONLY, 0o644)
+    os.write(fd, synced)
+    os.fsync(fd)
+    for i in range(24):                           # not fsynced (background flushes in flight): may be lost,
+        os.write(fd, pattern(6 + i, 1 << 20))     # must not corrupt what was
+    os.kill(mnt.pid, signal.SIGKILL)
+    time.sleep(0.5)
+    for f in (fd, tmp):
+        try:
+            os.close(f)                           # the mount is gone
+        except OSError:
+            pass
+    mnt.umount()                                  # clears the dead mount
+    r = mnt.fsck("--no-crc", check=False)         # the inode unlinked while open is left over ...
+    assert r.returncode == 1 and "orphan_inode" in r.stdout, r.stdout
+    r = mnt.fsck("--repair")                      # ... and removed by --repair
+    assert "repaired: kind=orphan_inode" in r.stdout and "clean" in r.stdout.splitlines()[-1], r.stdout
+    mnt.mount()
+    got = p.read_bytes()
+    assert got[:len(synced)] == synced
+    mnt.umount()
+    r = mnt.fsck()
+    assert "clean" in r.stdout, r.stdout
+    mnt.mount()
+
+
+def test_fragmented_file_is_compacted_and_stays_intact(mnt):
+    p = mnt.path / "frag"
+    model = bytearray(pattern(12, 2 << 20))
+    p.write_bytes(model)
+    fd = os.open(p, os.O_RDWR)
+    for i in range(300):                          # 300 small overwrites, each its own slice
+        off = (i * 6151) % (len(model) - 100)
+        os.pwrite(fd, pattern(1000 + i, 100), off)
+        model[off:off + 100] = pattern(1000 + i, 100)
+        os.fsync(fd)
+    assert len(slice_rows(mnt, "frag")) > 256
+    os.close(fd)
+    deadline = time.monotonic() + 20              # compaction runs at the last close (in the background)
+    while len(slice_rows(mnt, "frag")) > 8 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(slice_rows(mnt, "frag")) <= 8
+    assert p.read_bytes() == model
+    mnt.umount()
+    assert "clean" in mnt.fsck().stdout
+    mnt.mount()
+    assert p.read_bytes() == model
+
+
+def slice_rows(mnt, name):
+    db = sqlite3.connect(f"file:{mnt.db}?mode=ro", uri=True)
+    try:
+        ino = db.execute("SELECT ino FROM dentries WHERE parent=1 AND name=?", (name.encode(),)).fetchone()[0]
+        return db.execute("SELECT off, len FROM slices WHERE ino=?", (ino,)).fetchall()
+    finally:
+        db.close()
+
+
+def test_fsck_reports_data_lost_on_the_datanodes(mnt):
+    (mnt.path / "victim").write_bytes(pattern(11, 3 << 20))
+    (mnt.path / "bystander").write_bytes(b"")
+    extents = mnt.file_extents("victim")
+    mnt.umount()
+    assert "clean" in mnt.fsck().stdout
+
+    async def drop():
+        async with DataClient.open(mnt.addrs, timeout=10) as dc:
+            for pid, extent in extents:
+                await dc.delete_extent(pid, extent)
+    trio.run(drop)
+    for extra in ((), ("--repair",)):             # reported, never silently dropped (not even by --repair)
+        r = mnt.fsck(*extra, check=False)
+        assert r.returncode == 1 and "missing_extent" in r.stdout and "Traceback" not in r.stderr, r.stdout
+    mnt.mount()
+    with pytest.raises(OSError) as e:             # reading it is an I/O error, not zeros
+        (mnt.path / "victim").read_bytes()
+    assert e.value.errno == errno.EIO
+
+
+# ------------------------------------------------------------------------------------------- tools
+@pytest.mark.slow
+def test_tar_and_git_inside_the_mount(mnt, tmp_path):
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as t:
+        for i in range(2000):
+            data = pattern(i, i % 3000)
+            info = tarfile.TarInfo(f"tree/d{i % 40:02d}/f{i:04d}.txt")
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+    (tmp_path / "t.tar").write_bytes(buf.getvalue())
+    subprocess.run(["tar", "xf", str(tmp_path / "t.tar"), "-C", str(mnt.path)], check=True)
+    for i in range(0, 2000, 97):
+        assert (mnt.path / f"tree/d{i % 40:02d}/f{i:04d}.txt").read_bytes() == pattern(i, i % 3000)
+    assert sum(len(os.listdir(mnt.path / "tree" / d)) for d in os.listdir(mnt.path / "tree")) == 2000
+    repo = mnt.path / "repo"
+    repo.mkdir()
+    for i in range(50):
+        (repo / f"file{i}.txt").write_text(f"line {i}\n" * (i + 1))
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.com",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.com"}
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-q", "-m", "in the mount"],
+                ["git", "fsck", "--no-progress"]):
+        subprocess.run(cmd, cwd=repo, check=True, env=env, capture_output=True)
+    r = subprocess.run(["git", "log", "--oneline"], cwd=repo, check=True, env=env, capture_output=True, text=True)
+    assert "in the mount" in r.stdout

@@ -1,0 +1,74 @@
+"""The SQLite metadata engine on a real database file: tree operations, slices (newer wins), the deletion
+queue, the one-mount lock."""
+from __future__ import annotations
+
+import errno
+import stat
+
+import pytest
+import trio
+
+from client.fs.meta import ROOT, MetaBusy, MetaError, Slice
+from client.fs.meta_sqlite import SqliteMeta
+
+FILE = stat.S_IFREG | 0o644
+DIR = stat.S_IFDIR | 0o755
+
+
+def sl(off, length, extent, ext_off=0):
+    return Slice(off, length, 1, extent, ext_off, ext_off, length, 0)
+
+
+def test_tree_slices_and_queue(tmp_path):
+    async def main():
+        m = SqliteMeta(str(tmp_path / "m.db"))
+        d = await m.create(ROOT, b"d", DIR, 0, 0)
+        f = await m.create(d.ino, b"f", FILE, 0, 0)
+        assert (await m.lookup(d.ino, b"f")).ino == f.ino
+        assert (await m.getattr(ROOT)).nlink == 3
+        with pytest.raises(MetaError) as e:
+            await m.create(d.ino, b"f", FILE, 0, 0)
+        assert e.value.errno == errno.EEXIST
+        with pytest.raises(MetaError) as e:
+            await m.create(d.ino, b"x" * 256, FILE, 0, 0)
+        assert e.value.errno == errno.ENAMETOOLONG
+        with pytest.raises(MetaError) as e:
+            await m.rmdir(ROOT, b"d")
+        assert e.value.errno == errno.ENOTEMPTY
+
+        await m.commit(f.ino, [sl(0, 100, 1)], 100, 1)
+        await m.commit(f.ino, [sl(40, 20, 2)], 60, 2)      # overwrite the middle: 3 pieces
+        got = await m.slices(f.ino)
+        assert [(s.off, s.length, s.extent, s.ext_off) for s in got] == [(0, 40, 1, 0), (40, 20, 2, 0),
+                                                                         (60, 40, 1, 60)]
+        assert (await m.getattr(f.ino)).size == 100
+        await m.commit(f.ino, [sl(0, 100, 3)], 100, 3)     # covers everything: extents 1, 2 unreferenced
+        assert not await m.referenced(1, 1) and not await m.referenced(1, 2)
+        assert {e for _, e in await m.queued(10)} >= {1, 2}
+        await m.truncate(f.ino, 10, 4)
+        assert [(s.off, s.length) for s in await m.slices(f.ino)] == [(0, 10)]
+        await m.truncate(f.ino, 1000, 5)
+        assert (await m.getattr(f.ino)).size == 1000
+
+        g = await m.create(ROOT, b"g", FILE, 0, 0)
+        assert await m.rename(d.ino, b"f", ROOT, b"g") is not None    # replaces g (now unlinked)
+        assert (await m.getattr(g.ino)).nlink == 0
+        await m.remove(g.ino)
+        with pytest.raises(MetaError) as e:
+            await m.rename(ROOT, b"g", ROOT, b"d", noreplace=True)
+        assert e.value.errno == errno.EEXIST
+        a = await m.unlink(ROOT, b"g")
+        assert a.nlink == 0 and await m.orphans() == [f.ino]
+        await m.remove(f.ino)
+        assert not await m.referenced(1, 3)
+        assert await m.check() == []
+        await m.close()
+    trio.run(main)
+
+
+def test_second_open_is_refused(tmp_path):
+    m = SqliteMeta(str(tmp_path / "m.db"))
+    with pytest.raises(MetaBusy, match="in use"):
+        SqliteMeta(str(tmp_path / "m.db"))
+    trio.run(m.close)
+    SqliteMeta(str(tmp_path / "m.db"))

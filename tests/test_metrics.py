@@ -1,0 +1,95 @@
+"""Prometheus /metrics of a live node moves when data moves; the SDK's families can be registered."""
+from __future__ import annotations
+
+import urllib.request
+
+import trio
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import create_partition, open_client, pattern
+from tools.cluster import free_port
+
+PID = 3
+MiB = 1 << 20
+
+
+def scrape(addr: str) -> dict:
+    """{(name, frozenset(labels)): value} of every sample."""
+    with urllib.request.urlopen(f"http://{addr}/metrics", timeout=10) as r:
+        assert r.status == 200
+        text = r.read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def test_metrics_move_when_data_moves(nodes):
+    maddrs = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    a, b = nodes(1, metrics_listen=maddrs[0]) + nodes(1, metrics_listen=maddrs[1])
+    data = pattern(5, 3 * MiB)
+
+    before = scrape(maddrs[0])
+    assert value(before, "datanode_partitions") == 0
+    assert value(before, "datanode_disk_total_bytes") > 0 and value(before, "datanode_disk_free_bytes") > 0
+    assert value(before, "datanode_pool_bytes") == 64 * MiB
+
+    async def body():
+        async with open_client("tcp", []) as dc:
+            await create_partition(dc, PID, [a.addr, b.addr])
+            locs = await dc.write(PID, data)
+            got = b"".join([await dc.read_location(loc) for loc in locs])
+            assert got == data
+            registry = CollectorRegistry()
+            registry.register(dc.metrics)
+            client_text = generate_latest(registry).decode()
+            return client_text
+
+    client_text = trio.run(body)
+    after = scrape(maddrs[0])
+    follower = scrape(maddrs[1])
+    ok_writes = value(after, "datanode_requests_total", op="WRITE", result="OK")
+    assert ok_writes >= 1 and value(before, "datanode_requests_total", op="WRITE", result="OK") == 0
+    assert value(after, "datanode_request_payload_bytes_total", op="WRITE") == len(data)
+    assert value(after, "datanode_request_payload_bytes_total", op="READ") == len(data)
+    assert value(after, "datanode_request_seconds_count", op="WRITE") == ok_writes
+    assert value(after, "datanode_forwarded_writes_total") == ok_writes
+    assert value(follower, "datanode_forward_fetch_bytes_total") == len(data)
+    assert value(after, "datanode_partitions") == 1
+    assert value(after, "datanode_partition_leader", partition=str(PID)) == 1
+    assert value(follower, "datanode_partition_leader", partition=str(PID)) == 0
+    assert value(after, "datanode_partition_bytes", partition=str(PID)) == len(data)
+    assert value(after, "datanode_pool_high_water_bytes") > 0
+    assert value(after, "datanode_pool_in_use_bytes") == 0
+    # the SDK's families, registered by the embedding program
+    client = {(s.name, frozenset(s.labels.items())): s.value
+              for fam in text_string_to_metric_families(client_text) for s in fam.samples}
+    assert value(client, "datanode_client_payload_bytes_total", op="WRITE") == len(data)
+    assert value(client, "datanode_client_requests_total", op="WRITE", result="OK") == ok_writes
+
+
+def test_metrics_endpoint_answers_only_metrics(nodes):
+    maddr = f"127.0.0.1:{free_port()}"
+    nodes(1, metrics_listen=maddr)
+    try:
+        urllib.request.urlopen(f"http://{maddr}/other", timeout=10)
+        raise AssertionError("expected 404")
+    except urllib.error.HTTPError as e:
+        assert e.code == 404
+
+
+def test_status_reports_disk_and_does_not_count_itself(nodes):
+    [a] = nodes(1)
+
+    async def body():
+        async with open_client("tcp", []) as dc:
+            from datanode.protocol import Op
+            st = await dc.admin(a.addr, Op.NODE_STATUS)
+            assert st["inflight"] == 0, st["inflight"]
+            assert st["disk"]["total"] > 0 and 0 <= st["disk"]["free"] <= st["disk"]["total"]
+            assert st["state"] == "serving"
+            assert [c["transport"] for c in st["connections"]] == ["tcp"]
+    trio.run(body)

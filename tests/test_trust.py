@@ -1,0 +1,470 @@
+"""Trust boundaries (issue 11), against real daemons that hold a cluster secret, played by the SDK and by raw
+peers (tools/fuzz.py): who may connect, what each role may do, whose forwards a follower takes, which memory
+a peer can reach, per-connection limits, the trash and the audit log.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from client.sdk import ClientError
+from datanode.auth import Credentials, DialAuth, gen_secret
+from datanode.crc import crc32c
+from datanode.pool import BuddyPool
+from datanode.protocol import Flag, Header, Op, Result, Role
+from datanode.transport.base import Access, RemoteAccessError
+from datanode.transport.tcp import FRAME, READ_REQ, READ_RESP
+from tests.conftest import SLACK, create_partition, open_client, pattern, run
+from tools import fuzz
+
+KiB, MiB = 1 << 10, 1 << 20
+PID = 7
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def secret(tmp_path) -> pathlib.Path:
+    p = tmp_path / "cluster.secret"
+    p.write_text(gen_secret())
+    p.chmod(0o600)
+    return p
+
+
+@pytest.fixture
+def client_key(tmp_path, secret) -> pathlib.Path:
+    out = subprocess.run([sys.executable, "-m", "datanode.cli", "derive-key", "--secret-file", str(secret),
+                          "--role", "client"], capture_output=True, text=True, check=True, cwd=REPO).stdout
+    p = tmp_path / "client.key"
+    p.write_text(out)
+    return p
+
+
+def auth_as(secret, role: Role, identity: str = "") -> DialAuth:
+    return DialAuth(Credentials.load(secret), role, identity)
+
+
+def log_of(node) -> str:
+    return node.log_path.read_text(errors="replace")
+
+
+def wait_log(node, *texts: str, timeout: float = 10.0) -> str:
+    """The node's log once it holds every one of ``texts`` (the node logs after it answers)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = log_of(node)
+        if all(t in text for t in texts) or time.monotonic() > deadline:
+            return text
+        time.sleep(0.1)
+
+
+# -- keys ----------------------------------------------------------------------------------------------------------
+def test_role_keys_and_key_files(tmp_path, secret, client_key):
+    from datanode.auth import AuthConfigError, role_key
+    master = Credentials.load(secret)
+    ck = Credentials.load(client_key)
+    assert set(master.keys) == set(Role) and set(ck.keys) == {Role.CLIENT}
+    assert ck.key(Role.CLIENT) == master.key(Role.CLIENT) == role_key(secret.read_bytes().strip(), Role.CLIENT)
+    assert len({master.key(r) for r in Role}) == 3                     # one key per role
+    assert master.default_role() == Role.ADMIN and ck.default_role() == Role.CLIENT
+    with pytest.raises(AuthConfigError, match="cannot make other keys"):
+        ck.role_key_file(Role.ADMIN)
+    bad = tmp_path / "bad.key"
+    for text, why in (("datanode-role-key v1 root 00", "ROLE one of"), ("datanode-role-key v1 client zz", "not hex"),
+                      ("datanode-role-key v1 client 00", "32 bytes"), ("short", "at least 16")):
+        bad.write_text(text)
+        with pytest.raises(AuthConfigError, match=why) as ei:
+            Credentials.load(bad)
+        assert str(bad) in str(ei.value)
+    with pytest.raises(AuthConfigError, match="No such file"):
+        Credentials.load(tmp_path / "missing")
+
+
+def test_a_node_needs_the_cluster_secret_itself(tmp_path, client_key):
+    cfg = tmp_path / "node.toml"
+    for secret_file, why in ((client_key, "needs the cluster secret, not a role key file"),
+                             (tmp_path / "missing", "no such file")):
+        cfg.write_text(f'listen = "127.0.0.1:1"\ndata_dir = "{tmp_path / "d"}"\nsecret_file = "{secret_file}"\n')
+        out = subprocess.run([sys.executable, "-m", "datanode.cli", "serve", "--config", str(cfg)],
+                             capture_output=True, text=True, cwd=REPO, timeout=60)
+        assert out.returncode != 0 and "secret_file" in out.stderr and why in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr
+
+
+# -- who may connect -------------------------------------------------------------------------------------------
+def test_without_the_secret_a_client_is_refused_at_the_hello(nodes, secret, tmp_path):
+    [n] = nodes(1, secret_file=str(secret))
+    other = tmp_path / "other.secret"
+    other.write_text(gen_secret())
+
+    async def body():
+        with pytest.raises(ClientError, match="requires authentication"):
+            async with open_client("tcp", [n.addr]):
+                pass
+        with pytest.raises(ClientError, match="failed to prove"):      # a node with another secret: not trusted
+            async with open_client("tcp", [n.addr], secret=str(other)):
+                pass
+        async with open_client("tcp", [n.addr], secret=str(secret)) as dc:       # the right one
+            assert (await dc.admin(n.addr, Op.NODE_STATUS))["auth"] == "on"
+    run(body)
+    # raw peers: no credentials, and a forged proof (wrong key) for the admin role
+    s = fuzz.connect(n.addr, timeout=5)
+    with pytest.raises(fuzz.Refused, match="authentication required"):
+        fuzz.hello(s)
+    fuzz.end(s, "fin")
+    forged = DialAuth(Credentials.from_secret(b"x" * 32), Role.ADMIN)
+    s = fuzz.connect(n.addr, timeout=5)
+    with pytest.raises((fuzz.Refused, ConnectionError, OSError)):
+        fuzz.hello(s, auth=forged)
+        fuzz.send_ctrl(s, Header(opcode=Op.PING).encode())
+        fuzz.recv_frame(s)
+    fuzz.end(s, "fin")
+    text = wait_log(n, "presents no credentials", "bad proof for role admin")
+    assert "presents no credentials" in text and "bad proof for role admin" in text
+    assert "AUTHENTICATION IS OFF" not in text
+
+
+def test_auth_off_is_loud_and_works_as_before(nodes):
+    [n] = nodes(1)
+
+    async def body():
+        async with open_client("tcp", []) as dc:
+            st = await dc.admin(n.addr, Op.NODE_STATUS)
+            assert st["auth"] == "off" and "rkey" in st["pool"]
+            await create_partition(dc, PID, [n.addr])
+            locs = await dc.write(PID, b"open house")
+            assert await dc.read_location(locs[0]) == b"open house"
+    run(body)
+    assert "AUTHENTICATION IS OFF" in wait_log(n, "AUTHENTICATION IS OFF")
+
+
+# -- what each role may do ---------------------------------------------------------------------------------------
+def test_a_client_key_cannot_administer_nor_forward(nodes, secret, client_key):
+    a, b = nodes(2, secret_file=str(secret))
+    data = pattern(1, 300 * KiB)
+
+    async def body():
+        async with open_client("tcp", [], secret=str(secret)) as adm:          # the cluster secret: admin
+            await create_partition(adm, PID, [a.addr, b.addr])
+        with pytest.raises(ClientError, match="no key for role 'admin'"):
+            async with open_client("tcp", [a.addr], secret=str(client_key), role="admin"):
+                pass
+        async with open_client("tcp", [a.addr], secret=str(client_key)) as dc:   # role client
+            locs = await dc.write(PID, data)                                     # data ops: yes
+            assert b"".join([await dc.read_location(loc) for loc in locs]) == data
+            for addr in (a.addr, b.addr):
+                assert b"".join([await dc.read_location(loc, replica=addr) for loc in locs]) == data
+            for op, body_ in ((Op.PARTITION_CREATE, {"replicas": [a.addr], "epoch": 1}),
+                              (Op.PARTITION_UPDATE, {"replicas": [a.addr], "epoch": 9}), (Op.PARTITION_DELETE, None),
+                              (Op.REPAIR, None), (Op.SCRUB, None)):
+                with pytest.raises(ClientError) as ei:
+                    await dc.admin(a.addr, op, partition=PID if op != Op.PARTITION_CREATE else PID + 1, body=body_)
+                assert ei.value.result == Result.FORBIDDEN, (op, ei.value)
+                assert "forbidden" in str(ei.value)
+            stats = await dc.admin(a.addr, Op.POOL_STATS)
+            assert "rkey" not in stats and "base_addr" not in stats and stats["grants_required"]
+            st = await dc.admin(a.addr, Op.NODE_STATUS)
+            assert "rkey" not in st["pool"]
+            # a forwarded write straight to the follower, by a client: refused, the follower's copy unchanged
+            part = dc.partition(PID)
+            marks = await dc.watermarks(PID, b.addr)
+            e = locs[0].extent
+            resp, _ = await dc.request(b.addr, Header(opcode=Op.WRITE, partition=PID, extent=e, offset=marks[e],
+                                                      length=5, crc=crc32c(b"evil!"), epoch=part.epoch,
+                                                      flags=Flag.FORWARDED), body=b"evil!")
+            assert resp.result == Result.FORBIDDEN, resp.result_text()
+            assert await dc.watermarks(PID, b.addr) == marks
+        async with open_client("tcp", [], secret=str(secret)) as adm:
+            assert "rkey" in await adm.admin(a.addr, Op.POOL_STATS)                 # an admin sees it
+    run(body)
+    assert "FORBIDDEN role client may not send PARTITION_DELETE" in wait_log(a, "may not send PARTITION_DELETE")
+
+
+def test_a_follower_takes_forwards_only_from_the_current_leader(nodes, secret):
+    a, b, c = nodes(3, secret_file=str(secret))
+
+    async def body():
+        async with open_client("tcp", [], secret=str(secret)) as adm:
+            await create_partition(adm, PID, [a.addr, b.addr, c.addr])
+            eid = await adm.create_extent(PID)
+            await adm.append(PID, eid, 0, b"leader wrote this")
+            epoch = adm.partition(PID).epoch
+        size = len(b"leader wrote this")
+        evil = b"injected"
+        fwd = Header(opcode=Op.WRITE, partition=PID, extent=eid, offset=size, length=len(evil), crc=crc32c(evil),
+                     epoch=epoch, addr=0x1000, rkey=5, rlen=len(evil), flags=Flag.FORWARDED | Flag.REPAIR)
+        trunc = Header(opcode=Op.TRUNCATE, partition=PID, extent=eid, offset=0, epoch=epoch, flags=Flag.FORWARDED)
+        # node c (a real node identity, proven with the node key) is not b's leader: refused
+        for h in (fwd, trunc):
+            r = fuzz.request(b.addr, h, evil, auth=auth_as(secret, Role.NODE, c.addr))
+            assert r.result == Result.FORBIDDEN, r.result_text()
+        # node c pushing a view in which it leads: refused (only a view's own leader may push it)
+        view = json.dumps({"replicas": [c.addr, a.addr, b.addr], "epoch": epoch + 1}).encode()
+        r = fuzz.request(b.addr, Header(opcode=Op.PARTITION_UPDATE, partition=PID, length=len(view), addr=0x2000,
+                                        rkey=6, rlen=len(view)), view, auth=auth_as(secret, Role.NODE, a.addr))
+        assert r.result == Result.FORBIDDEN, r.result_text()
+        # the same forward from the leader's identity is taken (so the identity is what decides)
+        r = fuzz.request(b.addr, fwd, evil, auth=auth_as(secret, Role.NODE, a.addr))
+        assert r.result == Result.OK, r.result_text()
+        async with open_client("tcp", [a.addr], secret=str(secret)) as adm:
+            assert (await adm.watermarks(PID, c.addr))[eid] == size
+            assert await adm.read(PID, eid, 0, size, replica=c.addr) == b"leader wrote this"
+    run(body)
+    assert "but the leader of partition 7 is" in wait_log(b, "but the leader of partition 7 is")
+
+
+# -- memory exposed only to whom a request names ------------------------------------------------------------------
+def test_a_peer_cannot_read_pool_memory_not_granted_to_it(nodes, secret):
+    a, b = nodes(2, secret_file=str(secret))
+    data = pattern(3, 4 * MiB)
+
+    async def body():
+        async with open_client("tcp", [], secret=str(secret)) as adm:
+            await create_partition(adm, PID, [a.addr, b.addr])
+            pool = await adm.admin(a.addr, Op.POOL_STATS)         # an admin learns rkey and base: still no use
+        s = fuzz.connect(a.addr, timeout=5)
+        try:
+            fuzz.hello(s, auth=auth_as(secret, Role.NODE, b.addr))     # even as a node (the follower's identity)
+
+            async def writer():
+                async with open_client("tcp", [a.addr], secret=str(secret)) as dc:
+                    return await dc.write(PID, data)
+
+            async with trio.open_nursery() as nursery:               # payloads pass through the pool meanwhile
+                nursery.start_soon(writer)
+                for off in range(0, pool["arena_bytes"], 4 * MiB):
+                    await trio.to_thread.run_sync(s.sendall, FRAME.pack(READ_REQ, 0, 0, 64 * KiB, off + 1,
+                                                                        pool["base_addr"] + off, pool["rkey"], 0))
+                    ftype, status, length, *_ = await trio.to_thread.run_sync(
+                        lambda: fuzz.recv_frame(s, body=False))
+                    assert (ftype, length) == (READ_RESP, 0) and status == 5, "pool served to a stranger"
+        finally:
+            fuzz.end(s, "fin")
+    run(body)
+    assert "not granted to this connection" in wait_log(a, "not granted to this connection")
+
+
+def test_grants_scope_one_sided_access_to_a_request_in_flight():
+    """Transport level: a scoped region is reachable only inside a grant on that connection, with that right,
+    and not after the grant is dropped."""
+    from tests.test_transport import pair
+
+    async def body():
+        async with pair("tcp") as (cli, srv):
+            pool = BuddyPool(MiB, MiB)
+            scoped = cli.domain.register(pool.arena, pool.base_addr, Access.REMOTE_READ, scoped=True)
+            scoped.view[:10] = b"0123456789"
+            local = srv.dst.view[:4]
+            with pytest.raises(RemoteAccessError, match="not granted"):
+                await srv.conn.read(scoped.remote(2, 4), local, srv.dst)
+            token = cli.conn.grants.add(scoped.addr + 2, scoped.rkey, 4, Access.REMOTE_READ)
+            await srv.conn.read(scoped.remote(2, 4), local, srv.dst)
+            assert bytes(local) == b"2345"
+            with pytest.raises(RemoteAccessError):                      # one byte past the grant
+                await srv.conn.read(scoped.remote(2, 5), srv.dst.view[:5], srv.dst)
+            cli.conn.grants.drop(token)
+            with pytest.raises(RemoteAccessError, match="not granted"):
+                await srv.conn.read(scoped.remote(2, 4), local, srv.dst)
+            cli.domain.deregister(scoped)
+    run(body)
+
+
+# -- per-connection limits -----------------------------------------------------------------------------------------
+def test_hello_deadline_idle_timeout_and_max_connections(nodes, secret):
+    [n] = nodes(1, secret_file=str(secret), hello_timeout=1.0, idle_timeout_s=2.0, max_connections=4)
+    cl = auth_as(secret, Role.CLIENT)
+    # a connection that never says hello is dropped
+    s = fuzz.connect(n.addr, timeout=1.0 + SLACK)
+    assert s.recv(16) == b""
+    s.close()
+    # so is an authenticated one that goes idle
+    s = fuzz.connect(n.addr, timeout=2.0 + SLACK)
+    fuzz.hello(s, auth=cl)
+    assert s.recv(16) == b""
+    s.close()
+    # at most max_connections at once: the next is told why
+    held = []
+    for _ in range(4):
+        h = fuzz.connect(n.addr, timeout=5)
+        fuzz.hello(h, auth=cl)
+        held.append(h)
+    s = fuzz.connect(n.addr, timeout=5)
+    with pytest.raises(fuzz.Refused, match="too many connections"):
+        fuzz.hello(s, auth=cl)
+    s.close()
+    for h in held:
+        fuzz.end(h, "fin")
+
+    async def body():                   # the slots are free again
+        with trio.fail_after(10 + SLACK):
+            while True:
+                try:
+                    async with open_client("tcp", [], secret=str(secret)) as dc:
+                        return await dc.admin(n.addr, Op.NODE_STATUS)
+                except ClientError as e:
+                    assert "too many connections" in str(e)
+                    await trio.sleep(0.2)
+    assert run(body)["auth"] == "on"
+    text = wait_log(n, "idle for", "max_connections")
+    assert "idle for" in text and "max_connections" in text
+
+
+def test_one_connection_cannot_hold_the_whole_pool(nodes, secret):
+    [n] = nodes(1, secret_file=str(secret), pool_mib=8, max_block_kib=1024, conn_pool_share=0.25,
+                peer_timeout=30.0)
+
+    async def body():
+        async with open_client("tcp", [], secret=str(secret)) as adm:
+            await create_partition(adm, PID, [n.addr])
+            extents = [await adm.create_extent(PID) for _ in range(4)]
+            epoch = adm.partition(PID).epoch
+        s = fuzz.connect(n.addr, timeout=10)
+        try:
+            fuzz.hello(s, auth=auth_as(secret, Role.CLIENT))
+            for i, e in enumerate(extents):      # 1 MiB writes whose payload we never serve
+                fuzz.send_ctrl(s, Header(opcode=Op.WRITE, partition=PID, extent=e, length=MiB, crc=0, epoch=epoch,
+                                         addr=0x100000, rkey=9, rlen=MiB, req_id=100 + i).encode())
+            answers = {}
+            for _ in range(10):
+                ftype, _st, length, _op, _a, _r, payload = fuzz.recv_frame(s)
+                if ftype == fuzz.CTRL:
+                    r = fuzz.decode(payload, request=False)
+                    answers[r.req_id] = r
+                if len(answers) == 2:
+                    break
+            # share: 2 MiB of 8 -> the first two hold it, the next two are told BUSY at once
+            assert {r.result for r in answers.values()} == {Result.BUSY}, [r.result_text() for r in answers.values()]
+            # meanwhile everybody else writes (a pipeline within the share: 2 x 1 MiB)
+            async with open_client("tcp", [n.addr], secret=str(secret), depth=2) as dc:
+                data = pattern(5, 3 * MiB)
+                locs = await dc.write(PID, data)
+                assert b"".join([await dc.read_location(loc) for loc in locs]) == data
+        finally:
+            fuzz.end(s, "rst")
+    run(body)
+
+
+# -- no data dies on one message: the trash -------------------------------------------------------------------------
+def test_a_deleted_partition_goes_to_the_trash_and_can_be_restored(nodes, secret):
+    [n] = nodes(1, secret_file=str(secret))
+    data = pattern(9, 500 * KiB)
+
+    async def write():
+        async with open_client("tcp", [], secret=str(secret)) as adm:
+            await create_partition(adm, PID, [n.addr])
+            locs = await adm.write(PID, data)
+            await adm.admin(n.addr, Op.PARTITION_DELETE, partition=PID)
+            assert PID not in (await adm.admin(n.addr, Op.NODE_STATUS))["partitions"]
+            return locs
+    locs = run(write)
+    cfg = str(n.root / "node.toml")
+    listing = json.loads(subprocess.run([sys.executable, "-m", "datanode.cli", "trash", "list", "--config", cfg,
+                                         "--json"], capture_output=True, text=True, check=True, cwd=REPO).stdout)
+    assert [e["partition"] for e in listing] == [PID] and listing[0]["bytes"] >= len(data)
+    n.stop()
+    out = subprocess.run([sys.executable, "-m", "datanode.cli", "trash", "restore", listing[0]["name"], "--config",
+                          cfg], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    n.start()
+
+    async def read():
+        async with open_client("tcp", [n.addr], secret=str(secret)) as dc:
+            return b"".join([await dc.read_location(loc) for loc in locs])
+    assert run(read) == data
+
+
+def test_the_trash_is_purged_after_its_retention(nodes, secret):
+    [n] = nodes(1, secret_file=str(secret), trash_retention_s=1.0)
+
+    async def body():
+        async with open_client("tcp", [], secret=str(secret)) as adm:
+            await create_partition(adm, PID, [n.addr])
+            await adm.write(PID, b"short-lived")
+            await adm.admin(n.addr, Op.PARTITION_DELETE, partition=PID)
+    run(body)
+    trash = pathlib.Path(n.cfg["data_dir"]) / "trash"
+    deadline = time.monotonic() + 10 + SLACK
+    while any(trash.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(trash.iterdir()), list(trash.iterdir())
+    assert "trash: purged" in log_of(n)
+
+
+# -- the audit log ------------------------------------------------------------------------------------------------
+def test_admin_actions_are_audited(nodes, secret, client_key):
+    [n] = nodes(1, secret_file=str(secret))
+
+    async def body():
+        async with open_client("tcp", [], secret=str(secret)) as adm:
+            await create_partition(adm, PID, [n.addr])
+            await adm.admin(n.addr, Op.PARTITION_UPDATE, partition=PID, body={"replicas": [n.addr], "epoch": 2})
+        async with open_client("tcp", [], secret=str(client_key)) as dc:
+            with pytest.raises(ClientError):
+                await dc.admin(n.addr, Op.PARTITION_DELETE, partition=PID)
+        async with open_client("tcp", [], secret=str(secret)) as adm:
+            await adm.admin(n.addr, Op.PARTITION_DELETE, partition=PID)
+    run(body)
+    audit = pathlib.Path(n.cfg["data_dir"]) / "audit.log"
+    deadline = time.monotonic() + 10                     # the line is written just after the answer
+    while len(audit.read_text().splitlines()) < 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    lines = [json.loads(x) for x in audit.read_text().splitlines()]
+    got = [(x["op"], x["role"], x["partition"], x["result"]) for x in lines]
+    assert got == [("PARTITION_CREATE", "admin", PID, "OK"), ("PARTITION_UPDATE", "admin", PID, "OK"),
+                   ("PARTITION_DELETE", "client", PID, "FORBIDDEN"), ("PARTITION_DELETE", "admin", PID, "OK")]
+    assert all(x["node"] == n.addr and x["peer"].startswith("127.0.0.1:") and x["time"] for x in lines)
+    assert "may not send PARTITION_DELETE" in lines[2]["detail"]
+
+
+# -- replication and repair between authenticated nodes --------------------------------------------------------------
+def test_replication_and_repair_work_between_authenticated_nodes(nodes, secret):
+    a, b, c = nodes(3, secret_file=str(secret), heartbeat_s=0.3)
+    data = pattern(11, 3 * MiB + 17)
+
+    async def body():
+        async with open_client("tcp", [], secret=str(secret)) as adm:
+            await create_partition(adm, PID, [a.addr, b.addr, c.addr])
+            locs = await adm.write(PID, data)
+            for addr in (a.addr, b.addr, c.addr):
+                assert b"".join([await adm.read_location(loc, replica=addr) for loc in locs]) == data
+            wanted = (await adm.admin(a.addr, Op.REPAIR, partition=PID)).arg     # the leader's repair pass
+            with trio.fail_after(20 + SLACK):
+                while True:
+                    h = await adm.admin(a.addr, Op.PARTITION_HEALTH, partition=PID)
+                    states = [f["state"] for f in h["followers"]]
+                    if h["repair"]["passes"] >= wanted and states == ["healthy", "healthy"]:
+                        break
+                    await trio.sleep(0.3)
+    run(body)
+    for n in (a, b, c):
+        assert "FORBIDDEN" not in log_of(n), log_of(n)[-3000:]
+
+
+# -- the wire fuzz, authenticated as a client (one case in ten without credentials) --------------------------------
+def test_wire_fuzz_authenticated(nodes, secret):
+    [n] = nodes(1, transport="tcp", peer_timeout=2.0, secret_file=str(secret))
+    checker = fuzz.Checker(n.addr, secret=str(secret))
+    target = checker.setup()
+    cl = auth_as(secret, Role.CLIENT)
+
+    @settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "150")), deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.sampled_from(fuzz.KINDS), st.sampled_from(fuzz.ENDINGS), st.integers(0, 2**32))
+    def case(kind, ending, seed):
+        fuzz.play(n.addr, fuzz.RandomDice(random.Random(seed)), target, kind, ending, auth=cl)
+
+    case()
+    assert n.alive()
+    checker.check()
+    text = log_of(n)
+    assert "Traceback" not in text, text[text.index("Traceback") - 300:][:3000]
+

@@ -1,0 +1,222 @@
+"""What every command line of tools/ shares: option types, the cluster-dir option, output, errors, units,
+progress lines.  Presentation only: the logic is in client/admin.py (and tools/cluster.py for local
+processes).
+
+Errors: a command raises ``click.ClickException`` (one line, exit status 1) or lets ``run`` turn a
+``ClientError`` (the SDK's message: node, result text and the server's arg) into one.  ``Group`` is the
+last net: an exception nobody expected is printed as one line naming its type, never as a traceback
+(``DNCTL_TRACEBACK=1`` shows it for a bug report).
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+import time
+
+import click
+import trio
+
+from client import admin
+from client.sdk import ClientError
+from datanode import aio
+
+CTX = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+def refusal(exc: BaseException) -> str | None:
+    """The one line a user sees for an expected failure (a ClientError -- its message already names the
+    node, the result and the server's reason -- a refused input, a timeout; several concurrent ones each
+    once), or None if ``exc`` is not one of those."""
+    leaves = [e for e in aio.leaves(exc) if not isinstance(e, trio.Cancelled)]
+    if not leaves or not all(isinstance(e, (ClientError, ValueError, trio.TooSlowError)) for e in leaves):
+        return None
+    texts = ["timed out" if isinstance(e, trio.TooSlowError) else str(e) for e in leaves]
+    return "; ".join(dict.fromkeys(texts))
+
+
+def _guarded(invoke, ctx):
+    try:
+        return invoke(ctx)
+    except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException, SystemExit,
+            KeyboardInterrupt):
+        raise
+    except Exception as e:  # noqa: BLE001 - the last net: one line, not a traceback
+        text = refusal(e)
+        if text is not None:
+            raise click.ClickException(text) from None
+        if os.environ.get("DNCTL_TRACEBACK"):
+            raise
+        raise click.ClickException(f"unexpected {type(e).__name__}: {e} (DNCTL_TRACEBACK=1 shows where)") \
+            from None
+
+
+class Group(click.Group):
+    """A click group whose commands never show a Python traceback to the user."""
+
+    def invoke(self, ctx):
+        return _guarded(super().invoke, ctx)
+
+
+class Command(click.Command):
+    """A stand-alone click command (``python -m tools.X``) that never shows a Python traceback."""
+
+    def invoke(self, ctx):
+        return _guarded(super().invoke, ctx)
+
+
+def version() -> str:
+    """The installed package's version (pyproject.toml), for --version."""
+    from importlib import metadata
+    try:
+        return metadata.version("datanode")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
+
+
+def emit(obj, as_json: bool, text: str | None = None) -> None:
+    """``--json``: the raw object (numbers unscaled); else ``text``."""
+    if as_json:
+        click.echo(json.dumps(obj, indent=2, sort_keys=True))
+    else:
+        click.echo(text if text is not None else json.dumps(obj, indent=2))
+
+
+def run(fn, *args):
+    """Run an async action; a ClientError (or a refused input: ValueError) becomes one clean line, exit 1."""
+    try:
+        return trio.run(fn, *args)
+    except (ClientError, ValueError, trio.TooSlowError, BaseExceptionGroup) as e:
+        text = refusal(e)
+        if text is None:
+            raise
+        raise click.ClickException(text) from None
+
+
+# -- option types ----------------------------------------------------------------------------------------
+class AddrType(click.ParamType):
+    name = "HOST:PORT"
+
+    def convert(self, value, param, ctx):
+        try:
+            return admin.parse_addr(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+class AddrListType(click.ParamType):
+    name = "HOST:PORT,..."
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, list):
+            return value
+        try:
+            return admin.parse_addrs(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+ADDR = AddrType()
+ADDRS = AddrListType()
+
+
+def cluster_option(required: bool = False, help: str = "A local cluster directory (dnctl cluster up)."):
+    """``--cluster DIR`` (``--dir`` is the same option, kept for scripts)."""
+    return click.option("--cluster", "--dir", "cluster", type=click.Path(file_okay=False), required=required,
+                        metavar="DIR", help=help + " Alias: --dir.")
+
+
+def load_cluster(cluster_dir: str) -> dict:
+    from tools import cluster
+    try:
+        return cluster.load(pathlib.Path(cluster_dir))
+    except FileNotFoundError as e:
+        raise click.ClickException(str(e)) from None
+    except (OSError, ValueError, KeyError) as e:
+        raise click.ClickException(f"{cluster_dir}/cluster.json is unreadable: {e}") from None
+
+
+def cluster_nodes(cluster_dir: str) -> list[str]:
+    return [n["addr"] for n in load_cluster(cluster_dir)["nodes"]]
+
+
+def seeds(via: str | None, cluster: str | None) -> list[str]:
+    """Nodes to ask about a partition: --via ADDR, or every node of --cluster DIR."""
+    if via and cluster:
+        raise click.UsageError("give only one of --via ADDR or --cluster DIR")
+    out = [via] if via else cluster_nodes(cluster) if cluster else []
+    if not out:
+        raise click.UsageError("say where the partition is: --via ADDR (any of its replicas) or --cluster DIR")
+    return out
+
+
+# -- units -------------------------------------------------------------------------------------------------
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, k in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= k:
+            return f"{n / k:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_seconds(s: float | None) -> str:
+    if s is None:
+        return "-"
+    s = float(s)
+    if s < 60:
+        return f"{s:.1f}s"
+    if s < 3600:
+        return f"{int(s // 60)}m{int(s % 60):02d}s"
+    if s < 86400:
+        return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
+    return f"{int(s // 86400)}d{int(s % 86400 // 3600):02d}h"
+
+
+def fmt_count(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, k in (("G", 10 ** 9), ("M", 10 ** 6), ("k", 10 ** 3)):
+        if abs(n) >= k:
+            return f"{n / k:.1f}{unit}"
+    return str(n)
+
+
+# -- progress ------------------------------------------------------------------------------------------------
+class ProgressLine:
+    """One status line on stderr while a long operation waits: rewritten in place on a terminal, otherwise
+    one line when the phase changes and every ``every`` seconds (logs stay readable).  ``update(text)`` shows it; ``close()`` ends it."""
+
+    def __init__(self, stream=None, every: float = 2.0):
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.every = every
+        self.last = 0.0
+        self.phase: list[str] = []
+        self.shown = False
+
+    def update(self, text: str) -> None:
+        now = time.monotonic()
+        phase = text.split(" ", 2)[:2]          # e.g. "ADDR repairing" / "repair running": a new phase shows at once
+        if self.tty:
+            self.stream.write("\r" + text.ljust(100)[:max(100, len(text))])
+        elif now - self.last >= self.every or phase != self.phase:
+            self.stream.write(text + "\n")
+            self.last = now
+        else:
+            return
+        self.phase = phase
+        self.stream.flush()
+        self.shown = True
+
+    def close(self) -> None:
+        if self.tty and self.shown:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def bar(done: float, total: float, width: int = 30) -> str:
+    frac = min(max(done / total, 0.0), 1.0) if total > 0 else 0.0
+    fill = int(width * frac)
+    return f"[{'#' * fill}{'.' * (width - fill)}] {100 * frac:5.1f}%"

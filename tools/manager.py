@@ -1,0 +1,321 @@
+"""The cluster manager: ``datanode manager --etcd URL[,URL...]`` (run several; exactly one is active).
+
+Election: every instance watches the key ``manager``; when it is absent an instance grants itself a lease
+and creates the key with a compare-and-swap (create revision 0).  The winner keeps its lease alive and is
+active while it does; the others poll the key every ``STANDBY_POLL_S`` and take over when the active one's
+lease lapses (it died, hung, or lost etcd).  Every partition change the active manager makes is a CAS that
+also requires the manager key to still hold its id, so a deposed manager cannot change the map.
+
+Each tick (``tick_s``) the active manager reads the registered nodes and the partition views and, per
+partition (design and the no-acknowledged-write-lost argument: datanode/etcdmap.py):
+
+* **adopt**: a partition a registered leader reports that etcd does not have yet is written to etcd as it
+  is (its replica count becomes ``want``; its followers become ``synced`` once the leader reports them
+  healthy); a higher epoch reported by its leader (an admin changed it by
+  hand with dnctl) replaces etcd's.
+* **leader failover**: its leader has no lease -> the first surviving, ``synced`` replica leads at epoch + 1
+  with the surviving replicas; a partition with no synced survivor becomes ``read_only`` and is left alone.
+* **follower loss**: a follower without a lease for ``down_after_s`` is removed (epoch + 1): the partition
+  takes writes again with the rest and is ``degraded``.
+* **re-replication**: a partition short of ``want`` replicas gets a spare node (live, not a member, another
+  zone than its members where possible, the most free bytes) at epoch + 1; the leader's repair fills it
+  (progress: ``dnctl partition health``); when the leader reports it ``healthy`` it joins ``synced`` and
+  the partition is ``writable`` again.
+* **install**: a new view is first written to etcd with ``installed = false``; then the datanodes' own
+  ``PARTITION_CREATE`` (a new replica) / ``PARTITION_UPDATE`` (followers first, the new leader last) are
+  sent, and the view is marked installed.  A member that does not answer is retried on the next tick.
+
+The manager talks to datanodes with the SDK's admin requests (so this module sits at the admin level:
+CLI -> tools/manager.py -> client/sdk.py -> datanode protocol and datanode/etcdmap.py).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+
+import click
+import trio
+
+from client.sdk import ClientError, DataClient
+from datanode.cli import main as node_cli
+from datanode.config import TransportChoice
+from datanode.etcdmap import Etcd, EtcdError, Lease, PartView
+from datanode.protocol import Op, Result
+
+log = logging.getLogger(__name__)
+STANDBY_POLL_S = 0.25
+
+
+class Manager:
+    def __init__(self, etcd: str, *, prefix: str = "/datanode", name: str = "manager", lease_ttl_s: int = 3,
+                 down_after_s: float = 1.0, tick_s: float = 0.25, transport: str = "tcp",
+                 rpc_timeout: float = 3.0):
+        self.etcd = Etcd(etcd, prefix, timeout=max(1.0, lease_ttl_s / 2))
+        self.ident = f"{name}@{socket.gethostname()}:{os.getpid()}"
+        self.lease_ttl_s = lease_ttl_s
+        self.down_after_s = down_after_s
+        self.tick_s = tick_s
+        self.transport = transport
+        self.rpc_timeout = rpc_timeout
+        self.active = False
+        self.down_since: dict[str, float] = {}
+        self.dc: DataClient | None = None
+
+    # -- election -----------------------------------------------------------------------------------
+    async def run(self) -> None:
+        async with DataClient.open(transport=self.transport, timeout=self.rpc_timeout, pool_mib=8) as dc:
+            self.dc = dc
+            log.info("manager %s: standing by (etcd %s, prefix %s)", self.ident, self.etcd.urls, self.etcd.prefix)
+            delay = STANDBY_POLL_S
+            while True:
+                try:
+                    await self._campaign_once()
+                    delay = STANDBY_POLL_S
+                except EtcdError as e:
+                    (log.warning if delay == STANDBY_POLL_S else log.debug)("manager %s: %s", self.ident, e)
+                    delay = min(delay * 2, 5.0)
+                await trio.sleep(delay)
+
+    async def _campaign_once(self) -> None:
+        if await self.etcd.get(self.etcd.manager_key) is not None:
+            return
+        lease = Lease(self.etcd, self.lease_ttl_s)
+        await lease.grant()
+        if not await self.etcd.campaign(self.etcd.manager_key, self.ident, lease.id):
+            await self.etcd.revoke(lease.id)
+            return
+        log.info("manager %s: ACTIVE (lease %x, ttl %ds)", self.ident, lease.id, lease.ttl)
+        self.active = True
+        self.down_since.clear()
+        try:
+            async with trio.open_nursery() as n:
+                n.start_soon(self._active_loop)
+                await lease.keep_alive()            # returns when the lease is lost
+                n.cancel_scope.cancel()
+            log.warning("manager %s: lost the manager lease: standing by", self.ident)
+        finally:
+            self.active = False
+            await self.etcd.release(lease)          # a clean stop hands over at once
+
+    async def _active_loop(self) -> None:
+        while True:
+            try:
+                await self.tick()
+            except (EtcdError, ClientError) as e:
+                log.warning("manager tick: %s", e)
+            await trio.sleep(self.tick_s)
+
+    # -- one pass over the map ----------------------------------------------------------------------
+    async def tick(self) -> None:
+        nodes = await self.etcd.nodes()
+        now = trio.current_time()
+        for addr in list(self.down_since):
+            if addr in nodes:
+                del self.down_since[addr]
+        parts = await self.etcd.parts()
+        if await self._adopt(nodes, parts):
+            parts = await self.etcd.parts()
+        async with trio.open_nursery() as n:
+            for view in parts.values():
+                n.start_soon(self._handle_safely, view, nodes, now)
+
+    async def _adopt(self, nodes: dict, parts: dict[int, PartView]) -> bool:
+        changed = False
+        for addr, rec in nodes.items():
+            for pid_s, pv in (rec.get("partitions") or {}).items():
+                pid, replicas, epoch = int(pid_s), list(pv["replicas"]), int(pv["epoch"])
+                if not replicas or replicas[0] != addr:
+                    continue                        # only a leader's own view is adopted
+                cur = parts.get(pid)
+                if cur is None:
+                    # only the leader is known to hold every acknowledged write; followers join
+                    # ``synced`` when the leader reports them healthy (``_check_filled``)
+                    view = PartView(pid, replicas, epoch, want=len(replicas), synced=replicas[:1])
+                    view.state = _state(view)
+                    if await self._cas(view, 0):
+                        log.info("partition %d adopted: replicas %s epoch %d", pid, ",".join(replicas), epoch)
+                        changed = True
+                elif epoch > cur.epoch:
+                    view = PartView(pid, replicas, epoch, want=max(cur.want, 1),
+                                    synced=[r for r in replicas if r in cur.synced] or replicas[:1])
+                    view.state = _state(view)
+                    if await self._cas(view, cur.rev):
+                        log.info("partition %d: leader %s reports epoch %d (etcd had %d): adopted", pid, addr,
+                                 epoch, cur.epoch)
+                        changed = True
+        return changed
+
+    async def _handle_safely(self, view: PartView, nodes: dict, now: float) -> None:
+        try:
+            await self.handle(view, nodes, now)
+        except (EtcdError, ClientError) as e:
+            log.warning("partition %d: %s", view.id, e)
+
+    async def handle(self, view: PartView, nodes: dict, now: float) -> None:
+        live = set(nodes)
+        dead = [r for r in view.replicas if r not in live]
+        for r in dead:
+            self.down_since.setdefault(r, now)
+        if view.leader in dead:
+            cands = [r for r in view.replicas if r in live and r in view.synced]
+            if not cands:
+                if view.state != "read_only":
+                    log.error("partition %d: leader %s is gone and no synced replica survives (%s): read_only",
+                              view.id, view.leader, ",".join(view.replicas))
+                    await self._set(view, state="read_only")
+                return
+            survivors = [cands[0]] + [r for r in view.replicas if r in live and r != cands[0]]
+            await self.change(view, survivors, f"leader {view.leader} lost its lease; {cands[0]} leads")
+            return
+        gone = [r for r in dead if now - self.down_since[r] >= self.down_after_s]
+        if gone:
+            await self.change(view, [r for r in view.replicas if r not in gone],
+                              f"follower(s) {','.join(gone)} lost their lease")
+            return
+        if dead:
+            return                                  # wait down_after_s before shrinking
+        if not view.installed:
+            await self.install(view)
+            return
+        unsynced = [r for r in view.replicas if r not in view.synced]
+        if unsynced:
+            await self._check_filled(view, unsynced)
+            return
+        if len(view.replicas) < view.want:
+            spare = self.pick_spare(view, nodes)
+            if spare is not None:
+                await self.change(view, view.replicas + [spare], f"re-replicating onto {spare}")
+                return
+        if view.state != _state(view):
+            await self._set(view, state=_state(view))
+
+    def pick_spare(self, view: PartView, nodes: dict) -> str | None:
+        zones = {nodes.get(r, {}).get("zone") for r in view.replicas}
+        cands = [(nodes[a].get("zone") not in zones, nodes[a].get("free_bytes", 0), a) for a in nodes
+                 if a not in view.replicas and str(view.id) not in (nodes[a].get("partitions") or {})]
+        return max(cands)[2] if cands else None
+
+    # -- changes ------------------------------------------------------------------------------------
+    async def _cas(self, view: PartView, rev: int) -> bool:
+        return await self.etcd.cas_part(view, expect_rev=rev, holder=(self.etcd.manager_key, self.ident))
+
+    async def _set(self, view: PartView, **changes) -> bool:
+        new = PartView(**{**{k: getattr(view, k) for k in ("id", "replicas", "epoch", "want", "synced",
+                                                           "state", "installed")}, **changes})
+        if await self._cas(new, view.rev):
+            view.__dict__.update(new.__dict__)
+            return True
+        return False
+
+    async def change(self, view: PartView, replicas: list[str], why: str) -> None:
+        new = PartView(view.id, replicas, view.epoch + 1, want=view.want,
+                       synced=[r for r in view.synced if r in replicas], state="recovering", installed=False)
+        if not await self._cas(new, view.rev):
+            log.info("partition %d: the view changed under us; next tick", view.id)
+            return
+        log.warning("partition %d: epoch %d -> %d, replicas %s -> %s (%s)", view.id, view.epoch, new.epoch,
+                    ",".join(view.replicas), ",".join(replicas), why)
+        await self.install(new)
+
+    async def install(self, view: PartView) -> None:
+        """Deliver ``view`` to its members (followers first, the leader last), then mark it installed."""
+        body = {"replicas": view.replicas, "epoch": view.epoch}
+        for addr in view.replicas[1:] + view.replicas[:1]:
+            try:
+                await self.dc.admin(addr, Op.PARTITION_UPDATE, partition=view.id, body=body)
+            except ClientError as e:
+                if e.result == Result.STALE_EPOCH and e.arg >= view.epoch:
+                    continue                        # it has it already (its agent saw etcd first)
+                if e.result == Result.NOT_FOUND and addr not in view.synced:
+                    await self.dc.admin(addr, Op.PARTITION_CREATE, partition=view.id, body=body)
+                    log.info("partition %d: created on new replica %s (epoch %d)", view.id, addr, view.epoch)
+                    continue
+                log.warning("partition %d: installing epoch %d on %s failed: %s (retrying next tick)",
+                            view.id, view.epoch, addr, e)
+                return
+        if await self._set(view, installed=True, state=_state(view, installed=True)):
+            log.info("partition %d: epoch %d installed on %s (%s)", view.id, view.epoch,
+                     ",".join(view.replicas), view.state)
+        if any(r not in view.synced for r in view.replicas):
+            try:
+                await self.dc.admin(view.leader, Op.REPAIR, partition=view.id)
+            except ClientError:
+                pass                                # its heartbeat starts the repair anyway
+
+    async def _check_filled(self, view: PartView, unsynced: list[str]) -> None:
+        """A replica being filled by repair joins ``synced`` once the leader reports it healthy."""
+        h = await self.dc.admin(view.leader, Op.PARTITION_HEALTH, partition=view.id)
+        healthy = {f["addr"] for f in h.get("followers", []) if f.get("state") == "healthy"}
+        running = (h.get("repair") or {}).get("running")
+        done = [r for r in unsynced if r in healthy]
+        if done and not running:
+            synced = view.synced + done
+            new_state = _state(PartView(view.id, view.replicas, view.epoch, view.want, synced))
+            if await self._set(view, synced=synced, state=new_state):
+                log.info("partition %d: %s filled by repair; %s", view.id, ",".join(done), new_state)
+
+
+def _state(view: PartView, installed: bool | None = None) -> str:
+    installed = view.installed if installed is None else installed
+    if not installed or any(r not in view.synced for r in view.replicas):
+        return "recovering" if len(view.replicas) >= view.want else "degraded"
+    return "degraded" if len(view.replicas) < view.want else "writable"
+
+
+# -- the command: `datanode manager` (the `datanode` console script is datanode.cli's group plus this one;
+# it lives here because datanode/ never imports tools/) ----------------------------------------------------
+@click.command("manager")
+@click.option("--etcd", required=True, metavar="URL[,URL...]",
+              help="etcd endpoints, e.g. http://127.0.0.1:2379 (several: comma-separated).")
+@click.option("--prefix", default="/datanode", show_default=True, help="Key prefix of this cluster in etcd.")
+@click.option("--name", default="manager", show_default=True, help="This instance's name (logs, election key).")
+@click.option("--lease-ttl-s", type=click.IntRange(2, 3600), default=3, show_default=True,
+              help="The active manager's lease: a standby takes over this long after it dies.")
+@click.option("--down-after-s", type=click.FloatRange(0), default=1.0, show_default=True,
+              help="A follower without a lease this long is removed from its partitions (then replaced).")
+@click.option("--tick-s", type=click.FloatRange(0.05), default=0.25, show_default=True,
+              help="How often the active manager looks at the whole map.")
+@click.option("--transport", type=click.Choice([t.value for t in TransportChoice]), default="tcp", show_default=True,
+              help="How the manager reaches datanodes for admin requests.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info")
+def manager_command(etcd, prefix, name, lease_ttl_s, down_after_s, tick_s, transport, log_level):
+    """Run a cluster manager on etcd until SIGTERM/SIGINT.
+
+    \b
+    Start any number of them; exactly one is active (elected through etcd), the
+    others take over when its lease lapses.  The active one moves leadership off
+    dead leaders, shrinks partitions whose followers died (after --down-after-s),
+    re-replicates them onto spare nodes and adopts partitions datanodes report.
+    Example:  datanode manager --etcd http://10.0.0.1:2379,http://10.0.0.2:2379
+    """
+    from datanode.etcdmap import parse_urls
+    try:
+        parse_urls(etcd)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--etcd") from None
+    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    m = Manager(etcd, prefix=prefix, name=name, lease_ttl_s=lease_ttl_s, down_after_s=down_after_s,
+                tick_s=tick_s, transport=transport)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            n.start_soon(m.run)
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for _ in signals:
+                    break
+            n.cancel_scope.cancel()
+    trio.run(main)
+
+
+def datanode_main():
+    """The ``datanode`` console script: ``serve``, ``print-config`` (datanode/cli.py) and ``manager``."""
+    node_cli.add_command(manager_command)
+    node_cli()
+
+
+if __name__ == "__main__":
+    datanode_main()
