@@ -79,6 +79,11 @@ class _NodeCollector:
 
     def collect(self):
         n = self.node
+        yield _gauge("datanode_starting", "1 while the node opens its partitions (data requests get RETRY)",
+                     1 if n.state == "starting" else 0)
+        o = n.opening
+        yield _gauge("datanode_opening_bytes", "Bytes of extent files opened so far at start", o.bytes)
+        yield _gauge("datanode_opening_bytes_total", "Bytes of extent files to open at start", o.bytes_total)
         pool = n.pool.stats()
         yield _gauge("datanode_pool_bytes", "Registered pool arena size", pool["arena_bytes"])
         yield _gauge("datanode_pool_in_use_bytes", "Pool bytes allocated to requests now", pool["in_use_bytes"])

@@ -869,6 +869,12 @@ def _status_text(s: dict) -> str:
              f"{s.get('rdma_device') or 'none'}",
              f"partitions {len(s['partitions']) if isinstance(s['partitions'], list) else s['partitions']}, "
              f"requests in flight {s['inflight']}"]
+    o = s.get("opening") or {}
+    if s.get("state") == "starting" and o:
+        lines.append(f"opening ({o.get('verify')} check): partitions {o.get('partitions')}/"
+                     f"{o.get('partitions_total')}, extents {fmt_count(o.get('extents'))}/"
+                     f"{fmt_count(o.get('extents_total'))}, {fmt_bytes(o.get('bytes'))} of "
+                     f"{fmt_bytes(o.get('bytes_total'))}, {fmt_seconds(o.get('seconds') or 0)} so far")
     disk = s.get("disk")
     if disk:
         lines.append(f"disk {disk.get('path', '')}: {fmt_bytes(disk.get('used'))} used of "
