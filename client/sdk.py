@@ -122,6 +122,7 @@ class DataClient:
         self._picked: dict[int, int] = {}
         self._busy: dict[str, int] = {}
         self._abandoned: dict[tuple[int, int], int] = {}
+        self.put_failovers = 0          # times put() went on with another partition after a failure
 
     @classmethod
     @asynccontextmanager
@@ -471,6 +472,7 @@ class DataClient:
             if not _retry_elsewhere(err):
                 raise err
             last = err
+            self.put_failovers += 1
             avoid[pid] = (self.views[pid].rev if pid in self.views else 0, trio.current_time() + AVOID_S)
             self._idle.pop(pid, None)
             if extent is not None and fresh and not done:

@@ -73,3 +73,197 @@ def test_eligible_excludes_draining_and_full():
 ])
 def test_pick_spare(replicas, expect):
     assert pick_spare(THREE_ZONES, replicas) == expect
+
+
+# -- with real processes: etcd, a manager, datanodes ----------------------------------------------------------
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import pathlib  # noqa: E402
+
+import trio  # noqa: E402
+
+from datanode.etcdmap import Etcd  # noqa: E402
+from datanode.protocol import Op  # noqa: E402
+from tests.conftest import open_client, pattern, run  # noqa: E402
+from tests.test_etcd import ETCD_NODE, etcd, managers, wait_for  # noqa: E402,F401 - fixtures used below
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+NODE = {**ETCD_NODE, "replica_timeout": 2.0}
+MGR = {"min_free_mib": 1}
+
+
+def dnctl(*args, timeout: float = 180) -> subprocess.CompletedProcess:
+    p = subprocess.run([sys.executable, "-m", "tools.dnctl", *map(str, args)], cwd=REPO, capture_output=True,
+                       timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert "Traceback" not in p.stderr.decode(), p.stderr.decode()
+    return p
+
+
+async def _writable(et, n):
+    parts = await et.parts()
+    good = [v for v in parts.values() if v.state == "writable" and v.installed]
+    return parts if len(good) >= n else None
+
+
+def test_manager_places_and_keeps_min_writable(nodes, etcd, managers):
+    """min_writable partitions appear by themselves (and no more); `partition create --count 4 --replicas 3`
+    spreads the replicas: distinct nodes, both zones in each partition, every node takes its share."""
+    e = etcd()
+    ns = nodes(2, etcd=e.url, zone="za", **NODE) + nodes(2, etcd=e.url, zone="zb", **NODE)
+    zone = {n.addr: ("za" if i < 2 else "zb") for i, n in enumerate(ns)}
+    et = Etcd(e.url)
+
+    async def main():
+        managers(e.url, min_writable=2, **MGR)
+        first = await wait_for("min_writable partitions", lambda: _writable(et, 2))
+        await trio.sleep(2)                                  # and it stops there
+        parts = await et.parts()
+        assert len(parts) == 2, {p: v.replicas for p, v in parts.items()}
+        for v in parts.values():
+            assert len(set(v.replicas)) == 3 and {zone[a] for a in v.replicas} == {"za", "zb"}
+        p = await trio.to_thread.run_sync(lambda: dnctl("partition", "create", "--count", 4, "--replicas", 3,
+                                                        "--etcd", e.url, "--json"))
+        assert p.returncode == 0, p.stderr
+        made = json.loads(p.stdout)["partitions"]
+        assert len(made) == 4 and not {m["id"] for m in made} & set(first)
+        per_node = {}
+        for m in made:
+            assert len(set(m["replicas"])) == 3, m               # never two replicas on one node
+            assert {zone[a] for a in m["replicas"]} == {"za", "zb"}, m
+            for a in m["replicas"]:
+                per_node[a] = per_node.get(a, 0) + 1
+        assert sorted(per_node.values()) == [3, 3, 3, 3], per_node
+        leaders = [v.leader for v in (await et.parts()).values()]
+        assert max(leaders.count(a) for a in set(leaders)) <= 2, leaders   # 6 partitions, 4 nodes
+        # each node really hosts what etcd says, and the map lists them for scripts
+        async with open_client("tcp") as dc:
+            for m in made:
+                for a in m["replicas"]:
+                    assert m["id"] in [q["id"] for q in await dc.admin(a, Op.PARTITION_LIST)]
+        p = await trio.to_thread.run_sync(lambda: dnctl("partition", "list", "--etcd", e.url, "--json"))
+        rows = json.loads(p.stdout)
+        assert {r["id"] for r in rows} == set(first) | {m["id"] for m in made}
+        assert all({"id", "replicas", "leader", "epoch", "state"} <= set(r) for r in rows)
+        # too many replicas: a clear refusal, nothing created
+        p = await trio.to_thread.run_sync(lambda: dnctl("partition", "create", "--replicas", 5, "--etcd", e.url))
+        assert p.returncode == 1 and "5 replicas need 5 distinct nodes" in p.stderr.decode(), p.stderr
+        assert len(await et.parts()) == 6
+    run(main)
+
+
+def test_decommission_empties_node_and_data_reads_back(nodes, etcd, managers):
+    e = etcd()
+    ns = nodes(4, etcd=e.url, **NODE)
+    et = Etcd(e.url)
+
+    async def main():
+        managers(e.url, min_writable=2, **MGR)
+        await wait_for("two writable partitions", lambda: _writable(et, 2))
+        acked = []
+        async with open_client("tcp", etcd=e.url, timeout=20) as dc:
+            for i in range(24):
+                data = pattern(500 + i, 200_000)
+                acked.append((data, await dc.put(data)))
+            parts = await et.parts()
+            victim = parts[min(parts)].leader                 # it leads a partition: leadership moves too
+            held = [p for p, v in parts.items() if victim in v.replicas]
+            assert held
+            p = await trio.to_thread.run_sync(lambda: dnctl("node", "decommission", victim, "--etcd", e.url,
+                                                            "--json", "--timeout", 120))
+            assert p.returncode == 0, p.stderr
+            res = json.loads(p.stdout)
+            assert res["done"] and res["remaining"] == [] and res["held_by_node"] == []
+            assert set(res["moved"]) == {str(p) for p in held}
+            after = await et.parts()
+            for v in after.values():
+                assert victim not in v.replicas and v.installed and set(v.synced) == set(v.replicas)
+                assert len(v.replicas) == 3
+            rec = (await et.nodes())[victim]
+            assert rec["partitions"] == {}                     # it dropped its copies
+            await dc.load_map()
+            for data, locs in acked:                           # intact from every new replica
+                for loc in locs:
+                    for a in after[loc.partition].replicas:
+                        got = await dc.read_location(loc, replica=a)
+                        assert got == data[sum(x.length for x in locs[:locs.index(loc)]):][:loc.length], a
+            # no new replica goes to a decommissioned node, even to keep min_writable
+            p = await trio.to_thread.run_sync(lambda: dnctl("partition", "create", "--count", 2, "--replicas", 3,
+                                                            "--etcd", e.url, "--json"))
+            assert p.returncode == 0, p.stderr
+            assert all(victim not in m["replicas"] for m in json.loads(p.stdout)["partitions"])
+    run(main)
+
+
+def test_follower_killed_writer_moves_on_stale_copy_dropped(nodes, etcd, managers):
+    """kill -9 a node that leads nothing during a stream of SDK puts: the writer sees no error (its writes
+    go to other partitions), every acknowledged write reads back; restarted, the node drops the copies it
+    was replaced on."""
+    e = etcd()
+    ns = nodes(4, etcd=e.url, **NODE)
+    et = Etcd(e.url)
+
+    async def main():
+        managers(e.url, min_writable=3, **MGR)
+        parts = await wait_for("three writable partitions", lambda: _writable(et, 3))
+        leaders = {v.leader for v in parts.values()}
+        victim = next(n for n in ns if n.addr not in leaders)
+        hit = {p for p, v in parts.items() if victim.addr in v.replicas}
+        assert hit
+        async with open_client("tcp", etcd=e.url, timeout=20) as dc:
+            stop, acked, errors = trio.Event(), [], []
+
+            async def writer():
+                i = 0
+                while not stop.is_set():
+                    i += 1
+                    data = pattern(9000 + i, 96 << 10)
+                    try:
+                        locs = await dc.put(data)
+                    except Exception as ex:  # noqa: BLE001 - asserted below
+                        errors.append(repr(ex))
+                        continue
+                    acked.append((data, locs, trio.current_time()))
+            async with trio.open_nursery() as n:
+                n.start_soon(writer)
+                await wait_for("some writes", lambda: _val(len(acked) >= 10))
+                victim.kill(signal.SIGKILL)
+                t_kill = trio.current_time()
+                await wait_for("the partitions it was in to shrink or move", lambda: _none_name(et, victim.addr))
+                before = len(acked)
+                await wait_for("writes after", lambda: _val(len(acked) >= before + 10))
+                stop.set()
+            assert errors == [], errors
+            assert dc.put_failovers >= 1          # a put did hit the dead node, and went on elsewhere
+            later = {loc.partition for _d, locs, t in acked if t > t_kill + 1 for loc in locs}
+            assert later, "no write acknowledged after the kill"
+            await dc.load_map()
+            for data, locs, _t in acked:
+                got = b"".join([await dc.read_location(loc) for loc in locs])
+                assert got == data
+        victim.start()
+        dropped = await wait_for("the returning node to drop its stale copies",
+                                 lambda: _dropped(et, victim.addr, hit))
+        assert dropped
+    run(main)
+
+
+async def _val(x):
+    return x
+
+
+async def _none_name(et, addr):
+    parts = await et.parts()
+    return all(addr not in v.replicas for v in parts.values() if v.installed) and parts
+
+
+async def _dropped(et, addr, pids):
+    rec = (await et.nodes()).get(addr)
+    if rec is None:
+        return False
+    parts = await et.parts()
+    held = {int(p) for p in rec.get("partitions") or {}}
+    # a copy it still holds must be one etcd names it in again (re-replicated there), never a stale one
+    return all(p not in held or addr in parts[p].replicas for p in pids) and rec
