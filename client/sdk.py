@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import random
 import threading
 from functools import partial
 from contextlib import asynccontextmanager
@@ -404,7 +405,7 @@ class DataClient:
             if a is not None and a[0] == v.rev and now < a[1]:
                 continue
             cands.append(((PUT_STATES[v.state], self._busy.get(info.replicas[0], 0), self._picked.get(pid, 0),
-                           pid), pid))
+                           random.random()), pid))     # ties: at random, so separate clients spread too
         return [pid for _k, pid in sorted(cands)]
 
     async def put(self, data, *, on_progress=None, timeout: float | None = None) -> list[Location]:

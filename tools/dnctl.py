@@ -109,23 +109,59 @@ _start_timeout = click.option("--start-timeout", type=click.FloatRange(1, 3600),
               help="Seconds a follower may take to ack a forwarded write.")
 @click.option("--partition", "pid", type=click.IntRange(1), default=1, show_default=True,
               help="Id of the partition created on all nodes.")
+@etcd_option
+@click.option("--no-etcd", is_flag=True,
+              help="No etcd and no manager: the map is what admins set (dnctl replica/partition commands).")
+@click.option("--min-writable", type=click.IntRange(0), default=2, show_default=True,
+              help="The manager keeps at least this many writable partitions (it creates more).")
 @_start_timeout
 @click.option("--json", "as_json", is_flag=True)
-def cluster_up(count, cluster, base_port, sync, transport, pool_mib, replica_timeout, pid, start_timeout,
-               as_json):
-    """Start N datanodes and create a partition replicated on all of them (leader: node1).
+def cluster_up(count, cluster, base_port, sync, transport, pool_mib, replica_timeout, pid, etcd, no_etcd,
+               min_writable, start_timeout, as_json):
+    """Start a local cluster: one etcd member, N datanodes (a partition on all of them, leader node1) and
+    a cluster manager.
 
     \b
     Example:
       dnctl cluster up --nodes 3 --cluster /tmp/dn
       dnctl put --cluster /tmp/dn --partition 1 /etc/services
+      dnctl put --cluster /tmp/dn /etc/services                 # the client picks a partition
+      dnctl cluster up --nodes 3 --cluster /tmp/dn2 --etcd http://127.0.0.1:2379   # an existing etcd
+
+    The etcd member keeps its data in DIR/etcd (its log: DIR/etcd/etcd.log); the manager (DIR/manager-m1.log)
+    fails over dead leaders, re-replicates, keeps --min-writable partitions.  `cluster down` stops them all.
     """
     from datanode.config import ConfigError
+    from tools import etcd_cluster as ec
     rootp = pathlib.Path(cluster)
+    if etcd and no_etcd:
+        raise click.UsageError("give --etcd URL or --no-etcd, not both")
+    prev = cl.load(rootp) if (rootp / "cluster.json").exists() else None
+    if prev is not None:
+        running = [n["addr"] for n in prev["nodes"] if cl.node_process(n)[0] is not None]
+        if running:
+            raise click.ClickException(f"a cluster is already running in {rootp} ({', '.join(running)}); stop it "
+                                       f"with: dnctl cluster down --cluster {rootp}")
+    etcd_rec, started_etcd = None, False
+    try:
+        if prev is not None:
+            etcd_rec = prev.get("etcd")
+            if etcd_rec and etcd_rec.get("managed") and cl.aux_process(etcd_rec, "etcd") is None:
+                etcd_rec, started_etcd = ec.start_local_etcd(rootp, etcd_rec), True
+        elif etcd:
+            etcd_rec = {"url": etcd_url(etcd, None), "managed": False}
+        elif not no_etcd:
+            rootp.mkdir(parents=True, exist_ok=True)
+            etcd_rec, started_etcd = ec.start_local_etcd(rootp), True
+    except (RuntimeError, TimeoutError, FileNotFoundError, OSError) as e:
+        raise click.ClickException(f"etcd: {e}") from None
+    extra = {"etcd": etcd_rec["url"]} if etcd_rec and prev is None else {}
     try:
         info = cl.up(rootp, count, base_port, sync=sync, transport=transport, pool_mib=pool_mib,
-                     replica_timeout=replica_timeout, start_timeout=start_timeout)
+                     replica_timeout=replica_timeout, start_timeout=start_timeout, **extra)
     except (RuntimeError, TimeoutError, ValueError, ConfigError, OSError) as e:
+        if started_etcd:
+            cl.stop_aux({"etcd": etcd_rec}, "etcd")
         raise click.ClickException(str(e)) from None
     addrs = [n["addr"] for n in info["nodes"]]
 
@@ -138,13 +174,21 @@ def cluster_up(count, cluster, base_port, sync, transport, pool_mib, replica_tim
 
     try:
         part, status, parts = run(go)
-    except click.ClickException as e:
+        if etcd_rec:
+            info["etcd"] = etcd_rec
+            live = [m for m in info.get("managers", []) if cl.aux_process(m, "manager") is not None]
+            opts = (info.get("managers") or [{}])[0].get("opts") or {"min_writable": min_writable}
+            info["managers"] = live or [ec.start_manager(rootp, etcd_rec["url"], "m1", **opts)]
+            cl.save(rootp, info)
+    except (click.ClickException, RuntimeError) as e:
         if not info.get("restarted"):
+            cl.save(rootp, {**info, **({"etcd": etcd_rec} if etcd_rec else {})})
             cl.down(rootp)
-        raise click.ClickException(f"{e.message} (cluster stopped again)") from None
+        raise click.ClickException(f"{getattr(e, 'message', e)} (cluster stopped again)") from None
     transport_used = ("verbs (RDMA device %s)" % status["rdma_device"]) if status.get("rdma_device") else (
         "tcp" if transport == "tcp" else "tcp (no RDMA device)")
     res = {"dir": str(rootp.resolve()), "nodes": info["nodes"], "config": info.get("config", {}),
+           "etcd": info.get("etcd"), "managers": info.get("managers", []),
            "restarted": bool(info.get("restarted")), "transport": transport_used,
            "partitions": [{"id": p["id"], "replicas": p["replicas"], "epoch": p["epoch"]} for p in parts]}
     d = res["dir"]
@@ -152,6 +196,12 @@ def cluster_up(count, cluster, base_port, sync, transport, pool_mib, replica_tim
     lines = [("restarted the stopped cluster (same addresses, data kept) in " if info.get("restarted")
               else f"{len(addrs)} datanode(s) up in ") + d
              + f"  [sync {cfg.get('sync')}, transport {transport_used}, pool {cfg.get('pool_mib')} MiB]"]
+    if info.get("etcd"):
+        e = info["etcd"]
+        lines.append(f"  etcd   {e['url']:21}  " + (f"pid {e['pid']:<7}  log {e['log']}" if e.get("managed")
+                                                    else "(existing, not managed here)"))
+    for m in info.get("managers", []):
+        lines.append(f"  manager {m['name']:20}  pid {m['pid']:<7}  log {m['log']}")
     for i, n in enumerate(info["nodes"], 1):
         lines.append(f"  node{i}  {n['addr']:21}  pid {n['pid']:<7}  log {n['log']}")
     for p in parts:
@@ -190,8 +240,12 @@ def cluster_down(cluster, timeout, as_json):
     `dnctl cluster up --cluster DIR` starts the same nodes again.
     """
     load_cluster(cluster)
-    res = cl.down(pathlib.Path(cluster), timeout)
-    emit(res, as_json, "\n".join(_stop_line(r) for r in res))
+    aux: list = []
+    res = cl.down(pathlib.Path(cluster), timeout, aux)
+    lines = [_stop_line(r) for r in res]
+    lines += [f"{a['kind'] + ' ' + a['name']:21} pid {a['pid'] if a['pid'] is not None else '-':<7} {a['result']}"
+              for a in aux]
+    emit(res, as_json, "\n".join(lines))
     if any(r["result"].startswith("killed") for r in res):
         sys.exit(1)
 
@@ -288,7 +342,7 @@ def cluster_status(cluster, timeout, as_json):
     only the one cluster.json recorded.
     """
     import trio
-    load_cluster(cluster)
+    info = load_cluster(cluster)
     procs = cl.status_pids(pathlib.Path(cluster))
 
     async def probe(dc, n, out):
@@ -325,7 +379,14 @@ def cluster_status(cluster, timeout, as_json):
         return out
 
     res = run(go)
-    lines = [f"{'node':6} {'address':21} {'pid':>7}  {'health':13} {'uptime':>8}  partitions"]
+    etcd_st, mgr_st = _aux_status(info, timeout)
+    lines = []
+    for e in etcd_st:
+        lines.append(f"etcd   {e['url']:21} {e['pid'] if e['pid'] is not None else '-':>7}  {e['health']:13}"
+                     + ("" if e["managed"] else "  (existing etcd, not managed here)"))
+    for m in mgr_st:
+        lines.append(f"manager {m['name']:20} {m['pid'] if m['pid'] is not None else '-':>7}  {m['health']:13}")
+    lines.append(f"{'node':6} {'address':21} {'pid':>7}  {'health':13} {'uptime':>8}  partitions")
     for i, r in enumerate(res, 1):
         parts = ", ".join(f"{p['id']} ({p['role']}, {p['state']}, epoch {p['epoch']}, {p['extents']} extents, "
                           f"{fmt_bytes(p['bytes'])})" for p in r.get("partitions", [])) or "-"
@@ -335,12 +396,48 @@ def cluster_status(cluster, timeout, as_json):
                      + (parts if r["health"] == "up" else r.get("error", "")))
         if r.get("note"):
             lines.append(f"       note: {r['note']}")
-    healthy = all(r["health"] == "up" for r in res)
+    healthy = (all(r["health"] == "up" for r in res) and all(e["health"] == "up" for e in etcd_st)
+               and (not mgr_st or any(m["health"] in ("active", "standby") for m in mgr_st)))
     lines.append(f"{sum(r['health'] == 'up' for r in res)}/{len(res)} nodes up")
-    emit({"dir": str(pathlib.Path(cluster).resolve()), "healthy": healthy, "nodes": res}, as_json,
-         "\n".join(lines))
+    emit({"dir": str(pathlib.Path(cluster).resolve()), "healthy": healthy, "nodes": res, "etcd": etcd_st,
+          "managers": mgr_st}, as_json, "\n".join(lines))
     if not healthy:
         sys.exit(1)
+
+
+def _aux_status(info: dict, timeout: float) -> tuple[list[dict], list[dict]]:
+    """The cluster directory's etcd member(s) and manager(s): pid, and health (etcd: up / down / not
+    answering; manager: active / standby / down)."""
+    import json as _json
+    import urllib.request
+    e = info.get("etcd")
+    if not e:
+        return [], []
+    etcd_st = []
+    active = None
+    for url in e["url"].split(","):
+        pid = cl.aux_process(e, "etcd") if e.get("managed") else None
+        rec = {"url": url, "pid": pid, "managed": bool(e.get("managed")), "dir": e.get("dir"), "health": "down"}
+        try:
+            with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout) as r:
+                rec["health"] = "up" if _json.loads(r.read()).get("health") in ("true", True) else "not healthy"
+        except (OSError, ValueError):
+            rec["health"] = "not answering" if pid is not None else "down"
+        etcd_st.append(rec)
+    if any(r["health"] == "up" for r in etcd_st):
+        async def who():
+            return (await admin.map_snapshot(e["url"]))["manager"]
+        try:
+            active = run(who)
+        except click.ClickException:
+            active = None
+    mgr_st = []
+    for m in info.get("managers", []):
+        pid = cl.aux_process(m, "manager")
+        health = "down" if pid is None else (
+            "active" if active and active.startswith(f"{m['name']}@") and active.endswith(f":{pid}") else "standby")
+        mgr_st.append({"name": m["name"], "pid": pid, "health": health, "log": m.get("log")})
+    return etcd_st, mgr_st
 
 
 # -- partitions ---------------------------------------------------------------------------------------
