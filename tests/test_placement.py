@@ -48,6 +48,13 @@ def test_existing_load_steers_leaders():
     assert "a" not in got[0] and got[0][0] == "d"
 
 
+def test_nearly_equal_free_space_goes_to_the_least_loaded():
+    nodes = {"a": {"free_bytes": 100 * G + 5}, "b": {"free_bytes": 100 * G}, "c": {"free_bytes": 99 * G},
+             "d": {"free_bytes": 50 * G}}
+    assert set(place(nodes, 1, 2, held={"a": 3, "b": 1, "c": 0})[0]) == {"b", "c"}     # d: far less room
+    assert set(place(nodes, 1, 2)[0]) == {"a", "b"}                                    # no load: exact free
+
+
 def test_zones_spread_in_a_batch():
     got = place(THREE_ZONES, 3, 3)
     for r in got:
@@ -209,7 +216,8 @@ def test_follower_killed_writer_moves_on_stale_copy_dropped(nodes, etcd, manager
         managers(e.url, min_writable=3, **MGR)
         parts = await wait_for("three writable partitions", lambda: _writable(et, 3))
         leaders = {v.leader for v in parts.values()}
-        victim = next(n for n in ns if n.addr not in leaders)
+        victim = next(n for n in ns if n.addr not in leaders
+                      and any(n.addr in v.replicas for v in parts.values()))    # a follower only
         hit = {p for p, v in parts.items() if victim.addr in v.replicas}
         assert hit
         async with open_client("tcp", etcd=e.url, timeout=20) as dc:
@@ -243,6 +251,16 @@ def test_follower_killed_writer_moves_on_stale_copy_dropped(nodes, etcd, manager
             for data, locs, _t in acked:
                 got = b"".join([await dc.read_location(loc) for loc in locs])
                 assert got == data
+            # no extent is left behind by a failed attempt: once the map has settled, the next put takes
+            # back the ones that got no acknowledged byte, and every extent a leader has holds acked data
+            await wait_for("the map to settle", lambda: _settled(et))
+            await dc.load_map()
+            acked.append((b"x" * 1000, await dc.put(b"x" * 1000), 0))
+            assert dc._abandoned == {}, dc._abandoned
+            used = {(loc.partition, loc.extent) for _d, locs, _t in acked for loc in locs}
+            for pid, v in (await et.parts()).items():
+                for eid, size in (await dc.watermarks(pid, v.leader)).items():
+                    assert (pid, eid) in used, (pid, eid, size)
         victim.start()
         dropped = await wait_for("the returning node to drop its stale copies",
                                  lambda: _dropped(et, victim.addr, hit))
@@ -257,6 +275,11 @@ async def _val(x):
 async def _none_name(et, addr):
     parts = await et.parts()
     return all(addr not in v.replicas for v in parts.values() if v.installed) and parts
+
+
+async def _settled(et):
+    parts = await et.parts()
+    return all(v.installed and v.state in ("writable", "degraded") for v in parts.values()) and parts
 
 
 async def _dropped(et, addr, pids):

@@ -31,6 +31,7 @@ from tools.placement import PlacementError, eligible, pick_spare, place
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
+FORGET_S = 10.0    # a partition no replica holds any more is dropped from the map after this long
 
 
 class ManagerTasks:
@@ -46,6 +47,7 @@ class ManagerTasks:
         self.draining: set[str] = set()
         self._active_since: float | None = None
         self._warned = ""
+        self._missing: dict[int, float] = {}
 
     # -- keys ---------------------------------------------------------------------------------------
     @property
@@ -65,6 +67,7 @@ class ManagerTasks:
         kvs, _ = await self.m.etcd.get_prefix(self.drain_prefix)
         self.draining = {k[len(self.drain_prefix):] for k, _v, _r in kvs}
         await self.serve_requests(nodes)
+        await self.forget_deleted(nodes, now)
         await self.decommission(nodes)
         if now - self._active_since >= self.settle_s:
             await self.keep_min_writable(nodes)
@@ -140,6 +143,27 @@ class ManagerTasks:
         if text != self._warned:
             log.warning("%s", text)
             self._warned = text
+
+    async def forget_deleted(self, nodes: dict, now: float) -> None:
+        """A partition etcd has but none of its replicas holds any more, all of them alive and registered
+        (deleted by an admin: `dnctl partition delete`, a benchmark's scratch partition), is removed from
+        the map after FORGET_S, so clients stop picking it and min_writable stops counting it."""
+        parts = await self.m.etcd.parts()
+        for pid in list(self._missing):
+            if pid not in parts:
+                del self._missing[pid]
+        for pid, v in parts.items():
+            gone = bool(v.replicas) and all(a in nodes and str(pid) not in (nodes[a].get("partitions") or {})
+                                            for a in v.replicas)
+            if not gone:
+                self._missing.pop(pid, None)
+                continue
+            since = self._missing.setdefault(pid, now)
+            if now - since >= FORGET_S and await self.m.etcd.cas_delete_part(
+                    pid, expect_rev=v.rev, holder=(self.m.etcd.manager_key, self.m.ident)):
+                log.warning("partition %d: no replica (%s) holds it any more: removed from the map", pid,
+                            ",".join(v.replicas))
+                del self._missing[pid]
 
     # -- requests from admins -----------------------------------------------------------------------
     async def serve_requests(self, nodes: dict) -> None:

@@ -8,8 +8,9 @@ Rules, in order of precedence, for each replica picked:
 2. a zone the partition does not use yet, while there is one (zones spread when there are enough);
 3. the fewest replicas placed on the node by this same call (N partitions created together spread over
    all the nodes instead of piling onto the three emptiest disks);
-4. the most free space;
-5. the fewest replicas held already; then the address (so the answer is deterministic).
+4. the most free space -- where nodes within ``ROOMY`` (10%) of the freest count as equal, so that nodes
+   sharing a disk size (or a disk) are not told apart by a few megabytes written a moment ago --
+5. the fewest replicas held already; then the most free space exactly, then the address (deterministic).
 The leader of each new partition is the chosen replica that leads the fewest partitions (held + placed),
 so leaders -- which do the forwarding work -- spread as well.
 """
@@ -17,6 +18,9 @@ from __future__ import annotations
 
 from collections import Counter
 from typing import Iterable, Mapping
+
+
+ROOMY = 0.9      # a node with at least this share of the freest node's free space counts as "most free"
 
 
 class PlacementError(Exception):
@@ -77,4 +81,9 @@ def _best(nodes: Mapping[str, dict], chosen: list[str], placed: Counter, held: C
           used_zones: set[str] | None = None) -> str:
     zones = {_zone(nodes[a]) for a in chosen} | (used_zones or set())
     cands = [a for a in nodes if a not in chosen]
-    return min(cands, key=lambda a: (_zone(nodes[a]) in zones, placed[a], -_free(nodes[a]), held[a], a))
+    top = max(_free(nodes[a]) for a in cands)
+
+    def room(a):
+        f = _free(nodes[a])
+        return -top if f >= ROOMY * top else -f
+    return min(cands, key=lambda a: (_zone(nodes[a]) in zones, placed[a], room(a), held[a], -_free(nodes[a]), a))
