@@ -88,6 +88,7 @@ import os  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
 import pathlib  # noqa: E402
 
 import trio  # noqa: E402
@@ -290,3 +291,55 @@ async def _dropped(et, addr, pids):
     held = {int(p) for p in rec.get("partitions") or {}}
     # a copy it still holds must be one etcd names it in again (re-replicated there), never a stale one
     return all(p not in held or addr in parts[p].replicas for p in pids) and rec
+
+
+def test_one_command_cluster_put_without_partition(tmp_path):
+    """`dnctl cluster up` runs etcd + a manager + nodes; `put` without --partition goes where the client
+    picks and reads back; status lists etcd and the manager with pids; `cluster down` stops all of them."""
+    from tools import cluster as cl
+    root = tmp_path / "c"
+    p = dnctl("cluster", "up", "--nodes", 3, "--cluster", root, "--replica-timeout", 2, "--json")
+    assert p.returncode == 0, p.stderr
+    up = json.loads(p.stdout)
+    try:
+        assert up["etcd"]["managed"] and cl.pid_alive(up["etcd"]["pid"]) and len(up["managers"]) == 1
+        src = tmp_path / "f.bin"
+        src.write_bytes(os.urandom(3_000_000))
+        p = dnctl("put", "--cluster", root, src, "--json")
+        assert p.returncode == 0, p.stderr
+        put = json.loads(p.stdout)
+        assert put["size"] == 3_000_000 and put["partitions"]
+        got = b""
+        for loc in put["locations"]:
+            out = tmp_path / "piece"
+            q = dnctl("get", "--cluster", root, "--partition", loc["partition"], "--extent", loc["extent"],
+                      "--offset", loc["offset"], "--length", loc["length"], "--out", out)
+            assert q.returncode == 0, q.stderr
+            got += out.read_bytes()
+        assert got == src.read_bytes()
+        text = dnctl("put", "--cluster", root, src).stdout.decode()
+        assert text.startswith("partition "), text
+        # etcd's map for scripts: partition 1 (made by `up`) and the manager's min_writable one
+        deadline = time.monotonic() + 30
+        while True:
+            rows = json.loads(dnctl("partition", "list", "--cluster", root, "--json").stdout)
+            if len([r for r in rows if r["state"] == "writable"]) >= 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert {r["id"] for r in rows} >= {1} and len(rows) >= 2, rows
+        for r in rows:
+            assert r["leader"] == r["replicas"][0] and r["epoch"] >= 1 and r["state"] == "writable"
+        p = dnctl("cluster", "status", "--cluster", root, "--json")
+        st = json.loads(p.stdout)
+        assert p.returncode == 0 and st["healthy"], p.stdout
+        assert [e["health"] for e in st["etcd"]] == ["up"] and st["etcd"][0]["pid"] == up["etcd"]["pid"]
+        assert [m["health"] for m in st["managers"]] == ["active"]
+        assert st["managers"][0]["pid"] == up["managers"][0]["pid"]
+        # --no-etcd / --etcd together: refused cleanly
+        p = dnctl("cluster", "up", "--cluster", tmp_path / "x", "--no-etcd", "--etcd", "http://127.0.0.1:1")
+        assert p.returncode == 2 and "not both" in p.stderr.decode()
+    finally:
+        p = dnctl("cluster", "down", "--cluster", root, "--timeout", 10)
+    assert p.returncode == 0, p.stderr
+    for pid in [up["etcd"]["pid"], up["managers"][0]["pid"]] + [n["pid"] for n in up["nodes"]]:
+        assert not cl.pid_alive(pid), pid
