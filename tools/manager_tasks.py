@@ -48,6 +48,7 @@ class ManagerTasks:
         self._active_since: float | None = None
         self._warned = ""
         self._missing: dict[int, float] = {}
+        self._seen: set[str] = set()     # nodes registered at some point while this manager was active
 
     # -- keys ---------------------------------------------------------------------------------------
     @property
@@ -74,6 +75,7 @@ class ManagerTasks:
 
     def standby(self) -> None:
         self._active_since = None
+        self._seen.clear()
 
     # -- placement ----------------------------------------------------------------------------------
     def _load(self, parts: dict[int, PartView]) -> tuple[dict, dict]:
@@ -115,6 +117,7 @@ class ManagerTasks:
 
     async def keep_min_writable(self, nodes: dict) -> None:
         """Create a partition when fewer than ``min_writable`` are writable with room on every replica."""
+        self._seen |= set(nodes)
         if self.min_writable <= 0 or not nodes:
             return
         parts = await self.m.etcd.parts()
@@ -127,6 +130,11 @@ class ManagerTasks:
             return
         ok = eligible(nodes, exclude=self.draining, min_free_bytes=self.min_free)
         n = min(self.replicas, len(ok))
+        if n < self.replicas and len(self._seen - self.draining) > len(ok):
+            self._warn(f"only {len(good)} writable partition(s), fewer than min_writable {self.min_writable}; "
+                       f"not creating one with {n} of {self.replicas} replicas while node(s) "
+                       f"{', '.join(sorted(self._seen - self.draining - set(ok)))} are away or full")
+            return
         if n < 1:
             self._warn(f"only {len(good)} writable partition(s), fewer than min_writable {self.min_writable}, "
                        f"and no node has {self.min_free // MiB} MiB free to place another")
