@@ -605,10 +605,12 @@ def decommission_progress(snap: dict, addr: str) -> dict:
 
 
 async def decommission(etcd_url: str, addr: str, *, wait: bool = True, timeout: float = 3600,
-                       on_progress: Callable[[dict], None] | None = None) -> dict:
+                       stuck_after: float = 30.0, on_progress: Callable[[dict], None] | None = None) -> dict:
     """Mark ``addr`` as draining (the manager moves every replica off it: add a spare, repair fills it,
     remove ``addr``), and with ``wait`` follow it until the node is empty.  Returns the last progress,
-    with ``moved``: partition -> the node that replaced ``addr``."""
+    with ``moved``: partition -> the node that replaced ``addr``.  If for ``stuck_after`` seconds nothing
+    is left but partitions no other node can take (each live node holds them already, or is full or
+    draining), raises a ClientError saying so; the node stays draining, so adding a node resumes it."""
     import json
     import time as _time
     et = _etcd(etcd_url)
@@ -623,6 +625,7 @@ async def decommission(etcd_url: str, addr: str, *, wait: bool = True, timeout: 
     t0 = trio.current_time()
     prog = decommission_progress(snap, addr)
     prog["partitions_total"] = len(before)
+    stuck_since = None
     while wait:
         snap = await map_snapshot(etcd_url)
         prog = decommission_progress(snap, addr)
@@ -634,6 +637,17 @@ async def decommission(etcd_url: str, addr: str, *, wait: bool = True, timeout: 
                 await shown
         if prog["done"]:
             break
+        no_spare = [s["id"] for s in prog["remaining"] if s["step"] == "waiting for a spare node"]
+        if prog["remaining"] and len(no_spare) == len(prog["remaining"]):
+            stuck_since = stuck_since if stuck_since is not None else trio.current_time()
+            if trio.current_time() - stuck_since >= stuck_after:
+                raise ClientError(
+                    f"decommission of {addr} is stuck: no other node can take a replica of partition(s) "
+                    f"{', '.join(map(str, no_spare))} (every live node holds one already, or is full or "
+                    f"draining); add a node and it goes on by itself, or undo it: "
+                    f"dnctl node decommission {addr} --cancel")
+        else:
+            stuck_since = None
         if trio.current_time() - t0 > timeout:
             raise ClientError(f"decommission of {addr} not done within {timeout:g}s: "
                               + "; ".join(f"partition {s['id']}: {s['step']}" for s in prog["remaining"]))

@@ -1099,10 +1099,12 @@ def node_status(addr, as_json):
 @cluster_option()
 @click.option("--wait/--no-wait", default=True, show_default=True, help="Follow it until the node is empty.")
 @click.option("--timeout", type=click.FloatRange(1), default=3600, show_default=True)
+@click.option("--stuck-after", type=click.FloatRange(1), default=30, show_default=True,
+              help="Give up waiting (the node stays draining) when no node can take what is left for this long.")
 @click.option("--cancel", is_flag=True, help="Let the node take replicas again (moved ones stay moved).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress line on stderr.")
 @click.option("--json", "as_json", is_flag=True)
-def node_decommission(addr, etcd, cluster, wait, timeout, cancel, quiet, as_json):
+def node_decommission(addr, etcd, cluster, wait, timeout, stuck_after, cancel, quiet, as_json):
     """Move every replica off node ADDR, then leave it empty (the manager does it, through etcd).
 
     \b
@@ -1134,7 +1136,7 @@ def node_decommission(addr, etcd, cluster, wait, timeout, cancel, quiet, as_json
 
     async def go():
         try:
-            return await admin.decommission(url, addr, wait=wait, timeout=timeout,
+            return await admin.decommission(url, addr, wait=wait, timeout=timeout, stuck_after=stuck_after,
                                             on_progress=progress if line else None)
         finally:
             if line:
