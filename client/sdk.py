@@ -7,6 +7,9 @@ extent after a replication failure.  ``BlockingDataClient`` wraps it for callers
 With ``etcd=URL`` the partition map comes from etcd (datanode/etcdmap.py): read once, then kept current by a
 watch, so a new leader or replica set is known within one watch round-trip; a write that fails because a
 replica died waits (within ``timeout``) for the manager's new view and goes on with it on a new extent.
+``put(data)`` needs no partition: it picks a writable one from etcd's map for each new extent (spreading
+over partitions and leaders) and, when a replica dies mid-write, writes the unacknowledged rest to another
+partition within ``timeout``.
 
 The client's memory is registered once, like the server's: a staging pool the datanodes may READ (write
 payloads) and a landing pool they may WRITE (read answers); each request exposes one block of it, to the
@@ -755,6 +758,9 @@ class BlockingDataClient:
 
     def write(self, pid, data):
         return self._call(self.dc.write, pid, data)
+
+    def put(self, data, timeout=None):
+        return self._call(self.dc.put, data, timeout=timeout)
 
     def read(self, pid, extent, offset, length, replica=None):
         return self._call(self.dc.read, pid, extent, offset, length, replica=replica)
