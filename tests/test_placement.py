@@ -132,6 +132,14 @@ def test_manager_places_and_keeps_min_writable(nodes, etcd, managers):
         assert len(parts) == 2, {p: v.replicas for p, v in parts.items()}
         for v in parts.values():
             assert len(set(v.replicas)) == 3 and {zone[a] for a in v.replicas} == {"za", "zb"}
+        # one of them deleted by an admin: it leaves the map and the manager makes another one
+        gone = min(first)
+        p = await trio.to_thread.run_sync(lambda: dnctl("partition", "delete", "--id", gone, "--replicas",
+                                                        ",".join(first[gone].replicas)))
+        assert p.returncode == 0, p.stderr
+        await wait_for("the deleted partition to leave the map", lambda: _gone(et, gone))
+        first = await wait_for("min_writable kept", lambda: _writable(et, 2))
+        assert gone not in first and len(first) == 2, sorted(first)
         p = await trio.to_thread.run_sync(lambda: dnctl("partition", "create", "--count", 4, "--replicas", 3,
                                                         "--etcd", e.url, "--json"))
         assert p.returncode == 0, p.stderr
@@ -160,6 +168,10 @@ def test_manager_places_and_keeps_min_writable(nodes, etcd, managers):
         assert p.returncode == 1 and "5 replicas need 5 distinct nodes" in p.stderr.decode(), p.stderr
         assert len(await et.parts()) == 6
     run(main)
+
+
+async def _gone(et, pid):
+    return pid not in await et.parts()
 
 
 def test_decommission_empties_node_and_data_reads_back(nodes, etcd, managers):

@@ -284,8 +284,8 @@ def _state(view: PartView, installed: bool | None = None) -> str:
 @click.option("--transport", type=click.Choice([t.value for t in TransportChoice]), default="tcp", show_default=True,
               help="How the manager reaches datanodes for admin requests.")
 @click.option("--min-writable", type=click.IntRange(0), default=2, show_default=True,
-              help="Keep at least this many writable partitions with free space (new ones are placed "
-                   "automatically); 0: never create partitions on its own.")
+              help="Keep at least this many partitions that take writes (writable, or degraded/recovering "
+                   "while they heal) with free space; new ones are placed automatically; 0: never create any.")
 @click.option("--replicas", type=click.IntRange(1, 16), default=3, show_default=True,
               help="Replica count of the partitions it creates for --min-writable (fewer if fewer nodes).")
 @click.option("--min-free-mib", type=click.IntRange(0), default=256, show_default=True,

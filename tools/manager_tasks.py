@@ -31,6 +31,9 @@ from tools.placement import PlacementError, eligible, pick_spare, place
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
+# states in which a partition with an installed view takes writes (the SDK's put uses them): a partition
+# that lost a replica for a moment is re-replicated, not replaced by a new one
+TAKES_WRITES = ("writable", "degraded", "recovering")
 FORGET_S = 10.0    # a partition no replica holds any more is dropped from the map after this long
 
 
@@ -116,15 +119,15 @@ class ManagerTasks:
         return out
 
     async def keep_min_writable(self, nodes: dict) -> None:
-        """Create a partition when fewer than ``min_writable`` are writable with room on every replica."""
+        """Create a partition when fewer than ``min_writable`` take writes (``TAKES_WRITES``, installed) with
+        room on every replica (one on a draining node counts: it takes writes until it has moved)."""
         self._seen |= set(nodes)
         if self.min_writable <= 0 or not nodes:
             return
         parts = await self.m.etcd.parts()
         good = [v for v in parts.values()
-                if v.state == "writable" and v.installed
-                and all(int((nodes.get(a) or {}).get("free_bytes") or 0) >= self.min_free for a in v.replicas)
-                and not any(a in self.draining for a in v.replicas)]
+                if v.state in TAKES_WRITES and v.installed
+                and all(int((nodes.get(a) or {}).get("free_bytes") or 0) >= self.min_free for a in v.replicas)]
         if len(good) >= self.min_writable:
             self._warned = ""
             return
