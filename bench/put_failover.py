@@ -1,8 +1,8 @@
 """What a writer using ``DataClient.put`` (no partition) sees when a follower is killed -9.
 
-    .venv/bin/python bench/put_failover.py --kills 5 [--partitions 4] [--ttl 2] [--size 65536] [--json]
+    .venv/bin/python bench/put_failover.py --kills 5 [--nodes 6] [--partitions 4] [--ttl 2] [--size 65536] [--json]
 
-Real processes: one etcd member, one manager (min_writable = --partitions), four datanodes, one SDK writer calling
+Real processes: one etcd member, one manager (min_writable = --partitions), --nodes datanodes, one SDK writer calling
 ``put`` back to back.  Each round kills a node that leads no partition but is a follower in some (so the
 writes that hit it fail with REPLICATION_FAILED or a lost connection and go on elsewhere; if every node
 holding a replica leads one, a leader is killed and the round says ``it_led``), measures the
@@ -36,14 +36,14 @@ def _gap(ts: list[float], lo: float, hi: float) -> float:
     return max((b - a for a, b in zip(xs, xs[1:])), default=hi - lo)
 
 
-async def run(root: pathlib.Path, kills: int, ttl: int, size: int, partitions: int) -> dict:
+async def run(root: pathlib.Path, kills: int, ttl: int, size: int, partitions: int, n_nodes: int) -> dict:
     e = EtcdProc(root / "etcd").start()
     cfg = {"etcd": e.url, "lease_ttl_s": ttl, "heartbeat_s": 0.5, "pool_mib": 64, "transport": "tcp",
            "replica_timeout": 2.0, "sync": "always"}
-    nodes = [NodeProc(root / f"node{i}", f"127.0.0.1:{free_port()}", **cfg) for i in range(4)]
+    nodes = [NodeProc(root / f"node{i}", f"127.0.0.1:{free_port()}", **cfg) for i in range(n_nodes)]
     mgr = ManagerProc(root, e.url, "m1", lease_ttl_s=ttl, down_after_s=0.5, tick_s=0.2, min_writable=partitions,
                       min_free_mib=1)
-    out = {"lease_ttl_s": ttl, "write_size": size, "partitions": partitions, "rounds": []}
+    out = {"lease_ttl_s": ttl, "write_size": size, "partitions": partitions, "nodes": n_nodes, "rounds": []}
     try:
         for n in nodes:
             n.start()
@@ -56,7 +56,7 @@ async def run(root: pathlib.Path, kills: int, ttl: int, size: int, partitions: i
                 parts = await et.parts()
                 good = [v for v in parts.values() if v.installed and v.state == "writable"
                         and len(v.replicas) == v.want and set(v.synced) == set(v.replicas)]
-                if len(good) >= partitions and len(good) == len(parts) and len(await et.nodes()) == 4:
+                if len(good) >= partitions and len(good) == len(parts) and len(await et.nodes()) == n_nodes:
                     return parts
                 await trio.sleep(0.1)
 
@@ -92,7 +92,8 @@ async def run(root: pathlib.Path, kills: int, ttl: int, size: int, partitions: i
                     rec = {"killed": victim.addr, "it_led": victim.addr in leaders,
                            "in_partitions": sum(victim.addr in v.replicas for v in parts.values()), "baseline_max_gap_s": round(_gap(acks, t0 - 3, t0), 3),
                            "max_gap_s": round(_gap(acks, t0, t0 + ttl + 4), 3),
-                           "put_failovers": dc.put_failovers - f0, "errors": len(errors) - e0}
+                           "put_failovers": dc.put_failovers - f0, "errors": len(errors) - e0,
+                           "error_texts": errors[e0:][:3]}
                     out["rounds"].append(rec)
                     print(json.dumps(rec), file=sys.stderr)
                     victim.start()
@@ -115,16 +116,17 @@ def main():
     ap.add_argument("--kills", type=int, default=5)
     ap.add_argument("--ttl", type=int, default=2)
     ap.add_argument("--partitions", type=int, default=4)
+    ap.add_argument("--nodes", type=int, default=6)
     ap.add_argument("--size", type=int, default=64 << 10)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="put-failover-") as d:
-        res = trio.run(run, pathlib.Path(d), a.kills, a.ttl, a.size, a.partitions)
+        res = trio.run(run, pathlib.Path(d), a.kills, a.ttl, a.size, a.partitions, a.nodes)
     if a.json:
         print(json.dumps(res, indent=2))
     else:
         s = res["summary"]
-        print(f"{len(res['rounds'])} kills, {res['partitions']} partitions (lease ttl {res['lease_ttl_s']}s, {res['write_size']} B puts): "
+        print(f"{len(res['rounds'])} kills, {res['nodes']} nodes, {res['partitions']}+ partitions (lease ttl {res['lease_ttl_s']}s, {res['write_size']} B puts): "
               f"longest gap between acknowledged puts after a kill p50 {s['max_gap_p50_s']}s, max "
               f"{s['max_gap_max_s']}s (before the kills: p50 {s['baseline_max_gap_p50_s']}s); "
               f"writer errors {s['writer_errors']}")

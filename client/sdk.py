@@ -701,9 +701,10 @@ AVOID_S = 2.0     # put: a partition that just failed is skipped this long (or u
 
 
 def _retry_elsewhere(e: ClientError) -> bool:
-    """Failures after which a put goes on with another partition."""
+    """Failures after which a put goes on with another partition (ERROR: a bug on that node, logged there
+    with its traceback -- one partition's trouble, not the writer's)."""
     return _changes_view(e) or e.result in (Result.BUSY, Result.POOL_BUSY, Result.WRONG_OFFSET, Result.TOO_LARGE,
-                                            Result.NO_SPACE, Result.DISK_ERROR)
+                                            Result.NO_SPACE, Result.DISK_ERROR, Result.ERROR)
 
 
 def _changes_view(e: ClientError) -> bool:

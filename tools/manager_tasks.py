@@ -119,14 +119,14 @@ class ManagerTasks:
         return out
 
     async def keep_min_writable(self, nodes: dict) -> None:
-        """Create a partition when fewer than ``min_writable`` take writes (``TAKES_WRITES``, installed) with
+        """Create a partition when fewer than ``min_writable`` take writes (``TAKES_WRITES``) with
         room on every replica (one on a draining node counts: it takes writes until it has moved)."""
         self._seen |= set(nodes)
         if self.min_writable <= 0 or not nodes:
             return
         parts = await self.m.etcd.parts()
         good = [v for v in parts.values()
-                if v.state in TAKES_WRITES and v.installed
+                if v.state in TAKES_WRITES      # a view being installed (a change under way) counts too
                 and all(int((nodes.get(a) or {}).get("free_bytes") or 0) >= self.min_free for a in v.replicas)]
         if len(good) >= self.min_writable:
             self._warned = ""
