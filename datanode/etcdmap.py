@@ -298,6 +298,15 @@ class Etcd:
             view.rev = rev
         return ok
 
+    async def cas_delete_part(self, pid: int, *, expect_rev: int, holder: tuple[str, str]) -> bool:
+        """Delete partition ``pid``'s view if it is still at ``expect_rev`` and ``holder`` still holds."""
+        key = self.part_key(pid)
+        ok, _ = await self.txn([{"key": _b64(key), "result": "EQUAL", "target": "MOD", "mod_revision": expect_rev},
+                                {"key": _b64(holder[0]), "result": "EQUAL", "target": "VALUE",
+                                 "value": _b64(holder[1])}],
+                               [{"request_delete_range": {"key": _b64(key)}}])
+        return ok
+
     async def campaign(self, key: str, value: str, lease: int) -> bool:
         """Take ``key`` for ``value`` if nobody holds it (an election: the key lives as long as ``lease``)."""
         ok, _ = await self.txn([{"key": _b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": 0}],

@@ -51,7 +51,8 @@ def managers(tmp_path):
     procs = []
 
     def start(url, name="m1", **opts):
-        opts = {"lease_ttl_s": TTL, "down_after_s": 0.5, "tick_s": 0.2, **opts}
+        # min_writable 0: these tests place partitions by hand; tests/test_placement.py tests the manager's own
+        opts = {"lease_ttl_s": TTL, "down_after_s": 0.5, "tick_s": 0.2, "min_writable": 0, **opts}
         p = ManagerProc(tmp_path / "managers", url, name, **opts).start()
         procs.append(p)
         return p

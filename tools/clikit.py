@@ -141,6 +141,31 @@ def cluster_nodes(cluster_dir: str) -> list[str]:
     return [n["addr"] for n in load_cluster(cluster_dir)["nodes"]]
 
 
+def etcd_option(fn):
+    """``--etcd URL[,URL...]``: the cluster map in etcd (instead of, or besides, --cluster DIR)."""
+    return click.option("--etcd", metavar="URL[,URL...]",
+                        help="etcd endpoints of the cluster map, e.g. http://127.0.0.1:2379 (default: the one "
+                             "recorded by `dnctl cluster up` in --cluster DIR).")(fn)
+
+
+def etcd_url(etcd: str | None, cluster: str | None, *, what: str = "this command") -> str:
+    """The etcd endpoints: --etcd URL, else the cluster directory's own etcd; a clear error otherwise."""
+    if etcd:
+        from datanode.etcdmap import parse_urls
+        try:
+            parse_urls(etcd)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--etcd") from None
+        return etcd
+    if cluster:
+        url = (load_cluster(cluster).get("etcd") or {}).get("url")
+        if url:
+            return url
+        raise click.UsageError(f"{what} needs the cluster map in etcd, and {cluster} was started without etcd "
+                               f"(`dnctl cluster up --no-etcd`); give --etcd URL")
+    raise click.UsageError(f"{what} needs the cluster map in etcd: give --etcd URL or --cluster DIR")
+
+
 def seeds(via: str | None, cluster: str | None) -> list[str]:
     """Nodes to ask about a partition: --via ADDR, or every node of --cluster DIR."""
     if via and cluster:

@@ -45,7 +45,8 @@ def _full(v):
 
 async def _manager_rounds(et: Etcd, root: pathlib.Path, url: str, ttl: int, kills: int) -> list[float]:
     """Kill the active manager ``kills`` times; seconds until a standby holds the manager key."""
-    mgrs = {f"m{i}": ManagerProc(root, url, f"m{i}", lease_ttl_s=ttl, down_after_s=0.5, tick_s=0.2).start()
+    mgrs = {f"m{i}": ManagerProc(root, url, f"m{i}", lease_ttl_s=ttl, down_after_s=0.5, tick_s=0.2,
+                                     min_writable=0).start()
             for i in (2, 3)}
     out = []
     try:
@@ -81,7 +82,8 @@ async def bench(root: pathlib.Path, leader_kills: int, follower_kills: int, ttl:
     cfg = {"etcd": e.url, "lease_ttl_s": ttl, "heartbeat_s": 0.5, "pool_mib": 64, "transport": "tcp",
            "replica_timeout": 2.0, "sync": "always"}
     nodes = [NodeProc(root / f"node{i}", f"127.0.0.1:{free_port()}", **cfg) for i in range(4)]
-    mgr = ManagerProc(root, e.url, "m1", lease_ttl_s=ttl, down_after_s=0.5, tick_s=0.2)
+    mgr = ManagerProc(root, e.url, "m1", lease_ttl_s=ttl, down_after_s=0.5, tick_s=0.2,
+                      min_writable=0)       # partition 1 only: the bench measures it alone
     out = {"lease_ttl_s": ttl, "down_after_s": 0.5, "write_size": size, "leader": [], "follower": []}
     try:
         for n in nodes:

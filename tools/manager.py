@@ -44,6 +44,7 @@ from datanode.cli import main as node_cli
 from datanode.config import TransportChoice
 from datanode.etcdmap import Etcd, EtcdError, Lease, PartView
 from datanode.protocol import Op, Result
+from tools.manager_tasks import ManagerTasks
 
 log = logging.getLogger(__name__)
 STANDBY_POLL_S = 0.25
@@ -52,7 +53,7 @@ STANDBY_POLL_S = 0.25
 class Manager:
     def __init__(self, etcd: str, *, prefix: str = "/datanode", name: str = "manager", lease_ttl_s: int = 3,
                  down_after_s: float = 1.0, tick_s: float = 0.25, transport: str = "tcp",
-                 rpc_timeout: float = 3.0):
+                 rpc_timeout: float = 3.0, min_writable: int = 2, replicas: int = 3, min_free_mib: int = 256):
         self.etcd = Etcd(etcd, prefix, timeout=max(1.0, lease_ttl_s / 2))
         self.ident = f"{name}@{socket.gethostname()}:{os.getpid()}"
         self.lease_ttl_s = lease_ttl_s
@@ -63,6 +64,9 @@ class Manager:
         self.active = False
         self.down_since: dict[str, float] = {}
         self.dc: DataClient | None = None
+        # placement, min_writable, decommission, admins' requests (tools/manager_tasks.py)
+        self.tasks = ManagerTasks(self, min_writable=min_writable, replicas=replicas, min_free_mib=min_free_mib,
+                                  settle_s=max(2.0, 2 * tick_s))
 
     # -- election -----------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -98,6 +102,7 @@ class Manager:
             log.warning("manager %s: lost the manager lease: standing by", self.ident)
         finally:
             self.active = False
+            self.tasks.standby()
             await self.etcd.release(lease)          # a clean stop hands over at once
 
     async def _active_loop(self) -> None:
@@ -121,6 +126,7 @@ class Manager:
         async with trio.open_nursery() as n:
             for view in parts.values():
                 n.start_soon(self._handle_safely, view, nodes, now)
+        await self.tasks.run(nodes)
 
     async def _adopt(self, nodes: dict, parts: dict[int, PartView]) -> bool:
         changed = False
@@ -193,10 +199,7 @@ class Manager:
             await self._set(view, state=_state(view))
 
     def pick_spare(self, view: PartView, nodes: dict) -> str | None:
-        zones = {nodes.get(r, {}).get("zone") for r in view.replicas}
-        cands = [(nodes[a].get("zone") not in zones, nodes[a].get("free_bytes", 0), a) for a in nodes
-                 if a not in view.replicas and str(view.id) not in (nodes[a].get("partitions") or {})]
-        return max(cands)[2] if cands else None
+        return self.tasks.spare(view, nodes)      # tools/placement.py decides; draining nodes excluded
 
     # -- changes ------------------------------------------------------------------------------------
     async def _cas(self, view: PartView, rev: int) -> bool:
@@ -280,15 +283,26 @@ def _state(view: PartView, installed: bool | None = None) -> str:
               help="How often the active manager looks at the whole map.")
 @click.option("--transport", type=click.Choice([t.value for t in TransportChoice]), default="tcp", show_default=True,
               help="How the manager reaches datanodes for admin requests.")
+@click.option("--min-writable", type=click.IntRange(0), default=2, show_default=True,
+              help="Keep at least this many partitions that take writes (writable, or degraded/recovering "
+                   "while they heal) with free space; new ones are placed automatically; 0: never create any.")
+@click.option("--replicas", type=click.IntRange(1, 16), default=3, show_default=True,
+              help="Replica count of the partitions it creates for --min-writable (fewer if fewer nodes).")
+@click.option("--min-free-mib", type=click.IntRange(0), default=256, show_default=True,
+              help="A node with less free disk gets no new replicas; a partition on one does not count as "
+                   "writable for --min-writable.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info")
-def manager_command(etcd, prefix, name, lease_ttl_s, down_after_s, tick_s, transport, log_level):
+def manager_command(etcd, prefix, name, lease_ttl_s, down_after_s, tick_s, transport, min_writable, replicas,
+                    min_free_mib, log_level):
     """Run a cluster manager on etcd until SIGTERM/SIGINT.
 
     \b
     Start any number of them; exactly one is active (elected through etcd), the
     others take over when its lease lapses.  The active one moves leadership off
     dead leaders, shrinks partitions whose followers died (after --down-after-s),
-    re-replicates them onto spare nodes and adopts partitions datanodes report.
+    re-replicates them onto spare nodes, adopts partitions datanodes report,
+    places new partitions (dnctl partition create --count N; --min-writable)
+    and empties decommissioned nodes (dnctl node decommission ADDR).
     Example:  datanode manager --etcd http://10.0.0.1:2379,http://10.0.0.2:2379
     """
     from datanode.etcdmap import parse_urls
@@ -299,7 +313,8 @@ def manager_command(etcd, prefix, name, lease_ttl_s, down_after_s, tick_s, trans
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     m = Manager(etcd, prefix=prefix, name=name, lease_ttl_s=lease_ttl_s, down_after_s=down_after_s,
-                tick_s=tick_s, transport=transport)
+                tick_s=tick_s, transport=transport, min_writable=min_writable, replicas=replicas,
+                min_free_mib=min_free_mib)
 
     async def main():
         async with trio.open_nursery() as n:
