@@ -13,12 +13,18 @@ when etcd is unreachable the node keeps serving the map it has:
   alone (a cluster run by hand, or not yet adopted by the manager).
 * **resync**: the whole ``parts/`` range is re-read after (re)registering, after a watch reconnect and every
   ``RESYNC_S``, so a missed event costs at most that long.
+* **self-fencing** (``fence``, asked by a leader before it takes a write): while etcd has told us our lease
+  expired -- or while we re-register after losing it -- leader writes of replicated partitions are refused
+  (``NOT_LEADER``) until the map is re-read and we are registered again; when the lease may have lapsed by
+  the local clock, a leader write first waits (one keepalive round at most) for etcd's verdict.  No etcd
+  member answering is no verdict: the node goes on serving.  Why: datanode/etcdmap.py, "Self-fencing".
 
 The design of the map and why failover loses no acknowledged write: datanode/etcdmap.py.
 """
 from __future__ import annotations
 
 import json
+import math
 import logging
 import os
 import shutil
@@ -39,6 +45,10 @@ class EtcdAgent:
         self.etcd = Etcd(cfg.etcd, cfg.etcd_prefix, timeout=max(1.0, cfg.lease_ttl_s / 2))
         self.registered = False
         self._changed = trio.Event()
+        self.lease: Lease | None = None      # the lease of our current (or last) registration
+        self.fenced: str | None = None       # why leader writes are refused now (None: they are not)
+        self.checked_at = -math.inf          # when etcd last gave a verdict on our lease (any outcome)
+        self._verdict = trio.Event()
 
     def changed(self) -> None:
         """The partitions held here changed: publish the registration now."""
@@ -71,11 +81,21 @@ class EtcdAgent:
         try:
             while True:
                 try:
-                    lease = Lease(self.etcd, self.node.cfg.lease_ttl_s)
-                    await lease.grant()
+                    new = Lease(self.etcd, self.node.cfg.lease_ttl_s, on_check=self._lease_checked)
+                    await new.grant()
+                    if self.lease is not None and not self.fenced:
+                        # etcd answers again, and the registration we had is gone (we could not keep it
+                        # alive): until the map is re-read we may be leading partitions moved meanwhile
+                        self._fence("re-registering after etcd was unreachable for longer than the lease")
+                    lease = new
                     await self.resync()           # learn the current epochs before announcing ourselves
                     await self._publish(lease)
-                    self.registered = True
+                    self.lease, self.registered = lease, True
+                    if self.fenced:
+                        log.warning("self-fencing lifted: re-registered (lease %x) and re-read the map",
+                                    lease.id)
+                    self.fenced = None
+                    self._checked()
                     delay = 0.5
                     log.info("registered in etcd %s as %s (lease %x, ttl %ds)", self.etcd.urls,
                              self.etcd.node_key(self.node.me), lease.id, lease.ttl)
@@ -84,14 +104,55 @@ class EtcdAgent:
                         await lease.keep_alive()
                         n.cancel_scope.cancel()
                     self.registered = False
+                    if lease.expired:
+                        self._fence(f"etcd says lease {lease.id:x} expired")
                 except EtcdError as e:
                     self.registered = False
+                    self._checked()               # a verdict too: no etcd member answered
                     (log.warning if delay == 0.5 else log.debug)("etcd registration: %s (retrying; the node "
                                                                 "serves the map it has)", e)
                     delay = min(delay * 2, 5.0)
                 await trio.sleep(delay)
         finally:
             await self.etcd.release(lease)          # a clean stop: leave the cluster at once
+
+    # -- self-fencing (the rule and why: datanode/etcdmap.py, "Self-fencing") ---------------------------
+    def _fence(self, why: str) -> None:
+        if not self.fenced:
+            log.warning("self-fencing: no write is acknowledged as a leader until this node has re-registered "
+                        "and re-read the map (%s)", why)
+        self.fenced = why
+        self._checked()
+
+    def _lease_checked(self, lease: Lease) -> None:
+        if lease.expired:                         # fenced before any waiting write hears the verdict
+            self._fence(f"etcd says lease {lease.id:x} expired")
+        else:
+            self._checked()
+
+    def _checked(self) -> None:
+        """An etcd verdict on our lease arrived (alive, expired, or no member answered)."""
+        self.checked_at = trio.current_time()
+        self._verdict.set()
+        self._verdict = trio.Event()
+
+    async def fence(self) -> str | None:
+        """Why this node must not acknowledge a write as a leader now, or None when it may.
+
+        Fenced when etcd has told us our lease expired (or we are re-registering after losing it) until the
+        map is re-read.  When the lease may have lapsed by the local clock (no keepalive confirmed for a TTL:
+        e.g. the process was paused), wait -- at most one keepalive round -- for etcd's verdict.  When no
+        etcd member answers at all, the node keeps serving the map it has (the epoch fence covers it)."""
+        lease = self.lease
+        if self.fenced or lease is None:
+            return self.fenced or None
+        deadline = lease.confirmed + lease.ttl
+        if trio.current_time() < deadline:
+            return None
+        with trio.move_on_after(lease.ttl / 3 + self.etcd.timeout + 0.5):
+            while self.checked_at < deadline and not self.fenced and self.lease is lease:
+                await self._verdict.wait()
+        return self.fenced or None
 
     async def _publish(self, lease: Lease) -> str:
         rec = json.dumps(self.record(), sort_keys=True)

@@ -48,7 +48,36 @@ change the manager could not deliver (it died, a node was unreachable) still arr
   followers, bytes only a follower has are cut back.  Either outcome is correct, because the writer never
   got an OK for them and the SDK re-sends unacknowledged blocks to a new extent.
 
-A datanode that cannot reach etcd keeps serving the map it has: the data path never waits for etcd.
+Self-fencing, and how it squares with "etcd down: reads and writes go on"
+------------------------------------------------------------------------
+The rule (``EtcdAgent.fence``, checked by ``Handlers._lead`` before a leader takes a WRITE, CREATE_EXTENT
+or MARK_DELETE):
+
+* A node refuses leader writes with ``NOT_LEADER`` (counter ``fenced``) while it **knows** its lease is gone:
+  a keepalive reached etcd and etcd said the lease expired (the process was paused, or cut off and then
+  healed), or etcd answers again after the node could not keep its lease alive.  The fence lifts once the
+  node holds a new lease, has re-read ``parts/`` (installing any newer epoch: it may now be a follower, or
+  drop its stale copy) and has re-published itself.  The SDK treats ``NOT_LEADER`` as "the map changed":
+  it re-reads the view from etcd and goes on.
+* When the local clock says the lease may have lapsed (no keepalive confirmed for a TTL, counted from when
+  the confirmed request was *sent*), a leader write waits -- at most one keepalive round -- for etcd's
+  verdict before it proceeds: this is what stops a leader resumed after SIGSTOP from acknowledging the
+  writes that were queued while it was stopped.
+* Only leaders of **replicated** partitions fence: the manager moves leadership only to another synced
+  replica, so a single-replica partition cannot have been moved and keeps serving.
+* When **no** etcd member answers, the node cannot tell "etcd is down" (nobody can change the map, so its
+  partitions cannot have been moved) from "I am cut off" (the manager may have moved them).  It does not
+  fence then: reads and writes on existing partitions go on with etcd entirely down, as required.  That is
+  safe, not just available, because of the epoch fence above: the manager moves a partition only through
+  etcd, and the new leader takes writes only after every surviving replica of the old epoch installed the
+  new one; the old leader's acknowledgement needs every replica of its epoch, so from then on it gets
+  ``STALE_EPOCH`` from the new leader and acknowledges nothing.  Self-fencing makes that refusal prompt and
+  explicit (no forwards, no sealed extents, no half-written tails on the old leader) in the cases the node
+  can know about; the epoch fence is what makes "no acknowledged write lost, no two leaders acknowledging"
+  hold in every case, including the undecidable one.
+
+A datanode that cannot reach etcd otherwise keeps serving the map it has: the data path never waits for
+etcd except for the bounded verdict wait above.
 """
 from __future__ import annotations
 
@@ -406,25 +435,34 @@ def open_channel():
 
 class Lease:
     """A lease kept alive in the background: ``ok`` is False from the moment a keepalive finds it expired
-    (or etcd has not confirmed it for a whole TTL) until ``renew`` got a new one."""
+    (or etcd has not confirmed it for a whole TTL) until ``renew`` got a new one.
 
-    def __init__(self, etcd: Etcd, ttl: int):
+    ``confirmed`` is the local time a request that etcd answered "alive" was *sent* (so ``confirmed + ttl``
+    never lies past etcd's own expiry); ``expired`` is True once etcd itself said the lease is gone (as
+    opposed to: no member answered).  ``on_check`` is called after every keepalive attempt, whatever its
+    outcome, with the lease (the datanode's self-fencing waits on it: datanode/etcdagent.py)."""
+
+    def __init__(self, etcd: Etcd, ttl: int, on_check=None):
         self.etcd, self.ttl = etcd, max(2, int(ttl))
         self.id = 0
         self.ok = False
+        self.expired = False
         self.lost = trio.Event()
-        self._confirmed = 0.0
+        self.confirmed = 0.0
+        self.on_check = on_check
 
     async def grant(self) -> int:
+        sent = trio.current_time()
         self.id = await self.etcd.grant(self.ttl)
-        self.ok, self.lost = True, trio.Event()
-        self._confirmed = trio.current_time()
+        self.ok, self.expired, self.lost = True, False, trio.Event()
+        self.confirmed = sent
         return self.id
 
     async def keep_alive(self) -> None:
         """Refresh every TTL/3 until the lease is lost (then set ``lost`` and return) or cancelled."""
         while True:
             await trio.sleep(self.ttl / 3)
+            sent = trio.current_time()
             try:
                 with trio.fail_after(self.ttl / 3 + self.etcd.timeout):
                     ttl = await self.etcd.keepalive(self.id)
@@ -433,11 +471,15 @@ class Lease:
                 log.warning("lease %x: keepalive failed: %s", self.id, e)
             now = trio.current_time()
             if ttl is not None and ttl > 0:
-                self._confirmed = now
-            elif ttl is not None or now - self._confirmed >= self.ttl:
+                self.confirmed = sent
+            elif ttl is not None:
+                self.expired = True
+            if self.on_check is not None:
+                self.on_check(self)
+            if self.expired or now - self.confirmed >= self.ttl:
                 self.ok = False
                 self.lost.set()
-                log.warning("lease %x lost (%s)", self.id, "expired" if ttl is not None else "etcd unreachable")
+                log.warning("lease %x lost (%s)", self.id, "expired" if self.expired else "etcd unreachable")
                 return
 
 
