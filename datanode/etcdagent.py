@@ -34,7 +34,7 @@ import trio
 from .etcdmap import Etcd, EtcdError, Lease, PartView, open_channel
 
 log = logging.getLogger(__name__)
-RESYNC_S = 5.0
+RESYNC_S = 30.0           # a safety net under the watch (which delivers every change at once)
 REPUBLISH_S = 10.0
 
 
@@ -89,7 +89,7 @@ class EtcdAgent:
                         self._fence("re-registering after etcd was unreachable for longer than the lease")
                     lease = new
                     await self.resync()           # learn the current epochs before announcing ourselves
-                    await self._publish(lease)
+                    published = await self._publish(lease)
                     self.lease, self.registered = lease, True
                     if self.fenced:
                         log.warning("self-fencing lifted: re-registered (lease %x) and re-read the map",
@@ -100,7 +100,7 @@ class EtcdAgent:
                     log.info("registered in etcd %s as %s (lease %x, ttl %ds)", self.etcd.urls,
                              self.etcd.node_key(self.node.me), lease.id, lease.ttl)
                     async with trio.open_nursery() as n:
-                        n.start_soon(self._republish, lease)
+                        n.start_soon(self._republish, lease, published)
                         await lease.keep_alive()
                         n.cancel_scope.cancel()
                     self.registered = False
@@ -154,22 +154,24 @@ class EtcdAgent:
                 await self._verdict.wait()
         return self.fenced or None
 
-    async def _publish(self, lease: Lease) -> str:
-        rec = json.dumps(self.record(), sort_keys=True)
-        await self.etcd.put(self.etcd.node_key(self.node.me), rec, lease.id)
+    async def _publish(self, lease: Lease) -> dict:
+        rec = self.record()
+        await self.etcd.put(self.etcd.node_key(self.node.me), json.dumps(rec, sort_keys=True), lease.id)
         return rec
 
-    async def _republish(self, lease: Lease) -> None:
-        last = ""
+    async def _republish(self, lease: Lease, last: dict) -> None:
+        """Publish the registration again when its partitions changed, or its free bytes moved by more than
+        1% of the disk (checked every ``REPUBLISH_S``): an idle node does not rewrite its key."""
         while True:
             self._changed = trio.Event()
             with trio.move_on_after(REPUBLISH_S):
                 await self._changed.wait()
             await trio.sleep(0.05)               # let a burst of changes settle
             try:
-                rec = json.dumps(self.record(), sort_keys=True)
-                if rec != last:
-                    await self.etcd.put(self.etcd.node_key(self.node.me), rec, lease.id)
+                rec = self.record()
+                if _differs(rec, last):
+                    await self.etcd.put(self.etcd.node_key(self.node.me), json.dumps(rec, sort_keys=True),
+                                        lease.id)
                     last = rec
             except EtcdError as e:
                 log.warning("etcd: publishing this node failed: %s", e)
@@ -227,3 +229,11 @@ class EtcdAgent:
                         "epoch-%d copy", view.id, view.epoch, ",".join(view.replicas), part.epoch)
             await self.node.drop_partition(view.id)
         self.changed()
+
+
+def _differs(rec: dict, last: dict) -> bool:
+    """Worth re-publishing: anything but the free bytes changed, or they moved by more than 1% of the disk."""
+    strip = {k: v for k, v in rec.items() if k != "free_bytes"}
+    if strip != {k: v for k, v in last.items() if k != "free_bytes"}:
+        return True
+    return abs(rec.get("free_bytes", 0) - last.get("free_bytes", 0)) > rec.get("capacity_bytes", 0) // 100

@@ -82,6 +82,7 @@ etcd except for the bounded verdict wait above.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -410,6 +411,135 @@ class Etcd:
             n.cancel_scope.cancel()
         _shutdown(resp)
         return last[0]
+
+
+class MapCache:
+    """The whole map under the prefix (nodes, partitions, manager key), kept current in memory by **one
+    watch** instead of polling: read once, then every change is pushed by etcd.  A full re-read happens after
+    a watch reconnect (events may have been missed) and every ``resync_s`` as a safety net.  ``seq`` grows on
+    every change; ``wait(seen)`` returns once it is above ``seen``.
+
+    Each key keeps the mod revision it was last seen at, and an event or a re-read never replaces a newer
+    one (a re-read racing a watch event cannot bring an old value back)."""
+
+    def __init__(self, etcd: Etcd, resync_s: float = 30.0):
+        self.etcd = etcd
+        self.resync_s = resync_s
+        self.kv: dict[str, tuple[bytes, int]] = {}   # key -> (value, mod revision)
+        self.gone: dict[str, int] = {}                # deleted key -> revision of its deletion
+        self.rev = 0
+        self.seq = 0
+        self.reads = 0
+        self._ev = trio.Event()
+
+    @property
+    def root(self) -> str:
+        return self.etcd.prefix + "/"
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Read the map (retrying until etcd answers), report started, then follow it until cancelled."""
+        delay = 0.25
+        while True:
+            try:
+                await self.reload()
+                break
+            except EtcdError as e:
+                log.debug("map cache: %s", e)
+                await trio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        task_status.started()
+        send, recv = open_channel()
+        async with trio.open_nursery() as n:
+            n.start_soon(functools.partial(self.etcd.watch, self.root, send, start_revision=self.rev + 1))
+            n.start_soon(self._resync_loop)
+            async for batch in recv:
+                if batch is None:
+                    await self._try_reload()
+                    continue
+                changed = False
+                for typ, key, value, rev in batch:
+                    changed |= self._apply(key, value if typ == "PUT" else None, rev)
+                if changed:
+                    self._notify()
+
+    async def _resync_loop(self) -> None:
+        while True:
+            await trio.sleep(self.resync_s)
+            await self._try_reload()
+
+    async def _try_reload(self) -> None:
+        try:
+            await self.reload()
+        except EtcdError as e:
+            log.debug("map cache re-read: %s", e)
+
+    async def reload(self) -> None:
+        kvs, rev = await self.etcd.get_prefix(self.root)
+        self.reads += 1
+        changed = False
+        seen = set()
+        for key, value, mod in kvs:
+            seen.add(key)
+            changed |= self._apply(key, value, mod)
+        for key, (_v, mod) in list(self.kv.items()):
+            if key not in seen and mod <= rev:      # gone at the read's revision (not re-created after it)
+                changed |= self._apply(key, None, rev)
+        self.rev = max(self.rev, rev)
+        if changed:
+            self._notify()
+
+    def _apply(self, key: str, value: bytes | None, rev: int) -> bool:
+        cur = self.kv.get(key)
+        if (cur is not None and rev <= cur[1]) or rev <= self.gone.get(key, 0):
+            return False
+        if value is None:
+            if cur is None:
+                return False
+            del self.kv[key]
+            self.gone[key] = rev
+        else:
+            self.kv[key] = (value, rev)
+            self.gone.pop(key, None)
+        self.rev = max(self.rev, rev)
+        return True
+
+    def _notify(self) -> None:
+        self.seq += 1
+        self._ev.set()
+        self._ev = trio.Event()
+
+    async def wait(self, seen: int) -> int:
+        while self.seq <= seen:
+            await self._ev.wait()
+        return self.seq
+
+    # -- views of the cached map --------------------------------------------------------------------
+    def get(self, key: str) -> bytes | None:
+        got = self.kv.get(key)
+        return got[0] if got else None
+
+    def nodes(self) -> dict[str, dict]:
+        pre = self.etcd.nodes_prefix
+        out = {}
+        for k, (v, _rev) in self.kv.items():
+            if k.startswith(pre):
+                try:
+                    out[k[len(pre):]] = json.loads(v)
+                except ValueError:
+                    continue
+        return out
+
+    def parts(self) -> dict[int, PartView]:
+        pre = self.etcd.parts_prefix
+        out = {}
+        for k, (v, rev) in self.kv.items():
+            if k.startswith(pre):
+                try:
+                    pv = PartView.decode(v, rev)
+                except (ValueError, TypeError):
+                    continue
+                out[pv.id] = pv
+        return out
 
 
 def _shutdown(resp) -> None:
