@@ -23,6 +23,16 @@ Keys (under ``etcd_prefix``, default ``/datanode``)
   a manager's changes also require that it still holds the manager key (a deposed manager cannot write).
 * ``manager``        -- the active manager's id, attached to its lease (an election: create-if-absent).
 
+Who asks etcd what (watch, not poll)
+------------------------------------
+Changes reach everybody by watches: each datanode watches ``parts/``; each manager follows the whole prefix
+through one watch (``MapCache``: one read, then pushed events; a full re-read after a watch reconnect and
+every 30 s as a safety net); the SDK watches ``parts/``.  At idle, a datanode sends etcd a lease keepalive
+every TTL/3 and re-reads ``parts/`` every 30 s; it re-publishes its key only when its partitions change or
+its free bytes move by more than 1% of the disk.  The active manager sends only its keepalives and the
+30 s re-read.  Measured with etcd's ``grpc_server_started_total`` (``python -m tools.etcd_traffic``,
+TTL 3 s): 1.02 requests/s per datanode, 1.03 for the manager (before watching: 1.3 and 8.8).
+
 How a membership change is made (tools/manager.py), and why failover loses no acknowledged write
 ------------------------------------------------------------------------------------------------
 The manager computes the new view (epoch + 1), writes it with a CAS (``installed = false``), then sends

@@ -5,8 +5,8 @@
 
 The cluster (all real processes on 127.0.0.1): a 3-member etcd cluster, two managers (one active, one
 standby), four datanodes holding two 3-replica partitions with different leaders (so there is always a
-spare for re-replication).  ``--clients`` SDK clients, each following the map in etcd, write random-sized
-payloads derived from (seed, client, n) and read back a random earlier acknowledged write between writes:
+spare for re-replication).  ``--clients`` SDK clients, each following the map in etcd, write (together at most
+``--mib-s``) random-sized payloads derived from (seed, client, n) and read back a random earlier acknowledged write between writes:
 a read may fail while the cluster heals, it must never return wrong bytes.
 
 A driver picks, every 1-4 s, one victim -- a datanode (most often), a manager, or an etcd member -- kills it
@@ -46,7 +46,8 @@ from tools.torture import KiB, MiB, payload
 TTL = 2
 NODE_CFG = {"pool_mib": 64, "replica_timeout": 2.0, "pool_wait": 5.0, "sync": "always", "transport": "tcp",
             "heartbeat_s": 0.5, "repair_interval_s": 5.0, "repair_mib_s": 0.0, "scrub_interval_s": 0.0,
-            "lease_ttl_s": TTL, "log_level": "info"}
+            "lease_ttl_s": TTL, "log_level": "info",
+            "trash_retention_s": 0.0}    # a replaced node's stale copy is purged at once (else: disk fills up)
 N_NODES = 4
 
 
@@ -65,7 +66,7 @@ async def _settled_views(et: Etcd, pids, timeout: float) -> dict:
             await trio.sleep(0.25)
 
 
-async def _run(seed: int, seconds: float, clients: int, root: pathlib.Path, log) -> dict:
+async def _run(seed: int, seconds: float, clients: int, root: pathlib.Path, log, mib_s: float = 4.0) -> dict:
     from tools.cluster import NodeProc, free_port
     from tools.etcd_cluster import ManagerProc, etcd_cluster, urls
 
@@ -97,6 +98,14 @@ async def _run(seed: int, seconds: float, clients: int, root: pathlib.Path, log)
         await _settled_views(et, set(parts), 60)
         t0 = time.monotonic()
         deadline = trio.current_time() + seconds
+        pace = [trio.current_time()]
+
+        async def throttle(n: int) -> None:
+            """All clients together write at most ``mib_s`` (a long soak must not fill the disk)."""
+            if mib_s > 0:
+                t = max(pace[0], trio.current_time())
+                pace[0] = t + n / (mib_s * MiB)
+                await trio.sleep_until(t)
 
         async def client_task(ci: int):
             crng = random.Random(f"{seed}/c{ci}")
@@ -105,6 +114,7 @@ async def _run(seed: int, seconds: float, clients: int, root: pathlib.Path, log)
                 while trio.current_time() < deadline:
                     pid = crng.choice(list(parts))
                     size = crng.choice([crng.randrange(1, 64 * KiB), crng.randrange(1, 1 * MiB)])
+                    await throttle(size)
                     n += 1
                     data = payload(seed, ci, n, size)
                     try:
@@ -221,7 +231,7 @@ async def _run(seed: int, seconds: float, clients: int, root: pathlib.Path, log)
 
 
 def main_sync(seed: int | None = None, seconds: float = 60, clients: int = 3, root: str | None = None,
-              log=None) -> dict:
+              log=None, mib_s: float = 4.0) -> dict:
     if seed is None:
         seed = random.SystemRandom().randrange(1 << 31)
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -232,7 +242,7 @@ def main_sync(seed: int | None = None, seconds: float = 60, clients: int = 3, ro
         tmp = tempfile.mkdtemp(prefix="dn-etcd-torture-")
         root = tmp
     try:
-        return trio.run(_run, seed, seconds, clients, pathlib.Path(root), log)
+        return trio.run(_run, seed, seconds, clients, pathlib.Path(root), log, mib_s)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -254,8 +264,10 @@ def summary(res: dict) -> str:
 @click.option("--clients", type=click.IntRange(1, 16), default=3, show_default=True)
 @click.option("--dir", "root", type=click.Path(file_okay=False),
               help="Work dir, kept afterwards (default: a temp dir, removed).")
+@click.option("--mib-s", type=click.FloatRange(0), default=4.0, show_default=True,
+              help="Cap on what all clients write together, MiB/s (0: no cap; mind the disk: 3 replicas).")
 @click.option("--json", "as_json", is_flag=True)
-def etcd_torture_command(seed, seconds, clients, root, as_json):
+def etcd_torture_command(seed, seconds, clients, root, as_json, mib_s):
     """Soak a whole cluster on etcd: clients write while random datanodes, managers and one etcd member
     (of 3) are killed with SIGKILL and restarted; at the end every acknowledged write must read back from
     every replica.  Exit status 1 if anything was lost or wrong.
@@ -268,7 +280,7 @@ def etcd_torture_command(seed, seconds, clients, root, as_json):
         etcd_binary()
     except FileNotFoundError as e:
         raise click.ClickException(str(e)) from None
-    res = main_sync(seed=seed, seconds=seconds, clients=clients, root=root)
+    res = main_sync(seed=seed, seconds=seconds, clients=clients, root=root, mib_s=mib_s)
     emit(res, as_json, summary(res))
     if not res["ok"]:
         sys.exit(1)
