@@ -89,7 +89,7 @@ class Op(enum.IntEnum):
 class Result(enum.IntEnum):
     """One code per condition; what ``arg`` carries in the response is given for each."""
     OK = 0xF0
-    NOT_LEADER = 0xF2           # this replica is not the partition's leader
+    NOT_LEADER = 0xF2           # this replica is not the partition's leader (or may not be: self-fenced, etcdmap.py)
     REPLICATION_FAILED = 0xF3   # followers down, slow or said no; arg = bitmask of their replica indexes
     WRONG_OFFSET = 0xF4         # an append not at the extent's end; arg = the extent's end
     CRC_MISMATCH = 0xF5         # bytes fail their CRC32C (a payload in transit, or a stored block on read)

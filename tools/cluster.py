@@ -101,6 +101,7 @@ class NodeProc:
         self.cfg = {"listen": addr, "data_dir": str(root / "data"), "pool_mib": 128, **cfg}
         self.proc: subprocess.Popen | None = None
         self.pid: int | None = None
+        self.argv_prefix: list[str] = []      # e.g. ["ip", "netns", "exec", NS]: run the node in a namespace
 
     @property
     def log_path(self) -> pathlib.Path:
@@ -111,7 +112,7 @@ class NodeProc:
         cfg = config_mod.from_dict(self.cfg)       # validate before spawning
         (self.root / "node.toml").write_text(config_mod.to_toml(cfg))
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "datanode.cli", "serve", "--config",
+        self.proc = subprocess.Popen([*self.argv_prefix, sys.executable, "-m", "datanode.cli", "serve", "--config",
                                       str(self.root / "node.toml")], stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()

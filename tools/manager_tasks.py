@@ -63,18 +63,21 @@ class ManagerTasks:
         return self.m.etcd.key("drain") + "/"
 
     # -- one pass -----------------------------------------------------------------------------------
-    async def run(self, nodes: dict) -> None:
-        """One pass (hook: the end of ``Manager.tick``); each step re-reads the map it works on."""
+    async def run(self, nodes: dict) -> bool:
+        """One pass (hook: the end of ``Manager.tick``).  It reads the manager's watched copy of the map
+        (``m.cache``: no etcd request at idle) and etcd itself only before it changes something.  True while
+        work is under way (a node draining, a manager not yet settled): look again soon."""
         now = trio.current_time()
         if self._active_since is None:
             self._active_since = now
-        kvs, _ = await self.m.etcd.get_prefix(self.drain_prefix)
-        self.draining = {k[len(self.drain_prefix):] for k, _v, _r in kvs}
+        self.draining = {k[len(self.drain_prefix):] for k, _v in self.m.cache.under(self.drain_prefix)}
         await self.serve_requests(nodes)
         await self.forget_deleted(nodes, now)
         await self.decommission(nodes)
-        if now - self._active_since >= self.settle_s:
+        settled = now - self._active_since >= self.settle_s
+        if settled:
             await self.keep_min_writable(nodes)
+        return bool(self.draining) or not settled
 
     def standby(self) -> None:
         self._active_since = None
@@ -124,12 +127,17 @@ class ManagerTasks:
         self._seen |= set(nodes)
         if self.min_writable <= 0 or not nodes:
             return
-        parts = await self.m.etcd.parts()
-        good = [v for v in parts.values()
-                if v.state in TAKES_WRITES      # a view being installed (a change under way) counts too
-                and all(int((nodes.get(a) or {}).get("free_bytes") or 0) >= self.min_free for a in v.replicas)]
-        if len(good) >= self.min_writable:
+
+        def good(parts):
+            return [v for v in parts.values()
+                    if v.state in TAKES_WRITES      # a view being installed (a change under way) counts too
+                    and all(int((nodes.get(a) or {}).get("free_bytes") or 0) >= self.min_free
+                            for a in v.replicas)]
+        if len(good(self.m.cache.parts())) >= self.min_writable:
             self._warned = ""
+            return
+        good = good(await self.m.etcd.parts())       # the watched copy may lag: ask etcd before creating
+        if len(good) >= self.min_writable:
             return
         ok = eligible(nodes, exclude=self.draining, min_free_bytes=self.min_free)
         n = min(self.replicas, len(ok))
@@ -158,8 +166,9 @@ class ManagerTasks:
     async def forget_deleted(self, nodes: dict, now: float) -> None:
         """A partition etcd has but none of its replicas holds any more, all of them alive and registered
         (deleted by an admin: `dnctl partition delete`, a benchmark's scratch partition), is removed from
-        the map after FORGET_S, so clients stop picking it and min_writable stops counting it."""
-        parts = await self.m.etcd.parts()
+        the map after FORGET_S, so clients stop picking it and min_writable stops counting it (the delete
+        is a CAS on the partition's revision: a stale copy of the map cannot remove a newer view)."""
+        parts = self.m.cache.parts()
         for pid in list(self._missing):
             if pid not in parts:
                 del self._missing[pid]
@@ -178,13 +187,18 @@ class ManagerTasks:
 
     # -- requests from admins -----------------------------------------------------------------------
     async def serve_requests(self, nodes: dict) -> None:
-        kvs, _ = await self.m.etcd.get_prefix(self.requests_prefix)
-        for key, raw, _rev in kvs:
+        def pending(raw) -> dict | None:
             try:
                 req = json.loads(raw)
             except ValueError:
+                return None
+            return req if isinstance(req, dict) and req.get("state", "pending") == "pending" else None
+        for key, raw in self.m.cache.under(self.requests_prefix):
+            if pending(raw) is None:
                 continue
-            if req.get("state", "pending") != "pending":
+            got = await self.m.etcd.get(key)        # the watched copy may not show our answer yet
+            req = pending(got[0]) if got else None
+            if req is None:
                 continue
             try:
                 if req.get("op") != "create":

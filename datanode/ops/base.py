@@ -47,6 +47,7 @@ class RequestCounters:
     requests: int = 0
     protocol_errors: int = 0
     forbidden: int = 0             # requests refused for the connection's role or node identity
+    fenced: int = 0                # leader requests refused while self-fenced (etcd lease expired)
     writes: int = 0                # client appends acknowledged (as leader)
     replica_writes: int = 0        # forwarded appends applied (as follower)
     write_bytes: int = 0
@@ -89,6 +90,23 @@ class Handlers:
     def _leader_of(self, part: Partition) -> None:
         if part.leader != self.me:
             raise Reply(Result.NOT_LEADER, why=f"leader of partition {part.pid} is {part.leader}")
+
+    agent = None              # the node's etcd agent (datanode/etcdagent.py), when etcd is configured
+
+    async def _lead(self, h: Header) -> Partition:
+        """The request's partition, led here, at its epoch -- and this leader is not self-fenced: a leader of
+        a replicated partition whose etcd lease expired acknowledges nothing until it has re-registered and
+        re-read the map (NOT_LEADER; the rule and why: datanode/etcdmap.py, "Self-fencing")."""
+        part = self._partition(h)
+        self._leader_of(part)
+        if self.agent is not None and len(part.replicas) > 1:
+            why = await self.agent.fence()
+            if why:
+                self.counters.fenced += 1
+                raise Reply(Result.NOT_LEADER, why=f"self-fenced: {why}")
+            part = self._partition(h)            # the map may have changed while we waited for etcd
+            self._leader_of(part)
+        return part
 
     @staticmethod
     def _size(part: Partition, extent: int) -> int:

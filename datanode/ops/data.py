@@ -38,10 +38,8 @@ class DataOps(Handlers):
         return h.reply(Result.OK, arg=os.getpid())
 
     async def op_write(self, conn: Connection, h: Header, ticket) -> Header:
-        part = self._partition(h)
         forwarded = bool(h.flags & Flag.FORWARDED)
-        if not forwarded:
-            self._leader_of(part)
+        part = self._partition(h) if forwarded else await self._lead(h)
         if ticket is None:
             raise Reply(Result.NOT_FOUND, why=f"extent {h.extent} does not exist")
         lane, t = ticket
@@ -111,7 +109,7 @@ class DataOps(Handlers):
                 return h.reply(Result.OK, arg=h.extent)   # repair and a client's create raced: same result
             eid = await self._store(part.store.create_extent, h.extent)
             return h.reply(Result.OK, arg=eid)
-        self._leader_of(part)
+        part = await self._lead(h)
         eid = await self._store(part.store.create_extent, None)
         failed = await self.replication.replicate(part, h.forwarded(extent=eid))
         if failed:
@@ -126,7 +124,7 @@ class DataOps(Handlers):
     async def op_mark_delete(self, conn, h: Header, _t) -> Header:
         part = self._partition(h)
         if not h.flags & Flag.FORWARDED:
-            self._leader_of(part)
+            part = await self._lead(h)
             failed = await self.replication.replicate(part, h.forwarded())
             if failed:
                 raise Reply(Result.REPLICATION_FAILED, arg=failed,
