@@ -57,6 +57,7 @@ class Config:
     max_connections: int = 1024    # accepted connections at once; more are refused at the hello
     idle_timeout_s: float = 600.0  # a connection with nothing in flight for this long is closed (0: never)
     conn_pool_share: float = 0.5   # most of the pool one connection's requests may hold (fraction)
+    max_inflight: int = 0          # requests one connection may have in flight; more are answered BUSY (0: = slots)
     trash_retention_s: float = 86400.0   # a deleted/removed partition's data is kept in data_dir/trash this long
     audit_log: str = ""            # admin actions, one JSON line each (empty: data_dir/audit.log)
     # -- cluster map in etcd (datanode/etcdmap.py); empty etcd: no etcd, the map is what admins set --
@@ -110,6 +111,8 @@ def _check(cfg: Config) -> Config:
     if cfg.hello_timeout <= 0 or cfg.max_connections < 1 or cfg.idle_timeout_s < 0:
         bad("hello_timeout" if cfg.hello_timeout <= 0 else "max_connections" if cfg.max_connections < 1
             else "idle_timeout_s", "must be > 0 (idle_timeout_s: >= 0, 0 = never)")
+    if cfg.max_inflight < 0:
+        bad("max_inflight", "must be >= 0 (0: the same as slots)")
     if not 0 < cfg.conn_pool_share <= 1:
         bad("conn_pool_share", "must be in (0, 1]")
     if cfg.trash_retention_s < 0:
@@ -181,6 +184,8 @@ KEY_HELP: dict[str, tuple[str, str]] = {
     "max_connections": ("count", "connections accepted at once; more are refused with 'too many connections'"),
     "idle_timeout_s": ("seconds", "a connection with nothing in flight this long is closed (0: never)"),
     "conn_pool_share": ("fraction", "most of the pool one connection may hold (BUSY beyond; fair share when short)"),
+    "max_inflight": ("count", "requests one connection may have in flight; more are answered BUSY at once "
+                              "(0: the same as slots)"),
     "trash_retention_s": ("seconds", "a deleted or removed partition's data stays in data_dir/trash this long"),
     "audit_log": ("path", "admin actions as JSON lines (empty: data_dir/audit.log)"),
 }

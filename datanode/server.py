@@ -201,8 +201,13 @@ class Node(DataOps, AdminOps, RepairOps):
 
     # -- one connection -------------------------------------------------------------------------------
     async def _connection(self, conn: Connection) -> None:
+        """Reads the connection's requests and starts one task per request, at most ``max_inflight`` at once:
+        a request beyond that is answered BUSY right here, by this reader (so a peer that floods requests
+        and never reads the answers stalls its own connection on TCP backpressure, and is dropped after
+        ``peer_timeout``: neither tasks nor queued answers grow without bound)."""
         self.conns.add(conn)
         idle = self.cfg.idle_timeout_s or math.inf
+        limit = self.cfg.max_inflight or self.cfg.slots
         try:
             async with trio.open_nursery() as nursery:
                 while True:
@@ -217,9 +222,30 @@ class Node(DataOps, AdminOps, RepairOps):
                         log.info("closing connection from %s: idle for %ss", conn.peer, idle)
                         await conn.aclose()
                         break
+                    if conn.busy >= limit:
+                        if not await self._busy(conn, raw, limit):
+                            break
+                        continue
                     self._dispatch(nursery, conn, raw)
         finally:
             self.conns.discard(conn)
+
+    async def _busy(self, conn: Connection, raw: bytes, limit: int) -> bool:
+        """Answer a request over the connection's in-flight limit BUSY, inline; False: the peer does not
+        read its answers (not sent within ``peer_timeout``), the connection is dropped."""
+        self.counters.requests += 1
+        self.counters.busy_inflight += 1
+        if self.counters.busy_inflight % 1000 == 1:
+            log.warning("%s has %d requests in flight (max_inflight %d): answering BUSY (%d so far)",
+                        conn.peer, conn.busy, limit, self.counters.busy_inflight)
+        try:
+            h = decode(raw)
+            resp = h.reply(Result.BUSY, arg=limit)
+        except ProtocolError:
+            resp = Header(opcode=raw[3] if len(raw) > 3 else 0, req_id=peek_req_id(raw) or 0,
+                          result=Result.BUSY, arg=limit)
+        await self._send(conn, resp)          # bounded by peer_timeout: else the connection is dropped
+        return conn.alive
 
     def _dispatch(self, nursery: trio.Nursery, conn: Connection, raw: bytes) -> None:
         self.counters.requests += 1
@@ -231,7 +257,8 @@ class Node(DataOps, AdminOps, RepairOps):
             opcode = raw[3] if len(raw) > 3 else 0
             resp = Header(opcode=opcode, req_id=peek_req_id(raw) or 0, result=Result.PROTOCOL,
                           arg=PROTOCOL_REASONS.index(e.reason))
-            nursery.start_soon(self._send, conn, resp)
+            conn.busy += 1                        # an answer in flight counts against max_inflight too
+            nursery.start_soon(self._send_counted, conn, resp)
             return
         ticket = None
         if h.opcode in (Op.WRITE, Op.TRUNCATE):   # ordered by arrival: take the ticket now, synchronously
@@ -243,6 +270,12 @@ class Node(DataOps, AdminOps, RepairOps):
         conn.busy += 1
         nursery.start_soon(self._handle, conn, h, ticket, trio.current_time())
 
+    async def _send_counted(self, conn: Connection, resp: Header) -> None:
+        try:
+            await self._send(conn, resp)
+        finally:
+            conn.busy -= 1
+
     async def _send(self, conn: Connection, resp: Header) -> None:
         try:
             raw = resp.encode()
@@ -250,7 +283,12 @@ class Node(DataOps, AdminOps, RepairOps):
             log.error("reply %s to %s does not encode (%s): answering ERROR", resp.describe(), conn.peer, e)
             raw = Header(opcode=resp.opcode, req_id=resp.req_id, result=Result.ERROR).encode()
         try:
-            await conn.send(raw)
+            with trio.move_on_after(self.cfg.peer_timeout) as scope:   # a peer that reads no answers is dropped
+                await conn.send(raw)
+            if scope.cancelled_caught:
+                log.warning("dropping connection from %s: it has not read its answers for %ss", conn.peer,
+                            self.cfg.peer_timeout)
+                await conn.aclose()
         except TransportError as e:
             log.debug("reply to %s lost: %s", conn.peer, e)
 

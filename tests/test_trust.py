@@ -8,6 +8,7 @@ import json
 import os
 import pathlib
 import random
+import socket
 import subprocess
 import sys
 import time
@@ -351,6 +352,73 @@ def test_one_connection_cannot_hold_the_whole_pool(nodes, secret):
         finally:
             fuzz.end(s, "rst")
     run(body)
+
+
+def test_requests_beyond_max_inflight_are_answered_busy(nodes, secret):
+    """A connection with max_inflight requests in flight gets BUSY (arg: the limit) for each extra one at once,
+    while its first ones keep waiting and everybody else is served; a peer that floods requests and reads no
+    answers is dropped instead of growing the node."""
+    [n] = nodes(1, secret_file=str(secret), max_inflight=4, peer_timeout=3.0)
+    cl = auth_as(secret, Role.CLIENT)
+
+    async def body():
+        async with open_client("tcp", [], secret=str(secret)) as adm:
+            await create_partition(adm, PID, [n.addr])
+            eid = await adm.create_extent(PID)
+            epoch = adm.partition(PID).epoch
+        s = fuzz.connect(n.addr, timeout=10)
+        try:
+            fuzz.hello(s, auth=cl)
+            for i in range(12):                     # 1-byte appends whose payload we never serve
+                fuzz.send_ctrl(s, Header(opcode=Op.WRITE, partition=PID, extent=eid, length=1, crc=0, epoch=epoch,
+                                         addr=0x1000, rkey=9, rlen=1, req_id=100 + i).encode())
+            busy, fetches = [], 0
+            while len(busy) < 8:
+                ftype, _st, _len, _op, _a, _r, payload = fuzz.recv_frame(s)
+                if ftype == fuzz.CTRL:
+                    busy.append(fuzz.decode(payload, request=False))
+                elif ftype == READ_REQ:
+                    fetches += 1
+            assert all(r.result == Result.BUSY and r.arg == 4 for r in busy), [r.result_text() for r in busy]
+            assert sorted(r.req_id for r in busy) == list(range(104, 112))   # the first four are the ones held
+            async with open_client("tcp", [n.addr], secret=str(secret)) as dc:
+                data = pattern(4, 300 * KiB)
+                locs = await dc.write(PID, data)
+                assert b"".join([await dc.read_location(loc) for loc in locs]) == data
+                st = await dc.admin(n.addr, Op.NODE_STATUS)
+                assert st["counters"]["busy_inflight"] == 8
+                assert max(c["inflight"] for c in st["connections"]) == 4
+        finally:
+            fuzz.end(s, "rst")
+    run(body)
+    assert "max_inflight 4" in wait_log(n, "max_inflight 4")
+
+    # a flood of PINGs whose answers are never read: the node stops reading us (TCP backpressure) and drops us
+    s = fuzz.connect(n.addr, timeout=1.0)
+    fuzz.hello(s, auth=cl)
+    raw = Header(opcode=Op.PING, req_id=1).encode()
+    ping = FRAME.pack(fuzz.CTRL, 0, 0, len(raw), 0, 0, 0, 0) + raw
+    dropped = False
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            s.sendall(ping * 1024)
+        except socket.timeout:
+            continue                                 # our send buffer is full: the node reads no more
+        except OSError:
+            dropped = True                           # reset by the node
+            break
+    s.close()
+    assert dropped, "the node kept a connection that reads none of its answers"
+    text = wait_log(n, "127.0.0.1")
+    assert "has not read its answers" in text or "more control messages than we have slots" in text
+
+    async def still_serves():
+        async with open_client("tcp", [n.addr], secret=str(secret)) as dc:
+            data = pattern(6, 100 * KiB)
+            locs = await dc.write(PID, data)
+            assert b"".join([await dc.read_location(loc) for loc in locs]) == data
+    run(still_serves)
 
 
 # -- no data dies on one message: the trash -------------------------------------------------------------------------

@@ -47,6 +47,7 @@ class RequestCounters:
     requests: int = 0
     protocol_errors: int = 0
     forbidden: int = 0             # requests refused for the connection's role or node identity
+    busy_inflight: int = 0         # requests answered BUSY because their connection had max_inflight in flight
     writes: int = 0                # client appends acknowledged (as leader)
     replica_writes: int = 0        # forwarded appends applied (as follower)
     write_bytes: int = 0

@@ -197,6 +197,10 @@ class Connection(abc.ABC):
         # control messages that landed in our slots, in arrival order; a transport puts them in ``_ctrl_in``
         self._ctrl_in, self._ctrl_out = trio.open_memory_channel(our_slots)
 
+    @property
+    def alive(self) -> bool:
+        return self._closed is None
+
     @abc.abstractmethod
     async def send(self, header: bytes) -> None: ...
 
@@ -224,7 +228,7 @@ class Connection(abc.ABC):
         s = self.stats
         return {"peer": self.peer, "transport": self.transport,
                 "role": self.role.name.lower() if self.role is not None else None, "identity": self.identity,
-                "pool_held": self.pool_held, "sends": s.sends, "recvs": s.recvs,
+                "pool_held": self.pool_held, "inflight": self.busy, "sends": s.sends, "recvs": s.recvs,
                 "reads": s.reads, "read_bytes": s.read_bytes, "writes": s.writes, "write_bytes": s.write_bytes,
                 "served_reads": s.served_reads, "served_read_bytes": s.served_read_bytes,
                 "served_writes": s.served_writes, "refused": s.refused, **s.extra}
