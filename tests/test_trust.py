@@ -223,6 +223,50 @@ def test_a_follower_takes_forwards_only_from_the_current_leader(nodes, secret):
     assert "but the leader of partition 7 is" in wait_log(b, "but the leader of partition 7 is")
 
 
+def test_creates_in_flight_across_a_step_down_are_never_forwarded_at_the_new_view(nodes, secret):
+    """Extent creates in flight (their store create in a worker thread) while the leader is told it no longer
+    leads: each answers OK (replicated at the view of its epoch) or a redirect (STALE_EPOCH / NOT_LEADER),
+    never a replication failure from a forward sent at the new view (which names the old leader itself)."""
+    a, b, c = nodes(3, secret_file=str(secret))
+    view2 = json.dumps({"replicas": [b.addr, a.addr, c.addr], "epoch": 2}).encode()
+
+    async def setup():
+        async with open_client("tcp", [], secret=str(secret)) as adm:
+            await create_partition(adm, PID, [a.addr, b.addr, c.addr])
+    run(setup)
+    s = fuzz.connect(a.addr, timeout=10)
+    try:
+        fuzz.hello(s, auth=auth_as(secret, Role.ADMIN))
+        creates = 40
+        for i in range(creates):
+            fuzz.send_ctrl(s, Header(opcode=Op.CREATE_EXTENT, partition=PID, epoch=1, req_id=1 + i).encode())
+        fuzz.send_ctrl(s, Header(opcode=Op.PARTITION_UPDATE, partition=PID, length=len(view2), addr=0x2000, rkey=6,
+                                 rlen=len(view2), req_id=999).encode())
+        answers = {}
+        deadline = time.monotonic() + 30
+        while len(answers) < creates + 1 and time.monotonic() < deadline:
+            ftype, _st, length, op, _a, _r, payload = fuzz.recv_frame(s)
+            if ftype == READ_REQ:
+                s.sendall(FRAME.pack(READ_RESP, 0, 0, length, op, 0, 0, 0) + view2[:length])
+            elif ftype == fuzz.CTRL:
+                r = fuzz.decode(payload, request=False)
+                answers[r.req_id] = r
+    finally:
+        fuzz.end(s, "fin")
+    assert answers.pop(999).result == Result.OK
+    results = {Result(r.result).name for r in answers.values()}
+    assert len(answers) == creates and results <= {"OK", "STALE_EPOCH", "NOT_LEADER"}, \
+        sorted((i, Result(r.result).name) for i, r in answers.items())
+    made = {r.arg for r in answers.values() if r.result == Result.OK}
+
+    async def check():                   # every create answered OK is on each replica of its view
+        async with open_client("tcp", [], secret=str(secret)) as adm:
+            await adm.discover(b.addr)
+            for addr in (a.addr, b.addr, c.addr):
+                assert made <= set(await adm.watermarks(PID, addr)), addr
+    run(check)
+
+
 # -- memory exposed only to whom a request names ------------------------------------------------------------------
 def test_a_peer_cannot_read_pool_memory_not_granted_to_it(nodes, secret):
     a, b = nodes(2, secret_file=str(secret))

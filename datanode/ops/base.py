@@ -91,6 +91,14 @@ class Handlers:
         if part.leader != self.me:
             raise Reply(Result.NOT_LEADER, why=f"leader of partition {part.pid} is {part.leader}")
 
+    def _still_leading(self, part: Partition, h: Header) -> None:
+        """After an await: the view may have changed meanwhile (a step-down).  A request may only go on (be
+        forwarded) at the view of the epoch it carries, with this node still its leader."""
+        if part.epoch != h.epoch:
+            raise Reply(Result.STALE_EPOCH, arg=part.epoch,
+                        why=f"partition {part.pid} moved to epoch {part.epoch} while handling epoch {h.epoch}")
+        self._leader_of(part)
+
     @staticmethod
     def _size(part: Partition, extent: int) -> int:
         try:
