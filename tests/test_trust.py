@@ -267,6 +267,61 @@ def test_creates_in_flight_across_a_step_down_are_never_forwarded_at_the_new_vie
     run(check)
 
 
+def test_a_follower_copy_changed_behind_the_leaders_back_is_caught_by_the_heartbeat(nodes, secret):
+    """The issue's probe: a forwarded TRUNCATE + WRITE (valid CRC, same size as before) injected into a
+    follower with a node identity that passes as the leader's.  The leader's next heartbeat sees the copy
+    differ (the per-extent digest), says so in partition health, and repair makes it identical again --
+    long before the full repair pass (repair_interval_s) would have compared the blocks."""
+    a, b = nodes(2, secret_file=str(secret), heartbeat_s=0.5, repair_interval_s=3600)
+    data = pattern(12, 300 * KiB + 3)
+
+    async def body():
+        async with open_client("tcp", [], secret=str(secret)) as adm:
+            await create_partition(adm, PID, [a.addr, b.addr])
+            eid = await adm.create_extent(PID)
+            await adm.append(PID, eid, 0, data)
+            epoch = adm.partition(PID).epoch
+
+            async def health():
+                return await adm.admin(a.addr, Op.PARTITION_HEALTH, partition=PID)
+
+            with trio.fail_after(10 + SLACK):
+                while (await health())["followers"][0]["state"] != "healthy":
+                    await trio.sleep(0.1)
+            before = (await health())["repair"]["passes"]
+            evil = b"EVIL!"
+            cut = len(data) - len(evil)
+            node_a = auth_as(secret, Role.NODE, a.addr)
+            r = fuzz.request(b.addr, Header(opcode=Op.TRUNCATE, partition=PID, extent=eid, offset=cut, epoch=epoch,
+                                            flags=Flag.FORWARDED), auth=node_a)
+            assert r.result == Result.OK, r.result_text()
+            r = fuzz.request(b.addr, Header(opcode=Op.WRITE, partition=PID, extent=eid, offset=cut, length=len(evil),
+                                            crc=crc32c(evil), epoch=epoch, addr=0x1000, rkey=5, rlen=len(evil),
+                                            flags=Flag.FORWARDED), evil, auth=node_a)
+            assert r.result == Result.OK, r.result_text()
+            t0 = time.monotonic()
+            assert (await adm.watermarks(PID, b.addr))[eid] == len(data)          # same size: sizes alone miss it
+            seen = set()
+            with trio.fail_after(4 * 0.5 + SLACK):      # caught within a heartbeat or two, then repaired
+                while True:
+                    h = await health()
+                    seen.add(h["followers"][0]["state"])
+                    if h["repair"]["passes"] > before and seen - {"healthy"}:
+                        break
+                    await trio.sleep(0.05)
+            caught = time.monotonic() - t0
+            with trio.fail_after(10 + SLACK):
+                while (await health())["followers"][0]["state"] != "healthy":
+                    await trio.sleep(0.1)
+            assert await adm.read(PID, eid, 0, len(data), replica=b.addr) == data
+            st = await adm.admin(a.addr, Op.NODE_STATUS)
+            assert st["counters"]["repair_truncates"] >= 1
+            return caught
+    caught = run(body)
+    print(f"divergence caught and repaired {caught:.2f}s after the injection (heartbeat 0.5s)")
+    assert "different bytes (digest)" in wait_log(a, "different bytes (digest)")
+
+
 # -- memory exposed only to whom a request names ------------------------------------------------------------------
 def test_a_peer_cannot_read_pool_memory_not_granted_to_it(nodes, secret):
     a, b = nodes(2, secret_file=str(secret))
