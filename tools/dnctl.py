@@ -8,6 +8,7 @@ modules (tools/demo.py, tools/bench.py, tools/torture.py), which do not import t
 """
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
 
@@ -28,8 +29,25 @@ from tools.torture import torture_command
 MiB = 1 << 20
 
 
+def _secret_file(ctx, param, value):
+    """--secret-file: checked now (one clear line if unusable), then handed to every SDK call of this command
+    through $DATANODE_SECRET_FILE (which the SDK reads)."""
+    if value:
+        from datanode.auth import AuthConfigError, Credentials
+        try:
+            Credentials.load(value)
+        except AuthConfigError as e:
+            raise click.BadParameter(str(e)) from None
+        os.environ["DATANODE_SECRET_FILE"] = os.path.abspath(value)
+    return value
+
+
 @click.group(cls=Group, context_settings=CTX)
 @click.version_option(version(), "--version", prog_name="dnctl")
+@click.option("--secret-file", type=click.Path(dir_okay=False), callback=_secret_file, expose_value=False,
+              is_eager=True, envvar="DATANODE_SECRET_FILE", show_envvar=True,
+              help="The cluster secret (or an admin/client role key file) to authenticate with, for nodes that "
+                   "have secret_file set.")
 def main():
     """Administer datanodes: local clusters, partitions and their replicas, data, pools, benchmarks.
 
