@@ -635,3 +635,43 @@ def test_wire_fuzz_authenticated(nodes, secret):
     text = log_of(n)
     assert "Traceback" not in text, text[text.index("Traceback") - 300:][:3000]
 
+
+
+# -- dnctl: a local cluster with a secret, --secret-file, and the trash ---------------------------------------------
+def test_dnctl_secret_cluster_and_trash(tmp_path):
+    from tests.test_cli import dnctl, refused
+    env_secret = os.environ.pop("DATANODE_SECRET_FILE", None)
+    d = tmp_path / "cl"
+    try:
+        up = json.loads(dnctl("cluster", "up", "--nodes", "2", "--secret", "--cluster", d, "--json", check=True).out)
+        secret = d / "cluster.secret"
+        assert secret.stat().st_mode & 0o777 == 0o600
+        a, b = (n["addr"] for n in up["nodes"])
+        assert "authentication on" in (d / "node1" / "node.log").read_text()
+        f = tmp_path / "f"
+        f.write_bytes(pattern(21, 70 * KiB))
+        dnctl("put", "--cluster", d, "--partition", "1", f, check=True)      # --cluster DIR: its secret is used
+        p = dnctl("partition", "delete", "--id", "1", "--replicas", f"{a},{b}")      # no secret: per replica, refused
+        assert p.returncode != 0 and p.out.count("requires authentication") == 2, p.out + p.err
+        refused(dnctl("--secret-file", tmp_path / "nope", "partition", "list", "--via", a), "secret file")
+        dnctl("--secret-file", secret, "partition", "delete", "--id", "1", "--replicas", f"{a},{b}", check=True)
+        rows = json.loads(dnctl("trash", "list", "--cluster", d, "--json", check=True).out)
+        assert sorted(r["node"] for r in rows) == sorted([a, b]) and {r["partition"] for r in rows} == {1}
+        mine = next(r["name"] for r in rows if r["node"] == a)
+        refused(dnctl("trash", "restore", mine, "--cluster", d, "--node", a), "is running", "stop it first")
+        dnctl("cluster", "stop-node", a, "--cluster", d, check=True)
+        got = json.loads(dnctl("trash", "restore", mine, "--cluster", d, "--node", a, "--json", check=True).out)
+        assert got == {"node": a, "name": mine, "partition": 1}
+        dnctl("cluster", "start-node", a, "--cluster", d, check=True)
+        out = dnctl("get", "--cluster", d, "--partition", "1", "--extent", "1", "--replica", a, "--out", "-",
+                    check=True)
+        assert out.stdout == f.read_bytes()
+        gone = json.loads(dnctl("trash", "purge", "--all", "--cluster", d, "--node", b, "--json", check=True).out)
+        assert [g["node"] for g in gone] == [b]
+        assert json.loads(dnctl("trash", "list", "--cluster", d, "--json", check=True).out) == []
+        refused(dnctl("trash", "purge", "nosuch", "--cluster", d), "no trash entry")
+        refused(dnctl("trash", "list"), "--config", "--cluster")
+    finally:
+        dnctl("cluster", "down", "--cluster", d)
+        if env_secret is not None:
+            os.environ["DATANODE_SECRET_FILE"] = env_secret

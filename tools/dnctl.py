@@ -21,10 +21,11 @@ from datanode.protocol import Op
 from tools import cluster as cl
 from tools.bench import bench_command
 from tools.clikit import (ADDR, ADDRS, CTX, Group, ProgressLine, bar, cluster_nodes, cluster_option, emit,
-                          fmt_bytes, fmt_count, fmt_seconds, load_cluster, run, seeds, version)
+                          fmt_bytes, fmt_count, fmt_seconds, load_cluster, run, seeds, use_cluster_secret, version)
 from tools.demo import demo_command
 from tools.fuzz import fuzz_command
 from tools.torture import torture_command
+from tools.trash import trash_group
 
 MiB = 1 << 20
 
@@ -110,6 +111,17 @@ _start_timeout = click.option("--start-timeout", type=click.FloatRange(1, 3600),
                               show_default=True, help="Seconds a node may take to start listening.")
 
 
+def _cluster_secret(root: pathlib.Path) -> str:
+    """DIR/cluster.secret, made now (0600) unless it exists; its absolute path."""
+    from datanode.auth import gen_secret
+    path = root.resolve() / "cluster.secret"
+    if not path.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        with open(path, "w", opener=lambda p, f: os.open(p, f | os.O_EXCL, 0o600)) as f:
+            f.write(gen_secret())
+    return str(path)
+
+
 @cluster.command("up")
 @click.option("--nodes", "count", type=click.IntRange(1, 64), default=3, show_default=True,
               help="How many datanodes.")
@@ -126,9 +138,12 @@ _start_timeout = click.option("--start-timeout", type=click.FloatRange(1, 3600),
               help="Seconds a follower may take to ack a forwarded write.")
 @click.option("--partition", "pid", type=click.IntRange(1), default=1, show_default=True,
               help="Id of the partition created on all nodes.")
+@click.option("--secret", is_flag=True,
+              help="Authenticate: make DIR/cluster.secret (a new cluster secret, mode 0600) and give it to every "
+                   "node (secret_file); dnctl commands with --cluster DIR then use it.")
 @_start_timeout
 @click.option("--json", "as_json", is_flag=True)
-def cluster_up(count, cluster, base_port, sync, transport, pool_mib, replica_timeout, pid, start_timeout,
+def cluster_up(count, cluster, base_port, sync, transport, pool_mib, replica_timeout, pid, secret, start_timeout,
                as_json):
     """Start N datanodes and create a partition replicated on all of them (leader: node1).
 
@@ -139,12 +154,14 @@ def cluster_up(count, cluster, base_port, sync, transport, pool_mib, replica_tim
     """
     from datanode.config import ConfigError
     rootp = pathlib.Path(cluster)
+    extra = {"secret_file": _cluster_secret(rootp)} if secret else {}
     try:
         info = cl.up(rootp, count, base_port, sync=sync, transport=transport, pool_mib=pool_mib,
-                     replica_timeout=replica_timeout, start_timeout=start_timeout)
+                     replica_timeout=replica_timeout, start_timeout=start_timeout, **extra)
     except (RuntimeError, TimeoutError, ValueError, ConfigError, OSError) as e:
         raise click.ClickException(str(e)) from None
     addrs = [n["addr"] for n in info["nodes"]]
+    use_cluster_secret(info)
 
     async def go():
         async with DataClient.open(timeout=10) as dc:
@@ -398,7 +415,7 @@ def partition_create(pid, replicas, as_json):
 @_where
 @click.option("--json", "as_json", is_flag=True)
 def partition_delete(pid, replicas, via, cluster, as_json):
-    """Delete a partition and its data from its replicas (irreversible)."""
+    """Delete a partition from its replicas; each keeps its data in its trash for trash_retention_s (dnctl trash)."""
     where = None if replicas else seeds(via, cluster)
 
     async def go():
@@ -927,6 +944,7 @@ main.add_command(demo_command, "demo")
 main.add_command(bench_command, "bench")
 main.add_command(torture_command, "torture")
 main.add_command(fuzz_command, "fuzz")
+main.add_command(trash_group, "trash")
 
 
 if __name__ == "__main__":
