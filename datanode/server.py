@@ -314,7 +314,9 @@ class Node(DataOps, AdminOps, RepairOps):
             await conn.aclose()
             resp = None
         except TransportError as e:
-            log.warning("%s from %s: connection failed: %s", h.describe(), conn.peer, e)
+            # one line per connection is logged where it ends (_on_stream); its other requests only at debug
+            (log.debug if not conn.alive else log.warning)("%s from %s: connection failed: %s", h.describe(),
+                                                            conn.peer, e)
             resp = None
         except Exception:  # a bug must cost one request, not the node
             log.exception("%s from %s failed", h.describe(), conn.peer)

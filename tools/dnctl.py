@@ -19,6 +19,7 @@ from client.sdk import ClientError, DataClient, Location
 from datanode.config import SyncMode, TransportChoice
 from datanode.protocol import Op
 from tools import cluster as cl
+from tools.abuse import soak_command
 from tools.bench import bench_command
 from tools.clikit import (ADDR, ADDRS, CTX, Group, ProgressLine, bar, cluster_nodes, cluster_option, emit,
                           fmt_bytes, fmt_count, fmt_seconds, load_cluster, run, seeds, use_cluster_secret, version)
@@ -945,6 +946,7 @@ main.add_command(bench_command, "bench")
 main.add_command(torture_command, "torture")
 main.add_command(fuzz_command, "fuzz")
 main.add_command(trash_group, "trash")
+main.add_command(soak_command, "soak")
 
 
 if __name__ == "__main__":

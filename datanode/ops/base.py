@@ -11,9 +11,10 @@ from ..partition import Partition
 from ..protocol import BODY_REASONS, BodyError, Header, RemoteBuf, Result, decode_view
 from ..pool import PoolExhausted
 from ..store import StoreCode, StoreError, io_error
-from ..transport.base import Connection, RemoteAccessError, TransportError
+from ..transport.base import Connection, ConnectionClosed, RemoteAccessError, TransportError
 
 MAX_JSON = 1 << 20
+ANSWER_BYTES = 8 << 20      # one connection's one-sided answers (read payloads, JSON) being prepared or sent
 STORE_RESULTS = {StoreCode.NOT_FOUND: Result.NOT_FOUND, StoreCode.DELETED: Result.NOT_FOUND,
                  StoreCode.EXISTS: Result.EXISTS, StoreCode.WRONG_OFFSET: Result.WRONG_OFFSET,
                  StoreCode.OUT_OF_RANGE: Result.OUT_OF_RANGE, StoreCode.TOO_LARGE: Result.TOO_LARGE,
@@ -36,6 +37,29 @@ class PeerTimeout(TransportError):
 
 def bad_body(e: BodyError) -> Reply:
     return Reply(Result.BAD_BODY, arg=BODY_REASONS.index(e.reason), why=str(e))
+
+
+class ByteBudget:
+    """Bytes one connection's answers may have in preparation or on the wire at once (``ANSWER_BYTES``).  Taken
+    *before* the disk is read: a peer that does not read its answers gets at most this much work done for it
+    (its other requests wait here, in flight, until it is dropped), and answers never queue in memory."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.used = 0
+        self._freed = trio.Event()
+
+    async def take(self, n: int) -> int:
+        n = min(n, self.cap)                 # one answer larger than the budget runs alone
+        while self.used and self.used + n > self.cap:
+            await self._freed.wait()
+        self.used += n
+        return n
+
+    def give(self, n: int) -> None:
+        self.used -= n
+        self._freed.set()
+        self._freed = trio.Event()
 
 
 def store_reply(e: StoreError) -> Reply:
@@ -149,6 +173,17 @@ class Handlers:
         """One-sided READ of the peer's ``remote`` into ``view`` (a block of our pool), bounded in time."""
         await self._one_sided(conn.read(remote, view, self.region), "read")
 
+    async def _answer_budget(self, conn: Connection, n: int) -> int:
+        """Take ``n`` bytes of the connection's answer budget (give them back with ``conn.answers.give``)."""
+        budget = getattr(conn, "answers", None)
+        if budget is None:
+            budget = conn.answers = ByteBudget(ANSWER_BYTES)
+        taken = await budget.take(n)
+        if not conn.alive:                   # dropped while we waited: do not read the disk for nobody
+            budget.give(taken)
+            raise ConnectionClosed(f"{conn.peer}: connection closed")
+        return taken
+
     async def _write_remote(self, conn: Connection, view: memoryview, remote: RemoteBuf) -> None:
         """One-sided WRITE of ``view`` into the peer's ``remote``, bounded in time."""
         await self._one_sided(conn.write(view, self.region, remote), "write")
@@ -180,14 +215,18 @@ class Handlers:
         if len(data) > h.rlen:
             raise Reply(Result.SHORT_BUFFER, arg=len(data),
                         why=f"answer needs {len(data)} bytes, the buffer holds {h.rlen}")
-        block = await self._alloc(len(data), conn)
+        taken = await self._answer_budget(conn, len(data))
         try:
-            view = block.view(len(data))
-            view[:] = data
-            if data:
-                await self._write_remote(conn, view, h.remote.slice(0, len(data)))
+            block = await self._alloc(len(data), conn)
+            try:
+                view = block.view(len(data))
+                view[:] = data
+                if data:
+                    await self._write_remote(conn, view, h.remote.slice(0, len(data)))
+            finally:
+                self._free(block, conn)
         finally:
-            self._free(block, conn)
+            conn.answers.give(taken)
         return h.reply(Result.OK, length=len(data))
 
     async def _pull_json(self, conn: Connection, h: Header):

@@ -94,14 +94,18 @@ class DataOps(Handlers):
         part = self._partition(h)        # the buffer holds h.length bytes: checked by decode
         if not h.flags & Flag.ANY_REPLICA:
             self._leader_of(part)
-        block = await self._alloc(h.length, conn)
+        taken = await self._answer_budget(conn, h.length)     # before the disk: see ByteBudget
         try:
-            view = block.view(h.length)
-            crc = await self._store(part.store.read_into, h.extent, h.offset, h.length, view)
-            if h.length:
-                await self._write_remote(conn, view, h.remote.slice(0, h.length))  # one-sided WRITE
+            block = await self._alloc(h.length, conn)
+            try:
+                view = block.view(h.length)
+                crc = await self._store(part.store.read_into, h.extent, h.offset, h.length, view)
+                if h.length:
+                    await self._write_remote(conn, view, h.remote.slice(0, h.length))  # one-sided WRITE
+            finally:
+                self._free(block, conn)
         finally:
-            self._free(block, conn)
+            conn.answers.give(taken)
         self.counters.reads += 1
         self.counters.read_bytes += h.length
         return h.reply(Result.OK, length=h.length, crc=crc, arg=self._size(part, h.extent))
