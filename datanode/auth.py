@@ -114,8 +114,9 @@ class DialAuth:
     """What one side of ``connect.dial`` presents: credentials (or None: authentication off), the role it
     claims and, for a datanode, its identity (its listen address)."""
 
-    def __init__(self, creds: Credentials | None, role: Role | None = None, identity: str = ""):
+    def __init__(self, creds: Credentials | None, role: Role | None = None, identity: str = "", tls=None):
         self.creds = creds
+        self.tls = tls                       # ssl.SSLContext: speak TLS from the first byte (transport/tls.py)
         self.role = role if role is not None else (creds.default_role() if creds else Role.CLIENT)
         self.identity = identity
         if creds is not None and creds.key(self.role) is None:

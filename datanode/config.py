@@ -60,6 +60,10 @@ class Config:
     max_inflight: int = 0          # requests one connection may have in flight; more are answered BUSY (0: = slots)
     trash_retention_s: float = 86400.0   # a deleted/removed partition's data is kept in data_dir/trash this long
     audit_log: str = ""            # admin actions, one JSON line each (empty: data_dir/audit.log)
+    tls_cert: str = ""             # PEM certificate (chain) this node presents to TLS clients (empty: no TLS)
+    tls_key: str = ""              # its private key (PEM)
+    tls_ca: str = ""               # CA bundle (PEM) to verify other nodes with; set: this node dials them with TLS
+    tls_required: bool = False     # refuse plaintext connections (needs tls_cert)
     # -- cluster map in etcd (datanode/etcdmap.py); empty etcd: no etcd, the map is what admins set --
     etcd: str = ""                 # e.g. "http://127.0.0.1:2379" or "http://a:2379,http://b:2379"
     etcd_prefix: str = "/datanode"  # every key of this cluster lives under it
@@ -111,6 +115,13 @@ def _check(cfg: Config) -> Config:
     if cfg.hello_timeout <= 0 or cfg.max_connections < 1 or cfg.idle_timeout_s < 0:
         bad("hello_timeout" if cfg.hello_timeout <= 0 else "max_connections" if cfg.max_connections < 1
             else "idle_timeout_s", "must be > 0 (idle_timeout_s: >= 0, 0 = never)")
+    if bool(cfg.tls_cert) != bool(cfg.tls_key):
+        bad("tls_cert" if not cfg.tls_cert else "tls_key", "tls_cert and tls_key go together")
+    for key in ("tls_cert", "tls_key", "tls_ca"):
+        if getattr(cfg, key) and not pathlib.Path(getattr(cfg, key)).is_file():
+            bad(key, "no such file")
+    if cfg.tls_required and not cfg.tls_cert:
+        bad("tls_required", "needs tls_cert and tls_key")
     if cfg.max_inflight < 0:
         bad("max_inflight", "must be >= 0 (0: the same as slots)")
     if not 0 < cfg.conn_pool_share <= 1:
@@ -188,6 +199,10 @@ KEY_HELP: dict[str, tuple[str, str]] = {
                               "(0: the same as slots)"),
     "trash_retention_s": ("seconds", "a deleted or removed partition's data stays in data_dir/trash this long"),
     "audit_log": ("path", "admin actions as JSON lines (empty: data_dir/audit.log)"),
+    "tls_cert": ("path", "PEM certificate (chain) presented to TLS clients; names the node's listen IP/host"),
+    "tls_key": ("path", "the certificate's private key (PEM)"),
+    "tls_ca": ("path", "CA bundle to verify other nodes' certificates; set: node-to-node links use TLS"),
+    "tls_required": ("bool", "refuse plaintext connections (clients must dial with TLS)"),
 }
 
 
@@ -229,7 +244,8 @@ def from_dict(d: dict, source: str = "config") -> Config:
         if key not in fields:
             raise ConfigError(f"{source}: unknown key '{key}' (known: {', '.join(sorted(fields))})")
         want = fields[key].type
-        ok = {"str": isinstance(value, str), "int": isinstance(value, int) and not isinstance(value, bool),
+        ok = {"str": isinstance(value, str), "bool": isinstance(value, bool),
+              "int": isinstance(value, int) and not isinstance(value, bool),
               "float": isinstance(value, (int, float)) and not isinstance(value, bool)}.get(
                   want, isinstance(value, str) and want in _ENUMS)
         if not ok:
@@ -257,7 +273,8 @@ def to_toml(cfg: Config, annotate: bool = False) -> str:
     lines = []
     for f in dataclasses.fields(Config):
         v = getattr(cfg, f.name)
-        line = f'{f.name} = "{v}"' if isinstance(v, str) else f"{f.name} = {v}"
+        line = (f'{f.name} = "{v}"' if isinstance(v, str) else f"{f.name} = {str(v).lower()}"
+                if isinstance(v, bool) else f"{f.name} = {v}")
         if annotate:
             unit, text = KEY_HELP.get(f.name, ("", ""))
             line = f"{line:30} # [{unit}] {text}" if unit or text else line

@@ -410,7 +410,8 @@ HELLO_SIZE = _HELLO.size          # the fixed part; the identity follows
 HELLO_AUTH = 0x02
 HELLO_STATUS = ["ok", "authentication required: this node needs a cluster secret (secret file)",
                 "unknown role", "too many connections", "bad proof (wrong secret or role key)",
-                "this node does not authenticate but the peer holds a secret"]
+                "this node does not authenticate but the peer holds a secret",
+                "this node requires TLS (give the client a CA: tls_ca, $DATANODE_TLS_CA, dnctl --tls-ca)"]
 
 
 class Transport(enum.IntEnum):

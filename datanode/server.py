@@ -46,6 +46,7 @@ from .replication import Replicator
 from .rpc import Links
 from .store import StoreError
 from .transport.base import Access, Connection, ConnectionClosed, Domain, TransportError
+from .transport import tls
 from .transport.connect import ServerAuth, accept, make_domain, refuse
 
 log = logging.getLogger(__name__)
@@ -60,12 +61,18 @@ class Node(DataOps, AdminOps, RepairOps):
         except TransportError as e:
             raise config_mod.ConfigError(f"config key 'transport': {e}") from None
         try:
+            server_tls = tls.server_context(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None
+            dial_tls = tls.client_context(cfg.tls_ca) if cfg.tls_ca else None
+        except tls.TlsConfigError as e:
+            raise config_mod.ConfigError(f"config key 'tls_cert'/'tls_key'/'tls_ca': {e}") from None
+        try:
             creds = Credentials.load(cfg.secret_file) if cfg.secret_file else None
-            self.server_auth = ServerAuth(creds)
+            self.server_auth = ServerAuth(creds, server_tls, cfg.tls_required)
         except (AuthConfigError, ValueError) as e:
             raise config_mod.ConfigError(f"config key 'secret_file': {e}") from None
         # towards other datanodes we are role ``node``, identified by our listen address
-        self.dial_auth = DialAuth(creds, Role.NODE, identity=self.me) if creds else None
+        self.dial_auth = (DialAuth(creds, Role.NODE, identity=self.me, tls=dial_tls) if creds or dial_tls
+                          else None)
         self.audit = AuditLog(cfg.audit_log or str(pathlib.Path(cfg.data_dir) / "audit.log"), self.me)
         self.accepted = 0                    # connections accepted and not yet ended (max_connections)
         self.refused_connections = 0
@@ -411,6 +418,7 @@ class Node(DataOps, AdminOps, RepairOps):
         return {"node": self.me, "state": self.state, "opening": self.opening.to_dict(), "pid": os.getpid(),
                 "uptime_s": round(time.time() - self.started, 1),
                 "auth": "on" if self.server_auth.creds is not None else "off",
+                "tls": ("required" if self.cfg.tls_required else "offered") if self.server_auth.tls else "off",
                 "refused_connections": self.refused_connections,
                 "transport": self.cfg.transport, "sync": self.cfg.sync,
                 "rdma_device": getattr(self.domain.device, "name", None), "draining": self.draining,

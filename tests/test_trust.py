@@ -675,3 +675,53 @@ def test_dnctl_secret_cluster_and_trash(tmp_path):
         dnctl("cluster", "down", "--cluster", d)
         if env_secret is not None:
             os.environ["DATANODE_SECRET_FILE"] = env_secret
+
+
+# -- TLS on the TCP stream ---------------------------------------------------------------------------------------
+def make_ca(d: pathlib.Path, name: str = "ca") -> tuple[pathlib.Path, pathlib.Path, pathlib.Path]:
+    """A throwaway CA and a node certificate for 127.0.0.1 signed by it (the openssl CLI): (ca, cert, key)."""
+    d.mkdir(parents=True, exist_ok=True)
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
+    def ossl(*args):
+        subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True, cwd=d)
+    ossl("req", "-x509", *ec, "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "1", "-subj", f"/CN={name}")
+    ossl("req", *ec, "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=127.0.0.1")
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    ossl("x509", "-req", "-in", "node.csr", "-CA", f"{name}.pem", "-CAkey", f"{name}.key", "-CAcreateserial",
+         "-out", "node.pem", "-days", "1", "-extfile", "san.ext")
+    return d / f"{name}.pem", d / "node.pem", d / "node.key"
+
+
+def test_tls_on_the_tcp_stream(nodes, secret, tmp_path):
+    ca, cert, key = make_ca(tmp_path / "pki")
+    other_ca, _, _ = make_ca(tmp_path / "other", "otherca")
+    tls = dict(tls_cert=str(cert), tls_key=str(key), tls_ca=str(ca))
+    a, b = nodes(2, secret_file=str(secret), tls_required=True, **tls)
+    [c] = nodes(1, secret_file=str(secret), **tls)                 # offers TLS, takes plaintext too
+    data = pattern(13, 3 * MiB + 5)
+
+    async def body():
+        async with open_client("tcp", [], secret=str(secret), tls_ca=str(ca)) as dc:
+            await create_partition(dc, PID, [a.addr, b.addr])
+            locs = await dc.write(PID, data)                         # client -> a and a -> b over TLS
+            for addr in (a.addr, b.addr):
+                assert b"".join([await dc.read_location(loc, replica=addr) for loc in locs]) == data
+            st = await dc.admin(a.addr, Op.NODE_STATUS)
+            assert st["tls"] == "required"
+            assert st["connections"] and all(x["tls"] for x in st["connections"])
+            st_b = await dc.admin(b.addr, Op.NODE_STATUS)
+            assert any(x["role"] == "node" and x["tls"] for x in st_b["connections"])   # the leader's link
+        with pytest.raises(ClientError, match="requires TLS"):
+            async with open_client("tcp", [a.addr], secret=str(secret)):
+                pass
+        with pytest.raises(ClientError, match="certificate verify failed"):   # a node we cannot verify
+            async with open_client("tcp", [a.addr], secret=str(secret), tls_ca=str(other_ca)):
+                pass
+        for ca_file in (None, str(ca)):                               # c: either way
+            async with open_client("tcp", [], secret=str(secret), tls_ca=ca_file) as dc:
+                st = await dc.admin(c.addr, Op.NODE_STATUS)
+                assert st["tls"] == "offered"
+                assert [x["tls"] for x in st["connections"]] == [ca_file is not None]
+    run(body)
+    assert "requires TLS" in wait_log(a, "requires TLS")

@@ -44,8 +44,23 @@ def _secret_file(ctx, param, value):
     return value
 
 
+def _tls_ca(ctx, param, value):
+    """--tls-ca: checked now, then handed to every SDK call through $DATANODE_TLS_CA."""
+    if value:
+        from datanode.transport.tls import TlsConfigError, client_context
+        try:
+            client_context(value)
+        except TlsConfigError as e:
+            raise click.BadParameter(str(e)) from None
+        os.environ["DATANODE_TLS_CA"] = os.path.abspath(value)
+    return value
+
+
 @click.group(cls=Group, context_settings=CTX)
 @click.version_option(version(), "--version", prog_name="dnctl")
+@click.option("--tls-ca", type=click.Path(dir_okay=False), callback=_tls_ca, expose_value=False, is_eager=True,
+              envvar="DATANODE_TLS_CA", show_envvar=True,
+              help="CA bundle (PEM): speak TLS to the nodes and check their certificates against it.")
 @click.option("--secret-file", type=click.Path(dir_okay=False), callback=_secret_file, expose_value=False,
               is_eager=True, envvar="DATANODE_SECRET_FILE", show_envvar=True,
               help="The cluster secret (or an admin/client role key file) to authenticate with, for nodes that "

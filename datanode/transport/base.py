@@ -187,6 +187,7 @@ class Connection(abc.ABC):
     slots: int = 0           # the peer's control slots: our credit limit for outstanding requests
     role = None              # protocol.Role the peer proved in the hello; None: authentication is off
     identity: str = ""       # a NODE peer's address (its listen HOST:PORT), bound into its proof
+    tls: bool = False        # the stream is TLS (transport/tls.py)
 
     def __init__(self, our_slots: int) -> None:
         self.stats = ConnStats()
@@ -227,7 +228,7 @@ class Connection(abc.ABC):
     def info(self) -> dict:
         s = self.stats
         return {"peer": self.peer, "transport": self.transport,
-                "role": self.role.name.lower() if self.role is not None else None, "identity": self.identity,
+                "role": self.role.name.lower() if self.role is not None else None, "identity": self.identity, "tls": self.tls,
                 "pool_held": self.pool_held, "inflight": self.busy, "sends": s.sends, "recvs": s.recvs,
                 "reads": s.reads, "read_bytes": s.read_bytes, "writes": s.writes, "write_bytes": s.write_bytes,
                 "served_reads": s.served_reads, "served_read_bytes": s.served_read_bytes,
