@@ -58,6 +58,7 @@ class Config:
     idle_timeout_s: float = 600.0  # a connection with nothing in flight for this long is closed (0: never)
     conn_pool_share: float = 0.5   # most of the pool one connection's requests may hold (fraction)
     max_inflight: int = 0          # requests one connection may have in flight; more are answered BUSY (0: = slots)
+    penalty_max_s: float = 2.0     # a host whose peer was dropped for abuse: its new connections wait (0: never)
     trash_retention_s: float = 86400.0   # a deleted/removed partition's data is kept in data_dir/trash this long
     audit_log: str = ""            # admin actions, one JSON line each (empty: data_dir/audit.log)
     tls_cert: str = ""             # PEM certificate (chain) this node presents to TLS clients (empty: no TLS)
@@ -122,6 +123,8 @@ def _check(cfg: Config) -> Config:
             bad(key, "no such file")
     if cfg.tls_required and not cfg.tls_cert:
         bad("tls_required", "needs tls_cert and tls_key")
+    if cfg.penalty_max_s < 0:
+        bad("penalty_max_s", "must be >= 0 seconds (0: no penalty)")
     if cfg.max_inflight < 0:
         bad("max_inflight", "must be >= 0 (0: the same as slots)")
     if not 0 < cfg.conn_pool_share <= 1:
@@ -197,6 +200,9 @@ KEY_HELP: dict[str, tuple[str, str]] = {
     "conn_pool_share": ("fraction", "most of the pool one connection may hold (BUSY beyond; fair share when short)"),
     "max_inflight": ("count", "requests one connection may have in flight; more are answered BUSY at once "
                               "(0: the same as slots)"),
+    "penalty_max_s": ("seconds", "after a peer is dropped for abuse (payload not served, answers not read, "
+                                 "slots overrun), its host's new connections wait 0.05s, doubling per offence up "
+                                 "to this (0: never)"),
     "trash_retention_s": ("seconds", "a deleted or removed partition's data stays in data_dir/trash this long"),
     "audit_log": ("path", "admin actions as JSON lines (empty: data_dir/audit.log)"),
     "tls_cert": ("path", "PEM certificate (chain) presented to TLS clients; names the node's listen IP/host"),

@@ -76,6 +76,7 @@ class Node(DataOps, AdminOps, RepairOps):
         self.audit = AuditLog(cfg.audit_log or str(pathlib.Path(cfg.data_dir) / "audit.log"), self.me)
         self.accepted = 0                    # connections accepted and not yet ended (max_connections)
         self.refused_connections = 0
+        self.penalties: dict[str, tuple[float, float]] = {}   # host -> (its new connections wait until, since)
         self.domain.scoped = True            # our memory is reachable only through grants (transport/base.py)
         self.pool = BuddyPool(cfg.pool_mib << 20, cfg.max_block_kib << 10)
         # The whole arena, registered once; peers may read it (followers fetch forwards), never write.
@@ -178,6 +179,9 @@ class Node(DataOps, AdminOps, RepairOps):
         except OSError:                          # reset before we even looked at it
             return
         peer = f"{host}:{port}"
+        delay = self.penalties.get(host, (0.0, 0.0))[0] - trio.current_time()
+        if delay > 0:                 # this host's peers broke the rules lately: its new connections wait
+            await trio.sleep(delay)
         if self.accepted >= self.cfg.max_connections:
             self.refused_connections += 1
             if self.refused_connections % 1000 == 1:
@@ -187,6 +191,7 @@ class Node(DataOps, AdminOps, RepairOps):
                 await refuse(stream.socket, self.domain, self.cfg.slots, 3)
             return
         self.accepted += 1
+        conn = None
         try:
             async with accept(stream.socket, peer, self.domain, transport=self.cfg.transport,
                               slots=self.cfg.slots, timeout=self.cfg.hello_timeout,
@@ -201,7 +206,29 @@ class Node(DataOps, AdminOps, RepairOps):
             log.exception("connection from %s ended by an internal error", peer)
         finally:
             self.accepted -= 1
+            if conn is not None and conn.misbehaved and self.cfg.penalty_max_s:
+                self._penalize(host, conn.misbehaved)
         # (trio.serve_listeners closes the stream when this returns)
+
+    PENALTY_MIN, PENALTY_FORGET = 0.05, 30.0
+
+    def _penalize(self, host: str, why: str) -> None:
+        """A peer of ``host`` was dropped for breaking the rules: the host's next connections wait before their
+        hello (doubling per offence, up to ``penalty_max_s``; forgotten after PENALTY_FORGET quiet seconds), so a
+        peer that reconnects at once to abuse again gets a bounded share of the node.  Connections already
+        open (well-behaved clients keep theirs) are not touched."""
+        now = trio.current_time()
+        until, last = self.penalties.get(host, (0.0, 0.0))
+        prev = max(0.0, until - last) if now - last < self.PENALTY_FORGET else 0.0
+        step = min(self.cfg.penalty_max_s, max(self.PENALTY_MIN, prev * 2))
+        self.penalties[host] = (now + step, now)
+        if len(self.penalties) > 4096:        # bounded, whatever the number of hosts
+            for h in [h for h, (_, t) in self.penalties.items() if now - t > self.PENALTY_FORGET]:
+                del self.penalties[h]
+        self.counters.penalties += 1
+        if self.counters.penalties % 100 == 1:
+            log.warning("peer from %s dropped (%s): its new connections wait %.2fs (%d such drops so far)", host,
+                        why, step, self.counters.penalties)
 
     def _track(self, conn: Connection, opened: bool) -> None:
         (self.conns.add if opened else self.conns.discard)(conn)
@@ -295,6 +322,7 @@ class Node(DataOps, AdminOps, RepairOps):
             if scope.cancelled_caught:
                 log.warning("dropping connection from %s: it has not read its answers for %ss", conn.peer,
                             self.cfg.peer_timeout)
+                conn.misbehaved = conn.misbehaved or "did not read its answers"
                 await conn.aclose()
         except TransportError as e:
             log.debug("reply to %s lost: %s", conn.peer, e)
@@ -318,6 +346,7 @@ class Node(DataOps, AdminOps, RepairOps):
             resp = h.reply(r.result, arg=r.arg)
         except PeerTimeout as e:
             log.warning("%s from %s: %s: dropping the connection", h.describe(), conn.peer, e)
+            conn.misbehaved = conn.misbehaved or "did not serve a one-sided op in time"
             await conn.aclose()
             resp = None
         except TransportError as e:

@@ -511,6 +511,8 @@ def test_requests_beyond_max_inflight_are_answered_busy(nodes, secret):
     assert dropped, "the node kept a connection that reads none of its answers"
     text = wait_log(n, "127.0.0.1")
     assert "has not read its answers" in text or "more control messages than we have slots" in text
+    # and its host's next connections wait a little (penalty_max_s): reconnecting at once to abuse again is slowed
+    assert "its new connections wait" in wait_log(n, "its new connections wait")
 
     async def still_serves():
         async with open_client("tcp", [n.addr], secret=str(secret)) as dc:
@@ -618,7 +620,7 @@ def test_replication_and_repair_work_between_authenticated_nodes(nodes, secret):
 
 # -- the wire fuzz, authenticated as a client (one case in ten without credentials) --------------------------------
 def test_wire_fuzz_authenticated(nodes, secret):
-    [n] = nodes(1, transport="tcp", peer_timeout=2.0, secret_file=str(secret))
+    [n] = nodes(1, transport="tcp", peer_timeout=2.0, secret_file=str(secret), penalty_max_s=0.0)
     checker = fuzz.Checker(n.addr, secret=str(secret))
     target = checker.setup()
     cl = auth_as(secret, Role.CLIENT)

@@ -189,7 +189,7 @@ def soak(*, seconds: float, clients: int, size: int, idle: int, warmup: float = 
         with open(secret, "w", opener=lambda p, f: os.open(p, f, 0o600)) as f:
             f.write(gen_secret())
         node_cfg = {"secret_file": secret, "max_connections": idle + 512, "peer_timeout": 2.0,
-                    "hello_timeout": 2.0, "sync": "none", **cfg}
+                    "hello_timeout": 2.0, "sync": "none", "penalty_max_s": 2.0, **cfg}
         with scratch_node(d, **node_cfg) as node:
             target = trio.run(_setup, node.addr, secret)
             base = trio.run(_clients, node.addr, secret, seconds, clients, size)

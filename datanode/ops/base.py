@@ -72,6 +72,7 @@ class RequestCounters:
     protocol_errors: int = 0
     forbidden: int = 0             # requests refused for the connection's role or node identity
     busy_inflight: int = 0         # requests answered BUSY because their connection had max_inflight in flight
+    penalties: int = 0             # peers dropped for breaking the rules (their host's next connections wait)
     writes: int = 0                # client appends acknowledged (as leader)
     replica_writes: int = 0        # forwarded appends applied (as follower)
     write_bytes: int = 0

@@ -195,6 +195,7 @@ class Connection(abc.ABC):
         self.pool_held = 0                   # bytes of the node's pool held by this peer's requests
         self.busy = 0                        # its requests being handled now (the server's count)
         self._closed: str | None = None     # why the connection ended
+        self.misbehaved = ""                 # why we dropped the peer for breaking the rules (server policy)
         # control messages that landed in our slots, in arrival order; a transport puts them in ``_ctrl_in``
         self._ctrl_in, self._ctrl_out = trio.open_memory_channel(our_slots)
 

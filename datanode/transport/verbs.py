@@ -325,6 +325,7 @@ class VerbsConnection(Connection):
             try:
                 self._ctrl_in.send_nowait(msg)
             except (trio.WouldBlock, trio.ClosedResourceError):
+                self.misbehaved = "more control messages than slots"
                 self._shutdown("peer sent more control messages than we have slots")
             return
         op = self._ops.pop(wc.wr_id, None)
