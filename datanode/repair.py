@@ -230,7 +230,7 @@ class Repairer:
         out = {"id": pid, "node": self.me, "epoch": part.epoch, "replicas": part.replicas,
                "leader": part.leader, "role": "leader" if part.leader == self.me else "follower",
                "sealed_extents": sorted(int(e) for e in part.sealed)}
-        if w is None:
+        if w is None or part.leader != self.me:     # (a worker may still be winding down after a step-down)
             out["note"] = "replica health is kept by the leader; ask it"
             return out
         out.update(w.describe())
