@@ -150,10 +150,8 @@ def _abusers(addr: str, secret: str, target: dict, idle: int, stop, counts, kind
                 for _ in range(20 if "slowloris" in kinds else 0)]
     if "idle" not in kinds:
         idle = 0
-    for t in threads:
-        t.start()
     held = []
-    for _ in range(idle):                         # idle: authenticated, then silent
+    for _ in range(idle):                         # idle: authenticated, then silent (opened first)
         if stop.is_set():
             break
         try:
@@ -163,6 +161,8 @@ def _abusers(addr: str, secret: str, target: dict, idle: int, stop, counts, kind
             bump(3)
         except (OSError, ConnectionError, fuzz.Refused):
             bump(4)
+    for t in threads:
+        t.start()
     stop.wait()
     for s in held:
         s.close()
@@ -203,7 +203,7 @@ def soak(*, seconds: float, clients: int, size: int, idle: int, warmup: float = 
                 t0 = time.monotonic()             # let the idle connections pile up first
                 while "idle" in kinds and counts[3] + counts[4] < idle and time.monotonic() - t0 < warmup * 4:
                     time.sleep(0.2)
-                time.sleep(warmup / 3)
+                time.sleep(warmup / 3)            # and the other abusers get going
                 st0 = trio.run(_status, node.addr, secret)
                 loaded = trio.run(_clients, node.addr, secret, seconds, clients, size)
                 st1 = trio.run(_status, node.addr, secret)
@@ -213,6 +213,7 @@ def soak(*, seconds: float, clients: int, size: int, idle: int, warmup: float = 
                 if proc.is_alive():
                     proc.kill()
             alive = node.alive()
+            rss = fuzz.rss_kib(st1["pid"])
             tracebacks = node.log_path.read_text(errors="replace").count("Traceback")
     p99u, p99l = _percentile(base, 0.99), _percentile(loaded, 0.99)
     return {"seconds_per_phase": seconds, "clients": clients, "size": size,
@@ -225,10 +226,11 @@ def soak(*, seconds: float, clients: int, size: int, idle: int, warmup: float = 
                         "slowloris_sessions_dropped": counts[2], "idle_connections_held": counts[3],
                         "idle_connections_refused": counts[4],
                         "node_connections_during": len(st0["connections"]),
+                        "node_connections_at_end": len(st1["connections"]),
                         "node_refused_connections": st1["refused_connections"],
                         "node_busy_inflight": st1["counters"].get("busy_inflight")},
             "node_alive": alive, "tracebacks_in_log": tracebacks,
-            "node_rss_kib": fuzz.rss_kib(st1["pid"])}
+            "node_rss_kib": rss, "node_penalties": st1["counters"].get("penalties")}
 
 
 @click.command("soak", cls=Command, context_settings=CTX)
