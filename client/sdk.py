@@ -16,7 +16,9 @@ payloads) and a landing pool they may WRITE (read answers); each request exposes
 connection it is sent on, until its answer arrives (``rpc.Requester`` grants; nothing else is reachable).
 
 Credentials: ``secret=`` a cluster secret or role key file (or $DATANODE_SECRET_FILE); ``role=`` the role to
-claim (default: admin when the file allows it, else client).  See datanode/auth.py.
+claim (default: admin when the file allows it, else client).  See datanode/auth.py.  TLS: ``tls_ca=`` a CA
+bundle (or $DATANODE_TLS_CA): every connection then speaks TLS and checks the node's certificate
+(datanode/transport/tls.py).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ import trio
 from client.metrics import ClientMetrics
 from datanode import aio
 from datanode.auth import AuthConfigError, Credentials, DialAuth, ROLE_NAMES, from_env_or
+from datanode.transport.tls import TlsConfigError, client_context_from_env
 from datanode.crc import crc32c
 from datanode.etcdmap import DEFAULT_PREFIX, Etcd, EtcdError, PartView, open_channel
 from datanode.pool import BuddyPool, PoolExhausted
@@ -90,15 +93,15 @@ class DataClient:
     def __init__(self, nursery: trio.Nursery, *, transport: str = "auto", timeout: float = 15.0,
                  block_size: int = 1 << 20, depth: int = 8, pool_mib: int = 64, domain: Domain | None = None,
                  etcd: str | None = None, etcd_prefix: str = DEFAULT_PREFIX,
-                 secret: "str | Credentials | None" = None, role: str | None = None):
+                 secret: "str | Credentials | None" = None, role: str | None = None, tls_ca: str | None = None):
         if block_size & (block_size - 1) or not (4096 <= block_size <= 4 << 20):
             raise ValueError("block_size must be a power of two between 4 KiB and 4 MiB")
         if role is not None and role not in ROLE_NAMES:
             raise ValueError(f"role must be one of {', '.join(ROLE_NAMES)}, not {role!r}")
         try:
             creds = from_env_or(secret)
-            self.auth = DialAuth(creds, ROLE_NAMES[role] if role else None)
-        except AuthConfigError as e:
+            self.auth = DialAuth(creds, ROLE_NAMES[role] if role else None, tls=client_context_from_env(tls_ca))
+        except (AuthConfigError, TlsConfigError) as e:
             raise ClientError(str(e)) from None
         self.timeout = timeout
         self.block_size = block_size

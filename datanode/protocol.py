@@ -110,7 +110,8 @@ class Result(enum.IntEnum):
     WRONG_ROLE = 0xE6           # an op this replica does not take in its role (e.g. TRUNCATE on a leader)
     POOL_BUSY = 0xE7            # no pool block free within pool_wait (transient: back off and retry)
     FORBIDDEN = 0xE8            # the connection's authenticated role (or node identity) may not do this
-    BUSY = 0xE9                 # this connection is over its share (pool bytes held): retry after some finish
+    BUSY = 0xE9                 # this connection is over its share (pool bytes held, or requests in flight:
+                                #   arg = max_inflight): retry after some finish
 
 
 # Why an admin request's JSON body was refused; a BAD_BODY result carries the index in ``arg``.
@@ -189,7 +190,8 @@ DEFAULT_RESULT_TEXT = {
     Result.WRONG_ROLE: "not allowed in this replica's role",
     Result.POOL_BUSY: "node's buffer pool is busy: retry",
     Result.FORBIDDEN: "forbidden: this connection's role may not do that",
-    Result.BUSY: "this connection holds its share of the node's pool: retry when earlier requests finish",
+    Result.BUSY: "this connection is over its share of the node (pool bytes held or requests in flight): "
+                 "retry when earlier requests finish",
 }
 # What a response's ``arg`` means, per result (for the human sentence).
 _ARG_TEXT = {
@@ -408,7 +410,8 @@ HELLO_SIZE = _HELLO.size          # the fixed part; the identity follows
 HELLO_AUTH = 0x02
 HELLO_STATUS = ["ok", "authentication required: this node needs a cluster secret (secret file)",
                 "unknown role", "too many connections", "bad proof (wrong secret or role key)",
-                "this node does not authenticate but the peer holds a secret"]
+                "this node does not authenticate but the peer holds a secret",
+                "this node requires TLS (give the client a CA: tls_ca, $DATANODE_TLS_CA, dnctl --tls-ca)"]
 
 
 class Transport(enum.IntEnum):

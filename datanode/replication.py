@@ -38,9 +38,10 @@ class ReplicationCounters:
 class Fanout:
     """The forwards of one request in flight: (replica index, pending answer or the error sending it)."""
 
-    def __init__(self, part: Partition, request: Header):
+    def __init__(self, part: Partition, request: Header, replicas: list[str]):
         self.part = part
         self.request = request
+        self.replicas = replicas             # the view the forwards were sent at (the request's epoch)
         self.sent: list[tuple[int, Pending | BaseException]] = []
 
     def __bool__(self) -> bool:
@@ -53,10 +54,14 @@ class Replicator:
         self.links: Links | None = None      # to the followers; set by the node when it starts serving
         self.counters = ReplicationCounters()
 
-    async def submit(self, part: Partition, fwd: Header) -> Fanout:
-        """Send ``fwd`` (already marked forwarded) to every follower, in replica order; returns at once."""
-        out = Fanout(part, fwd)
-        for i, addr in enumerate(part.replicas[1:], start=1):
+    async def submit(self, part: Partition, fwd: Header, replicas: list[str] | None = None) -> Fanout:
+        """Send ``fwd`` (already marked forwarded) to every follower, in replica order; returns at once.
+
+        ``replicas``: the view of ``fwd.epoch``, taken by the caller *before* any await (the partition's view
+        may change meanwhile: a step-down must not redirect a request of the old epoch to the new view)."""
+        replicas = list(part.replicas) if replicas is None else replicas
+        out = Fanout(part, fwd, replicas)
+        for i, addr in enumerate(replicas[1:], start=1):
             try:
                 link = await self.links.get(addr)
                 out.sent.append((i, await link.submit(fwd, self.timeout)))
@@ -73,7 +78,7 @@ class Replicator:
         failed: set[int] = set()
 
         async def one(i: int, p) -> None:
-            addr = part.replicas[i]
+            addr = fan.replicas[i]
             if isinstance(p, BaseException):
                 log.warning("replica %s of partition %d: %s", addr, part.pid, p)
                 failed.add(i)
@@ -96,13 +101,13 @@ class Replicator:
         if failed:
             self.counters.replication_failures += 1
             for i in failed:
-                addr = part.replicas[i]
+                addr = fan.replicas[i]
                 self.counters.failures_by_replica[addr] = self.counters.failures_by_replica.get(addr, 0) + 1
         return sum(1 << i for i in failed)
 
-    async def replicate(self, part: Partition, fwd: Header) -> int:
+    async def replicate(self, part: Partition, fwd: Header, replicas: list[str] | None = None) -> int:
         """``submit`` then ``wait``: for requests that need no local step in between."""
-        return await self.wait(await self.submit(part, fwd))
+        return await self.wait(await self.submit(part, fwd, replicas))
 
     def seal(self, part: Partition, extent: int, lane: ExtentLane, why: str) -> None:
         """Refuse further appends to ``extent`` (durably): its replicas may differ."""
@@ -113,6 +118,6 @@ class Replicator:
             log.warning("partition %d extent %d sealed for appends: %s", part.pid, extent, why)
 
 
-def replica_names(part: Partition, mask: int) -> str:
-    """The addresses of the replicas set in a failed-replica bitmask."""
-    return ",".join(a for i, a in enumerate(part.replicas) if mask >> i & 1)
+def replica_names(replicas: list[str], mask: int) -> str:
+    """The addresses of the replicas set in a failed-replica bitmask (of the view the forwards went to)."""
+    return ",".join(a for i, a in enumerate(replicas) if mask >> i & 1)

@@ -203,7 +203,7 @@ def _scratch_bufs() -> tuple[memoryview, memoryview]:
 
 class _Extent:
     __slots__ = ("id", "dat", "crc", "size", "entries", "bad", "mu", "cond", "wlock", "readers",
-                 "exclusive", "dead", "broken")
+                 "exclusive", "dead", "broken", "gen")
 
     def __init__(self, eid: int, dat_fd: int, crc_fd: int, size: int, entries: list[tuple[int, int]],
                  bad: set[int]):
@@ -220,6 +220,7 @@ class _Extent:
         self.exclusive = False
         self.dead = False               # deleted or closed: fds are gone
         self.broken = None              # str: a failed fdatasync/rollback; writes refused until reopen
+        self.gen = 0                    # bumped by every change of size/entries (the digest cache's key)
 
     # -- reader side ------------------------------------------------------------------------------------
     def begin_read(self, b0: int, b1: int):
@@ -271,6 +272,7 @@ class ExtentStore:
         self._dir = self.root / "extents"
         self._lock = threading.Lock()       # guards _extents, _tombstones, _next_id, _closed (short holds)
         self._create_lock = threading.Lock()  # serialises create_extent (held across its fsyncs)
+        self._digests: dict[int, tuple] = {}   # extent id -> (its _Extent, gen, digest): see digests()
         self._extents: dict[int, _Extent] = {}
         self._tombstones: set[int] = set()
         self._closed = False
@@ -574,6 +576,7 @@ class ExtentStore:
             with ext.mu:
                 entries[first:] = new       # readers copy slices under mu, so in place is fine
                 ext.size = size + n
+                ext.gen += 1
             return size + n
 
     def _rollback(self, ext: _Extent, size: int, first: int, stage: str, err: OSError) -> None:
@@ -672,6 +675,29 @@ class ExtentStore:
             exts = list(self._extents.values())
         return {e.id: e.size for e in exts}
 
+    def digests(self) -> dict[int, tuple[int, int]]:
+        """(size, digest) of every extent, each a consistent snapshot.  The digest is the CRC32C of the
+        extent's block CRC entries (crc, covered), so two copies of the same size have the same digest exactly
+        when every block holds the same bytes (up to CRC collisions): replicas compare it every heartbeat.
+        Cached per extent until its next change (``gen``), so an idle extent costs nothing."""
+        with self._lock:
+            exts = list(self._extents.values())
+        cache = self._digests
+        out = {}
+        for ext in exts:
+            with ext.mu:
+                gen, size = ext.gen, ext.size
+                hit = cache.get(ext.id)
+                entries = None if hit is not None and hit[0] is ext and hit[1] == gen else list(ext.entries)
+            if entries is None:
+                out[ext.id] = (size, hit[2])
+                continue
+            flat = [x for e in entries for x in e]
+            digest = crc32c(struct.pack(f">{len(flat)}I", *flat)) if flat else 0
+            cache[ext.id] = (ext, gen, digest)
+            out[ext.id] = (size, digest)
+        return out
+
     def block_crcs(self, extent_id: int) -> list[int]:
         ext = self._get(extent_id)
         with ext.mu:
@@ -682,6 +708,7 @@ class ExtentStore:
             if self._closed:
                 raise StoreError("disk", f"store {self.root} is closed")
             ext = self._extents.pop(extent_id, None)
+            self._digests.pop(extent_id, None)
             if ext is None:
                 raise StoreError("not_found", f"extent {extent_id} does not exist")
             self._tombstones.add(extent_id)
@@ -745,6 +772,7 @@ class ExtentStore:
                 with ext.mu:
                     ext.entries = entries
                     ext.size = size
+                    ext.gen += 1
                     ext.bad = {b for b in ext.bad if b < keep}
             finally:
                 ext.end_exclusive()

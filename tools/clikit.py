@@ -127,10 +127,20 @@ def cluster_option(required: bool = False, help: str = "A local cluster director
                         metavar="DIR", help=help + " Alias: --dir.")
 
 
+def use_cluster_secret(info: dict) -> None:
+    """A local cluster made with ``cluster up --secret`` names its secret in its config: this command then
+    authenticates with it (unless --secret-file / $DATANODE_SECRET_FILE says otherwise)."""
+    path = info.get("config", {}).get("secret_file")
+    if path and not os.environ.get("DATANODE_SECRET_FILE"):
+        os.environ["DATANODE_SECRET_FILE"] = path
+
+
 def load_cluster(cluster_dir: str) -> dict:
     from tools import cluster
     try:
-        return cluster.load(pathlib.Path(cluster_dir))
+        info = cluster.load(pathlib.Path(cluster_dir))
+        use_cluster_secret(info)
+        return info
     except FileNotFoundError as e:
         raise click.ClickException(str(e)) from None
     except (OSError, ValueError, KeyError) as e:

@@ -31,7 +31,7 @@ START_TIMEOUT = float(os.environ.get("DATANODE_START_TIMEOUT", "90" if os.enviro
 
 
 def wait_listening(addr: str, timeout: float = START_TIMEOUT, proc: subprocess.Popen | None = None,
-                   secret: str | None = None) -> None:
+                   secret: str | None = None, tls_ca: str | None = None) -> None:
     """Wait until the datanode at ``addr`` serves: it listens, then answers NODE_STATUS with state
     "starting" (and progress) while it opens its partitions, then "serving".  ``timeout`` bounds each
     stretch without progress, not the whole start; TimeoutError names what the node was doing."""
@@ -56,7 +56,7 @@ def wait_listening(addr: str, timeout: float = START_TIMEOUT, proc: subprocess.P
     async def until_serving() -> None:
         last, seen = None, None
         stall = time.monotonic() + timeout
-        async with DataClient.open(timeout=min(timeout, 10.0), pool_mib=2, secret=secret) as dc:
+        async with DataClient.open(timeout=min(timeout, 10.0), pool_mib=2, secret=secret, tls_ca=tls_ca) as dc:
             while True:
                 if proc is not None and proc.poll() is not None:
                     raise RuntimeError(f"datanode {addr} exited with status {proc.returncode} while starting")
@@ -117,7 +117,8 @@ class NodeProc:
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
         self.pid = self.proc.pid
-        wait_listening(self.addr, timeout, self.proc, secret=self.cfg.get("secret_file") or None)
+        wait_listening(self.addr, timeout, self.proc, secret=self.cfg.get("secret_file") or None,
+                       tls_ca=self.cfg.get("tls_ca") or None)
         return self
 
     def kill(self, sig: int = signal.SIGKILL) -> None:

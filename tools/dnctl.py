@@ -8,6 +8,7 @@ modules (tools/demo.py, tools/bench.py, tools/torture.py), which do not import t
 """
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
 
@@ -18,19 +19,53 @@ from client.sdk import ClientError, DataClient, Location
 from datanode.config import SyncMode, TransportChoice
 from datanode.protocol import Op
 from tools import cluster as cl
+from tools.abuse import soak_command
 from tools.bench import bench_command
 from tools.clikit import (ADDR, ADDRS, CTX, Group, ProgressLine, bar, cluster_nodes, cluster_option, emit,
                           etcd_option, etcd_url, fmt_bytes, fmt_count, fmt_seconds, load_cluster, run, seeds,
-                          version)
+                          use_cluster_secret, version)
 from tools.demo import demo_command
 from tools.fuzz import fuzz_command
 from tools.torture import torture_command
+from tools.trash import trash_group
 
 MiB = 1 << 20
 
 
+def _secret_file(ctx, param, value):
+    """--secret-file: checked now (one clear line if unusable), then handed to every SDK call of this command
+    through $DATANODE_SECRET_FILE (which the SDK reads)."""
+    if value:
+        from datanode.auth import AuthConfigError, Credentials
+        try:
+            Credentials.load(value)
+        except AuthConfigError as e:
+            raise click.BadParameter(str(e)) from None
+        os.environ["DATANODE_SECRET_FILE"] = os.path.abspath(value)
+    return value
+
+
+def _tls_ca(ctx, param, value):
+    """--tls-ca: checked now, then handed to every SDK call through $DATANODE_TLS_CA."""
+    if value:
+        from datanode.transport.tls import TlsConfigError, client_context
+        try:
+            client_context(value)
+        except TlsConfigError as e:
+            raise click.BadParameter(str(e)) from None
+        os.environ["DATANODE_TLS_CA"] = os.path.abspath(value)
+    return value
+
+
 @click.group(cls=Group, context_settings=CTX)
 @click.version_option(version(), "--version", prog_name="dnctl")
+@click.option("--tls-ca", type=click.Path(dir_okay=False), callback=_tls_ca, expose_value=False, is_eager=True,
+              envvar="DATANODE_TLS_CA", show_envvar=True,
+              help="CA bundle (PEM): speak TLS to the nodes and check their certificates against it.")
+@click.option("--secret-file", type=click.Path(dir_okay=False), callback=_secret_file, expose_value=False,
+              is_eager=True, envvar="DATANODE_SECRET_FILE", show_envvar=True,
+              help="The cluster secret (or an admin/client role key file) to authenticate with, for nodes that "
+                   "have secret_file set.")
 def main():
     """Administer datanodes: local clusters, partitions and their replicas, data, pools, benchmarks.
 
@@ -93,6 +128,17 @@ _start_timeout = click.option("--start-timeout", type=click.FloatRange(1, 3600),
                               show_default=True, help="Seconds a node may take to start listening.")
 
 
+def _cluster_secret(root: pathlib.Path) -> str:
+    """DIR/cluster.secret, made now (0600) unless it exists; its absolute path."""
+    from datanode.auth import gen_secret
+    path = root.resolve() / "cluster.secret"
+    if not path.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        with open(path, "w", opener=lambda p, f: os.open(p, f | os.O_EXCL, 0o600)) as f:
+            f.write(gen_secret())
+    return str(path)
+
+
 @cluster.command("up")
 @click.option("--nodes", "count", type=click.IntRange(1, 64), default=3, show_default=True,
               help="How many datanodes.")
@@ -114,10 +160,13 @@ _start_timeout = click.option("--start-timeout", type=click.FloatRange(1, 3600),
               help="No etcd and no manager: the map is what admins set (dnctl replica/partition commands).")
 @click.option("--min-writable", type=click.IntRange(0), default=2, show_default=True,
               help="The manager keeps at least this many writable partitions (it creates more).")
+@click.option("--secret", is_flag=True,
+              help="Authenticate: make DIR/cluster.secret (a new cluster secret, mode 0600) and give it to every "
+                   "node (secret_file) and the manager; dnctl commands with --cluster DIR then use it.")
 @_start_timeout
 @click.option("--json", "as_json", is_flag=True)
 def cluster_up(count, cluster, base_port, sync, transport, pool_mib, replica_timeout, pid, etcd, no_etcd,
-               min_writable, start_timeout, as_json):
+               min_writable, secret, start_timeout, as_json):
     """Start a local cluster: one etcd member, N datanodes (a partition on all of them, leader node1) and
     a cluster manager.
 
@@ -156,6 +205,8 @@ def cluster_up(count, cluster, base_port, sync, transport, pool_mib, replica_tim
     except (RuntimeError, TimeoutError, FileNotFoundError, OSError) as e:
         raise click.ClickException(f"etcd: {e}") from None
     extra = {"etcd": etcd_rec["url"]} if etcd_rec and prev is None else {}
+    if secret:
+        extra["secret_file"] = _cluster_secret(rootp)
     try:
         info = cl.up(rootp, count, base_port, sync=sync, transport=transport, pool_mib=pool_mib,
                      replica_timeout=replica_timeout, start_timeout=start_timeout, **extra)
@@ -164,6 +215,7 @@ def cluster_up(count, cluster, base_port, sync, transport, pool_mib, replica_tim
             cl.stop_aux({"etcd": etcd_rec}, "etcd")
         raise click.ClickException(str(e)) from None
     addrs = [n["addr"] for n in info["nodes"]]
+    use_cluster_secret(info)
 
     async def go():
         async with DataClient.open(timeout=10) as dc:
@@ -520,7 +572,7 @@ def partition_create(pid, replicas, count, etcd, cluster, timeout, as_json):
 @_where
 @click.option("--json", "as_json", is_flag=True)
 def partition_delete(pid, replicas, via, cluster, as_json):
-    """Delete a partition and its data from its replicas (irreversible)."""
+    """Delete a partition from its replicas; each keeps its data in its trash for trash_retention_s (dnctl trash)."""
     where = None if replicas else seeds(via, cluster)
 
     async def go():
@@ -1162,6 +1214,8 @@ main.add_command(demo_command, "demo")
 main.add_command(bench_command, "bench")
 main.add_command(torture_command, "torture")
 main.add_command(fuzz_command, "fuzz")
+main.add_command(trash_group, "trash")
+main.add_command(soak_command, "soak")
 
 
 if __name__ == "__main__":

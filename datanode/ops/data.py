@@ -60,6 +60,8 @@ class DataOps(Handlers):
                 if h.offset != end:
                     raise Reply(Result.WRONG_OFFSET, arg=end,
                                 why=f"append at {h.offset} but extent {h.extent} ends at {end}")
+                if not forwarded:
+                    self._still_leading(part, h)     # the fetch awaited: a step-down may have come meanwhile
                 try:
                     if not forwarded and len(part.replicas) > 1:
                         # the forward names our pool block: followers READ the payload from it, we copy nothing
@@ -74,7 +76,7 @@ class DataOps(Handlers):
             if fan:
                 failed = await self.replication.wait(fan)
                 if failed:
-                    names = replica_names(part, failed)
+                    names = replica_names(fan.replicas, failed)
                     self.replication.seal(part, h.extent, lane, f"replica {names} failed a write")
                     raise Reply(Result.REPLICATION_FAILED, arg=failed, why=f"replica {names} failed {h.describe()}")
         finally:
@@ -90,14 +92,18 @@ class DataOps(Handlers):
         part = self._partition(h)        # the buffer holds h.length bytes: checked by decode
         if not h.flags & Flag.ANY_REPLICA:
             self._leader_of(part)
-        block = await self._alloc(h.length, conn)
+        taken = await self._answer_budget(conn, h.length)     # before the disk: see ByteBudget
         try:
-            view = block.view(h.length)
-            crc = await self._store(part.store.read_into, h.extent, h.offset, h.length, view)
-            if h.length:
-                await self._write_remote(conn, view, h.remote.slice(0, h.length))  # one-sided WRITE
+            block = await self._alloc(h.length, conn)
+            try:
+                view = block.view(h.length)
+                crc = await self._store(part.store.read_into, h.extent, h.offset, h.length, view)
+                if h.length:
+                    await self._write_remote(conn, view, h.remote.slice(0, h.length))  # one-sided WRITE
+            finally:
+                self._free(block, conn)
         finally:
-            self._free(block, conn)
+            conn.answers.give(taken)
         self.counters.reads += 1
         self.counters.read_bytes += h.length
         return h.reply(Result.OK, length=h.length, crc=crc, arg=self._size(part, h.extent))
@@ -110,25 +116,33 @@ class DataOps(Handlers):
             eid = await self._store(part.store.create_extent, h.extent)
             return h.reply(Result.OK, arg=eid)
         part = await self._lead(h)
+        view = list(part.replicas)          # the view of h.epoch: forwards go to it, whatever happens meanwhile
         eid = await self._store(part.store.create_extent, None)
-        failed = await self.replication.replicate(part, h.forwarded(extent=eid))
+        try:
+            self._still_leading(part, h)     # stepped down during the create: take it back, redirect the client
+        except Reply:
+            await self._store(part.store.mark_delete, eid)
+            part.lanes.pop(eid, None)
+            raise
+        failed = await self.replication.replicate(part, h.forwarded(extent=eid), view)
         if failed:
             # not on every replica: take it back (its tombstone makes repair delete it where it did land),
             # so a client retrying against a dead follower does not leave an empty extent per try
             await self._store(part.store.mark_delete, eid)
             part.lanes.pop(eid, None)
             raise Reply(Result.REPLICATION_FAILED, arg=failed,
-                        why=f"replica {replica_names(part, failed)} failed create (extent {eid} taken back)")
+                        why=f"replica {replica_names(view, failed)} failed create (extent {eid} taken back)")
         return dataclasses.replace(h.reply(Result.OK, arg=eid), extent=eid)
 
     async def op_mark_delete(self, conn, h: Header, _t) -> Header:
         part = self._partition(h)
         if not h.flags & Flag.FORWARDED:
             part = await self._lead(h)
-            failed = await self.replication.replicate(part, h.forwarded())
+            view = list(part.replicas)
+            failed = await self.replication.replicate(part, h.forwarded(), view)
             if failed:
                 raise Reply(Result.REPLICATION_FAILED, arg=failed,
-                            why=f"replica {replica_names(part, failed)} failed delete")
+                            why=f"replica {replica_names(view, failed)} failed delete")
         await self._store(part.store.mark_delete, h.extent)
         part.lanes.pop(h.extent, None)
         return h.reply(Result.OK)

@@ -206,6 +206,7 @@ class TcpConnection(Connection):
                 try:
                     self._ctrl_in.send_nowait(bytes(msg))
                 except trio.WouldBlock:
+                    self.misbehaved = "more control messages than slots"
                     raise TransportError("peer sent more control messages than we have slots") from None
             elif ftype == READ_REQ:
                 await self._serve_in.send((READ_REQ, op, addr, rkey, length))

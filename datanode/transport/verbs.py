@@ -13,6 +13,18 @@
   state; everything in flight fails with ConnectionClosed / RemoteAccessError, the connection is torn down
   and the next request dials again.  The TCP stream stays open beside the QP: its EOF tells us at once that
   the peer process is gone.
+
+Limits of memory scoping on verbs.  The NIC serves RDMA READ/WRITE from an MR by rkey alone: the TCP
+transport's per-connection grants (``base.Grants``) are not consulted, so any peer with an established QP
+to us that learns the pool's rkey and address can read the whole pool (it is registered REMOTE_READ only,
+never REMOTE_WRITE; ``pool stats`` shows the rkey to admins only, and it is otherwise carried in the forwarded
+write headers that followers -- authenticated nodes -- receive).  A QP exists only after an authenticated
+hello, so strangers and connections refused at the hello get nothing.  ``rdma_rxe`` in our VM (kernel 6.1)
+advertises memory windows (``bench/mw_probe.py``: ``MEM_WINDOW`` and ``TYPE_2B``, max_mw 524287; an MR with
+``MW_BIND`` and type-1/type-2 windows allocate) -- binding per request was not exercised and is not done:
+it needs a bind work request on the requester's QP per request, the window's rkey in the header in place of
+the MR's, a local invalidate when the answer arrives (and on timeout, before the buffer is reused), and a
+fallback for devices without windows; the next step when verbs is used across a trust boundary.
 """
 from __future__ import annotations
 
@@ -316,6 +328,7 @@ class VerbsConnection(Connection):
             try:
                 self._ctrl_in.send_nowait(msg)
             except (trio.WouldBlock, trio.ClosedResourceError):
+                self.misbehaved = "more control messages than slots"
                 self._shutdown("peer sent more control messages than we have slots")
             return
         op = self._ops.pop(wc.wr_id, None)
