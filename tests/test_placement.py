@@ -306,14 +306,17 @@ async def _dropped(et, addr, pids):
 
 
 def test_one_command_cluster_put_without_partition(tmp_path):
-    """`dnctl cluster up` runs etcd + a manager + nodes; `put` without --partition goes where the client
-    picks and reads back; status lists etcd and the manager with pids; `cluster down` stops all of them."""
+    """`dnctl cluster up --secret` runs etcd + a manager + nodes, all authenticated; `put` without --partition
+    goes where the client picks and reads back; status lists etcd and the manager with pids; `cluster down` stops all of them."""
     from tools import cluster as cl
     root = tmp_path / "c"
-    p = dnctl("cluster", "up", "--nodes", 3, "--cluster", root, "--replica-timeout", 2, "--json")
+    p = dnctl("cluster", "up", "--nodes", 3, "--cluster", root, "--replica-timeout", 2, "--secret", "--json")
     assert p.returncode == 0, p.stderr
     up = json.loads(p.stdout)
     try:
+        # with --secret: the nodes refuse whoever lacks it, so the manager's min_writable partition below
+        # proves the manager authenticates as admin, and dnctl --cluster picks the secret up by itself
+        assert (root / "cluster.secret").exists() and up["config"]["secret_file"]
         assert up["etcd"]["managed"] and cl.pid_alive(up["etcd"]["pid"]) and len(up["managers"]) == 1
         src = tmp_path / "f.bin"
         src.write_bytes(os.urandom(3_000_000))

@@ -645,7 +645,7 @@ def test_dnctl_secret_cluster_and_trash(tmp_path):
     env_secret = os.environ.pop("DATANODE_SECRET_FILE", None)
     d = tmp_path / "cl"
     try:
-        up = json.loads(dnctl("cluster", "up", "--nodes", "2", "--secret", "--cluster", d, "--json", check=True).out)
+        up = json.loads(dnctl("cluster", "up", "--nodes", "2", "--secret", "--no-etcd", "--cluster", d, "--json", check=True).out)
         secret = d / "cluster.secret"
         assert secret.stat().st_mode & 0o777 == 0o600
         a, b = (n["addr"] for n in up["nodes"])
