@@ -20,6 +20,7 @@ import trio
 
 from . import config as config_mod
 from .audit import AuditLog
+from .commit import GroupCommit
 from .auth import AuthConfigError, Credentials, DialAuth
 from .metrics import NodeMetrics, serve_metrics
 from .ops.admin import AdminOps
@@ -85,6 +86,7 @@ class Node(DataOps, AdminOps, RepairOps):
         self.counters = RequestCounters()
         self._nursery: trio.Nursery | None = None
         self.replication = Replicator(cfg.replica_timeout)   # fan-out to followers (links set up in serve)
+        self.commit = GroupCommit()          # sync=always: appends share their fdatasyncs (datanode/commit.py)
         self.metrics = NodeMetrics(self)     # Prometheus (datanode/metrics.py); served on metrics_listen
         self.repair = Repairer(me=self.me, cfg=cfg, table=self.table, pool=self.pool, region=self.region,
                                domain=self.domain, replication=self.replication, views=self)  # health, repair, scrub
@@ -135,6 +137,7 @@ class Node(DataOps, AdminOps, RepairOps):
                                                connect_timeout=cfg.replica_timeout, on_conn=self._track,
                                                auth=self.dial_auth)
                 nursery.start_soon(self._keep_trash)
+                nursery.start_soon(self.commit.run)
                 if cfg.metrics_listen:
                     await nursery.start(serve_metrics, cfg.metrics_listen, self.metrics)
                 accepting = trio.CancelScope()
@@ -378,6 +381,7 @@ class Node(DataOps, AdminOps, RepairOps):
                 "disk": self.disk(),
                 "connections": [c.info() for c in list(self.conns)],
                 "counters": {**dataclasses.asdict(self.counters), **dataclasses.asdict(self.replication.counters),
+                             **dataclasses.asdict(self.commit.counters),
                              **dataclasses.asdict(self.repair.counters)},
                 "pool": self.pool_stats(reveal)}
 

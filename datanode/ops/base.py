@@ -10,10 +10,11 @@ import trio
 from ..partition import Partition
 from ..protocol import BODY_REASONS, BodyError, Header, RemoteBuf, Result, decode_view
 from ..pool import PoolExhausted
-from ..store import StoreCode, StoreError, io_error
+from ..store import StoreCode, StoreError, WouldBlock, io_error
 from ..transport.base import Connection, RemoteAccessError, TransportError
 
 MAX_JSON = 1 << 20
+LOOP_IO = 128 << 10       # appends up to this size run in the event loop (page cache; no thread hop)
 STORE_RESULTS = {StoreCode.NOT_FOUND: Result.NOT_FOUND, StoreCode.DELETED: Result.NOT_FOUND,
                  StoreCode.EXISTS: Result.EXISTS, StoreCode.WRONG_OFFSET: Result.WRONG_OFFSET,
                  StoreCode.OUT_OF_RANGE: Result.OUT_OF_RANGE, StoreCode.TOO_LARGE: Result.TOO_LARGE,
@@ -69,6 +70,7 @@ class Handlers:
     pool: object
     region: object
     counters: RequestCounters
+    commit: object            # datanode.commit.GroupCommit
 
     # -- the request's partition --------------------------------------------------------------------
     def _hosted(self, h: Header) -> Partition:
@@ -164,6 +166,27 @@ class Handlers:
             raise store_reply(e) from None
         except OSError as e:
             raise store_reply(io_error(getattr(fn, "__name__", "disk"), e)) from None
+
+    async def _append(self, store, extent: int, offset: int, view, crc: int) -> int:
+        """``store.append`` (no sync): a small one right here (a pwrite into the page cache costs less
+        than the hop to a worker thread), a large one -- or one whose extent is busy -- in a thread."""
+        if len(view) <= LOOP_IO:
+            try:
+                return store.append(extent, offset, view, crc, blocking=False)
+            except WouldBlock:
+                pass
+            except StoreError as e:
+                raise store_reply(e) from None
+            except OSError as e:
+                raise store_reply(io_error("append", e)) from None
+        return await self._store(store.append, extent, offset, view, crc)
+
+    async def _durable(self, store, extent: int, end: int) -> None:
+        """Wait until ``[0, end)`` of the extent is durable (group commit; at once under sync=none)."""
+        try:
+            await self.commit.durable(store, extent, end)
+        except StoreError as e:
+            raise store_reply(e) from None
 
     # -- JSON bodies and answers -----------------------------------------------------------------------
     async def _push_json(self, conn: Connection, h: Header, obj) -> Header:

@@ -10,9 +10,11 @@ Follow a write from the client to the disk (``DataOps.op_write``):
   3. in the extent's turn (``async with lane.turn(ticket)``): check the offset is the extent's end, SEND each
      follower the same header marked forwarded with the descriptor rewritten to name *our pool block*
      (``Replicator.submit``, datanode/replication.py: followers READ it from there, no copy here), and
-     persist the block to our extent (datanode/store.py: pwrite + CRC entries, fdatasync under
-     ``sync = always``);
-  4. outside the turn (the extent's next append may go on), wait for every follower's ack
+     append the block to our extent (datanode/store.py ``append``: CRCs + pwrite; a small one right here in
+     the event loop, a large one in a worker thread);
+  4. outside the turn (the extent's next append may go on): wait until the append is durable (under
+     ``sync = always``: group commit, datanode/commit.py -- one flush for every append queued meanwhile), and
+     for every follower's ack
      (``Replicator.wait``: matched on request id, partition, extent, offset, CRC) within ``replica_timeout``;
      reply OK to the client only then; free the block.
   Any failure after the turn began seals the extent (DIVERGED): its replicas may differ, so no more appends.
@@ -67,12 +69,21 @@ class DataOps(Handlers):
                         # the forward names our pool block: followers READ the payload from it, we copy nothing
                         fan = await self.replication.submit(
                             part, h.forwarded(addr=block.addr, rkey=self.region.rkey, rlen=h.length))
-                    size = await self._store(part.store.write, h.extent, h.offset, view, h.crc)
+                    size = await self._append(part.store, h.extent, h.offset, view, h.crc)
                 except BaseException as e:
                     self.replication.seal(part, h.extent, lane, f"local write failed: {e}")
                     if fan:
                         await self.replication.wait(fan)   # the followers must be done with our block
                     raise
+            # outside the turn: the extent's next append goes on while this one becomes durable (group
+            # commit, datanode/commit.py) and the followers answer
+            try:
+                await self._durable(part.store, h.extent, size)
+            except BaseException as e:
+                self.replication.seal(part, h.extent, lane, f"local flush failed: {e}")
+                if fan:
+                    await self.replication.wait(fan)
+                raise
             if fan:
                 failed = await self.replication.wait(fan)
                 if failed:
