@@ -20,7 +20,7 @@ import logging
 import trio
 
 from .partition import ExtentLane, Partition
-from .protocol import Header, Op, Result
+from .protocol import Flag, Header, Op, Result
 from .rpc import Links, Pending
 from .transport.base import TransportError
 
@@ -53,18 +53,39 @@ class Replicator:
         self.links: Links | None = None      # to the followers; set by the node when it starts serving
         self.counters = ReplicationCounters()
 
-    async def submit(self, part: Partition, fwd: Header) -> Fanout:
-        """Send ``fwd`` (already marked forwarded) to every follower, in replica order; returns at once."""
+    async def submit(self, part: Partition, fwd: Header, payload=None) -> Fanout:
+        """Send ``fwd`` (already marked forwarded) to every follower, in replica order; returns at once.
+        With ``payload`` (a small WRITE's bytes) it goes inline (``Flag.INLINE``, no buffer named) to every
+        follower whose link carries that much; ``fwd`` must then name a buffer holding the same bytes for
+        any other (``inline_ok`` says whether one is needed)."""
         out = Fanout(part, fwd)
+        inline = None
+        if payload is not None:
+            inline = dataclasses.replace(fwd, flags=fwd.flags | Flag.INLINE, addr=0, rkey=0, rlen=0)
         for i, addr in enumerate(part.replicas[1:], start=1):
             try:
                 link = await self.links.get(addr)
-                out.sent.append((i, await link.submit(fwd, self.timeout)))
+                if inline is not None and link.conn.max_inline >= len(payload):
+                    out.sent.append((i, await link.submit(inline, self.timeout, payload)))
+                else:
+                    out.sent.append((i, await link.submit(fwd, self.timeout)))
             except (TransportError, OSError) as e:
                 out.sent.append((i, e))
         if out.sent and fwd.opcode == Op.WRITE:
             self.counters.forwarded += 1
         return out
+
+    async def inline_ok(self, part: Partition, n: int) -> bool:
+        """Whether every follower's link can take an ``n``-byte payload inline (so the leader needs no pool
+        block to forward it).  A follower that cannot be reached counts as able (its forward fails anyway)."""
+        for addr in part.replicas[1:]:
+            try:
+                link = await self.links.get(addr)
+            except (TransportError, OSError):
+                continue
+            if link.conn.max_inline < n:
+                return False
+        return True
 
     async def wait(self, fan: Fanout) -> int:
         """Every follower's answer; returns the failed followers as a bitmask of replica indexes (0: all

@@ -38,7 +38,7 @@ from .protocol import (
     ProtocolError,
     Result,
     Role,
-    decode,
+    decode_message,
     peek_req_id,
     roles_for,
 )
@@ -227,7 +227,7 @@ class Node(DataOps, AdminOps, RepairOps):
     def _dispatch(self, nursery: trio.Nursery, conn: Connection, raw: bytes) -> None:
         self.counters.requests += 1
         try:
-            h = decode(raw)
+            h, payload = decode_message(raw)
         except ProtocolError as e:
             self.counters.protocol_errors += 1
             log.warning("malformed header from %s: %s", conn.peer, e)
@@ -244,7 +244,7 @@ class Node(DataOps, AdminOps, RepairOps):
                 ticket = (lane, lane.ticket())
         self.inflight += 1
         conn.busy += 1
-        nursery.start_soon(self._handle, conn, h, ticket, trio.current_time())
+        nursery.start_soon(self._handle, conn, h, ticket, trio.current_time(), payload)
 
     async def _send(self, conn: Connection, resp: Header) -> None:
         try:
@@ -257,7 +257,7 @@ class Node(DataOps, AdminOps, RepairOps):
         except TransportError as e:
             log.debug("reply to %s lost: %s", conn.peer, e)
 
-    async def _handle(self, conn: Connection, h: Header, ticket, t0: float) -> None:
+    async def _handle(self, conn: Connection, h: Header, ticket, t0: float, payload=None) -> None:
         resp = None
         why = ""
         try:
@@ -268,7 +268,10 @@ class Node(DataOps, AdminOps, RepairOps):
             if conn.role is not None:
                 self._authorize(conn, h)
             handler = HANDLERS[h.opcode]
-            resp = await handler(self, conn, h, ticket)
+            if payload is None:
+                resp = await handler(self, conn, h, ticket)
+            else:                                # an inline WRITE (decode_message allows no other)
+                resp = await handler(self, conn, h, ticket, payload)
         except Reply as r:
             why = r.why
             if r.result not in (Result.OK, Result.STALE_EPOCH, Result.NOT_FOUND):

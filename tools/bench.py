@@ -31,6 +31,7 @@ import time
 import click
 
 from datanode.config import TransportChoice
+from datanode.protocol import INLINE_MAX
 from tools.clikit import ADDR, ADDRS, CTX, Command, cluster_nodes, cluster_option
 
 MIB = 1 << 20
@@ -89,7 +90,8 @@ async def _worker_main(spec: dict) -> None:
     written: list[list[int]] = []        # [extent, acknowledged bytes]: what the read phase reads
 
     async with DataClient.open(spec["nodes"], block_size=block, depth=depth, pool_mib=pool_mib,
-                               transport=spec.get("transport", "auto"), timeout=spec.get("timeout", 30)) as dc:
+                               transport=spec.get("transport", "auto"), timeout=spec.get("timeout", 30),
+                               inline_max=spec.get("inline_max", INLINE_MAX)) as dc:
         part = dc.partition(pid)
         replicas = part.replicas
         rf = spec.get("read_from", "leader")
@@ -295,7 +297,8 @@ def _collect(workers, q, want: str, timeout: float, on_progress=None) -> dict[in
 
 def run_config(*, nodes: list[str], pid: int, size: int, clients: int, depth: int, seconds: float | None,
                total: int | None, phases: list[str], node_pids: dict[str, int], read_from: str,
-               transport: str, label: str, log_dir: pathlib.Path | None, progress: bool = True) -> list[dict]:
+               transport: str, label: str, log_dir: pathlib.Path | None, progress: bool = True,
+               inline_max: int = INLINE_MAX) -> list[dict]:
     """Run the phases against one partition with ``clients`` worker processes; one result per phase."""
     from tools.cluster import cpu_seconds
     q: queue.Queue = queue.Queue()
@@ -305,7 +308,7 @@ def run_config(*, nodes: list[str], pid: int, size: int, clients: int, depth: in
     try:
         for i in range(clients):
             spec = {"nodes": nodes, "partition": pid, "size": size, "depth": depth, "index": i,
-                    "read_from": read_from, "transport": transport,
+                    "read_from": read_from, "transport": transport, "inline_max": inline_max,
                     "prefill": min(256 * MIB, max(64 * MIB, size * depth * 64))}
             workers.append(Worker(i, spec, q, log_dir))
         _collect(workers, q, "ready", 60)
@@ -464,13 +467,16 @@ def _f(v) -> str:
               help="leader | spread (client i reads replica i mod N) | HOST:PORT.")
 @click.option("--transport", type=click.Choice([m.value for m in TransportChoice]), default="auto", show_default=True,
               help="Client transport.")
+@click.option("--inline-max", default=fmt_size(INLINE_MAX), show_default=True,
+              help="Appends up to this size travel inline with their header on TCP (no READ round trip); "
+                   "0 turns it off (to compare).")
 @click.option("--dd", "with_dd", is_flag=True,
               help="Also run dd if=/dev/zero of=DIR/ddtest bs=1M count=1024 conv=fdatasync and show its MB/s.")
 @click.option("--dd-mib", type=click.IntRange(1, 1 << 16), default=1024, show_default=True)
 @click.option("--keep", is_flag=True, help="Keep the scratch partitions (default: deleted at the end).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON (progress stays on stderr).")
 def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, seconds, total_mib, mode, read_from,
-                  transport, with_dd, dd_mib, keep, as_json):
+                  transport, inline_max, with_dd, dd_mib, keep, as_json):
     """Measure write and read throughput, latency percentiles and CPU per GB.
 
     \b
@@ -509,6 +515,12 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
         raise click.BadParameter(str(e), param_hint="--size") from None
     if not (1 <= nbytes <= 4 * MIB):
         raise click.BadParameter("must be between 1 byte and 4MiB", param_hint="--size")
+    try:
+        inline_bytes = parse_size(inline_max)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--inline-max") from None
+    if inline_bytes > INLINE_MAX:
+        raise click.BadParameter(f"at most {fmt_size(INLINE_MAX)} (the protocol's limit)", param_hint="--inline-max")
     if not seconds and not total_mib:
         seconds = 10.0
     total = total_mib * MIB if total_mib else None
@@ -589,7 +601,8 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
     transport_used = (f"verbs ({first['rdma_device']})" if first.get("rdma_device") else "tcp")
     header = {"size": nbytes, "clients": clients, "depth": depth,
               "budget": f"{seconds:g} s" if seconds else f"{total_mib} MiB", "sync": first.get("sync"),
-              "transport": transport_used, "read_from": read_from, "nodes": addrs, "node_pids": node_pids}
+              "transport": transport_used, "read_from": read_from, "nodes": addrs, "node_pids": node_pids,
+              "inline_max": inline_bytes}
     log_tmp = tempfile.TemporaryDirectory(prefix="dnctl-bench-")    # workers' stderr: nothing left behind
     log_dir = pathlib.Path(log_tmp.name)
     rows = []
@@ -600,7 +613,8 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
             try:
                 res = run_config(nodes=members, pid=tpid, size=nbytes, clients=clients, depth=depth,
                                  seconds=seconds, total=total, phases=phases, node_pids=node_pids,
-                                 read_from=read_from, transport=transport, label=label, log_dir=log_dir)
+                                 read_from=read_from, transport=transport, label=label, log_dir=log_dir,
+                                 inline_max=inline_bytes)
             except BenchError as e:
                 raise click.ClickException(str(e)) from None
             for r in res:
