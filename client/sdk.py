@@ -87,7 +87,7 @@ class DataClient:
                  block_size: int = 1 << 20, depth: int = 8, pool_mib: int = 64, domain: Domain | None = None,
                  etcd: str | None = None, etcd_prefix: str = DEFAULT_PREFIX,
                  secret: "str | Credentials | None" = None, role: str | None = None,
-                 inline_max: int = INLINE_MAX):
+                 inline_max: int = INLINE_MAX, read_from: str = "leader"):
         if block_size & (block_size - 1) or not (4096 <= block_size <= 4 << 20):
             raise ValueError("block_size must be a power of two between 4 KiB and 4 MiB")
         if role is not None and role not in ROLE_NAMES:
@@ -101,6 +101,12 @@ class DataClient:
         # appends of at most this many bytes travel inline with their header where the connection allows it
         # (TCP: no READ round trip); 0 turns that off
         self.inline_max = max(0, min(inline_max, INLINE_MAX))
+        if read_from not in ("leader", "spread"):
+            raise ValueError(f"read_from must be 'leader' or 'spread', not {read_from!r}")
+        # "spread": each read request goes to the next replica in turn (acknowledged bytes are on every
+        # replica), the others as fallbacks; "leader": the leader first
+        self.read_from = read_from
+        self._next_replica = 0
         self.block_size = block_size
         self.depth = depth
         self.domain = domain or make_domain(transport)
@@ -532,6 +538,10 @@ class DataClient:
             while pos < length:
                 k = min(self.block_size, length - pos)
                 await limit.acquire()
+                if not replica and self.read_from == "spread" and len(order) > 1:
+                    i = self._next_replica % len(order)
+                    self._next_replica += 1
+                    order = list(part.replicas[i:]) + list(part.replicas[:i])
                 n.start_soon(self._read_piece, part, order, extent, offset + pos, k, out, pos, limit)
                 pos += k
         return bytes(out)

@@ -93,27 +93,25 @@ class Replicator:
         part, h = fan.part, fan.request
         failed: set[int] = set()
 
-        async def one(i: int, p) -> None:
+        # every forward is already on its way: waiting for the answers one after the other takes as long as
+        # waiting for all at once (each Pending has its own deadline), without a nursery and task per follower
+        for i, p in fan.sent:
             addr = part.replicas[i]
             if isinstance(p, BaseException):
                 log.warning("replica %s of partition %d: %s", addr, part.pid, p)
                 failed.add(i)
-                return
+                continue
             try:
                 r = await p.result()
             except TransportError as e:
                 log.warning("replica %s of partition %d: %s", addr, part.pid, e)
                 failed.add(i)
-                return
+                continue
             if (r.result != Result.OK or r.partition != h.partition or r.extent != h.extent
                     or r.offset != h.offset or r.crc != h.crc):
                 log.warning("replica %s of partition %d answered %s (%s)", addr, part.pid,
                             r.result_text(), h.describe())
                 failed.add(i)
-
-        async with trio.open_nursery() as n:
-            for i, p in fan.sent:
-                n.start_soon(one, i, p)
         if failed:
             self.counters.replication_failures += 1
             for i in failed:

@@ -137,16 +137,20 @@ class Pending:
 
     async def result(self) -> Header:
         r = self.requester
+        answered = self.slot[0]
         try:
-            with trio.move_on_at(self.deadline) as scope:
-                await self.slot[0].wait()
+            if answered.is_set():
+                await trio.lowlevel.checkpoint()
+            else:
+                with trio.move_on_at(self.deadline):
+                    await answered.wait()
         finally:
             if not self._done:
                 self._done = True
                 r._waiting.pop(self.req_id, None)
                 r.conn.grants.drop(self.slot[2])
                 r._credits.release()
-        if scope.cancelled_caught and not self.slot[0].is_set():   # an answer that already came is no timeout
+        if not answered.is_set():   # the deadline passed (an answer that came meanwhile is no timeout)
             await r._timed_out(self.timeout)
         resp = self.slot[1]
         if resp is None:

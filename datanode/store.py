@@ -172,12 +172,28 @@ def _pwrite_all(fd: int, buf, pos: int) -> None:
         pos += n
 
 
-def _preadv_all(fd: int, bufs: list[memoryview], pos: int) -> int:
-    """Fill every buffer from ``pos``; returns bytes read (less than asked only at EOF)."""
+_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", None)
+
+
+def _preadv_all(fd: int, bufs: list[memoryview], pos: int, nowait: bool = False) -> int:
+    """Fill every buffer from ``pos``; returns bytes read (less than asked only at EOF).  ``nowait``: only
+    from the page cache (preadv2 RWF_NOWAIT), else ``WouldBlock`` -- for a caller that must not block."""
     bufs = [b for b in bufs if len(b)]
     total = 0
+    if nowait and _RWF_NOWAIT is None:
+        raise WouldBlock(fd)
     while bufs:
-        n = os.preadv(fd, bufs, pos)
+        if nowait:
+            try:
+                n = os.preadv(fd, bufs, pos, _RWF_NOWAIT)
+            except BlockingIOError:
+                raise WouldBlock(fd) from None
+            except OSError as e:
+                if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise WouldBlock(fd) from None
+                raise
+        else:
+            n = os.preadv(fd, bufs, pos)
         if n == 0:
             break
         total += n
@@ -237,9 +253,11 @@ class _Extent:
         self.durable = size
 
     # -- reader side ------------------------------------------------------------------------------------
-    def begin_read(self, b0: int, b1: int):
+    def begin_read(self, b0: int, b1: int, nowait: bool = False):
         with self.mu:
             while self.exclusive:
+                if nowait:
+                    raise WouldBlock(self.id)
                 self.cond.wait()
             if self.dead:
                 raise StoreError("not_found", f"extent {self.id} does not exist")
@@ -677,7 +695,10 @@ class ExtentStore:
         log.error("extent %d (%s): %s failed: %s%s", ext.id, self.root, stage, err,
                   f" -- extent marked broken ({ext.broken})" if ext.broken else "")
 
-    def read_into(self, extent_id: int, offset: int, length: int, out: memoryview) -> int:
+    def read_into(self, extent_id: int, offset: int, length: int, out: memoryview, *, nowait: bool = False) -> int:
+        """Read ``[offset, +length)`` into ``out``, every block CRC-checked; returns the CRC32C of the range.
+        ``nowait``: never block (a truncate/delete in progress, or bytes not in the page cache): raise
+        ``WouldBlock`` instead, so an event loop can try here first and go to a thread only when needed."""
         ext = self._get(extent_id)
         if offset < 0 or length < 0:
             raise StoreError("out_of_range", f"extent {extent_id}: negative offset/length {offset}/{length}",
@@ -688,7 +709,7 @@ class ExtentStore:
         end = offset + length
         b0 = offset // BLOCK
         b1 = (end - 1) // BLOCK if length else b0
-        size, ents = ext.begin_read(b0, b1)
+        size, ents = ext.begin_read(b0, b1, nowait)
         try:
             if end > size:
                 raise StoreError("out_of_range", f"extent {extent_id}: range {offset}+{length} beyond size {size}",
@@ -703,7 +724,7 @@ class ExtentStore:
             dst = out[:length]
             want = head + length + tail
             try:
-                got = _preadv_all(ext.dat, [head_buf[:head], dst, tail_buf[:tail]], bstart)
+                got = _preadv_all(ext.dat, [head_buf[:head], dst, tail_buf[:tail]], bstart, nowait)
             except OSError as e:
                 raise StoreError("disk", f"extent {extent_id}: read: {e}") from e
             if got != want:

@@ -314,3 +314,21 @@ def test_deep_pipeline_keeps_extent_order(nodes, client):
                 assert (await dc.watermarks(P1, addr)) == {eid: len(data)}
                 assert await dc.read(P1, eid, 0, len(data), replica=addr) == data
     run(body)
+
+
+def test_spread_reads_go_to_every_replica_and_return_the_written_bytes(nodes, client):
+    """DataClient(read_from="spread") sends each read request to the next replica in turn: every replica
+    serves some of them, and the bytes are the ones written."""
+    a, b, c = nodes(3)
+    data = pattern(41, 3 * MiB + 17)
+
+    async def body():
+        async with client([], block_size=256 * KiB, read_from="spread") as dc:
+            await create_partition(dc, P1, [a.addr, b.addr, c.addr])
+            locs = await dc.write(P1, data)
+            before = {n.addr: (await dc.admin(n.addr, Op.NODE_STATUS))["counters"]["reads"] for n in (a, b, c)}
+            assert await read_locs(dc, locs) == data
+            after = {n.addr: (await dc.admin(n.addr, Op.NODE_STATUS))["counters"]["reads"] for n in (a, b, c)}
+            served = {addr: after[addr] - before[addr] for addr in after}
+            assert all(v >= 3 for v in served.values()), served
+    run(body)

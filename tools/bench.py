@@ -91,12 +91,12 @@ async def _worker_main(spec: dict) -> None:
 
     async with DataClient.open(spec["nodes"], block_size=block, depth=depth, pool_mib=pool_mib,
                                transport=spec.get("transport", "auto"), timeout=spec.get("timeout", 30),
-                               inline_max=spec.get("inline_max", INLINE_MAX)) as dc:
+                               inline_max=spec.get("inline_max", INLINE_MAX),
+                               read_from="spread" if spec.get("read_from") == "spread" else "leader") as dc:
         part = dc.partition(pid)
         replicas = part.replicas
         rf = spec.get("read_from", "leader")
-        read_replica = (None if rf == "leader" else replicas[spec["index"] % len(replicas)] if rf == "spread"
-                        else rf)
+        read_replica = None if rf in ("leader", "spread") else rf    # spread: the SDK's (next replica per read)
 
         async def write_phase(seconds, total, progress):
             lat: list[int] = []
@@ -464,7 +464,8 @@ def _f(v) -> str:
 @click.option("--total-mib", type=click.IntRange(1), help="Or: MiB moved per phase (all clients together).")
 @click.option("--mode", type=click.Choice(["write", "read", "both"]), default="both", show_default=True)
 @click.option("--read-from", default="leader", show_default=True,
-              help="leader | spread (client i reads replica i mod N) | HOST:PORT.")
+              help="leader | spread (each read to the next replica in turn: DataClient(read_from='spread')) "
+                   "| HOST:PORT.")
 @click.option("--transport", type=click.Choice([m.value for m in TransportChoice]), default="auto", show_default=True,
               help="Client transport.")
 @click.option("--inline-max", default=fmt_size(INLINE_MAX), show_default=True,

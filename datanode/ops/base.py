@@ -181,6 +181,21 @@ class Handlers:
                 raise store_reply(io_error("append", e)) from None
         return await self._store(store.append, extent, offset, view, crc)
 
+    async def _read(self, store, extent: int, offset: int, length: int, view) -> int:
+        """``store.read_into``: right here when the bytes are in the page cache and the extent is not being
+        truncated (RWF_NOWAIT: no thread hop, never blocks the loop), else in a worker thread -- so a read
+        waits neither for a thread when it need not, nor behind the disk when another read must."""
+        if length <= LOOP_IO:
+            try:
+                return store.read_into(extent, offset, length, view, nowait=True)
+            except WouldBlock:
+                pass
+            except StoreError as e:
+                raise store_reply(e) from None
+            except OSError as e:
+                raise store_reply(io_error("read", e)) from None
+        return await self._store(store.read_into, extent, offset, length, view)
+
     async def _durable(self, store, extent: int, end: int) -> None:
         """Wait until ``[0, end)`` of the extent is durable (group commit; at once under sync=none)."""
         try:

@@ -124,7 +124,7 @@ class DataOps(Handlers):
         block = await self._alloc(h.length, conn)
         try:
             view = block.view(h.length)
-            crc = await self._store(part.store.read_into, h.extent, h.offset, h.length, view)
+            crc = await self._read(part.store, h.extent, h.offset, h.length, view)
             if h.length:
                 await self._write_remote(conn, view, h.remote.slice(0, h.length))  # one-sided WRITE
         finally:
