@@ -40,7 +40,7 @@ from datanode.transport.tls import TlsConfigError, client_context_from_env
 from datanode.crc import crc32c
 from datanode.etcdmap import DEFAULT_PREFIX, Etcd, EtcdError, PartView, open_channel
 from datanode.pool import BuddyPool, PoolExhausted
-from datanode.protocol import Flag, Header, Op, Result, failed_replicas
+from datanode.protocol import INLINE_MAX, Flag, Header, Op, Result, failed_replicas
 from datanode.rpc import Links
 from datanode.store import MAX_EXTENT
 from datanode.transport.base import Access, Domain, TransportError
@@ -93,7 +93,8 @@ class DataClient:
     def __init__(self, nursery: trio.Nursery, *, transport: str = "auto", timeout: float = 15.0,
                  block_size: int = 1 << 20, depth: int = 8, pool_mib: int = 64, domain: Domain | None = None,
                  etcd: str | None = None, etcd_prefix: str = DEFAULT_PREFIX,
-                 secret: "str | Credentials | None" = None, role: str | None = None, tls_ca: str | None = None):
+                 secret: "str | Credentials | None" = None, role: str | None = None, tls_ca: str | None = None,
+                 inline_max: int = INLINE_MAX, read_from: str = "leader"):
         if block_size & (block_size - 1) or not (4096 <= block_size <= 4 << 20):
             raise ValueError("block_size must be a power of two between 4 KiB and 4 MiB")
         if role is not None and role not in ROLE_NAMES:
@@ -104,6 +105,15 @@ class DataClient:
         except (AuthConfigError, TlsConfigError) as e:
             raise ClientError(str(e)) from None
         self.timeout = timeout
+        # appends of at most this many bytes travel inline with their header where the connection allows it
+        # (TCP: no READ round trip); 0 turns that off
+        self.inline_max = max(0, min(inline_max, INLINE_MAX))
+        if read_from not in ("leader", "spread"):
+            raise ValueError(f"read_from must be 'leader' or 'spread', not {read_from!r}")
+        # "spread": each read request goes to the next replica in turn (acknowledged bytes are on every
+        # replica), the others as fallbacks; "leader": the leader first
+        self.read_from = read_from
+        self._next_replica = 0
         self.block_size = block_size
         self.depth = depth
         self.domain = domain or make_domain(transport)
@@ -309,23 +319,36 @@ class DataClient:
         return await self._submit_append(part, extent, offset, memoryview(data))
 
     async def _submit_append(self, part: PartitionInfo, extent: int, offset: int, data: memoryview):
-        """Sends one append and returns an awaitable for its result (so a caller can keep sending)."""
+        """Sends one append and returns an awaitable for its result (so a caller can keep sending).  A small
+        one (``inline_max``) goes inline with its header where the link carries it (protocol.Flag.INLINE):
+        no staging copy, no READ round trip; a larger one names a staging block the leader READs."""
         leader = part.replicas[0]
-        block = await self.wpool.alloc(len(data), timeout=self.timeout)
+        n = len(data)
+        block = None
         try:
-            view = block.view(len(data))
-            view[:] = data
-            crc = crc32c(view)
-            h = Header(opcode=Op.WRITE, partition=part.pid, extent=extent, offset=offset, length=len(data),
-                       crc=crc, epoch=part.epoch, addr=block.addr, rkey=self.wregion.rkey, rlen=len(data))
             link = await self.links.get(leader)
-            t0 = trio.current_time()
-            pending = await link.submit(h, self.timeout)
+            if n <= self.inline_max and n <= link.conn.max_inline:
+                crc = crc32c(data)
+                h = Header(opcode=Op.WRITE, partition=part.pid, extent=extent, offset=offset, length=n,
+                           crc=crc, epoch=part.epoch, flags=Flag.INLINE)
+                t0 = trio.current_time()
+                pending = await link.submit(h, self.timeout, data)
+            else:
+                block = await self.wpool.alloc(n, timeout=self.timeout)
+                view = block.view(n)
+                view[:] = data
+                crc = crc32c(view)
+                h = Header(opcode=Op.WRITE, partition=part.pid, extent=extent, offset=offset, length=n,
+                           crc=crc, epoch=part.epoch, addr=block.addr, rkey=self.wregion.rkey, rlen=n)
+                t0 = trio.current_time()
+                pending = await link.submit(h, self.timeout)
         except TransportError as e:
-            self.wpool.free(block)
+            if block is not None:
+                self.wpool.free(block)
             raise ClientError(f"{leader}: {e}", node=leader) from None
         except BaseException:
-            self.wpool.free(block)
+            if block is not None:
+                self.wpool.free(block)
             raise
 
         async def finish() -> Location:
@@ -335,7 +358,8 @@ class DataClient:
             except TransportError as e:
                 raise ClientError(f"{leader}: {e}", node=leader) from None
             finally:
-                self.wpool.free(block)
+                if block is not None:
+                    self.wpool.free(block)
                 self.metrics.observe(Op.WRITE, resp.result if resp is not None else -1, len(data),
                                      trio.current_time() - t0)
             check(resp, leader, part)
@@ -637,6 +661,10 @@ class DataClient:
             while pos < length:
                 k = min(self.block_size, length - pos)
                 await limit.acquire()
+                if not replica and self.read_from == "spread" and len(order) > 1:
+                    i = self._next_replica % len(order)
+                    self._next_replica += 1
+                    order = list(part.replicas[i:]) + list(part.replicas[:i])
                 n.start_soon(self._read_piece, part, order, extent, offset + pos, k, out, pos, limit)
                 pos += k
         return bytes(out)

@@ -42,13 +42,19 @@ class RequestFamilies:
                              ["op"], registry=registry)
         self.latency = Histogram(f"{prefix}_request_seconds", f"Latency of requests {what}, by op", ["op"],
                                  buckets=LATENCY_BUCKETS, registry=registry)
+        self._children: dict = {}        # (opcode, result) -> its series: .labels() once, not per request
 
     def observe(self, opcode: int, result: int, length: int, seconds: float) -> None:
-        op = _OP_NAMES.get(opcode, "unknown")
-        self.requests.labels(op, _RESULT_NAMES.get(result, "unknown")).inc()
-        self.latency.labels(op).observe(seconds)
-        if result == Result.OK and opcode in _BYTES_OPS:
-            self.bytes.labels(op).inc(length)
+        series = self._children.get((opcode, result))
+        if series is None:
+            op = _OP_NAMES.get(opcode, "unknown")
+            series = self._children[(opcode, result)] = (
+                self.requests.labels(op, _RESULT_NAMES.get(result, "unknown")), self.latency.labels(op),
+                self.bytes.labels(op) if result == Result.OK and opcode in _BYTES_OPS else None)
+        series[0].inc()
+        series[1].observe(seconds)
+        if series[2] is not None:
+            series[2].inc(length)
 
     def describe(self):
         return []

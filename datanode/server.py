@@ -20,6 +20,7 @@ import trio
 
 from . import config as config_mod
 from .audit import AuditLog
+from .commit import GroupCommit
 from .auth import AuthConfigError, Credentials, DialAuth
 from .metrics import NodeMetrics, serve_metrics
 from .ops.admin import AdminOps
@@ -37,7 +38,7 @@ from .protocol import (
     ProtocolError,
     Result,
     Role,
-    decode,
+    decode_message,
     peek_req_id,
     roles_for,
 )
@@ -93,6 +94,7 @@ class Node(DataOps, AdminOps, RepairOps):
         self.counters = RequestCounters()
         self._nursery: trio.Nursery | None = None
         self.replication = Replicator(cfg.replica_timeout)   # fan-out to followers (links set up in serve)
+        self.commit = GroupCommit()          # sync=always: appends share their fdatasyncs (datanode/commit.py)
         self.metrics = NodeMetrics(self)     # Prometheus (datanode/metrics.py); served on metrics_listen
         self.repair = Repairer(me=self.me, cfg=cfg, table=self.table, pool=self.pool, region=self.region,
                                domain=self.domain, replication=self.replication, views=self)  # health, repair, scrub
@@ -143,6 +145,7 @@ class Node(DataOps, AdminOps, RepairOps):
                                                connect_timeout=cfg.replica_timeout, on_conn=self._track,
                                                auth=self.dial_auth)
                 nursery.start_soon(self._keep_trash)
+                nursery.start_soon(self.commit.run)
                 if cfg.metrics_listen:
                     await nursery.start(serve_metrics, cfg.metrics_listen, self.metrics)
                 accepting = trio.CancelScope()
@@ -273,7 +276,7 @@ class Node(DataOps, AdminOps, RepairOps):
             log.warning("%s has %d requests in flight (max_inflight %d): answering BUSY (%d so far)",
                         conn.peer, conn.busy, limit, self.counters.busy_inflight)
         try:
-            h = decode(raw)
+            h, _payload = decode_message(raw)
             resp = h.reply(Result.BUSY, arg=limit)
         except ProtocolError:
             resp = Header(opcode=raw[3] if len(raw) > 3 else 0, req_id=peek_req_id(raw) or 0,
@@ -284,7 +287,7 @@ class Node(DataOps, AdminOps, RepairOps):
     def _dispatch(self, nursery: trio.Nursery, conn: Connection, raw: bytes) -> None:
         self.counters.requests += 1
         try:
-            h = decode(raw)
+            h, payload = decode_message(raw)
         except ProtocolError as e:
             self.counters.protocol_errors += 1
             log.warning("malformed header from %s: %s", conn.peer, e)
@@ -302,7 +305,7 @@ class Node(DataOps, AdminOps, RepairOps):
                 ticket = (lane, lane.ticket())
         self.inflight += 1
         conn.busy += 1
-        nursery.start_soon(self._handle, conn, h, ticket, trio.current_time())
+        nursery.start_soon(self._handle, conn, h, ticket, trio.current_time(), payload)
 
     async def _send_counted(self, conn: Connection, resp: Header) -> None:
         try:
@@ -327,7 +330,7 @@ class Node(DataOps, AdminOps, RepairOps):
         except TransportError as e:
             log.debug("reply to %s lost: %s", conn.peer, e)
 
-    async def _handle(self, conn: Connection, h: Header, ticket, t0: float) -> None:
+    async def _handle(self, conn: Connection, h: Header, ticket, t0: float, payload=None) -> None:
         resp = None
         why = ""
         try:
@@ -338,7 +341,10 @@ class Node(DataOps, AdminOps, RepairOps):
             if conn.role is not None:
                 self._authorize(conn, h)
             handler = HANDLERS[h.opcode]
-            resp = await handler(self, conn, h, ticket)
+            if payload is None:
+                resp = await handler(self, conn, h, ticket)
+            else:                                # an inline WRITE (decode_message allows no other)
+                resp = await handler(self, conn, h, ticket, payload)
         except Reply as r:
             why = r.why
             if r.result not in (Result.OK, Result.STALE_EPOCH, Result.NOT_FOUND):
@@ -455,6 +461,7 @@ class Node(DataOps, AdminOps, RepairOps):
                 "disk": self.disk(),
                 "connections": [c.info() for c in list(self.conns)],
                 "counters": {**dataclasses.asdict(self.counters), **dataclasses.asdict(self.replication.counters),
+                             **dataclasses.asdict(self.commit.counters),
                              **dataclasses.asdict(self.repair.counters)},
                 "pool": self.pool_stats(reveal)}
 

@@ -276,15 +276,41 @@ def test_bench_uses_a_scratch_partition_and_leaves_nothing(tmp_path):
     try:
         a = json.loads((root / "cluster.json").read_text())["nodes"][0]["addr"]
         before = json.loads(dnctl("partition", "list", a, "--json", check=True).out)
-        p = dnctl("bench", "--cluster", root, "--size", "64KiB", "--total-mib", 4, "--json", timeout=300)
+        png = tmp_path / "bench.png"
+        p = dnctl("bench", "--cluster", root, "--size", "64KiB", "--total-mib", 4, "--json", "--plot", png,
+                  "--dd", "--fio", "--dd-mib", 8, timeout=300)
         assert p.returncode == 0, p.out + p.err
         res = json.loads(p.out)
         assert {r["phase"] for r in res["results"]} == {"write", "read"}
+        # the same-run baselines, whether memory was warmed, and a picture of it all
+        assert res["warm_memory"] == {"ran": False}
+        assert res["dd"]["mib_s"] > 0 and res["fio"]["read_1m_direct"]["mib_s"] > 0, res["fio"]
+        assert res["fio"]["write_4k_fdatasync"]["ms_per_write"] > 0
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
         assert all(r["bytes"] >= 4 << 20 and r["partition"] != 1 for r in res["results"])
         after = json.loads(dnctl("partition", "list", a, "--json", check=True).out)
         assert [(q["id"], q["extents"], q["bytes"]) for q in after] == [(q["id"], q["extents"], q["bytes"])
                                                                         for q in before]
         assert not list(root.glob("bench-worker*")), list(root.iterdir())
+        assert not list(root.glob("*test")), list(root.iterdir())            # ddtest, fiotest removed
+    finally:
+        dnctl("cluster", "down", "--cluster", root, "--timeout", 10)
+
+
+def test_bench_says_whether_memory_was_warmed(tmp_path):
+    """--warm-memory runs the warmer once before the first phase and the table says so."""
+    root = tmp_path / "c"
+    warmer = tmp_path / "warm"
+    warmer.write_text("#!/bin/sh\necho warm-memory: touched 0.1 GiB\n")
+    warmer.chmod(0o755)
+    dnctl("cluster", "up", "--nodes", 1, "--cluster", root, *FAST, check=True)
+    try:
+        p = dnctl("bench", "--cluster", root, "--size", "4KiB", "--total-mib", 1, "--mode", "write",
+                  "--warm-memory", warmer, timeout=300)
+        assert p.returncode == 0, p.out + p.err
+        assert f"memory warmed before this run: yes ({warmer}" in p.out, p.out
+        p = dnctl("bench", "--cluster", root, "--size", "4KiB", "--total-mib", 1, "--mode", "write", timeout=300)
+        assert "memory warmed before this run: NO" in p.out, p.out
     finally:
         dnctl("cluster", "down", "--cluster", root, "--timeout", 10)
 

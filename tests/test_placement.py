@@ -176,7 +176,7 @@ async def _gone(et, pid):
 
 def test_decommission_empties_node_and_data_reads_back(nodes, etcd, managers):
     e = etcd()
-    ns = nodes(4, etcd=e.url, **NODE)
+    nodes(4, etcd=e.url, **NODE)
     et = Etcd(e.url)
 
     async def main():

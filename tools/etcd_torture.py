@@ -79,7 +79,6 @@ async def _run(seed: int, seconds: float, clients: int, root: pathlib.Path, log,
     cfg = {**NODE_CFG, "etcd": url}
     procs = [NodeProc(root / f"node{i + 1}", f"127.0.0.1:{free_port()}", **cfg) for i in range(N_NODES)]
     addrs = [p.addr for p in procs]
-    byaddr = dict(zip(addrs, procs))
     mgrs = [ManagerProc(root / "managers", url, f"m{i}", lease_ttl_s=TTL, down_after_s=0.5, tick_s=0.2)
             for i in (1, 2)]
     parts = {1: addrs[:3], 2: addrs[1:4]}

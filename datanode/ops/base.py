@@ -10,11 +10,12 @@ import trio
 from ..partition import Partition
 from ..protocol import BODY_REASONS, BodyError, Header, RemoteBuf, Result, decode_view
 from ..pool import PoolExhausted
-from ..store import StoreCode, StoreError, io_error
+from ..store import StoreCode, StoreError, WouldBlock, io_error
 from ..transport.base import Connection, ConnectionClosed, RemoteAccessError, TransportError
 
 MAX_JSON = 1 << 20
 ANSWER_BYTES = 8 << 20      # one connection's one-sided answers (read payloads, JSON) being prepared or sent
+LOOP_IO = 128 << 10       # appends up to this size run in the event loop (page cache; no thread hop)
 STORE_RESULTS = {StoreCode.NOT_FOUND: Result.NOT_FOUND, StoreCode.DELETED: Result.NOT_FOUND,
                  StoreCode.EXISTS: Result.EXISTS, StoreCode.WRONG_OFFSET: Result.WRONG_OFFSET,
                  StoreCode.OUT_OF_RANGE: Result.OUT_OF_RANGE, StoreCode.TOO_LARGE: Result.TOO_LARGE,
@@ -96,6 +97,7 @@ class Handlers:
     pool: object
     region: object
     counters: RequestCounters
+    commit: object            # datanode.commit.GroupCommit
 
     # -- the request's partition --------------------------------------------------------------------
     def _hosted(self, h: Header) -> Partition:
@@ -226,6 +228,42 @@ class Handlers:
             raise store_reply(e) from None
         except OSError as e:
             raise store_reply(io_error(getattr(fn, "__name__", "disk"), e)) from None
+
+    async def _append(self, store, extent: int, offset: int, view, crc: int) -> int:
+        """``store.append`` (no sync): a small one right here (a pwrite into the page cache costs less
+        than the hop to a worker thread), a large one -- or one whose extent is busy -- in a thread."""
+        if len(view) <= LOOP_IO:
+            try:
+                return store.append(extent, offset, view, crc, blocking=False)
+            except WouldBlock:
+                pass
+            except StoreError as e:
+                raise store_reply(e) from None
+            except OSError as e:
+                raise store_reply(io_error("append", e)) from None
+        return await self._store(store.append, extent, offset, view, crc)
+
+    async def _read(self, store, extent: int, offset: int, length: int, view) -> int:
+        """``store.read_into``: right here when the bytes are in the page cache and the extent is not being
+        truncated (RWF_NOWAIT: no thread hop, never blocks the loop), else in a worker thread -- so a read
+        waits neither for a thread when it need not, nor behind the disk when another read must."""
+        if length <= LOOP_IO:
+            try:
+                return store.read_into(extent, offset, length, view, nowait=True)
+            except WouldBlock:
+                pass
+            except StoreError as e:
+                raise store_reply(e) from None
+            except OSError as e:
+                raise store_reply(io_error("read", e)) from None
+        return await self._store(store.read_into, extent, offset, length, view)
+
+    async def _durable(self, store, extent: int, end: int) -> None:
+        """Wait until ``[0, end)`` of the extent is durable (group commit; at once under sync=none)."""
+        try:
+            await self.commit.durable(store, extent, end)
+        except StoreError as e:
+            raise store_reply(e) from None
 
     # -- JSON bodies and answers -----------------------------------------------------------------------
     async def _push_json(self, conn: Connection, h: Header, obj) -> Header:

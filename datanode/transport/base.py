@@ -2,7 +2,8 @@
 
 A connection gives each side
   * control messages: ``send(header)`` puts one fixed-size header into one of the peer's preposted control
-    slots; ``recv()`` returns the next header that landed in one of ours (slots are reposted as they are
+    slots (``send(header, payload)``: with a small payload after it, where ``max_inline`` allows: TCP);
+    ``recv()`` returns the next message that landed in one of ours (slots are reposted as they are
     consumed).  Flow control is by credits: a requester never has more requests outstanding than the peer
     has slots, and every request gets exactly one response, so no side ever SENDs into a full ring.
   * one-sided operations on memory the peer registered: ``read(remote, local)`` copies the peer's
@@ -203,8 +204,12 @@ class Connection(abc.ABC):
     def alive(self) -> bool:
         return self._closed is None
 
+    max_inline = 0           # payload bytes a control message may carry after its header (0: none)
+
     @abc.abstractmethod
-    async def send(self, header: bytes) -> None: ...
+    async def send(self, header: bytes, payload: memoryview | None = None) -> None:
+        """One control message: ``header``, and ``payload`` after it in the same message (an inline
+        WRITE, protocol.Flag.INLINE; at most ``max_inline`` bytes)."""
 
     async def recv(self) -> bytes:
         """The next control message (raises ConnectionClosed at end)."""

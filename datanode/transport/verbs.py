@@ -243,7 +243,9 @@ class VerbsConnection(Connection):
         self.qp.post_recv(RecvWR(wr_id=RECV_TAG | slot, num_sge=1, sg=[sge]))
 
     # -- the interface --------------------------------------------------------------------------------
-    async def send(self, header: bytes) -> None:
+    async def send(self, header: bytes, payload=None) -> None:
+        if payload is not None:              # max_inline is 0: payloads take the one-sided READ here
+            raise ValueError("verbs control messages carry no payload")
         if len(header) > SLOT:
             raise ValueError("control message larger than a slot")
         # inline: the bytes are copied into the WQE at post time (``header`` lives until then), no lkey
