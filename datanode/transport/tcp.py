@@ -68,6 +68,9 @@ async def send_all_of(sock, first: bytes, second) -> None:
     """``first`` then ``second`` (a frame and its payload) with one sendmsg where the socket takes it all."""
     if not len(second):
         return await send_all(sock, first)
+    if not hasattr(sock, "sendmsg"):      # a TLS stream (transport/tls.py): records, no scatter-gather
+        await send_all(sock, first)
+        return await send_all(sock, second)
     sent = await sock.sendmsg([first, second])
     if sent < len(first):
         await send_all(sock, memoryview(first)[sent:])
