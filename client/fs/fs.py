@@ -31,7 +31,7 @@ import trio
 from client.fs.meta import Attr, Meta, MetaError, Slice
 from client.fs.reclaim import DataLock, Reclaimer
 from client.fs.writeback import DirtyMap
-from client.sdk import ClientError, DataClient
+from client.sdk import ClientError, DataClient, Location
 from datanode.protocol import Result
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,7 @@ TIMEOUT = 1.0           # seconds the kernel may cache entries and attributes
 READAHEAD = 4 << 20
 COMPACT_SLICES = 256               # a file with this many slices is rewritten at its last close ...
 COMPACT_MAX_BYTES = 256 << 20      # ... if it is no larger than this
+RETRY_PAUSE = 1.0                  # a write that failed on every partition waits this long before the next try
 
 
 def fuse_op(fn):
@@ -107,13 +108,15 @@ class DnFS(pyfuse3.Operations):
     enable_writeback_cache = False
 
     def __init__(self, meta: Meta, dc: DataClient, partitions: list[int], nursery: trio.Nursery, *,
-                 budget: int = 256 << 20, chunk: int = 16 << 20, capacity_paths: list[str] = ()):
+                 budget: int = 256 << 20, chunk: int = 16 << 20, capacity_paths: list[str] = (),
+                 write_retry_s: float = 30.0):
         super().__init__()
         if not partitions:
             raise ValueError("no data partition to write to")
         self.meta, self.dc, self.partitions, self.nursery = meta, dc, partitions, nursery
         self.budget, self.chunk = budget, min(chunk, budget)
         self.capacity_paths = list(capacity_paths)
+        self.write_retry_s = write_retry_s
         self.lock = DataLock()
         self.reclaimer = Reclaimer(meta, dc, self.lock)
         self.files: dict[int, FileState] = {}
@@ -179,7 +182,7 @@ class DnFS(pyfuse3.Operations):
                 payload = ranges[0][1] if len(ranges) == 1 else b"".join(b for _, b in ranges)
                 await self.lock.acquire_shared()
                 try:
-                    locs = await self.dc.write(self._pid(st.ino), payload)
+                    locs = await self._write_data(st.ino, payload)
                     slices = []
                     it = iter(ranges)
                     roff, rbuf = next(it)
@@ -209,6 +212,53 @@ class DnFS(pyfuse3.Operations):
             finally:
                 st.flushing = None
                 self.dirty_total -= m.nbytes
+
+    def _writable(self, pid: int) -> bool:
+        """Can partition ``pid`` take writes, as far as the map says (without an etcd map: assume so)."""
+        v = self.dc.views.get(pid)
+        return v is None or v.state == "writable"
+
+    async def _write_data(self, ino: int, payload) -> list[Location]:
+        """Write ``payload`` into extents, acknowledged by every replica; returns its locations in order.
+
+        A failed append (a replica died, a timeout, a lost connection, a stale epoch) is not the
+        application's problem while the write-back buffer still holds the bytes: the part not yet
+        acknowledged is written again, in a new extent, on another writable partition when there is one,
+        else on the same one once the map has had time to change (the cluster manager shrinks a replica set
+        within seconds; the SDK follows etcd).  Only after ``write_retry_s`` does the error reach the caller
+        (EIO, logged with the reason).  A full disk (NO_SPACE) is reported at once (ENOSPC)."""
+        mv = memoryview(payload).cast("B")
+        out: list[Location] = []
+        pos = 0
+        home = self._pid(ino)
+        failed: set[int] = set()
+        deadline = trio.current_time() + self.write_retry_s
+        while True:
+            order = [home] + [p for p in self.partitions if p != home]
+            cands = [p for p in order if p not in failed and self._writable(p)]
+            pid = cands[0] if cands else home
+            try:
+                out += await self.dc.write(pid, mv[pos:])
+                if failed:
+                    log.info("inode %d: write went through on partition %d after retrying", ino, pid)
+                return out
+            except ClientError as e:
+                done = getattr(e, "done", [])
+                out += done
+                pos += sum(loc.length for loc in done)
+                if e.result in (Result.NO_SPACE, Result.FORBIDDEN):
+                    raise
+                left = deadline - trio.current_time()
+                if left <= 0:
+                    log.error("inode %d: giving up on a write of %d bytes after %.0fs of retries: %s", ino,
+                              len(mv) - pos, self.write_retry_s, e)
+                    raise
+                log.warning("inode %d: write to partition %d failed (%s); %d bytes unacknowledged, retrying "
+                            "for %.0fs more", ino, pid, e, len(mv) - pos, left)
+                failed.add(pid)
+                if not [p for p in self.partitions if p not in failed and self._writable(p)]:
+                    failed.clear()                      # every partition failed: wait for the map to change
+                    await trio.sleep(min(RETRY_PAUSE, left))
 
     async def _background_flush(self, st: FileState) -> None:
         try:
@@ -553,7 +603,7 @@ class DnFS(pyfuse3.Operations):
             data = await self._committed(st, 0, a.size)
             await self.lock.acquire_shared()
             try:
-                locs = await self.dc.write(self._pid(st.ino), data)
+                locs = await self._write_data(st.ino, data)
                 new, pos = [], 0
                 for loc in locs:
                     new.append(Slice(pos, loc.length, loc.partition, loc.extent, loc.offset, loc.offset, loc.length,

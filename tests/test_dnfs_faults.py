@@ -1,0 +1,88 @@
+"""dnfs under cluster faults: a real FUSE mount, real datanodes registered in a real etcd, a real cluster
+manager (tools/manager.py) that shrinks a replica set when a member dies."""
+from __future__ import annotations
+
+import filecmp
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+import trio
+
+from datanode.etcdmap import Etcd
+from tests.conftest import create_partition, open_client, pattern
+from tests.test_dnfs import Mount
+from tests.test_etcd import ETCD_NODE, etcd, managers, view, wait_for  # noqa: F401 - fixtures
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
+MiB = 1 << 20
+
+
+def _size(path) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
+
+
+@pytest.mark.parametrize("timeout", [15, 2])
+def test_follower_killed_during_cp(nodes, etcd, managers, tmp_path, timeout):  # noqa: F811
+    """kill -9 of a follower while `cp` writes a large file into the mount: cp succeeds, the copy is
+    byte-identical (read back through a fresh mount), and fsck is clean.  With the default request timeout
+    the SDK rides out the fault itself (it waits for the manager's shrunk view); with a 2 s timeout the SDK
+    gives up first and the mount's own retry (``--write-retry``, from the write-back buffer) carries it."""
+    e = etcd()
+    ns = nodes(3, etcd=e.url, **ETCD_NODE)
+    addrs = [n.addr for n in ns]
+    et = Etcd(e.url)
+
+    async def setup():
+        async with open_client("tcp") as dc0:
+            await create_partition(dc0, 1, addrs)
+        managers(e.url)
+        await wait_for("partition 1 adopted and writable", lambda: view(et, 1))
+    trio.run(setup)
+
+    src = tmp_path / "src.bin"
+    with open(src, "wb") as f:
+        for i in range(160):
+            f.write(pattern(i, MiB))
+    m = Mount(addrs, tmp_path).mount("--etcd", e.url, "--chunk-mib", "4", "--timeout", str(timeout))
+    try:
+        dst = m.path / "big.bin"
+        result = {}
+
+        def cp():
+            result["r"] = subprocess.run(["cp", str(src), str(dst)], capture_output=True, text=True)
+        t = threading.Thread(target=cp)
+        t.start()
+        deadline = time.monotonic() + 60
+        while _size(dst) < 24 * MiB and t.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert t.is_alive(), "cp finished before the follower could be killed: make the file bigger"
+        ns[2].kill(signal.SIGKILL)                          # a follower, mid-copy
+        t.join(120)
+        assert not t.is_alive(), "cp hung"
+        r = result["r"]
+        assert r.returncode == 0, f"cp failed: {r.stderr}"
+
+        async def shrunk():
+            v = await et.part(1)
+            return v if v is not None and addrs[2] not in v.replicas else None
+        trio.run(wait_for, "the replica set to shrink", shrunk)
+        assert filecmp.cmp(src, dst, shallow=False)
+        m.umount()
+        m.mount("--etcd", e.url)                            # read back from the datanodes, not a cache
+        assert subprocess.run(["cmp", str(src), str(dst)]).returncode == 0
+        m.umount()
+        log = (tmp_path / "mnt.log").read_text()
+        assert "waiting for a new view" in log, log[-3000:]           # the fault did hit the writes
+        if timeout == 2:
+            assert "retrying" in log, log[-3000:]
+    finally:
+        m.cleanup()
+    r = m.fsck("--etcd", e.url)
+    assert "clean" in r.stdout, r.stdout
