@@ -128,14 +128,14 @@ def mount_cmd(cluster_dir, node, etcd, meta, mountpoint, partition, buffer_mib, 
       dnfs mount --cluster /tmp/dn /mnt/dn
       cp -r ~/src /mnt/dn/ && dnfs umount /mnt/dn
     """
-    addrs, dirs = _cluster(cluster_dir, node, etcd)
+    addrs, _ = _cluster(cluster_dir, node, etcd)
     url = _meta_url(meta, cluster_dir, etcd)
     mountpoint = os.path.abspath(mountpoint)
     if foreground:
         logging.basicConfig(level=logging.DEBUG if debug else logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         _run(serve, mountpoint, addrs, url, partitions=list(partition) or None, budget=buffer_mib << 20,
-             chunk=chunk_mib << 20, capacity_paths=dirs, timeout=timeout, write_retry_s=write_retry, etcd=etcd)
+             chunk=chunk_mib << 20, timeout=timeout, write_retry_s=write_retry, etcd=etcd)
         return
     if not log_path:
         log_path = (url.partition(":")[2] + ".log" if url.startswith("sqlite:") else

@@ -32,7 +32,7 @@ from client.fs.meta import Attr, Meta, MetaError, Slice
 from client.fs.reclaim import DataLock, Reclaimer
 from client.fs.writeback import DirtyMap
 from client.sdk import ClientError, DataClient, Location
-from datanode.protocol import Result
+from datanode.protocol import Op, Result
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,9 @@ TIMEOUT = 1.0           # seconds the kernel may cache entries and attributes
 READAHEAD = 4 << 20
 COMPACT_SLICES = 256               # a file with this many slices is rewritten at its last close ...
 COMPACT_MAX_BYTES = 256 << 20      # ... if it is no larger than this
+STATFS_CACHE_S = 2.0               # statfs answers from the datanodes' figures this old at most
+STATFS_TIMEOUT_S = 2.0             # a datanode that does not report its disk within this is left out
+FULL_BELOW = 2 << 20               # a datanode with less free disk than this counts as full
 RETRY_PAUSE = 1.0                  # a write that failed on every partition waits this long before the next try
 
 
@@ -108,14 +111,14 @@ class DnFS(pyfuse3.Operations):
     enable_writeback_cache = False
 
     def __init__(self, meta: Meta, dc: DataClient, partitions: list[int], nursery: trio.Nursery, *,
-                 budget: int = 256 << 20, chunk: int = 16 << 20, capacity_paths: list[str] = (),
-                 write_retry_s: float = 30.0):
+                 budget: int = 256 << 20, chunk: int = 16 << 20, write_retry_s: float = 30.0):
         super().__init__()
         if not partitions:
             raise ValueError("no data partition to write to")
         self.meta, self.dc, self.partitions, self.nursery = meta, dc, partitions, nursery
         self.budget, self.chunk = budget, min(chunk, budget)
-        self.capacity_paths = list(capacity_paths)
+        self._cap: tuple[float, tuple[int, int]] | None = None     # (when, (total, free)) for statfs
+        self._cap_lock = trio.Lock()
         self.write_retry_s = write_retry_s
         self.lock = DataLock()
         self.reclaimer = Reclaimer(meta, dc, self.lock)
@@ -232,11 +235,12 @@ class DnFS(pyfuse3.Operations):
         pos = 0
         home = self._pid(ino)
         failed: set[int] = set()
+        full: set[int] = set()
         deadline = trio.current_time() + self.write_retry_s
         while True:
-            order = [home] + [p for p in self.partitions if p != home]
+            order = [p for p in [home] + [p for p in self.partitions if p != home] if p not in full]
             cands = [p for p in order if p not in failed and self._writable(p)]
-            pid = cands[0] if cands else home
+            pid = cands[0] if cands else order[0]
             try:
                 out += await self.dc.write(pid, mv[pos:])
                 if failed:
@@ -246,8 +250,16 @@ class DnFS(pyfuse3.Operations):
                 done = getattr(e, "done", [])
                 out += done
                 pos += sum(loc.length for loc in done)
-                if e.result in (Result.NO_SPACE, Result.FORBIDDEN):
+                if e.result == Result.FORBIDDEN:
                     raise
+                if e.result != Result.NO_SPACE and await self._replica_full(pid):
+                    e = ClientError(f"partition {pid}: a replica's disk is full ({e})", Result.NO_SPACE, e.node)
+                if e.result == Result.NO_SPACE:      # another partition may have room; else ENOSPC at once
+                    full.add(pid)
+                    if all(p in full for p in self.partitions):
+                        raise e
+                    log.warning("inode %d: partition %d is full; writing to another one", ino, pid)
+                    continue
                 left = deadline - trio.current_time()
                 if left <= 0:
                     log.error("inode %d: giving up on a write of %d bytes after %.0fs of retries: %s", ino,
@@ -259,6 +271,23 @@ class DnFS(pyfuse3.Operations):
                 if not [p for p in self.partitions if p not in failed and self._writable(p)]:
                     failed.clear()                      # every partition failed: wait for the map to change
                     await trio.sleep(min(RETRY_PAUSE, left))
+
+    async def _replica_full(self, pid: int) -> bool:
+        """Does a replica of ``pid`` report a full disk?  (A follower's NO_SPACE reaches us only as a
+        replication failure.)"""
+        part = self.dc.partitions.get(pid)
+        if part is None:
+            return False
+        for addr in part.replicas:
+            with trio.move_on_after(STATFS_TIMEOUT_S):
+                try:
+                    d = (await self.dc.admin(addr, Op.NODE_STATUS)).get("disk") or {}
+                except ClientError:
+                    continue
+                if "free" in d and d["free"] < FULL_BELOW:
+                    log.warning("partition %d: %s reports a full disk (%d bytes free)", pid, addr, d["free"])
+                    return True
+        return False
 
     async def _background_flush(self, st: FileState) -> None:
         try:
@@ -622,21 +651,48 @@ class DnFS(pyfuse3.Operations):
             await self._flush(st)
 
     # -- file system
+    async def capacity(self) -> tuple[int, int]:
+        """(total, free) bytes a file can still use: the datanodes' reported disks (NODE_STATUS ``disk``)
+        summed over the nodes holding our partitions, divided by the replica count (every byte is stored that
+        many times).  Cached for ``STATFS_CACHE_S``; a node that does not answer is left out; with no answer
+        at all the last known figures stand."""
+        async with self._cap_lock:
+            if self._cap is not None and trio.current_time() - self._cap[0] < STATFS_CACHE_S:
+                return self._cap[1]
+            parts = [self.dc.partitions[p] for p in self.partitions if p in self.dc.partitions]
+            addrs = sorted({a for p in parts for a in p.replicas})
+            copies = max((len(p.replicas) for p in parts), default=1) or 1
+            disks: dict[str, dict] = {}
+
+            async def ask(addr):
+                with trio.move_on_after(STATFS_TIMEOUT_S):
+                    try:
+                        st = await self.dc.admin(addr, Op.NODE_STATUS)
+                    except ClientError as e:
+                        log.debug("statfs: %s: %s", addr, e)
+                        return
+                    d = st.get("disk") or {}
+                    if "total" in d:
+                        disks[addr] = d
+
+            async with trio.open_nursery() as n:
+                for a in addrs:
+                    n.start_soon(ask, a)
+            if disks:
+                total = sum(d["total"] for d in disks.values()) * len(addrs) // len(disks) // copies
+                free = sum(d["free"] for d in disks.values()) * len(addrs) // len(disks) // copies
+                self._cap = (trio.current_time(), (total, free))
+            elif self._cap is None:
+                log.warning("statfs: no datanode reported its disk (%s)", ", ".join(addrs) or "no nodes")
+                return 0, 0
+            return self._cap[1]
+
     @fuse_op
     async def statfs(self, ctx):
-        files, used = await self.meta.usage()
+        files, _used = await self.meta.usage()
+        total, free = await self.capacity()
         s = pyfuse3.StatvfsData()
         s.f_bsize, s.f_frsize, s.f_namemax = 1 << 20, 4096, 255
-        total = free = 0
-        for p in self.capacity_paths:
-            try:
-                v = os.statvfs(p)
-            except OSError:
-                continue
-            t, f = v.f_blocks * v.f_frsize, v.f_bavail * v.f_frsize
-            total, free = (t, f) if not total else (min(total, t), min(free, f))
-        if not total:
-            total, free = max(used, 1 << 40), max((1 << 40) - used, 0)
         s.f_blocks = total // s.f_frsize
         s.f_bfree = s.f_bavail = free // s.f_frsize
         s.f_files = files + (1 << 32)

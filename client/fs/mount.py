@@ -65,7 +65,7 @@ def check_mountpoint(mountpoint: str) -> None:
 
 
 async def serve(mountpoint: str, nodes: list[str], meta_url: str, *, partitions: list[int] | None = None,
-                budget: int = 256 << 20, chunk: int = 16 << 20, capacity_paths=(), timeout: float = 30.0,
+                budget: int = 256 << 20, chunk: int = 16 << 20, timeout: float = 30.0,
                 write_retry_s: float = 30.0, etcd: str | None = None, ready=None) -> None:
     """Mount and serve until unmounted.  ``etcd``: the cluster's etcd (the partition map is read from it and
     followed, so a shrunk replica set or a new leader is known within a watch round-trip)."""
@@ -81,8 +81,7 @@ async def serve(mountpoint: str, nodes: list[str], meta_url: str, *, partitions:
             if missing:
                 raise MountError(f"partition(s) {missing} unknown to the cluster (known: {sorted(dc.partitions)})")
             async with trio.open_nursery() as n:
-                fs = DnFS(meta, dc, pids, n, budget=budget, chunk=chunk, capacity_paths=list(capacity_paths),
-                          write_retry_s=write_retry_s)
+                fs = DnFS(meta, dc, pids, n, budget=budget, chunk=chunk, write_retry_s=write_retry_s)
                 await fs.startup()
                 opts = set(pyfuse3.default_options) | {f"fsname=dnfs-{os.getpid()}", "subtype=dnfs"}
                 try:
