@@ -43,6 +43,7 @@ COMPACT_MAX_BYTES = 256 << 20      # ... if it is no larger than this
 STATFS_CACHE_S = 2.0               # statfs answers from the datanodes' figures this old at most
 STATFS_TIMEOUT_S = 2.0             # a datanode that does not report its disk within this is left out
 FULL_BELOW = 2 << 20               # a datanode with less free disk than this counts as full
+ORPHAN_SWEEP_S = 5.0               # shared engines: how often unlinked inodes of dead mounts are looked for
 RETRY_PAUSE = 1.0                  # a write that failed on every partition waits this long before the next try
 
 
@@ -135,10 +136,29 @@ class DnFS(pyfuse3.Operations):
     # -- helpers
     async def startup(self) -> None:
         """Remove inodes a previous mount left unlinked but open (it crashed before their last close)."""
+        await self.sweep_orphans()
+
+    async def sweep_orphans(self) -> None:
+        """Remove the inodes with no links left that no live mount has open any more."""
+        removed = 0
         for ino in await self.meta.orphans():
-            await self.meta.remove(ino)
-            log.info("removed orphan inode %d", ino)
-        self.reclaimer.kick()
+            if ino not in self.files and await self.meta.remove(ino):
+                removed += 1
+                log.info("removed orphan inode %d (unlinked, and no mount has it open)", ino)
+        if removed:
+            self.reclaimer.kick()
+
+    async def run_sweeper(self) -> None:
+        """With a shared engine: a mount that died with unlinked files open leaves them to the others, once its
+        session expired."""
+        if self.meta.single_mount:
+            return
+        while True:
+            await trio.sleep(ORPHAN_SWEEP_S)
+            try:
+                await self.sweep_orphans()
+            except MetaError as e:
+                log.warning("orphan sweep: %s", e)
 
     def entry(self, a: Attr) -> pyfuse3.EntryAttributes:
         st = self.files.get(a.ino)
@@ -440,6 +460,7 @@ class DnFS(pyfuse3.Operations):
         elif not (st.dirty or st.flushing):
             st.size = a.size
         if st.opens == 0:
+            await self.meta.opened(a.ino)
             st.changed()            # close-to-open: the slice list is read again
             st.seen = (a.mtime_ns, a.ctime_ns)
         st.opens += 1
@@ -603,12 +624,16 @@ class DnFS(pyfuse3.Operations):
         ino = self.handles.pop(fh)
         st = self.files[ino]
         st.opens -= 1
-        if st.opens == 0:
+        if st.opens == 0:          # each first open here told the engine (opened), each last close does
             try:
                 await self._flush(st)
                 if st.committed_slices >= COMPACT_SLICES and self.meta.single_mount:
                     await self._compact(st)
             finally:
+                if await self.meta.closed(ino):          # its last link was gone: removed
+                    self.unlinked.discard(ino)
+                    self.seen.pop(ino, None)
+                    self.reclaimer.kick()
                 if st.opens == 0 and not st.dirty:
                     self.files.pop(ino, None)
                     if ino not in self.unlinked:

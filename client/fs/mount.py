@@ -90,6 +90,8 @@ async def serve(mountpoint: str, nodes: list[str], meta_url: str, *, partitions:
                     raise MountError(f"cannot mount {mountpoint}: {e}") from None
                 log.info("mounted %s (meta %s, partitions %s)", mountpoint, meta_url, pids)
                 n.start_soon(fs.reclaimer.run)
+                n.start_soon(meta.keep_session)
+                n.start_soon(fs.run_sweeper)
                 n.start_soon(_signals)
                 if ready is not None:
                     ready()
