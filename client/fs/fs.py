@@ -8,6 +8,12 @@ every replica) followed by one metadata commit of the new slices (newer wins); `
 metadata durable.  ``read`` fetches the committed slices' bytes (holes are zeros) with sequential
 readahead, then lays the unflushed bytes over them.
 
+Faults: a flush whose append fails (a replica died, a timeout, a stale epoch) writes the part not yet
+acknowledged again from the buffer -- in a new extent, on another writable partition when there is one,
+else once the map changed -- for ``write_retry_s`` before the file reports EIO (logged with the reason).
+A full datanode disk is ENOSPC (also when a follower's full disk shows only as a replication failure).
+``statfs`` reports the datanodes' disks (NODE_STATUS) divided by the replica count, cached briefly.
+
 Caching: the kernel page cache is kept across opens (``keep_cache``) while the file's mtime/ctime are those
 we saw at its last close.  Close-to-open: ``flush`` on close commits, ``open`` reloads the slice list.
 
