@@ -86,7 +86,7 @@ cluster_opts = [
     click.option("--node", multiple=True, help="A datanode address HOST:PORT (repeatable), instead of --cluster."),
     click.option("--etcd", help="The cluster's etcd (http://HOST:PORT[,...]), when a cluster manager keeps "
                       "the partition map there: writes follow its changes (a dead replica is dropped within "
-                      "seconds).  Also the default metadata store (etcd://HOST:PORT/default)."),
+                      "seconds).  Without --cluster also the default metadata store (etcd://HOST:PORT/default)."),
     click.option("--meta", help="Metadata store: sqlite:PATH (one mount; default sqlite:CLUSTER_DIR/dnfs.db) or "
                       "etcd://HOST:PORT[/VOLUME] (shared by many mounts)."),
 ]
