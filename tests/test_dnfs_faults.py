@@ -86,3 +86,36 @@ def test_follower_killed_during_cp(nodes, etcd, managers, tmp_path, timeout):  #
         m.cleanup()
     r = m.fsck("--etcd", e.url)
     assert "clean" in r.stdout, r.stdout
+
+
+def test_dead_follower_moves_writes_to_another_partition(nodes, tmp_path):
+    """Two partitions; a follower of one of them dies (no manager here: that set never shrinks).  Writes of
+    files whose partition it was go on in the other partition, from the write-back buffer: every cp succeeds
+    and every copy is byte-identical, read back through a fresh mount."""
+    ns = nodes(4)
+    a = [n.addr for n in ns]
+
+    async def setup():
+        async with open_client("tcp", a) as dc:
+            await create_partition(dc, 1, [a[0], a[1], a[2]])
+            await create_partition(dc, 2, [a[0], a[1], a[3]])
+    trio.run(setup)
+    m = Mount(a, tmp_path).mount("--timeout", "3", "--chunk-mib", "2")
+    try:
+        ns[2].kill(signal.SIGKILL)                           # a follower of partition 1 only
+        srcs = []
+        for i in range(4):                                   # files alternate between the partitions
+            src = tmp_path / f"src{i}"
+            src.write_bytes(pattern(10 + i, 6 * MiB + i))
+            srcs.append(src)
+            r = subprocess.run(["cp", str(src), str(m.path / src.name)], capture_output=True, text=True)
+            assert r.returncode == 0, f"cp failed: {r.stderr}"
+        m.umount()
+        m.mount("--timeout", "3")
+        for src in srcs:
+            assert (m.path / src.name).read_bytes() == src.read_bytes(), src.name
+        m.umount()
+        log = (tmp_path / "mnt.log").read_text()
+        assert "write went through on partition 2" in log, log[-3000:]
+    finally:
+        m.cleanup()

@@ -50,6 +50,7 @@ STATFS_CACHE_S = 2.0               # statfs answers from the datanodes' figures 
 STATFS_TIMEOUT_S = 2.0             # a datanode that does not report its disk within this is left out
 FULL_BELOW = 2 << 20               # a datanode with less free disk than this counts as full
 ORPHAN_SWEEP_S = 5.0               # shared engines: how often unlinked inodes of dead mounts are looked for
+AVOID_S = 10.0                     # a partition a write just failed on is passed over this long when others can take it
 RETRY_PAUSE = 1.0                  # a write that failed on every partition waits this long before the next try
 
 
@@ -127,6 +128,7 @@ class DnFS(pyfuse3.Operations):
         self._cap: tuple[float, tuple[int, int]] | None = None     # (when, (total, free)) for statfs
         self._cap_lock = trio.Lock()
         self.write_retry_s = write_retry_s
+        self._avoid: dict[int, float] = {}     # partition -> until when writes prefer the others (a failure)
         self.lock = DataLock()
         self.reclaimer = Reclaimer(meta, dc, self.lock)
         self.files: dict[int, FileState] = {}
@@ -264,8 +266,10 @@ class DnFS(pyfuse3.Operations):
         full: set[int] = set()
         deadline = trio.current_time() + self.write_retry_s
         while True:
+            now = trio.current_time()
             order = [p for p in [home] + [p for p in self.partitions if p != home] if p not in full]
             cands = [p for p in order if p not in failed and self._writable(p)]
+            cands = [p for p in cands if self._avoid.get(p, 0) <= now] or cands
             pid = cands[0] if cands else order[0]
             try:
                 out += await self.dc.write(pid, mv[pos:])
@@ -294,6 +298,7 @@ class DnFS(pyfuse3.Operations):
                 log.warning("inode %d: write to partition %d failed (%s); %d bytes unacknowledged, retrying "
                             "for %.0fs more", ino, pid, e, len(mv) - pos, left)
                 failed.add(pid)
+                self._avoid[pid] = trio.current_time() + AVOID_S
                 if not [p for p in self.partitions if p not in failed and self._writable(p)]:
                     failed.clear()                      # every partition failed: wait for the map to change
                     await trio.sleep(min(RETRY_PAUSE, left))
