@@ -12,10 +12,9 @@ import time
 import pytest
 import trio
 
-from datanode.etcdmap import Etcd
 from tests.conftest import create_partition, open_client, pattern
 from tests.test_dnfs import Mount
-from tests.test_etcd import ETCD_NODE, etcd, managers, view, wait_for  # noqa: F401 - fixtures
+from tests.test_etcd import etcd, managed_partition, managers, wait_for  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
 MiB = 1 << 20
@@ -34,17 +33,8 @@ def test_follower_killed_during_cp(nodes, etcd, managers, tmp_path, timeout):  #
     byte-identical (read back through a fresh mount), and fsck is clean.  With the default request timeout
     the SDK rides out the fault itself (it waits for the manager's shrunk view); with a 2 s timeout the SDK
     gives up first and the mount's own retry (``--write-retry``, from the write-back buffer) carries it."""
-    e = etcd()
-    ns = nodes(3, etcd=e.url, **ETCD_NODE)
+    e, ns, et = managed_partition(nodes, etcd, managers)
     addrs = [n.addr for n in ns]
-    et = Etcd(e.url)
-
-    async def setup():
-        async with open_client("tcp") as dc0:
-            await create_partition(dc0, 1, addrs)
-        managers(e.url)
-        await wait_for("partition 1 adopted and writable", lambda: view(et, 1))
-    trio.run(setup)
 
     src = tmp_path / "src.bin"
     with open(src, "wb") as f:

@@ -345,10 +345,10 @@ class EtcdMeta(Meta):
             await trio.to_thread.run_sync(self._mark_open, ino, limiter=self._limiter)
 
     async def closed(self, ino):
-        self._opens[ino] -= 1
-        if self._opens[ino] > 0:
+        n = self._opens.pop(ino, 0) - 1
+        if n > 0:
+            self._opens[ino] = n
             return False
-        del self._opens[ino]
 
         def go(tx):
             tx.tx.delete(self.k_open(ino) + self.session.encode())

@@ -187,10 +187,10 @@ class SqliteMeta(Meta):
         self._opens[ino] += 1
 
     async def closed(self, ino):
-        self._opens[ino] -= 1
-        if self._opens[ino] > 0:
+        n = self._opens.pop(ino, 0) - 1
+        if n > 0:
+            self._opens[ino] = n
             return False
-        del self._opens[ino]
         return await self._run(self._remove, ino)
 
     # -- tree
