@@ -53,8 +53,8 @@ def _attr(row) -> Attr:
 class SqliteTx(MetaTx):
     """The storage primitives on one SQLite transaction."""
 
-    def __init__(self, db, opens: Counter):
-        self.db, self.opens = db, opens
+    def __init__(self, db, m: "SqliteMeta"):
+        self.db, self.m = db, m
 
     def attr(self, ino):
         row = self.db.execute(f"SELECT {COLS} FROM inodes WHERE ino=?", (ino,)).fetchone()
@@ -99,12 +99,13 @@ class SqliteTx(MetaTx):
         db.execute("DELETE FROM slices WHERE ino=?", (ino,))
         db.execute("DELETE FROM xattrs WHERE ino=?", (ino,))
         db.execute("DELETE FROM inodes WHERE ino=?", (ino,))
+        self.m._zero.discard(ino)
 
     def unlinked(self, ino):
-        pass                 # orphans() finds inodes by their link count
+        self.m._zero.add(ino)      # (orphans() finds such inodes by their link count)
 
     def is_open(self, ino):
-        return self.opens[ino] > 0
+        return self.m._opens[ino] > 0
 
     def slices(self, ino, start=0, end=None):
         return SqliteMeta._slices(self.db, ino, start, end)
@@ -150,11 +151,12 @@ class SqliteMeta(Meta):
                             (ROOT, stat.S_IFDIR | 0o755, 2, os.getuid(), os.getgid(), 0, 0, now, now, now, b""))
         self._limiter = trio.CapacityLimiter(1)
         self._opens: Counter[int] = Counter()
+        self._zero: set[int] = set()      # inodes this mount saw lose their last link (closed() checks only these)
 
     # -- plumbing
     async def _run(self, fn, *args):
         """``fn(SqliteTx, *args)`` as one transaction."""
-        return await self._raw(lambda db: fn(SqliteTx(db, self._opens), *args))
+        return await self._raw(lambda db: fn(SqliteTx(db, self), *args))
 
     async def _raw(self, fn, *args):
         """``fn(connection, *args)`` as one transaction (the engine's own queries)."""
@@ -191,12 +193,14 @@ class SqliteMeta(Meta):
         if n > 0:
             self._opens[ino] = n
             return False
+        if ino not in self._zero:      # only this mount unlinks (the lock): still linked, nothing to do
+            return False
         return await self._run(self._remove, ino)
 
     # -- tree
     async def readdir(self, ino, after, limit):
         def go(db):
-            self._dir(SqliteTx(db, self._opens), ino)
+            self._dir(SqliteTx(db, self), ino)
             rows = db.execute(f"SELECT d.id, d.name, {', '.join('i.' + c.strip() for c in COLS.split(','))} "
                               "FROM dentries d JOIN inodes i ON i.ino = d.ino WHERE d.parent=? AND d.id>? "
                               "ORDER BY d.id LIMIT ?", (ino, after, limit)).fetchall()
@@ -243,7 +247,7 @@ class SqliteMeta(Meta):
     # -- xattrs
     async def getxattr(self, ino, name):
         def go(db):
-            self._get(SqliteTx(db, self._opens), ino)
+            self._get(SqliteTx(db, self), ino)
             row = db.execute("SELECT value FROM xattrs WHERE ino=? AND name=?", (ino, name)).fetchone()
             if row is None:
                 raise MetaError(errno.ENODATA)
@@ -252,7 +256,7 @@ class SqliteMeta(Meta):
 
     async def setxattr(self, ino, name, value):
         def go(db):
-            self._get(SqliteTx(db, self._opens), ino)
+            self._get(SqliteTx(db, self), ino)
             db.execute("INSERT OR REPLACE INTO xattrs VALUES (?,?,?)", (ino, name, value))
             db.execute("UPDATE inodes SET ctime=? WHERE ino=?", (time.time_ns(), ino))
         await self._raw(go)
@@ -307,7 +311,7 @@ class SqliteMeta(Meta):
                     done.append({**p, "action": "entry removed"})
                 elif p["kind"] == "orphan_inode":
                     db.execute("UPDATE inodes SET nlink=0 WHERE ino=?", (p["ino"],))
-                    SqliteTx(db, self._opens).drop_inode(p["ino"])
+                    SqliteTx(db, self).drop_inode(p["ino"])
                     done.append({**p, "action": "inode removed, its extents queued for deletion"})
                 elif p["kind"] == "wrong_nlink":
                     db.execute("UPDATE inodes SET nlink=? WHERE ino=?", (p["entries"], p["ino"]))
