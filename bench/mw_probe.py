@@ -8,7 +8,6 @@ one request's buffer; see README "Trust boundaries" for why the datanode does no
 """
 from __future__ import annotations
 
-import mmap
 import os
 import sys
 

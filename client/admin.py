@@ -516,3 +516,148 @@ async def run_pass(dc: DataClient, op: Op, pid: int, seeds: list[str], *, wait: 
     if not wait:
         return {key: n, "leader": leader}
     return await wait_settled(dc, leader, pid, timeout=timeout, on_progress=on_progress, **{key: n})
+
+
+# -- the cluster map in etcd (a manager does the work; these ask it and watch it happen) ----------------------
+def _etcd(url: str):
+    from datanode.etcdmap import Etcd
+    try:
+        return Etcd(url)
+    except ValueError as e:
+        raise ClientError(str(e)) from None
+
+
+async def _etcd_call(coro):
+    from datanode.etcdmap import EtcdError
+    try:
+        return await coro
+    except EtcdError as e:
+        raise ClientError(str(e)) from None
+
+
+async def map_snapshot(etcd_url: str) -> dict:
+    """The map as etcd has it: nodes (with their registrations), partitions (id, replicas, leader, epoch,
+    state, ...), the active manager and the nodes being decommissioned."""
+    from datanode.etcdmap import snapshot
+    et = _etcd(etcd_url)
+    snap = await _etcd_call(snapshot(etcd_url))
+    kvs, _ = await _etcd_call(et.get_prefix(et.key("drain") + "/"))
+    snap["draining"] = sorted(k.rsplit("/", 1)[1] for k, _v, _r in kvs)
+    return snap
+
+
+async def place_partitions(etcd_url: str, count: int, replicas: int, *, timeout: float = 60.0) -> list[dict]:
+    """Ask the active manager to place and create ``count`` partitions of ``replicas`` replicas; returns
+    their views.  The request is a key ``requests/<id>`` the manager answers in (tools/manager_tasks.py)."""
+    import json
+    import uuid
+    et = _etcd(etcd_url)
+    if await _etcd_call(et.get(et.manager_key)) is None:
+        raise ClientError(f"no active manager in etcd {etcd_url} (prefix {et.prefix}); start one: "
+                          f"datanode manager --etcd {etcd_url}")
+    key = et.key("requests", uuid.uuid4().hex)
+    await _etcd_call(et.put(key, json.dumps({"op": "create", "count": count, "replicas": replicas,
+                                             "state": "pending"})))
+    try:
+        with trio.move_on_after(timeout):
+            while True:
+                got = await _etcd_call(et.get(key))
+                req = json.loads(got[0]) if got else {}
+                if req.get("state") == "done":
+                    return req["partitions"]
+                if req.get("state") == "failed":
+                    raise ClientError(f"the manager could not place {count} partition(s) of {replicas} "
+                                      f"replicas: {req.get('error')}")
+                await trio.sleep(0.1)
+        raise ClientError(f"the manager did not answer within {timeout:g}s (is it active? see its log)")
+    finally:
+        with trio.move_on_after(2) as s:
+            s.shield = True
+            try:
+                await et.delete(key)
+            except Exception:  # noqa: BLE001 - best effort: a leftover answered request is harmless
+                pass
+
+
+def decommission_progress(snap: dict, addr: str) -> dict:
+    """Where a decommission of ``addr`` stands, from a map snapshot: the partitions still naming it and
+    what each waits for; ``done`` once etcd names it nowhere and the node holds no partition."""
+    views = [p for p in snap["partitions"] if addr in p["replicas"]]
+    node = next((n for n in snap["nodes"] if n["addr"] == addr), None)
+    held = sorted(int(k) for k in ((node or {}).get("partitions") or {}))
+    live = {n["addr"] for n in snap["nodes"]}
+    steps = []
+    for p in views:
+        staying = [a for a in p["replicas"] if a != addr]
+        unsynced = [a for a in p["replicas"] if a not in p["synced"]]
+        if not p["installed"]:
+            what = f"installing epoch {p['epoch']}"
+        elif unsynced:
+            what = f"filling {','.join(unsynced)} (repair)"
+        elif len(staying) < (p["want"] or len(p["replicas"])):
+            what = "waiting for a spare node" if all(a in live for a in staying) else "waiting for failover"
+        else:
+            what = "removing"
+        steps.append({"id": p["id"], "replicas": p["replicas"], "epoch": p["epoch"], "step": what})
+    return {"node": addr, "draining": addr in snap.get("draining", []), "remaining": steps,
+            "held_by_node": held, "node_registered": node is not None,
+            "done": not views and not held}
+
+
+async def decommission(etcd_url: str, addr: str, *, wait: bool = True, timeout: float = 3600,
+                       stuck_after: float = 30.0, on_progress: Callable[[dict], None] | None = None) -> dict:
+    """Mark ``addr`` as draining (the manager moves every replica off it: add a spare, repair fills it,
+    remove ``addr``), and with ``wait`` follow it until the node is empty.  Returns the last progress,
+    with ``moved``: partition -> the node that replaced ``addr``.  If for ``stuck_after`` seconds nothing
+    is left but partitions no other node can take (each live node holds them already, or is full or
+    draining), raises a ClientError saying so; the node stays draining, so adding a node resumes it."""
+    import json
+    import time as _time
+    et = _etcd(etcd_url)
+    snap = await map_snapshot(etcd_url)
+    known = {n["addr"] for n in snap["nodes"]} | {a for p in snap["partitions"] for a in p["replicas"]}
+    if addr not in known:
+        raise ClientError(f"{addr} is neither a registered node nor a replica in etcd {etcd_url}")
+    if snap["manager"] is None:
+        raise ClientError(f"no active manager in etcd {etcd_url}; start one: datanode manager --etcd {etcd_url}")
+    before = {p["id"]: p["replicas"] for p in snap["partitions"] if addr in p["replicas"]}
+    await _etcd_call(et.put(et.key("drain", addr), json.dumps({"since": _time.time()})))
+    t0 = trio.current_time()
+    prog = decommission_progress(snap, addr)
+    prog["partitions_total"] = len(before)
+    stuck_since = None
+    while wait:
+        snap = await map_snapshot(etcd_url)
+        prog = decommission_progress(snap, addr)
+        prog["partitions_total"] = len(before)
+        prog["seconds"] = round(trio.current_time() - t0, 2)
+        if on_progress:
+            shown = on_progress(prog)
+            if inspect.isawaitable(shown):
+                await shown
+        if prog["done"]:
+            break
+        no_spare = [s["id"] for s in prog["remaining"] if s["step"] == "waiting for a spare node"]
+        if prog["remaining"] and len(no_spare) == len(prog["remaining"]):
+            stuck_since = stuck_since if stuck_since is not None else trio.current_time()
+            if trio.current_time() - stuck_since >= stuck_after:
+                raise ClientError(
+                    f"decommission of {addr} is stuck: no other node can take a replica of partition(s) "
+                    f"{', '.join(map(str, no_spare))} (every live node holds one already, or is full or "
+                    f"draining); add a node and it goes on by itself, or undo it: "
+                    f"dnctl node decommission {addr} --cancel")
+        else:
+            stuck_since = None
+        if trio.current_time() - t0 > timeout:
+            raise ClientError(f"decommission of {addr} not done within {timeout:g}s: "
+                              + "; ".join(f"partition {s['id']}: {s['step']}" for s in prog["remaining"]))
+        await trio.sleep(0.25)
+    now = {p["id"]: p["replicas"] for p in snap["partitions"]}
+    prog["moved"] = {str(pid): [a for a in now.get(pid, []) if a not in reps] for pid, reps in before.items()}
+    return prog
+
+
+async def cancel_decommission(etcd_url: str, addr: str) -> None:
+    """The node may take replicas again (what was already moved stays moved)."""
+    et = _etcd(etcd_url)
+    await _etcd_call(et.delete(et.key("drain", addr)))

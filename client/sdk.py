@@ -7,19 +7,25 @@ extent after a replication failure.  ``BlockingDataClient`` wraps it for callers
 With ``etcd=URL`` the partition map comes from etcd (datanode/etcdmap.py): read once, then kept current by a
 watch, so a new leader or replica set is known within one watch round-trip; a write that fails because a
 replica died waits (within ``timeout``) for the manager's new view and goes on with it on a new extent.
+``put(data)`` needs no partition: it picks a writable one from etcd's map for each new extent (spreading
+over partitions and leaders) and, when a replica dies mid-write, writes the unacknowledged rest to another
+partition within ``timeout``.
 
 The client's memory is registered once, like the server's: a staging pool the datanodes may READ (write
 payloads) and a landing pool they may WRITE (read answers); each request exposes one block of it, to the
 connection it is sent on, until its answer arrives (``rpc.Requester`` grants; nothing else is reachable).
 
 Credentials: ``secret=`` a cluster secret or role key file (or $DATANODE_SECRET_FILE); ``role=`` the role to
-claim (default: admin when the file allows it, else client).  See datanode/auth.py.
+claim (default: admin when the file allows it, else client).  See datanode/auth.py.  TLS: ``tls_ca=`` a CA
+bundle (or $DATANODE_TLS_CA): every connection then speaks TLS and checks the node's certificate
+(datanode/transport/tls.py).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import logging
+import random
 import threading
 from functools import partial
 from contextlib import asynccontextmanager
@@ -30,10 +36,11 @@ import trio
 from client.metrics import ClientMetrics
 from datanode import aio
 from datanode.auth import AuthConfigError, Credentials, DialAuth, ROLE_NAMES, from_env_or
+from datanode.transport.tls import TlsConfigError, client_context_from_env
 from datanode.crc import crc32c
 from datanode.etcdmap import DEFAULT_PREFIX, Etcd, EtcdError, PartView, open_channel
 from datanode.pool import BuddyPool, PoolExhausted
-from datanode.protocol import Flag, Header, Op, Result, failed_replicas
+from datanode.protocol import INLINE_MAX, Flag, Header, Op, Result, failed_replicas
 from datanode.rpc import Links
 from datanode.store import MAX_EXTENT
 from datanode.transport.base import Access, Domain, TransportError
@@ -86,17 +93,27 @@ class DataClient:
     def __init__(self, nursery: trio.Nursery, *, transport: str = "auto", timeout: float = 15.0,
                  block_size: int = 1 << 20, depth: int = 8, pool_mib: int = 64, domain: Domain | None = None,
                  etcd: str | None = None, etcd_prefix: str = DEFAULT_PREFIX,
-                 secret: "str | Credentials | None" = None, role: str | None = None):
+                 secret: "str | Credentials | None" = None, role: str | None = None, tls_ca: str | None = None,
+                 inline_max: int = INLINE_MAX, read_from: str = "leader"):
         if block_size & (block_size - 1) or not (4096 <= block_size <= 4 << 20):
             raise ValueError("block_size must be a power of two between 4 KiB and 4 MiB")
         if role is not None and role not in ROLE_NAMES:
             raise ValueError(f"role must be one of {', '.join(ROLE_NAMES)}, not {role!r}")
         try:
             creds = from_env_or(secret)
-            self.auth = DialAuth(creds, ROLE_NAMES[role] if role else None)
-        except AuthConfigError as e:
+            self.auth = DialAuth(creds, ROLE_NAMES[role] if role else None, tls=client_context_from_env(tls_ca))
+        except (AuthConfigError, TlsConfigError) as e:
             raise ClientError(str(e)) from None
         self.timeout = timeout
+        # appends of at most this many bytes travel inline with their header where the connection allows it
+        # (TCP: no READ round trip); 0 turns that off
+        self.inline_max = max(0, min(inline_max, INLINE_MAX))
+        if read_from not in ("leader", "spread"):
+            raise ValueError(f"read_from must be 'leader' or 'spread', not {read_from!r}")
+        # "spread": each read request goes to the next replica in turn (acknowledged bytes are on every
+        # replica), the others as fallbacks; "leader": the leader first
+        self.read_from = read_from
+        self._next_replica = 0
         self.block_size = block_size
         self.depth = depth
         self.domain = domain or make_domain(transport)
@@ -117,6 +134,12 @@ class DataClient:
         # open extents not in use by a write() right now: partition -> [(extent, next offset)].  A write
         # takes one for itself, so concurrent writes never append to the same extent.
         self._idle: dict[int, list[tuple[int, int]]] = {}
+        # put(): how many extents this client started per partition, puts in flight per leader, and
+        # extents a failed attempt left empty (taken back once the partition can delete again)
+        self._picked: dict[int, int] = {}
+        self._busy: dict[str, int] = {}
+        self._abandoned: dict[tuple[int, int], int] = {}
+        self.put_failovers = 0          # times put() went on with another partition after a failure
 
     @classmethod
     @asynccontextmanager
@@ -296,23 +319,36 @@ class DataClient:
         return await self._submit_append(part, extent, offset, memoryview(data))
 
     async def _submit_append(self, part: PartitionInfo, extent: int, offset: int, data: memoryview):
-        """Sends one append and returns an awaitable for its result (so a caller can keep sending)."""
+        """Sends one append and returns an awaitable for its result (so a caller can keep sending).  A small
+        one (``inline_max``) goes inline with its header where the link carries it (protocol.Flag.INLINE):
+        no staging copy, no READ round trip; a larger one names a staging block the leader READs."""
         leader = part.replicas[0]
-        block = await self.wpool.alloc(len(data), timeout=self.timeout)
+        n = len(data)
+        block = None
         try:
-            view = block.view(len(data))
-            view[:] = data
-            crc = crc32c(view)
-            h = Header(opcode=Op.WRITE, partition=part.pid, extent=extent, offset=offset, length=len(data),
-                       crc=crc, epoch=part.epoch, addr=block.addr, rkey=self.wregion.rkey, rlen=len(data))
             link = await self.links.get(leader)
-            t0 = trio.current_time()
-            pending = await link.submit(h, self.timeout)
+            if n <= self.inline_max and n <= link.conn.max_inline:
+                crc = crc32c(data)
+                h = Header(opcode=Op.WRITE, partition=part.pid, extent=extent, offset=offset, length=n,
+                           crc=crc, epoch=part.epoch, flags=Flag.INLINE)
+                t0 = trio.current_time()
+                pending = await link.submit(h, self.timeout, data)
+            else:
+                block = await self.wpool.alloc(n, timeout=self.timeout)
+                view = block.view(n)
+                view[:] = data
+                crc = crc32c(view)
+                h = Header(opcode=Op.WRITE, partition=part.pid, extent=extent, offset=offset, length=n,
+                           crc=crc, epoch=part.epoch, addr=block.addr, rkey=self.wregion.rkey, rlen=n)
+                t0 = trio.current_time()
+                pending = await link.submit(h, self.timeout)
         except TransportError as e:
-            self.wpool.free(block)
+            if block is not None:
+                self.wpool.free(block)
             raise ClientError(f"{leader}: {e}", node=leader) from None
         except BaseException:
-            self.wpool.free(block)
+            if block is not None:
+                self.wpool.free(block)
             raise
 
         async def finish() -> Location:
@@ -322,7 +358,8 @@ class DataClient:
             except TransportError as e:
                 raise ClientError(f"{leader}: {e}", node=leader) from None
             finally:
-                self.wpool.free(block)
+                if block is not None:
+                    self.wpool.free(block)
                 self.metrics.observe(Op.WRITE, resp.result if resp is not None else -1, len(data),
                                      trio.current_time() - t0)
             check(resp, leader, part)
@@ -383,6 +420,116 @@ class DataClient:
             log.warning("write to partition %d extent %d failed (%s); continuing on a new extent", pid,
                         extent, err)
         return out
+
+    # -- put: the client picks the partition (the map from etcd) -----------------------------------------
+    def writable(self, avoid: dict[int, tuple[int, float]] | None = None) -> list[int]:
+        """Partitions a new extent may go to now, best first: etcd says it takes writes (``writable``, else
+        ``degraded``/``recovering`` with its view installed), it was not just failed on (``avoid``: pid ->
+        (view revision, until); a new view of it lifts that), and -- to spread load -- its leader has the
+        fewest of our puts in flight and we started the fewest extents in it."""
+        now = trio.current_time()
+        cands = []
+        for pid, v in self.views.items():
+            info = self.partitions.get(pid)
+            if info is None or not v.installed or v.state not in PUT_STATES or not info.replicas:
+                continue
+            a = (avoid or {}).get(pid)
+            if a is not None and a[0] == v.rev and now < a[1]:
+                continue
+            cands.append(((PUT_STATES[v.state], self._busy.get(info.replicas[0], 0), self._picked.get(pid, 0),
+                           random.random()), pid))     # ties: at random, so separate clients spread too
+        return [pid for _k, pid in sorted(cands)]
+
+    async def put(self, data, *, on_progress=None, timeout: float | None = None) -> list[Location]:
+        """Write ``data`` (any size) to partitions the client picks from etcd's map; returns where it went
+        (the locations may span partitions).
+
+        Each new extent goes to the best writable partition (``writable``).  When a write fails because a
+        replica died or the map changed (REPLICATION_FAILED, a timeout or lost connection, NOT_LEADER,
+        STALE_EPOCH, ...), the unacknowledged part is written again on another writable partition, until
+        ``timeout`` (default: the client's) -- the caller sees an error only when that runs out (or for a
+        failure no other partition cures).  Every returned location is on every replica of its partition."""
+        if self.map is None:
+            raise ClientError("put without a partition needs the cluster map from etcd "
+                              "(DataClient.open(etcd=URL)); or write(partition, data)")
+        mv = memoryview(data).cast("B")
+        deadline = trio.current_time() + (timeout if timeout is not None else self.timeout)
+        out: list[Location] = []
+        avoid: dict[int, tuple[int, float]] = {}
+        last: ClientError | None = None
+        pos = 0
+        await self._take_back_abandoned()
+        while pos < len(mv):
+            now = trio.current_time()
+            if now >= deadline:
+                raise last or ClientError(f"no writable partition within {self.timeout:g}s", Result.NOT_FOUND)
+            cands = self.writable(avoid)
+            if not cands:
+                if not self.views:
+                    raise ClientError("no partition in the cluster map (is a manager running? create some: "
+                                      "dnctl partition create --count N)", Result.NOT_FOUND)
+                ev = self._map_changed           # wait for a new view (a failover, a shrink) or try again
+                with trio.move_on_at(min(deadline, now + FAILOVER_POLL_S)):
+                    await ev.wait()
+                if trio.current_time() >= min(deadline, now + FAILOVER_POLL_S):
+                    avoid.clear()
+                continue
+            pid = cands[0]
+            part = self.partition(pid)
+            leader = part.replicas[0]
+            self._picked[pid] = self._picked.get(pid, 0) + 1
+            self._busy[leader] = self._busy.get(leader, 0) + 1
+            extent, start, fresh, done = None, pos, False, []
+            try:
+                with trio.move_on_at(deadline) as cs:
+                    extent, offset = await self._extent_for(pid, min(len(mv) - pos, self.block_size))
+                    fresh = offset == 0
+                    chunks = []
+                    while pos < len(mv) and offset + min(self.block_size, len(mv) - pos) <= MAX_EXTENT:
+                        n = min(self.block_size, len(mv) - pos)
+                        chunks.append((pos, offset, n))
+                        pos += n
+                        offset += n
+                    done, err = await self._pipeline(part, extent, mv, chunks, on_progress)
+                if cs.cancelled_caught:
+                    err = ClientError(f"partition {pid}: no answer before the deadline", node=leader)
+            except ClientError as e:        # e.g. no extent: this partition cannot take writes now
+                err = e
+            finally:
+                self._busy[leader] -= 1
+            out.extend(done)
+            if err is None:
+                self._idle.setdefault(pid, []).append((extent, offset))
+                continue
+            pos = start + sum(loc.length for loc in done)      # go on after the acknowledged prefix
+            if not _retry_elsewhere(err):
+                raise err
+            last = err
+            self.put_failovers += 1
+            avoid[pid] = (self.views[pid].rev if pid in self.views else 0, trio.current_time() + AVOID_S)
+            self._idle.pop(pid, None)
+            if extent is not None and fresh and not done:
+                self._abandoned[(pid, extent)] = avoid[pid][0]
+            log.info("put: partition %d failed (%s); going on with another partition", pid, err)
+        return out
+
+    async def _take_back_abandoned(self) -> None:
+        """Delete extents a failed put left without an acknowledged byte, once their partition has a new
+        view (the delete needs every replica of the current one); bounded, best effort."""
+        for (pid, extent), rev in list(self._abandoned.items()):
+            v = self.views.get(pid)
+            if v is None:
+                del self._abandoned[(pid, extent)]
+                continue
+            if v.rev == rev or not v.installed:
+                continue
+            with trio.move_on_after(min(self.timeout, 2.0)):
+                try:
+                    await self.delete_extent(pid, extent)
+                    del self._abandoned[(pid, extent)]
+                except ClientError as e:
+                    if e.result == Result.NOT_FOUND:
+                        del self._abandoned[(pid, extent)]
 
     async def _failover(self, pid: int, part: PartitionInfo, err: ClientError, deadline: float) -> bool:
         """With the map in etcd: after a dead replica, a dead leader or a stale map, wait (until
@@ -516,6 +663,10 @@ class DataClient:
             while pos < length:
                 k = min(self.block_size, length - pos)
                 await limit.acquire()
+                if not replica and self.read_from == "spread" and len(order) > 1:
+                    i = self._next_replica % len(order)
+                    self._next_replica += 1
+                    order = list(part.replicas[i:]) + list(part.replicas[:i])
                 n.start_soon(self._read_piece, part, order, extent, offset + pos, k, out, pos, limit)
                 pos += k
         return bytes(out)
@@ -584,6 +735,17 @@ def _acked(e: Exception, done: list[Location]) -> Exception:
     return e
 
 
+PUT_STATES = {"writable": 0, "degraded": 1, "recovering": 2}     # etcd states a put may use, preferred first
+AVOID_S = 2.0     # put: a partition that just failed is skipped this long (or until it has a new view)
+
+
+def _retry_elsewhere(e: ClientError) -> bool:
+    """Failures after which a put goes on with another partition (ERROR: a bug on that node, logged there
+    with its traceback -- one partition's trouble, not the writer's)."""
+    return _changes_view(e) or e.result in (Result.BUSY, Result.POOL_BUSY, Result.WRONG_OFFSET, Result.TOO_LARGE,
+                                            Result.NO_SPACE, Result.DISK_ERROR, Result.ERROR)
+
+
 def _changes_view(e: ClientError) -> bool:
     """Failures that a new view of the partition (a failover, a shrink) cures."""
     return e.result in (None, Result.REPLICATION_FAILED, Result.NOT_LEADER, Result.STALE_EPOCH, Result.DIVERGED,
@@ -636,6 +798,9 @@ class BlockingDataClient:
 
     def write(self, pid, data):
         return self._call(self.dc.write, pid, data)
+
+    def put(self, data, timeout=None):
+        return self._call(self.dc.put, data, timeout=timeout)
 
     def read(self, pid, extent, offset, length, replica=None):
         return self._call(self.dc.read, pid, extent, offset, length, replica=replica)

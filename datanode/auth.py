@@ -1,5 +1,26 @@
 """Cluster credentials and the proofs exchanged in the connection hello (HMAC-SHA256, standard library only).
 
+Threat model (README "Trust boundaries").  Against whom: any host that can open a TCP connection to a datanode
+(a tenant's machine, a compromised client host holding only a ``client`` key, a stranger on the network).
+Protected: without a key nobody gets past the hello; a ``client`` key moves data (append, read, create/delete
+extents) but cannot administer partitions, forward writes, truncate, or trigger repair/scrub (FORBIDDEN);
+a follower takes forwarded changes only from the authenticated identity of its partition's current leader;
+on TCP a peer reaches our memory only inside a grant (the range a request in flight named to that very
+connection); every admin body is validated before anything changes, and deleted data goes to the trash first;
+a peer cannot starve the others (per-connection requests in flight, pool share, answer bytes, hello deadline,
+idle and connection limits); a follower copy that differs from its leader's is reported within a heartbeat
+and repaired.  With TLS (transport/tls.py) the stream is also encrypted and integrity-protected, and the client
+checks the node's certificate.  Not protected: without TLS an on-path attacker can read and alter traffic
+after the hello (the HMAC covers the hello only); every datanode holds the cluster secret, so a compromised
+datanode can act as any node or admin; a client key holder can overwrite nothing but can append garbage to,
+delete, or fill (to its share) any partition -- there is no per-tenant authorisation; on verbs the NIC
+serves one-sided reads from the whole registered pool to anyone who learns its rkey on an established queue
+pair (grants do not bind there; transport/verbs.py); a flood of reconnections from many hosts is not rate
+limited (``max_connections`` bounds it, it does not share it fairly).  Cost on the data path (same run,
+bench/trust_cost.py, TCP, sync=none, one writer, noisy 2-core VM): authentication and the checks cost nothing
+measurable (4 KiB appends 472/s off vs 440/s on; 1 MiB 167 vs 182 MiB/s); TLS costs about 40% (4 KiB 251/s,
+1 MiB 107 MiB/s: Python-level record handling in trio.SSLStream).
+
 Keys.  The *cluster secret* is a file of random bytes (``datanode gen-secret``) held by the datanodes and the
 admin hosts.  Each role has its own key derived from it: ``K_role = HMAC-SHA256(secret, "datanode role key
 v1/" + role)``.  A host that should only read and write data gets a *role key file* holding ``K_client`` alone
@@ -114,8 +135,9 @@ class DialAuth:
     """What one side of ``connect.dial`` presents: credentials (or None: authentication off), the role it
     claims and, for a datanode, its identity (its listen address)."""
 
-    def __init__(self, creds: Credentials | None, role: Role | None = None, identity: str = ""):
+    def __init__(self, creds: Credentials | None, role: Role | None = None, identity: str = "", tls=None):
         self.creds = creds
+        self.tls = tls                       # ssl.SSLContext: speak TLS from the first byte (transport/tls.py)
         self.role = role if role is not None else (creds.default_role() if creds else Role.CLIENT)
         self.identity = identity
         if creds is not None and creds.key(self.role) is None:

@@ -57,8 +57,14 @@ class Config:
     max_connections: int = 1024    # accepted connections at once; more are refused at the hello
     idle_timeout_s: float = 600.0  # a connection with nothing in flight for this long is closed (0: never)
     conn_pool_share: float = 0.5   # most of the pool one connection's requests may hold (fraction)
+    max_inflight: int = 0          # requests one connection may have in flight; more are answered BUSY (0: = slots)
+    penalty_max_s: float = 2.0     # a host whose peer was dropped for abuse: its new connections wait (0: never)
     trash_retention_s: float = 86400.0   # a deleted/removed partition's data is kept in data_dir/trash this long
     audit_log: str = ""            # admin actions, one JSON line each (empty: data_dir/audit.log)
+    tls_cert: str = ""             # PEM certificate (chain) this node presents to TLS clients (empty: no TLS)
+    tls_key: str = ""              # its private key (PEM)
+    tls_ca: str = ""               # CA bundle (PEM) to verify other nodes with; set: this node dials them with TLS
+    tls_required: bool = False     # refuse plaintext connections (needs tls_cert)
     # -- cluster map in etcd (datanode/etcdmap.py); empty etcd: no etcd, the map is what admins set --
     etcd: str = ""                 # e.g. "http://127.0.0.1:2379" or "http://a:2379,http://b:2379"
     etcd_prefix: str = "/datanode"  # every key of this cluster lives under it
@@ -110,6 +116,17 @@ def _check(cfg: Config) -> Config:
     if cfg.hello_timeout <= 0 or cfg.max_connections < 1 or cfg.idle_timeout_s < 0:
         bad("hello_timeout" if cfg.hello_timeout <= 0 else "max_connections" if cfg.max_connections < 1
             else "idle_timeout_s", "must be > 0 (idle_timeout_s: >= 0, 0 = never)")
+    if bool(cfg.tls_cert) != bool(cfg.tls_key):
+        bad("tls_cert" if not cfg.tls_cert else "tls_key", "tls_cert and tls_key go together")
+    for key in ("tls_cert", "tls_key", "tls_ca"):
+        if getattr(cfg, key) and not pathlib.Path(getattr(cfg, key)).is_file():
+            bad(key, "no such file")
+    if cfg.tls_required and not cfg.tls_cert:
+        bad("tls_required", "needs tls_cert and tls_key")
+    if cfg.penalty_max_s < 0:
+        bad("penalty_max_s", "must be >= 0 seconds (0: no penalty)")
+    if cfg.max_inflight < 0:
+        bad("max_inflight", "must be >= 0 (0: the same as slots)")
     if not 0 < cfg.conn_pool_share <= 1:
         bad("conn_pool_share", "must be in (0, 1]")
     if cfg.trash_retention_s < 0:
@@ -181,8 +198,17 @@ KEY_HELP: dict[str, tuple[str, str]] = {
     "max_connections": ("count", "connections accepted at once; more are refused with 'too many connections'"),
     "idle_timeout_s": ("seconds", "a connection with nothing in flight this long is closed (0: never)"),
     "conn_pool_share": ("fraction", "most of the pool one connection may hold (BUSY beyond; fair share when short)"),
+    "max_inflight": ("count", "requests one connection may have in flight; more are answered BUSY at once "
+                              "(0: the same as slots)"),
+    "penalty_max_s": ("seconds", "after a peer is dropped for abuse (payload not served, answers not read, "
+                                 "slots overrun), its host's new connections wait 0.05s, doubling per offence up "
+                                 "to this (0: never)"),
     "trash_retention_s": ("seconds", "a deleted or removed partition's data stays in data_dir/trash this long"),
     "audit_log": ("path", "admin actions as JSON lines (empty: data_dir/audit.log)"),
+    "tls_cert": ("path", "PEM certificate (chain) presented to TLS clients; names the node's listen IP/host"),
+    "tls_key": ("path", "the certificate's private key (PEM)"),
+    "tls_ca": ("path", "CA bundle to verify other nodes' certificates; set: node-to-node links use TLS"),
+    "tls_required": ("bool", "refuse plaintext connections (clients must dial with TLS)"),
 }
 
 
@@ -224,7 +250,8 @@ def from_dict(d: dict, source: str = "config") -> Config:
         if key not in fields:
             raise ConfigError(f"{source}: unknown key '{key}' (known: {', '.join(sorted(fields))})")
         want = fields[key].type
-        ok = {"str": isinstance(value, str), "int": isinstance(value, int) and not isinstance(value, bool),
+        ok = {"str": isinstance(value, str), "bool": isinstance(value, bool),
+              "int": isinstance(value, int) and not isinstance(value, bool),
               "float": isinstance(value, (int, float)) and not isinstance(value, bool)}.get(
                   want, isinstance(value, str) and want in _ENUMS)
         if not ok:
@@ -252,7 +279,8 @@ def to_toml(cfg: Config, annotate: bool = False) -> str:
     lines = []
     for f in dataclasses.fields(Config):
         v = getattr(cfg, f.name)
-        line = f'{f.name} = "{v}"' if isinstance(v, str) else f"{f.name} = {v}"
+        line = (f'{f.name} = "{v}"' if isinstance(v, str) else f"{f.name} = {str(v).lower()}"
+                if isinstance(v, bool) else f"{f.name} = {v}")
         if annotate:
             unit, text = KEY_HELP.get(f.name, ("", ""))
             line = f"{line:30} # [{unit}] {text}" if unit or text else line

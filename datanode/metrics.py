@@ -42,13 +42,19 @@ class RequestFamilies:
                              ["op"], registry=registry)
         self.latency = Histogram(f"{prefix}_request_seconds", f"Latency of requests {what}, by op", ["op"],
                                  buckets=LATENCY_BUCKETS, registry=registry)
+        self._children: dict = {}        # (opcode, result) -> its series: .labels() once, not per request
 
     def observe(self, opcode: int, result: int, length: int, seconds: float) -> None:
-        op = _OP_NAMES.get(opcode, "unknown")
-        self.requests.labels(op, _RESULT_NAMES.get(result, "unknown")).inc()
-        self.latency.labels(op).observe(seconds)
-        if result == Result.OK and opcode in _BYTES_OPS:
-            self.bytes.labels(op).inc(length)
+        series = self._children.get((opcode, result))
+        if series is None:
+            op = _OP_NAMES.get(opcode, "unknown")
+            series = self._children[(opcode, result)] = (
+                self.requests.labels(op, _RESULT_NAMES.get(result, "unknown")), self.latency.labels(op),
+                self.bytes.labels(op) if result == Result.OK and opcode in _BYTES_OPS else None)
+        series[0].inc()
+        series[1].observe(seconds)
+        if series[2] is not None:
+            series[2].inc(length)
 
     def describe(self):
         return []
@@ -79,6 +85,11 @@ class _NodeCollector:
 
     def collect(self):
         n = self.node
+        yield _gauge("datanode_starting", "1 while the node opens its partitions (data requests get RETRY)",
+                     1 if n.state == "starting" else 0)
+        o = n.opening
+        yield _gauge("datanode_opening_bytes", "Bytes of extent files opened so far at start", o.bytes)
+        yield _gauge("datanode_opening_bytes_total", "Bytes of extent files to open at start", o.bytes_total)
         pool = n.pool.stats()
         yield _gauge("datanode_pool_bytes", "Registered pool arena size", pool["arena_bytes"])
         yield _gauge("datanode_pool_in_use_bytes", "Pool bytes allocated to requests now", pool["in_use_bytes"])

@@ -2,10 +2,14 @@
 
 Every request and every response is one fixed-size header (``HEADER_SIZE`` bytes, big-endian), sent as one
 message into one of the receiver's preposted control slots (RDMA SEND, or a control frame on TCP).
-Payloads never travel inside a control message: a header *names* a buffer of its sender (``addr``, ``rkey``,
-``rlen``) and the receiver moves the bytes with a one-sided operation (RDMA READ to fetch a write payload,
-RDMA WRITE to push read data or a JSON answer).  Admin requests and answers (partition create, stats) use
-the same mechanism with a JSON body, so there is exactly one way bytes move.
+A payload normally does not travel inside a control message: a header *names* a buffer of its sender
+(``addr``, ``rkey``, ``rlen``) and the receiver moves the bytes with a one-sided operation (RDMA READ to
+fetch a write payload, RDMA WRITE to push read data or a JSON answer) -- the "rendezvous" way.  Admin
+requests and answers (partition create, stats) use the same mechanism with a JSON body.  The one exception
+is the "eager" way for a *small WRITE* on a transport whose control messages can carry it
+(``Connection.max_inline``; TCP): the header has ``Flag.INLINE``, names no buffer, and its ``length``
+payload bytes follow it in the same control message (``encode_message`` / ``decode_message``), saving the
+round trip of the READ.  Large payloads always take the READ.
 
 Layout (88 bytes):
 
@@ -39,9 +43,11 @@ import struct
 from .crc import crc32c
 
 MAGIC = 0xDA7A
-VERSION = 3      # 2: BAD_REQUEST split into one result code per condition; 3: authenticated hello, roles
+VERSION = 4      # 2: BAD_REQUEST split into one result code per condition; 3: authenticated hello, roles;
+                 # 4: small WRITE payloads inline (Flag.INLINE)
 HEADER_SIZE = 88
 MAX_PAYLOAD = 64 << 20          # no single request moves more than this
+INLINE_MAX = 64 << 10           # an inline (eager) payload is at most this; larger ones take the READ
 _FMT = struct.Struct(">HBBBBHQQQIIQQQIIQI")  # everything but hcrc
 assert _FMT.size + 4 == HEADER_SIZE
 _U32 = struct.Struct(">I")
@@ -50,7 +56,7 @@ _U32 = struct.Struct(">I")
 # Why a header was refused as malformed; a PROTOCOL result carries the index of the reason in ``arg``.
 PROTOCOL_REASONS = ["other", "truncated", "oversized", "bad_magic", "bad_header_crc", "bad_version",
                     "bad_reserved", "unknown_opcode", "bad_result", "absurd_length", "short_buffer",
-                    "field_range", "bad_transport", "bad_slots"]
+                    "field_range", "bad_transport", "bad_slots", "bad_inline", "inline_length"]
 
 
 class ProtocolError(Exception):
@@ -89,7 +95,7 @@ class Op(enum.IntEnum):
 class Result(enum.IntEnum):
     """One code per condition; what ``arg`` carries in the response is given for each."""
     OK = 0xF0
-    NOT_LEADER = 0xF2           # this replica is not the partition's leader
+    NOT_LEADER = 0xF2           # this replica is not the partition's leader (or may not be: self-fenced, etcdmap.py)
     REPLICATION_FAILED = 0xF3   # followers down, slow or said no; arg = bitmask of their replica indexes
     WRONG_OFFSET = 0xF4         # an append not at the extent's end; arg = the extent's end
     CRC_MISMATCH = 0xF5         # bytes fail their CRC32C (a payload in transit, or a stored block on read)
@@ -110,7 +116,8 @@ class Result(enum.IntEnum):
     WRONG_ROLE = 0xE6           # an op this replica does not take in its role (e.g. TRUNCATE on a leader)
     POOL_BUSY = 0xE7            # no pool block free within pool_wait (transient: back off and retry)
     FORBIDDEN = 0xE8            # the connection's authenticated role (or node identity) may not do this
-    BUSY = 0xE9                 # this connection is over its share (pool bytes held): retry after some finish
+    BUSY = 0xE9                 # this connection is over its share (pool bytes held, or requests in flight:
+                                #   arg = max_inflight): retry after some finish
 
 
 # Why an admin request's JSON body was refused; a BAD_BODY result carries the index in ``arg``.
@@ -124,6 +131,7 @@ class Flag(enum.IntFlag):
     FORWARDED = 0x01    # leader -> follower: this is a replica write, do not forward further
     ANY_REPLICA = 0x02  # read: served by any replica (without it, only the leader serves reads)
     REPAIR = 0x04       # forwarded by the leader's repair: applies to a sealed extent on the follower too
+    INLINE = 0x08       # WRITE: the payload follows the header in the same control message (no buffer named)
 
 
 class Role(enum.IntEnum):
@@ -189,7 +197,8 @@ DEFAULT_RESULT_TEXT = {
     Result.WRONG_ROLE: "not allowed in this replica's role",
     Result.POOL_BUSY: "node's buffer pool is busy: retry",
     Result.FORBIDDEN: "forbidden: this connection's role may not do that",
-    Result.BUSY: "this connection holds its share of the node's pool: retry when earlier requests finish",
+    Result.BUSY: "this connection is over its share of the node (pool bytes held or requests in flight): "
+                 "retry when earlier requests finish",
 }
 # What a response's ``arg`` means, per result (for the human sentence).
 _ARG_TEXT = {
@@ -236,7 +245,7 @@ class Header:
         """The response header to this request: same identity fields, a result code."""
         return Header(opcode=self.opcode, partition=self.partition, extent=self.extent, offset=self.offset,
                       length=length, crc=crc, req_id=self.req_id, epoch=self.epoch, result=int(result),
-                      arg=arg, flags=self.flags)
+                      arg=arg, flags=self.flags & ~Flag.INLINE)
 
     def forwarded(self, **changes) -> "Header":
         """The copy a leader sends its followers (FORWARDED set), with ``changes`` applied."""
@@ -323,7 +332,9 @@ def decode(data: bytes | bytearray | memoryview, *, request: bool = True) -> Hea
             raise ProtocolError("bad_result", "a request carries no result code")
         if length > MAX_PAYLOAD:
             raise ProtocolError("absurd_length", f"length {length} > {MAX_PAYLOAD}")
-        if op in _LENGTH_IN_BUFFER and rlen < length:
+        if flags & Flag.INLINE:
+            _check_inline(h)      # its payload bytes are checked by decode_message
+        elif op in _LENGTH_IN_BUFFER and rlen < length:
             raise ProtocolError("short_buffer", f"descriptor exposes {rlen} bytes for a {length}-byte payload")
         if epoch > MAX_EPOCH:
             raise ProtocolError("field_range", f"epoch {epoch} > {MAX_EPOCH}")
@@ -333,6 +344,38 @@ def decode(data: bytes | bytearray | memoryview, *, request: bool = True) -> Hea
         except ValueError:
             raise ProtocolError("bad_result", f"result {result:#04x}") from None
     return h
+
+
+def encode_message(h: Header, payload=None) -> bytes:
+    """One control message: the header, and for an inline WRITE (``Flag.INLINE``) its payload after it."""
+    raw = h.encode()
+    if payload is None:
+        return raw
+    return raw + bytes(payload)
+
+
+def decode_message(data: bytes | bytearray | memoryview) -> tuple[Header, memoryview | None]:
+    """Decode one request message: its header (``decode``) and, for an inline WRITE, the payload that
+    follows it (else None).  ProtocolError for anything malformed, one reason per condition: bytes after
+    the header of a request without ``Flag.INLINE`` (``oversized``), ``Flag.INLINE`` on another opcode or
+    with a buffer named or beyond ``INLINE_MAX`` (``bad_inline``), payload bytes != ``length``
+    (``inline_length``)."""
+    mv = memoryview(data)
+    if len(mv) < HEADER_SIZE or (len(mv) > HEADER_SIZE and not mv[5] & Flag.INLINE):
+        return decode(mv), None          # raises "truncated" / "oversized"
+    h = decode(mv[:HEADER_SIZE])
+    if not h.flags & Flag.INLINE:
+        return h, None
+    payload = mv[HEADER_SIZE:]
+    if len(payload) != h.length:
+        raise ProtocolError("inline_length", f"{len(payload)} payload bytes for length {h.length}")
+    return h, payload
+
+
+def _check_inline(h: Header) -> None:
+    if h.opcode != Op.WRITE or h.addr or h.rkey or h.rlen or h.length > INLINE_MAX:
+        raise ProtocolError("bad_inline", "an inline payload goes only with a WRITE of at most "
+                                          f"{INLINE_MAX} bytes that names no buffer")
 
 
 # -- admin bodies (JSON, fetched from the requester's buffer) ------------------------------------------
@@ -408,7 +451,8 @@ HELLO_SIZE = _HELLO.size          # the fixed part; the identity follows
 HELLO_AUTH = 0x02
 HELLO_STATUS = ["ok", "authentication required: this node needs a cluster secret (secret file)",
                 "unknown role", "too many connections", "bad proof (wrong secret or role key)",
-                "this node does not authenticate but the peer holds a secret"]
+                "this node does not authenticate but the peer holds a secret",
+                "this node requires TLS (give the client a CA: tls_ca, $DATANODE_TLS_CA, dnctl --tls-ca)"]
 
 
 class Transport(enum.IntEnum):

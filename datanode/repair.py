@@ -125,13 +125,16 @@ class Difference:
 
 
 def compare_marks(lmarks: dict[int, int], fmarks: dict[int, int], sealed: set[int], ldeleted: set[int],
-                  prev: dict[int, int] | None) -> Difference:
+                  prev: dict[int, int] | None, ldigests: dict[int, int] | None = None,
+                  fdigests: dict[int, int] | None = None) -> Difference:
     """Compare a follower's extent sizes (``fmarks``) with the leader's (``lmarks``).  Pure.
 
     A difference needs repair when nothing can still close it by itself: the extent is sealed (no appends
     will come), the follower's size did not move since the previous probe (``prev``), the follower has an
     extent the leader deleted, or an extent appeared/vanished on one side and stayed so.  A difference on an
-    open extent whose follower size is moving (or on the first look, ``prev`` None) is appends in flight."""
+    open extent whose follower size is moving (or on the first look, ``prev`` None) is appends in flight.
+    Same size but another digest (``ExtentStore.digests``, taken with those sizes) is different bytes: that
+    always needs repair (appends in flight never leave two copies of one size different)."""
     d = Difference()
 
     def needs_repair(e: int, n: int, why: str) -> None:
@@ -142,6 +145,8 @@ def compare_marks(lmarks: dict[int, int], fmarks: dict[int, int], sealed: set[in
     for e, size in sorted(lmarks.items()):
         f = fmarks.get(e)
         if f == size:
+            if ldigests is not None and fdigests is not None and e in fdigests and ldigests.get(e) != fdigests[e]:
+                needs_repair(e, size, f"same size ({size} bytes), different bytes (digest)")
             continue
         gap = abs(size - (f or 0))
         why = f"leader {size} bytes, follower {'missing' if f is None else f'{f} bytes'}"
@@ -154,6 +159,13 @@ def compare_marks(lmarks: dict[int, int], fmarks: dict[int, int], sealed: set[in
         if e not in lmarks and (e in ldeleted or (prev is not None and e in prev)):
             needs_repair(e, f, "only on the follower" + (" (deleted on the leader)" if e in ldeleted else ""))
     return d
+
+
+def follower_marks(st: dict) -> tuple[dict[int, int], dict[int, int] | None]:
+    """(sizes, digests or None) from a REPLICA_STATE answer (a node without digests sends only sizes)."""
+    marks = {int(k): v for k, v in st["marks"].items()}
+    dig = st.get("digests")
+    return marks, ({int(k): v for k, v in dig.items()} if isinstance(dig, dict) else None)
 
 
 @dataclasses.dataclass
@@ -218,7 +230,7 @@ class Repairer:
         out = {"id": pid, "node": self.me, "epoch": part.epoch, "replicas": part.replicas,
                "leader": part.leader, "role": "leader" if part.leader == self.me else "follower",
                "sealed_extents": sorted(int(e) for e in part.sealed)}
-        if w is None:
+        if w is None or part.leader != self.me:     # (a worker may still be winding down after a step-down)
             out["note"] = "replica health is kept by the leader; ask it"
             return out
         out.update(w.describe())
@@ -416,19 +428,25 @@ class PartitionWorker:
             if h.state == "unreachable":
                 log.info("partition %d: follower %s is reachable again", self.pid, addr)
         fmarks = {int(k): v for k, v in st["marks"].items()}
-        d = self._compare(part, fmarks, h.marks)
+        d = await self._compare(part, st, h.marks)
         h.marks = fmarks
         h.bytes_behind, h.extents_behind, h.in_flight_bytes = d.behind, d.extents, d.in_flight
         if self.running == "repair" and self.progress and self.progress["addr"] == addr:
             h.state = "repairing"
         elif d.extents or h.came_back:
+            if d.extents and h.state != "lagging":
+                log.warning("partition %d: follower %s differs from this leader: %s (%d extents)", self.pid, addr,
+                            d.first, d.extents)
             h.state = "lagging"          # any difference that is not appends in flight: never "healthy"
         else:
             h.state = "healthy"
 
-    def _compare(self, part, fmarks: dict, prev: dict | None) -> "Difference":
-        return compare_marks(part.store.watermarks(), fmarks, {int(e) for e in part.sealed},
-                             part.deleted_extents(), prev)
+    async def _compare(self, part, st: dict, prev: dict | None) -> "Difference":
+        """A follower's REPLICA_STATE answer ``st`` against our copy: sizes, and digests where sizes match."""
+        fmarks, fdig = follower_marks(st)
+        ours = await trio.to_thread.run_sync(part.store.digests)
+        return compare_marks({e: v[0] for e, v in ours.items()}, fmarks, {int(e) for e in part.sealed},
+                             part.deleted_extents(), prev, {e: v[1] for e, v in ours.items()}, fdig)
 
     async def _push_view(self, part, addr: str, op: Op) -> None:
         body = json.dumps({"replicas": part.replicas, "epoch": part.epoch}).encode()
@@ -567,8 +585,11 @@ class PartitionWorker:
                              self.pid, e, addr)
                 except StoreError as err:
                     log.warning("partition %d: extent %d on %s: %s", self.pid, e, addr, err)
-        lmarks = part.store.watermarks()
-        todo = [e for e in sorted(lmarks) if full or fmarks.get(e) != lmarks[e]]
+        ldig = await trio.to_thread.run_sync(part.store.digests)
+        lmarks = {e: v[0] for e, v in ldig.items()}
+        _, fdig = follower_marks(st)
+        todo = [e for e in sorted(lmarks) if full or fmarks.get(e) != lmarks[e]
+                or (fdig is not None and e in fdig and fdig[e] != ldig[e][1])]
         total = sum(max(lmarks[e] - fmarks.get(e, 0), 0) for e in todo)
         h.state = "repairing"
         self.progress = {"addr": addr, "copied": 0, "total": total, "t0": time.monotonic()}
@@ -587,7 +608,7 @@ class PartitionWorker:
         # healthy only if it now is: every difference left must be appends in flight on an open extent
         st = await self.rep.call_json(addr, Header(opcode=Op.REPLICA_STATE, partition=self.pid,
                                                    epoch=part.epoch))
-        d = self._compare(part, {int(k): v for k, v in st["marks"].items()}, None)
+        d = await self._compare(part, st, None)
         h.bytes_behind, h.extents_behind, h.in_flight_bytes = d.behind, d.extents, d.in_flight
         if d.extents:
             raise RepairAbort(f"{d.extents} extent(s) still differ after the pass ({d.behind} bytes): "

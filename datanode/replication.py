@@ -17,10 +17,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-import trio
 
 from .partition import ExtentLane, Partition
-from .protocol import Header, Op, Result
+from .protocol import Flag, Header, Op, Result
 from .rpc import Links, Pending
 from .transport.base import TransportError
 
@@ -38,9 +37,10 @@ class ReplicationCounters:
 class Fanout:
     """The forwards of one request in flight: (replica index, pending answer or the error sending it)."""
 
-    def __init__(self, part: Partition, request: Header):
+    def __init__(self, part: Partition, request: Header, replicas: list[str]):
         self.part = part
         self.request = request
+        self.replicas = replicas             # the view the forwards were sent at (the request's epoch)
         self.sent: list[tuple[int, Pending | BaseException]] = []
 
     def __bool__(self) -> bool:
@@ -53,18 +53,44 @@ class Replicator:
         self.links: Links | None = None      # to the followers; set by the node when it starts serving
         self.counters = ReplicationCounters()
 
-    async def submit(self, part: Partition, fwd: Header) -> Fanout:
-        """Send ``fwd`` (already marked forwarded) to every follower, in replica order; returns at once."""
-        out = Fanout(part, fwd)
-        for i, addr in enumerate(part.replicas[1:], start=1):
+    async def submit(self, part: Partition, fwd: Header, payload=None, *,
+                     replicas: list[str] | None = None) -> Fanout:
+        """Send ``fwd`` (already marked forwarded) to every follower, in replica order; returns at once.
+        With ``payload`` (a small WRITE's bytes) it goes inline (``Flag.INLINE``, no buffer named) to every
+        follower whose link carries that much; ``fwd`` must then name a buffer holding the same bytes for
+        any other (``inline_ok`` says whether one is needed).
+
+        ``replicas``: the view of ``fwd.epoch``, taken by the caller *before* any await (the partition's view
+        may change meanwhile: a step-down must not redirect a request of the old epoch to the new view)."""
+        replicas = list(part.replicas) if replicas is None else replicas
+        out = Fanout(part, fwd, replicas)
+        inline = None
+        if payload is not None:
+            inline = dataclasses.replace(fwd, flags=fwd.flags | Flag.INLINE, addr=0, rkey=0, rlen=0)
+        for i, addr in enumerate(replicas[1:], start=1):
             try:
                 link = await self.links.get(addr)
-                out.sent.append((i, await link.submit(fwd, self.timeout)))
+                if inline is not None and link.conn.max_inline >= len(payload):
+                    out.sent.append((i, await link.submit(inline, self.timeout, payload)))
+                else:
+                    out.sent.append((i, await link.submit(fwd, self.timeout)))
             except (TransportError, OSError) as e:
                 out.sent.append((i, e))
         if out.sent and fwd.opcode == Op.WRITE:
             self.counters.forwarded += 1
         return out
+
+    async def inline_ok(self, part: Partition, n: int) -> bool:
+        """Whether every follower's link can take an ``n``-byte payload inline (so the leader needs no pool
+        block to forward it).  A follower that cannot be reached counts as able (its forward fails anyway)."""
+        for addr in part.replicas[1:]:
+            try:
+                link = await self.links.get(addr)
+            except (TransportError, OSError):
+                continue
+            if link.conn.max_inline < n:
+                return False
+        return True
 
     async def wait(self, fan: Fanout) -> int:
         """Every follower's answer; returns the failed followers as a bitmask of replica indexes (0: all
@@ -72,37 +98,35 @@ class Replicator:
         part, h = fan.part, fan.request
         failed: set[int] = set()
 
-        async def one(i: int, p) -> None:
-            addr = part.replicas[i]
+        # every forward is already on its way: waiting for the answers one after the other takes as long as
+        # waiting for all at once (each Pending has its own deadline), without a nursery and task per follower
+        for i, p in fan.sent:
+            addr = fan.replicas[i]
             if isinstance(p, BaseException):
                 log.warning("replica %s of partition %d: %s", addr, part.pid, p)
                 failed.add(i)
-                return
+                continue
             try:
                 r = await p.result()
             except TransportError as e:
                 log.warning("replica %s of partition %d: %s", addr, part.pid, e)
                 failed.add(i)
-                return
+                continue
             if (r.result != Result.OK or r.partition != h.partition or r.extent != h.extent
                     or r.offset != h.offset or r.crc != h.crc):
                 log.warning("replica %s of partition %d answered %s (%s)", addr, part.pid,
                             r.result_text(), h.describe())
                 failed.add(i)
-
-        async with trio.open_nursery() as n:
-            for i, p in fan.sent:
-                n.start_soon(one, i, p)
         if failed:
             self.counters.replication_failures += 1
             for i in failed:
-                addr = part.replicas[i]
+                addr = fan.replicas[i]
                 self.counters.failures_by_replica[addr] = self.counters.failures_by_replica.get(addr, 0) + 1
         return sum(1 << i for i in failed)
 
-    async def replicate(self, part: Partition, fwd: Header) -> int:
+    async def replicate(self, part: Partition, fwd: Header, replicas: list[str] | None = None) -> int:
         """``submit`` then ``wait``: for requests that need no local step in between."""
-        return await self.wait(await self.submit(part, fwd))
+        return await self.wait(await self.submit(part, fwd, replicas=replicas))
 
     def seal(self, part: Partition, extent: int, lane: ExtentLane, why: str) -> None:
         """Refuse further appends to ``extent`` (durably): its replicas may differ."""
@@ -113,6 +137,6 @@ class Replicator:
             log.warning("partition %d extent %d sealed for appends: %s", part.pid, extent, why)
 
 
-def replica_names(part: Partition, mask: int) -> str:
-    """The addresses of the replicas set in a failed-replica bitmask."""
-    return ",".join(a for i, a in enumerate(part.replicas) if mask >> i & 1)
+def replica_names(replicas: list[str], mask: int) -> str:
+    """The addresses of the replicas set in a failed-replica bitmask (of the view the forwards went to)."""
+    return ",".join(a for i, a in enumerate(replicas) if mask >> i & 1)

@@ -82,24 +82,28 @@ class Requester:
             ev.set()
         self._waiting.clear()
 
-    async def submit(self, header: Header, timeout: float) -> "Pending":
+    async def submit(self, header: Header, timeout: float, payload=None) -> "Pending":
         """Send a copy of ``header`` with a req_id of ours and return at once; ``Pending.result`` waits.
+        ``payload``: an inline WRITE's bytes (``header`` has Flag.INLINE; at most ``conn.max_inline``).
 
         Splitting the two lets a leader send forwards in a fixed order and wait for the acks later."""
         if self._dead:
             raise ConnectionClosed(f"{self.conn.peer}: {self._dead}")
         p = Pending(self, timeout)
-        with trio.move_on_after(timeout) as scope:
-            await self._credits.acquire()
-        if scope.cancelled_caught:
-            await self._timed_out(timeout)
+        try:
+            self._credits.acquire_nowait()         # the common case: a credit is free, no timer needed
+        except trio.WouldBlock:
+            with trio.move_on_after(timeout) as scope:
+                await self._credits.acquire()
+            if scope.cancelled_caught:
+                await self._timed_out(timeout)
         header = dataclasses.replace(header, req_id=next(self._ids))
         p.req_id = header.req_id
         p.slot[2] = _grant(self.conn, header)     # before the send: the peer may fetch at once
         self._waiting[header.req_id] = p.slot
         try:
             with trio.move_on_after(timeout) as scope:
-                await self.conn.send(header.encode())
+                await self.conn.send(header.encode(), payload)
         except BaseException:
             self._waiting.pop(header.req_id, None)
             self.conn.grants.drop(p.slot[2])
@@ -133,16 +137,20 @@ class Pending:
 
     async def result(self) -> Header:
         r = self.requester
+        answered = self.slot[0]
         try:
-            with trio.move_on_at(self.deadline) as scope:
-                await self.slot[0].wait()
+            if answered.is_set():
+                await trio.lowlevel.checkpoint()
+            else:
+                with trio.move_on_at(self.deadline):
+                    await answered.wait()
         finally:
             if not self._done:
                 self._done = True
                 r._waiting.pop(self.req_id, None)
                 r.conn.grants.drop(self.slot[2])
                 r._credits.release()
-        if scope.cancelled_caught and not self.slot[0].is_set():   # an answer that already came is no timeout
+        if not answered.is_set():   # the deadline passed (an answer that came meanwhile is no timeout)
             await r._timed_out(self.timeout)
         resp = self.slot[1]
         if resp is None:

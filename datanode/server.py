@@ -20,6 +20,7 @@ import trio
 
 from . import config as config_mod
 from .audit import AuditLog
+from .commit import GroupCommit
 from .auth import AuthConfigError, Credentials, DialAuth
 from .metrics import NodeMetrics, serve_metrics
 from .ops.admin import AdminOps
@@ -37,7 +38,7 @@ from .protocol import (
     ProtocolError,
     Result,
     Role,
-    decode,
+    decode_message,
     peek_req_id,
     roles_for,
 )
@@ -46,6 +47,7 @@ from .replication import Replicator
 from .rpc import Links
 from .store import StoreError
 from .transport.base import Access, Connection, ConnectionClosed, Domain, TransportError
+from .transport import tls
 from .transport.connect import ServerAuth, accept, make_domain, refuse
 
 log = logging.getLogger(__name__)
@@ -60,15 +62,22 @@ class Node(DataOps, AdminOps, RepairOps):
         except TransportError as e:
             raise config_mod.ConfigError(f"config key 'transport': {e}") from None
         try:
+            server_tls = tls.server_context(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None
+            dial_tls = tls.client_context(cfg.tls_ca) if cfg.tls_ca else None
+        except tls.TlsConfigError as e:
+            raise config_mod.ConfigError(f"config key 'tls_cert'/'tls_key'/'tls_ca': {e}") from None
+        try:
             creds = Credentials.load(cfg.secret_file) if cfg.secret_file else None
-            self.server_auth = ServerAuth(creds)
+            self.server_auth = ServerAuth(creds, server_tls, cfg.tls_required)
         except (AuthConfigError, ValueError) as e:
             raise config_mod.ConfigError(f"config key 'secret_file': {e}") from None
         # towards other datanodes we are role ``node``, identified by our listen address
-        self.dial_auth = DialAuth(creds, Role.NODE, identity=self.me) if creds else None
+        self.dial_auth = (DialAuth(creds, Role.NODE, identity=self.me, tls=dial_tls) if creds or dial_tls
+                          else None)
         self.audit = AuditLog(cfg.audit_log or str(pathlib.Path(cfg.data_dir) / "audit.log"), self.me)
         self.accepted = 0                    # connections accepted and not yet ended (max_connections)
         self.refused_connections = 0
+        self.penalties: dict[str, tuple[float, float]] = {}   # host -> (its new connections wait until, since)
         self.domain.scoped = True            # our memory is reachable only through grants (transport/base.py)
         self.pool = BuddyPool(cfg.pool_mib << 20, cfg.max_block_kib << 10)
         # The whole arena, registered once; peers may read it (followers fetch forwards), never write.
@@ -85,6 +94,7 @@ class Node(DataOps, AdminOps, RepairOps):
         self.counters = RequestCounters()
         self._nursery: trio.Nursery | None = None
         self.replication = Replicator(cfg.replica_timeout)   # fan-out to followers (links set up in serve)
+        self.commit = GroupCommit()          # sync=always: appends share their fdatasyncs (datanode/commit.py)
         self.metrics = NodeMetrics(self)     # Prometheus (datanode/metrics.py); served on metrics_listen
         self.repair = Repairer(me=self.me, cfg=cfg, table=self.table, pool=self.pool, region=self.region,
                                domain=self.domain, replication=self.replication, views=self)  # health, repair, scrub
@@ -135,6 +145,7 @@ class Node(DataOps, AdminOps, RepairOps):
                                                connect_timeout=cfg.replica_timeout, on_conn=self._track,
                                                auth=self.dial_auth)
                 nursery.start_soon(self._keep_trash)
+                nursery.start_soon(self.commit.run)
                 if cfg.metrics_listen:
                     await nursery.start(serve_metrics, cfg.metrics_listen, self.metrics)
                 accepting = trio.CancelScope()
@@ -171,6 +182,9 @@ class Node(DataOps, AdminOps, RepairOps):
         except OSError:                          # reset before we even looked at it
             return
         peer = f"{host}:{port}"
+        delay = self.penalties.get(host, (0.0, 0.0))[0] - trio.current_time()
+        if delay > 0:                 # this host's peers broke the rules lately: its new connections wait
+            await trio.sleep(delay)
         if self.accepted >= self.cfg.max_connections:
             self.refused_connections += 1
             if self.refused_connections % 1000 == 1:
@@ -180,6 +194,7 @@ class Node(DataOps, AdminOps, RepairOps):
                 await refuse(stream.socket, self.domain, self.cfg.slots, 3)
             return
         self.accepted += 1
+        conn = None
         try:
             async with accept(stream.socket, peer, self.domain, transport=self.cfg.transport,
                               slots=self.cfg.slots, timeout=self.cfg.hello_timeout,
@@ -194,15 +209,42 @@ class Node(DataOps, AdminOps, RepairOps):
             log.exception("connection from %s ended by an internal error", peer)
         finally:
             self.accepted -= 1
+            if conn is not None and conn.misbehaved and self.cfg.penalty_max_s:
+                self._penalize(host, conn.misbehaved)
         # (trio.serve_listeners closes the stream when this returns)
+
+    PENALTY_MIN, PENALTY_FORGET = 0.05, 30.0
+
+    def _penalize(self, host: str, why: str) -> None:
+        """A peer of ``host`` was dropped for breaking the rules: the host's next connections wait before their
+        hello (doubling per offence, up to ``penalty_max_s``; forgotten after PENALTY_FORGET quiet seconds), so a
+        peer that reconnects at once to abuse again gets a bounded share of the node.  Connections already
+        open (well-behaved clients keep theirs) are not touched."""
+        now = trio.current_time()
+        until, last = self.penalties.get(host, (0.0, 0.0))
+        prev = max(0.0, until - last) if now - last < self.PENALTY_FORGET else 0.0
+        step = min(self.cfg.penalty_max_s, max(self.PENALTY_MIN, prev * 2))
+        self.penalties[host] = (now + step, now)
+        if len(self.penalties) > 4096:        # bounded, whatever the number of hosts
+            for h in [h for h, (_, t) in self.penalties.items() if now - t > self.PENALTY_FORGET]:
+                del self.penalties[h]
+        self.counters.penalties += 1
+        if self.counters.penalties % 100 == 1:
+            log.warning("peer from %s dropped (%s): its new connections wait %.2fs (%d such drops so far)", host,
+                        why, step, self.counters.penalties)
 
     def _track(self, conn: Connection, opened: bool) -> None:
         (self.conns.add if opened else self.conns.discard)(conn)
 
     # -- one connection -------------------------------------------------------------------------------
     async def _connection(self, conn: Connection) -> None:
+        """Reads the connection's requests and starts one task per request, at most ``max_inflight`` at once:
+        a request beyond that is answered BUSY right here, by this reader (so a peer that floods requests
+        and never reads the answers stalls its own connection on TCP backpressure, and is dropped after
+        ``peer_timeout``: neither tasks nor queued answers grow without bound)."""
         self.conns.add(conn)
         idle = self.cfg.idle_timeout_s or math.inf
+        limit = self.cfg.max_inflight or self.cfg.slots
         try:
             async with trio.open_nursery() as nursery:
                 while True:
@@ -217,21 +259,43 @@ class Node(DataOps, AdminOps, RepairOps):
                         log.info("closing connection from %s: idle for %ss", conn.peer, idle)
                         await conn.aclose()
                         break
+                    if conn.busy >= limit:
+                        if not await self._busy(conn, raw, limit):
+                            break
+                        continue
                     self._dispatch(nursery, conn, raw)
         finally:
             self.conns.discard(conn)
 
+    async def _busy(self, conn: Connection, raw: bytes, limit: int) -> bool:
+        """Answer a request over the connection's in-flight limit BUSY, inline; False: the peer does not
+        read its answers (not sent within ``peer_timeout``), the connection is dropped."""
+        self.counters.requests += 1
+        self.counters.busy_inflight += 1
+        if self.counters.busy_inflight % 1000 == 1:
+            log.warning("%s has %d requests in flight (max_inflight %d): answering BUSY (%d so far)",
+                        conn.peer, conn.busy, limit, self.counters.busy_inflight)
+        try:
+            h, _payload = decode_message(raw)
+            resp = h.reply(Result.BUSY, arg=limit)
+        except ProtocolError:
+            resp = Header(opcode=raw[3] if len(raw) > 3 else 0, req_id=peek_req_id(raw) or 0,
+                          result=Result.BUSY, arg=limit)
+        await self._send(conn, resp)          # bounded by peer_timeout: else the connection is dropped
+        return conn.alive
+
     def _dispatch(self, nursery: trio.Nursery, conn: Connection, raw: bytes) -> None:
         self.counters.requests += 1
         try:
-            h = decode(raw)
+            h, payload = decode_message(raw)
         except ProtocolError as e:
             self.counters.protocol_errors += 1
             log.warning("malformed header from %s: %s", conn.peer, e)
             opcode = raw[3] if len(raw) > 3 else 0
             resp = Header(opcode=opcode, req_id=peek_req_id(raw) or 0, result=Result.PROTOCOL,
                           arg=PROTOCOL_REASONS.index(e.reason))
-            nursery.start_soon(self._send, conn, resp)
+            conn.busy += 1                        # an answer in flight counts against max_inflight too
+            nursery.start_soon(self._send_counted, conn, resp)
             return
         ticket = None
         if h.opcode in (Op.WRITE, Op.TRUNCATE):   # ordered by arrival: take the ticket now, synchronously
@@ -241,7 +305,13 @@ class Node(DataOps, AdminOps, RepairOps):
                 ticket = (lane, lane.ticket())
         self.inflight += 1
         conn.busy += 1
-        nursery.start_soon(self._handle, conn, h, ticket, trio.current_time())
+        nursery.start_soon(self._handle, conn, h, ticket, trio.current_time(), payload)
+
+    async def _send_counted(self, conn: Connection, resp: Header) -> None:
+        try:
+            await self._send(conn, resp)
+        finally:
+            conn.busy -= 1
 
     async def _send(self, conn: Connection, resp: Header) -> None:
         try:
@@ -250,11 +320,17 @@ class Node(DataOps, AdminOps, RepairOps):
             log.error("reply %s to %s does not encode (%s): answering ERROR", resp.describe(), conn.peer, e)
             raw = Header(opcode=resp.opcode, req_id=resp.req_id, result=Result.ERROR).encode()
         try:
-            await conn.send(raw)
+            with trio.move_on_after(self.cfg.peer_timeout) as scope:   # a peer that reads no answers is dropped
+                await conn.send(raw)
+            if scope.cancelled_caught:
+                log.warning("dropping connection from %s: it has not read its answers for %ss", conn.peer,
+                            self.cfg.peer_timeout)
+                conn.misbehaved = conn.misbehaved or "did not read its answers"
+                await conn.aclose()
         except TransportError as e:
             log.debug("reply to %s lost: %s", conn.peer, e)
 
-    async def _handle(self, conn: Connection, h: Header, ticket, t0: float) -> None:
+    async def _handle(self, conn: Connection, h: Header, ticket, t0: float, payload=None) -> None:
         resp = None
         why = ""
         try:
@@ -265,7 +341,10 @@ class Node(DataOps, AdminOps, RepairOps):
             if conn.role is not None:
                 self._authorize(conn, h)
             handler = HANDLERS[h.opcode]
-            resp = await handler(self, conn, h, ticket)
+            if payload is None:
+                resp = await handler(self, conn, h, ticket)
+            else:                                # an inline WRITE (decode_message allows no other)
+                resp = await handler(self, conn, h, ticket, payload)
         except Reply as r:
             why = r.why
             if r.result not in (Result.OK, Result.STALE_EPOCH, Result.NOT_FOUND):
@@ -273,10 +352,13 @@ class Node(DataOps, AdminOps, RepairOps):
             resp = h.reply(r.result, arg=r.arg)
         except PeerTimeout as e:
             log.warning("%s from %s: %s: dropping the connection", h.describe(), conn.peer, e)
+            conn.misbehaved = conn.misbehaved or "did not serve a one-sided op in time"
             await conn.aclose()
             resp = None
         except TransportError as e:
-            log.warning("%s from %s: connection failed: %s", h.describe(), conn.peer, e)
+            # one line per connection is logged where it ends (_on_stream); its other requests only at debug
+            (log.debug if not conn.alive else log.warning)("%s from %s: connection failed: %s", h.describe(),
+                                                            conn.peer, e)
             resp = None
         except Exception:  # a bug must cost one request, not the node
             log.exception("%s from %s failed", h.describe(), conn.peer)
@@ -371,6 +453,7 @@ class Node(DataOps, AdminOps, RepairOps):
         return {"node": self.me, "state": self.state, "opening": self.opening.to_dict(), "pid": os.getpid(),
                 "uptime_s": round(time.time() - self.started, 1),
                 "auth": "on" if self.server_auth.creds is not None else "off",
+                "tls": ("required" if self.cfg.tls_required else "offered") if self.server_auth.tls else "off",
                 "refused_connections": self.refused_connections,
                 "transport": self.cfg.transport, "sync": self.cfg.sync,
                 "rdma_device": getattr(self.domain.device, "name", None), "draining": self.draining,
@@ -378,6 +461,7 @@ class Node(DataOps, AdminOps, RepairOps):
                 "disk": self.disk(),
                 "connections": [c.info() for c in list(self.conns)],
                 "counters": {**dataclasses.asdict(self.counters), **dataclasses.asdict(self.replication.counters),
+                             **dataclasses.asdict(self.commit.counters),
                              **dataclasses.asdict(self.repair.counters)},
                 "pool": self.pool_stats(reveal)}
 

@@ -16,7 +16,11 @@ Write order (one ``write()``)::
 
     pwrite(data)  ->  [sync=always: fdatasync(data)]  ->  pwrite(crc entries)  ->  [sync=always: fdatasync(crc)]
 
-i.e. the data is made durable *before* the CRC entries that describe it are even written.  (The brief
+i.e. the data is made durable *before* the CRC entries that describe it are even written.  Under
+sync=always a write is two halves (group commit): ``append`` pwrites the data and keeps the new entries in
+memory (the extent's size moves, the next append may follow at once); ``flush`` then does the fdatasync(data)
+-> pwrite(crc entries) -> fdatasync(crc) above once for every append made before it, however many, and
+moves the extent's ``durable_size``; a write is acknowledged only once its end is durable.  (The brief
 suggested pwrite data, pwrite crc, fdatasync data, fdatasync crc; that lets the kernel write the new CRC
 page back before the data, so a power cut could leave a durable entry for bytes that never reached the disk
 and the recovery below would have to throw away the acknowledged bytes of that block too.  Same number of
@@ -118,6 +122,10 @@ class StoreCode(enum.StrEnum):
     DISK = "disk"                    # any other I/O failure, a closed store, a broken extent
 
 
+class WouldBlock(Exception):
+    """``append(blocking=False)`` found the extent's mutation lock taken (a truncate, delete or close)."""
+
+
 class StoreError(Exception):
     """``code`` is a StoreCode; ``arg`` what that code says it carries (else 0)."""
 
@@ -164,12 +172,28 @@ def _pwrite_all(fd: int, buf, pos: int) -> None:
         pos += n
 
 
-def _preadv_all(fd: int, bufs: list[memoryview], pos: int) -> int:
-    """Fill every buffer from ``pos``; returns bytes read (less than asked only at EOF)."""
+_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", None)
+
+
+def _preadv_all(fd: int, bufs: list[memoryview], pos: int, nowait: bool = False) -> int:
+    """Fill every buffer from ``pos``; returns bytes read (less than asked only at EOF).  ``nowait``: only
+    from the page cache (preadv2 RWF_NOWAIT), else ``WouldBlock`` -- for a caller that must not block."""
     bufs = [b for b in bufs if len(b)]
     total = 0
+    if nowait and _RWF_NOWAIT is None:
+        raise WouldBlock(fd)
     while bufs:
-        n = os.preadv(fd, bufs, pos)
+        if nowait:
+            try:
+                n = os.preadv(fd, bufs, pos, _RWF_NOWAIT)
+            except BlockingIOError:
+                raise WouldBlock(fd) from None
+            except OSError as e:
+                if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise WouldBlock(fd) from None
+                raise
+        else:
+            n = os.preadv(fd, bufs, pos)
         if n == 0:
             break
         total += n
@@ -203,7 +227,7 @@ def _scratch_bufs() -> tuple[memoryview, memoryview]:
 
 class _Extent:
     __slots__ = ("id", "dat", "crc", "size", "entries", "bad", "mu", "cond", "wlock", "readers",
-                 "exclusive", "dead", "broken")
+                 "exclusive", "dead", "broken", "gen", "flock", "dirty_from", "durable")
 
     def __init__(self, eid: int, dat_fd: int, crc_fd: int, size: int, entries: list[tuple[int, int]],
                  bad: set[int]):
@@ -220,11 +244,21 @@ class _Extent:
         self.exclusive = False
         self.dead = False               # deleted or closed: fds are gone
         self.broken = None              # str: a failed fdatasync/rollback; writes refused until reopen
+        self.gen = 0                    # bumped by every change of size/entries (the digest cache's key)
+        # group commit (sync=always): appends leave their CRC entries in memory (``entries``) and mark the
+        # first changed one in ``dirty_from``; ``flush`` syncs the data, then writes and syncs the entries,
+        # and moves ``durable`` (bytes acknowledged-safe) up.  ``flock`` is held by a flush of this extent
+        # and by truncate/delete/close, so no stale entry lands after them.
+        self.flock = threading.Lock()
+        self.dirty_from: int | None = None
+        self.durable = size
 
     # -- reader side ------------------------------------------------------------------------------------
-    def begin_read(self, b0: int, b1: int):
+    def begin_read(self, b0: int, b1: int, nowait: bool = False):
         with self.mu:
             while self.exclusive:
+                if nowait:
+                    raise WouldBlock(self.id)
                 self.cond.wait()
             if self.dead:
                 raise StoreError("not_found", f"extent {self.id} does not exist")
@@ -271,6 +305,7 @@ class ExtentStore:
         self._dir = self.root / "extents"
         self._lock = threading.Lock()       # guards _extents, _tombstones, _next_id, _closed (short holds)
         self._create_lock = threading.Lock()  # serialises create_extent (held across its fsyncs)
+        self._digests: dict[int, tuple] = {}   # extent id -> (its _Extent, gen, digest): see digests()
         self._extents: dict[int, _Extent] = {}
         self._tombstones: set[int] = set()
         self._closed = False
@@ -517,10 +552,25 @@ class ExtentStore:
             _fsync_dir(self.root)
 
     def write(self, extent_id: int, offset: int, data, crc: int | None = None) -> int:
+        """Append ``data`` at ``offset`` (the extent's end) and, under sync=always, make it durable before
+        returning (``append`` + ``flush``).  Returns the extent's new size."""
+        end = self.append(extent_id, offset, data, crc)
+        if self._durable:
+            self.flush([extent_id])
+        return end
+
+    def append(self, extent_id: int, offset: int, data, crc: int | None = None, *, blocking: bool = True) -> int:
+        """The first half of a write: checks, block CRCs, ``pwrite`` of the data; the extent's size moves at
+        once (the next append may follow).  Under sync=always nothing is durable yet and the CRC entries stay
+        in memory until ``flush`` (group commit: one flush makes every append before it durable); under
+        sync=none the entries are written here.  ``blocking=False``: raise ``WouldBlock`` instead of waiting
+        for the extent's mutation lock (the async caller then retries in a thread).  Returns the new size."""
         ext = self._get(extent_id)
         mv = _byte_view(data)
         n = len(mv)
-        with ext.wlock:
+        if not ext.wlock.acquire(blocking):
+            raise WouldBlock(extent_id)
+        try:
             if ext.dead:
                 raise StoreError("not_found", f"extent {extent_id} does not exist")
             size = ext.size
@@ -541,7 +591,7 @@ class ExtentStore:
             within = size % BLOCK
             while pos < n:
                 take = min(BLOCK - within, n - pos)
-                piece = mv[pos:pos + take]
+                piece = mv[pos:pos + take] if take != n else mv
                 c = crc32c(piece)
                 if crc is not None:
                     whole = c if pos == 0 else _cat(whole, piece, c)
@@ -560,29 +610,85 @@ class ExtentStore:
             stage = "pwrite data"
             try:
                 _pwrite_all(ext.dat, mv, offset)
-                if self._durable:
-                    stage = "fdatasync data"
-                    _fdatasync(ext.dat)
-                stage = "pwrite crc"
-                _pwrite_all(ext.crc, b"".join(_ENTRY.pack(*e) for e in new), first * _ESZ)
-                if self._durable:
-                    stage = "fdatasync crc"
-                    _fdatasync(ext.crc)
+                if not self._durable:
+                    stage = "pwrite crc"
+                    _pwrite_all(ext.crc, b"".join([_ENTRY.pack(*e) for e in new]), first * _ESZ)
             except OSError as e:
                 self._rollback(ext, size, first, stage, e)
                 raise io_error(f"extent {extent_id}: {stage}", e) from e
             with ext.mu:
                 entries[first:] = new       # readers copy slices under mu, so in place is fine
                 ext.size = size + n
+                ext.gen += 1
+                if self._durable:
+                    if ext.dirty_from is None or first < ext.dirty_from:
+                        ext.dirty_from = first
+                else:
+                    ext.durable = size + n
             return size + n
+        finally:
+            ext.wlock.release()
+
+    def durable_size(self, extent_id: int) -> int:
+        """Bytes of the extent known durable (under sync=none: written)."""
+        return self._get(extent_id).durable
+
+    def flush(self, extent_ids) -> dict[int, StoreError]:
+        """Make every append to these extents that returned before this call durable: fdatasync the data,
+        then write the CRC entries that describe it and fdatasync them (the write order of the module
+        docstring, once for any number of appends).  Returns the extents that failed, with their error
+        (the extent is then broken: its waiters must fail, and it refuses writes until reopened)."""
+        failed: dict[int, StoreError] = {}
+        for eid in extent_ids:
+            try:
+                ext = self._get(eid)
+            except StoreError as e:
+                failed[eid] = e
+                continue
+            with ext.flock:
+                err = self._flush_locked(ext)
+            if err is not None:
+                failed[eid] = err
+        return failed
+
+    def _flush_locked(self, ext: _Extent) -> StoreError | None:
+        """``flush`` of one extent; the caller holds ``ext.flock``."""
+        if ext.dead:
+            return StoreError("not_found", f"extent {ext.id} does not exist")
+        if ext.broken:
+            return StoreError("disk", f"extent {ext.id} needs recovery (reopen): {ext.broken}")
+        with ext.mu:
+            first, ext.dirty_from = ext.dirty_from, None
+            if first is None:
+                return None
+            size = ext.size
+            ents = ext.entries[first:]
+        stage = "fdatasync data"
+        try:
+            _fdatasync(ext.dat)        # every byte pwritten before the snapshot above
+            stage = "pwrite crc"
+            if ents:
+                _pwrite_all(ext.crc, b"".join([_ENTRY.pack(*e) for e in ents]), first * _ESZ)
+            stage = "fdatasync crc"
+            _fdatasync(ext.crc)
+        except OSError as e:
+            # the page cache state is unknown after a failed fsync: refuse writes until recovery
+            ext.broken = f"{stage}: {e}"
+            log.error("extent %d (%s): %s failed: %s -- extent marked broken", ext.id, self.root, stage, e)
+            return io_error(f"extent {ext.id}: {stage}", e)
+        with ext.mu:
+            if size > ext.durable:
+                ext.durable = size
+        return None
 
     def _rollback(self, ext: _Extent, size: int, first: int, stage: str, err: OSError) -> None:
         """Put the files back to ``size`` after a failed append (best effort)."""
         try:
             os.ftruncate(ext.dat, size)
-            if first < len(ext.entries):
+            if not self._durable and first < len(ext.entries):
                 _pwrite_all(ext.crc, _ENTRY.pack(*ext.entries[first]), first * _ESZ)
-            os.ftruncate(ext.crc, len(ext.entries) * _ESZ)
+            if not self._durable:
+                os.ftruncate(ext.crc, len(ext.entries) * _ESZ)
         except OSError as e2:
             ext.broken = f"{stage}: {err}; rollback failed: {e2}"
         else:
@@ -592,7 +698,10 @@ class ExtentStore:
         log.error("extent %d (%s): %s failed: %s%s", ext.id, self.root, stage, err,
                   f" -- extent marked broken ({ext.broken})" if ext.broken else "")
 
-    def read_into(self, extent_id: int, offset: int, length: int, out: memoryview) -> int:
+    def read_into(self, extent_id: int, offset: int, length: int, out: memoryview, *, nowait: bool = False) -> int:
+        """Read ``[offset, +length)`` into ``out``, every block CRC-checked; returns the CRC32C of the range.
+        ``nowait``: never block (a truncate/delete in progress, or bytes not in the page cache): raise
+        ``WouldBlock`` instead, so an event loop can try here first and go to a thread only when needed."""
         ext = self._get(extent_id)
         if offset < 0 or length < 0:
             raise StoreError("out_of_range", f"extent {extent_id}: negative offset/length {offset}/{length}",
@@ -603,7 +712,7 @@ class ExtentStore:
         end = offset + length
         b0 = offset // BLOCK
         b1 = (end - 1) // BLOCK if length else b0
-        size, ents = ext.begin_read(b0, b1)
+        size, ents = ext.begin_read(b0, b1, nowait)
         try:
             if end > size:
                 raise StoreError("out_of_range", f"extent {extent_id}: range {offset}+{length} beyond size {size}",
@@ -618,7 +727,7 @@ class ExtentStore:
             dst = out[:length]
             want = head + length + tail
             try:
-                got = _preadv_all(ext.dat, [head_buf[:head], dst, tail_buf[:tail]], bstart)
+                got = _preadv_all(ext.dat, [head_buf[:head], dst, tail_buf[:tail]], bstart, nowait)
             except OSError as e:
                 raise StoreError("disk", f"extent {extent_id}: read: {e}") from e
             if got != want:
@@ -672,6 +781,29 @@ class ExtentStore:
             exts = list(self._extents.values())
         return {e.id: e.size for e in exts}
 
+    def digests(self) -> dict[int, tuple[int, int]]:
+        """(size, digest) of every extent, each a consistent snapshot.  The digest is the CRC32C of the
+        extent's block CRC entries (crc, covered), so two copies of the same size have the same digest exactly
+        when every block holds the same bytes (up to CRC collisions): replicas compare it every heartbeat.
+        Cached per extent until its next change (``gen``), so an idle extent costs nothing."""
+        with self._lock:
+            exts = list(self._extents.values())
+        cache = self._digests
+        out = {}
+        for ext in exts:
+            with ext.mu:
+                gen, size = ext.gen, ext.size
+                hit = cache.get(ext.id)
+                entries = None if hit is not None and hit[0] is ext and hit[1] == gen else list(ext.entries)
+            if entries is None:
+                out[ext.id] = (size, hit[2])
+                continue
+            flat = [x for e in entries for x in e]
+            digest = crc32c(struct.pack(f">{len(flat)}I", *flat)) if flat else 0
+            cache[ext.id] = (ext, gen, digest)
+            out[ext.id] = (size, digest)
+        return out
+
     def block_crcs(self, extent_id: int) -> list[int]:
         ext = self._get(extent_id)
         with ext.mu:
@@ -682,11 +814,12 @@ class ExtentStore:
             if self._closed:
                 raise StoreError("disk", f"store {self.root} is closed")
             ext = self._extents.pop(extent_id, None)
+            self._digests.pop(extent_id, None)
             if ext is None:
                 raise StoreError("not_found", f"extent {extent_id} does not exist")
             self._tombstones.add(extent_id)
         dat_p, crc_p, tomb_p = self._paths(extent_id)
-        with ext.wlock:
+        with ext.wlock, ext.flock:
             ext.begin_exclusive()
             try:
                 with ext.mu:
@@ -706,7 +839,10 @@ class ExtentStore:
 
     def truncate(self, extent_id: int, size: int) -> None:
         ext = self._get(extent_id)
-        with ext.wlock:
+        with ext.wlock, ext.flock:
+            err = self._flush_locked(ext)   # no appended entry may land after the truncate
+            if err is not None:
+                raise err
             if ext.dead:
                 raise StoreError("not_found", f"extent {extent_id} does not exist")
             cur = ext.size
@@ -745,6 +881,8 @@ class ExtentStore:
                 with ext.mu:
                     ext.entries = entries
                     ext.size = size
+                    ext.gen += 1
+                    ext.durable = min(ext.durable, size)
                     ext.bad = {b for b in ext.bad if b < keep}
             finally:
                 ext.end_exclusive()
@@ -774,7 +912,9 @@ class ExtentStore:
             exts = list(self._extents.values())
             self._extents.clear()
         for ext in exts:
-            with ext.wlock:
+            with ext.wlock, ext.flock:
+                if ext.dirty_from is not None:
+                    self._flush_locked(ext)      # appends not yet acknowledged: keep them if we can
                 ext.begin_exclusive()
                 try:
                     with ext.mu:

@@ -231,8 +231,10 @@ def test_cluster_follows_real_process_and_restarts_one_node(tmp_path):
 
 
 def test_put_with_dead_follower_leaks_no_extent_and_partition_is_degraded(tmp_path):
+    # --no-etcd: without a manager nobody shrinks the set, so the puts are refused (with a manager the
+    # writer rides through: tests/test_placement.py)
     root = tmp_path / "c"
-    dnctl("cluster", "up", "--nodes", 3, "--cluster", root, *FAST, check=True)
+    dnctl("cluster", "up", "--nodes", 3, "--cluster", root, "--no-etcd", *FAST, check=True)
     try:
         a, _, c = (n["addr"] for n in json.loads((root / "cluster.json").read_text())["nodes"])
         src = tmp_path / "f"
@@ -268,20 +270,47 @@ def test_put_with_dead_follower_leaks_no_extent_and_partition_is_degraded(tmp_pa
 
 
 def test_bench_uses_a_scratch_partition_and_leaves_nothing(tmp_path):
+    # --no-etcd: a manager would add partitions of its own (min_writable) while the bench runs
     root = tmp_path / "c"
-    dnctl("cluster", "up", "--nodes", 2, "--cluster", root, *FAST, check=True)
+    dnctl("cluster", "up", "--nodes", 2, "--cluster", root, "--no-etcd", *FAST, check=True)
     try:
         a = json.loads((root / "cluster.json").read_text())["nodes"][0]["addr"]
         before = json.loads(dnctl("partition", "list", a, "--json", check=True).out)
-        p = dnctl("bench", "--cluster", root, "--size", "64KiB", "--total-mib", 4, "--json", timeout=300)
+        png = tmp_path / "bench.png"
+        p = dnctl("bench", "--cluster", root, "--size", "64KiB", "--total-mib", 4, "--json", "--plot", png,
+                  "--dd", "--fio", "--dd-mib", 8, timeout=300)
         assert p.returncode == 0, p.out + p.err
         res = json.loads(p.out)
         assert {r["phase"] for r in res["results"]} == {"write", "read"}
+        # the same-run baselines, whether memory was warmed, and a picture of it all
+        assert res["warm_memory"] == {"ran": False}
+        assert res["dd"]["mib_s"] > 0 and res["fio"]["read_1m_direct"]["mib_s"] > 0, res["fio"]
+        assert res["fio"]["write_4k_fdatasync"]["ms_per_write"] > 0
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
         assert all(r["bytes"] >= 4 << 20 and r["partition"] != 1 for r in res["results"])
         after = json.loads(dnctl("partition", "list", a, "--json", check=True).out)
         assert [(q["id"], q["extents"], q["bytes"]) for q in after] == [(q["id"], q["extents"], q["bytes"])
                                                                         for q in before]
         assert not list(root.glob("bench-worker*")), list(root.iterdir())
+        assert not list(root.glob("*test")), list(root.iterdir())            # ddtest, fiotest removed
+    finally:
+        dnctl("cluster", "down", "--cluster", root, "--timeout", 10)
+
+
+def test_bench_says_whether_memory_was_warmed(tmp_path):
+    """--warm-memory runs the warmer once before the first phase and the table says so."""
+    root = tmp_path / "c"
+    warmer = tmp_path / "warm"
+    warmer.write_text("#!/bin/sh\necho warm-memory: touched 0.1 GiB\n")
+    warmer.chmod(0o755)
+    dnctl("cluster", "up", "--nodes", 1, "--cluster", root, *FAST, check=True)
+    try:
+        p = dnctl("bench", "--cluster", root, "--size", "4KiB", "--total-mib", 1, "--mode", "write",
+                  "--warm-memory", warmer, timeout=300)
+        assert p.returncode == 0, p.out + p.err
+        assert f"memory warmed before this run: yes ({warmer}" in p.out, p.out
+        p = dnctl("bench", "--cluster", root, "--size", "4KiB", "--total-mib", 1, "--mode", "write", timeout=300)
+        assert "memory warmed before this run: NO" in p.out, p.out
     finally:
         dnctl("cluster", "down", "--cluster", root, "--timeout", 10)
 

@@ -10,7 +10,8 @@ import signal
 import pytest
 import trio
 
-from datanode.etcdmap import Etcd
+from datanode.etcdmap import Etcd, _b64
+from datanode.protocol import Op, Result
 from tests.conftest import create_partition, open_client, pattern, run
 from tools.etcd_cluster import EtcdProc, ManagerProc, etcd_binary, etcd_cluster, urls
 
@@ -51,7 +52,8 @@ def managers(tmp_path):
     procs = []
 
     def start(url, name="m1", **opts):
-        opts = {"lease_ttl_s": TTL, "down_after_s": 0.5, "tick_s": 0.2, **opts}
+        # min_writable 0: these tests place partitions by hand; tests/test_placement.py tests the manager's own
+        opts = {"lease_ttl_s": TTL, "down_after_s": 0.5, "tick_s": 0.2, "min_writable": 0, **opts}
         p = ManagerProc(tmp_path / "managers", url, name, **opts).start()
         procs.append(p)
         return p
@@ -356,8 +358,10 @@ def test_paused_leader_cannot_ack_at_old_epoch(nodes, etcd, managers):
             finally:
                 ns[0].proc.send_signal(signal.SIGCONT)
             assert old.partition(1).epoch == 1 and old.partition(1).replicas[0] == addrs[0]
-            with pytest.raises(ClientError):
+            with pytest.raises(ClientError) as ei:
                 await old.append(1, eid, 4096, b"b" * 4096)
+            # fenced (its lease expired), or already dropped its stale copy: never a forward at epoch 1
+            assert ei.value.result in (Result.NOT_LEADER, Result.NOT_FOUND), ei.value
             async with open_client("tcp", etcd=e.url) as dc:
                 assert dc.partition(1).replicas[0] == new.leader
                 for addr in new.replicas:                 # the acknowledged append is there, nothing after it
@@ -366,3 +370,61 @@ def test_paused_leader_cannot_ack_at_old_epoch(nodes, etcd, managers):
                     assert marks[eid] == 4096, (addr, marks)
                 assert first.length == 4096
     run(main)
+
+
+def test_paused_leader_self_fences_until_reregistered(nodes, etcd):
+    """No manager: nobody moves the partition, so only self-fencing can refuse.  A write sent to the leader
+    while it is paused past its lease is refused (NOT_LEADER, "self-fenced") when it resumes, although every
+    replica is still at its epoch; once it has re-registered (a new lease) it leads again."""
+    from client.sdk import ClientError
+    e = etcd()
+    ns = nodes(3, etcd=e.url, **ETCD_NODE)
+    addrs = [n.addr for n in ns]
+    et = Etcd(e.url)
+
+    async def main():
+        async with open_client("tcp", timeout=20) as dc:
+            await create_partition(dc, 1, addrs)
+            await wait_for("the leader registered", lambda: _has_part(et, addrs[0], 1))
+            first_lease = await _lease_of(et, addrs[0])
+            eid = await dc.create_extent(1)
+            await dc.append(1, eid, 0, b"a" * 4096)
+            ns[0].proc.send_signal(signal.SIGSTOP)
+            try:
+                await wait_for("the paused leader's lease to lapse", lambda: _nodes_exactly(et, set(addrs[1:])))
+                result = []
+
+                async def late_append():
+                    try:
+                        result.append(await dc.append(1, eid, 4096, b"b" * 4096))
+                    except ClientError as err:
+                        result.append(err)
+                async with trio.open_nursery() as n:
+                    n.start_soon(late_append)          # queued in the paused node's socket
+                    await trio.sleep(0.3)
+                    ns[0].proc.send_signal(signal.SIGCONT)
+            finally:
+                ns[0].proc.send_signal(signal.SIGCONT)
+            err = result[0]
+            assert isinstance(err, ClientError) and err.result == Result.NOT_LEADER, err
+            for addr in addrs:                         # nothing of the refused append landed anywhere
+                assert (await dc.watermarks(1, addr))[eid] == 4096
+            await wait_for("the leader re-registered", lambda: _lease_changed(et, addrs[0], first_lease))
+            loc = await dc.append(1, eid, 4096, b"c" * 4096)
+            assert loc.length == 4096
+            for addr in addrs:
+                assert await dc.read(1, eid, 0, 8192, replica=addr) == b"a" * 4096 + b"c" * 4096
+            st = await dc.admin(addrs[0], Op.NODE_STATUS)
+            assert st["counters"]["fenced"] >= 1
+    run(main)
+
+
+async def _lease_of(et, addr):
+    r = await et._post("/kv/range", {"key": _b64(et.node_key(addr))})
+    kvs = r.get("kvs", [])
+    return kvs[0].get("lease") if kvs else None
+
+
+async def _lease_changed(et, addr, old):
+    lease = await _lease_of(et, addr)
+    return lease is not None and lease != old

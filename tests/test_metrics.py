@@ -36,6 +36,7 @@ def test_metrics_move_when_data_moves(nodes):
     assert value(before, "datanode_partitions") == 0
     assert value(before, "datanode_disk_total_bytes") > 0 and value(before, "datanode_disk_free_bytes") > 0
     assert value(before, "datanode_pool_bytes") == 64 * MiB
+    assert value(before, "datanode_starting") == 0          # serving (1 while it opens its partitions)
 
     async def body():
         async with open_client("tcp", []) as dc:

@@ -31,7 +31,7 @@ SLACK = 5.0
 
 @pytest.fixture
 def node(nodes):
-    [n] = nodes(1, transport="tcp", peer_timeout=PEER_TIMEOUT)
+    [n] = nodes(1, transport="tcp", peer_timeout=PEER_TIMEOUT, penalty_max_s=0.0)   # raw peers reconnect at once
     return n
 
 

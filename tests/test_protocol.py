@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from datanode.crc import crc32c
 from datanode.protocol import (BODY_REASONS, HEADER_SIZE, HELLO_SIZE, MAGIC, MAX_EPOCH, MAX_PAYLOAD,
                                PROTOCOL_REASONS, VERSION, BodyError, Header, Hello, Op, ProtocolError, Result,
-                               Transport, decode, decode_hello, decode_view, peek_req_id)
+                               INLINE_MAX, Flag, Transport, decode, decode_hello, decode_message, decode_view,
+                               encode_message, peek_req_id)
 
 U8, U16, U32, U64 = (st.integers(0, (1 << b) - 1) for b in (8, 16, 32, 64))
 FIELDS = ["opcode", "partition", "extent", "offset", "length", "crc", "req_id", "epoch", "addr", "rkey", "rlen",
@@ -34,7 +35,18 @@ def requests(draw):
     return Header(opcode=op, partition=draw(U64), extent=draw(U64), offset=draw(U64), length=length,
                   crc=draw(U32), req_id=draw(U64), epoch=draw(st.integers(0, MAX_EPOCH)), addr=draw(U64),
                   rkey=draw(U32), rlen=rlen,
-                  arg=draw(U64), result=0, flags=draw(U8))
+                  arg=draw(U64), result=0, flags=draw(U8) & ~Flag.INLINE)   # inline ones: inline_writes()
+
+
+@st.composite
+def inline_writes(draw):
+    """An inline WRITE (Flag.INLINE) with its payload, as a client or a leader sends it."""
+    payload = draw(st.binary(max_size=300)) if draw(st.booleans()) else bytes(draw(st.sampled_from(
+        [0, 1, INLINE_MAX - 1, INLINE_MAX])))
+    h = Header(opcode=Op.WRITE, partition=draw(U64), extent=draw(U64), offset=draw(U64), length=len(payload),
+               crc=crc32c(payload), req_id=draw(U64), epoch=draw(st.integers(0, MAX_EPOCH)),
+               flags=Flag.INLINE | (draw(U8) & ~Flag.INLINE))
+    return h, payload
 
 
 @st.composite
@@ -64,6 +76,43 @@ def test_request_round_trip(h):
 
 
 @FUZZ
+@given(inline_writes())
+def test_inline_write_round_trip(hp):
+    """An inline WRITE decodes to its header and exactly its payload; a plain request has none."""
+    h, payload = hp
+    raw = encode_message(h, payload)
+    assert len(raw) == HEADER_SIZE + len(payload)
+    got, body = decode_message(raw)
+    assert as_dict(got) == as_dict(h) and bytes(body) == payload
+    plain = dataclasses.replace(h, flags=h.flags & ~Flag.INLINE, addr=1, rlen=len(payload))
+    assert decode_message(plain.encode())[1] is None
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("payload longer than length", "inline_length"),
+    ("payload shorter than length", "inline_length"),
+    ("bytes after a header without INLINE", "oversized"),
+    ("INLINE on a READ", "bad_inline"),
+    ("INLINE naming a buffer", "bad_inline"),
+    ("INLINE beyond INLINE_MAX", "bad_inline"),
+])
+def test_bad_inline_messages_are_refused_each_with_its_reason(case, reason):
+    w = Header(opcode=Op.WRITE, partition=1, extent=2, length=3, crc=crc32c(b"abc"), flags=Flag.INLINE)
+    raw = {
+        "payload longer than length": encode_message(w, b"abcd"),
+        "payload shorter than length": encode_message(w, b"ab"),
+        "bytes after a header without INLINE": dataclasses.replace(w, flags=0, addr=5, rlen=3).encode() + b"abc",
+        "INLINE on a READ": encode_message(dataclasses.replace(w, opcode=Op.READ), b"abc"),
+        "INLINE naming a buffer": encode_message(dataclasses.replace(w, addr=5, rkey=1, rlen=3), b"abc"),
+        "INLINE beyond INLINE_MAX": encode_message(dataclasses.replace(w, length=INLINE_MAX + 1),
+                                                   bytes(INLINE_MAX + 1)),
+    }[case]
+    with pytest.raises(ProtocolError) as e:
+        decode_message(raw)
+    assert e.value.reason == reason
+
+
+@FUZZ
 @given(responses())
 def test_response_round_trip(h):
     got = decode(h.encode(), request=False)
@@ -75,7 +124,7 @@ def test_response_round_trip(h):
 def test_reply_keeps_identity(h, result, arg, length, crc):
     r = decode(h.reply(result, arg=arg, length=length, crc=crc).encode(), request=False)
     assert (r.opcode, r.partition, r.extent, r.offset, r.req_id, r.epoch, r.flags) == \
-        (h.opcode, h.partition, h.extent, h.offset, h.req_id, h.epoch, h.flags)
+        (h.opcode, h.partition, h.extent, h.offset, h.req_id, h.epoch, h.flags & ~Flag.INLINE)
     assert (r.result, r.arg, r.length, r.crc) == (result, arg, length, crc)
 
 

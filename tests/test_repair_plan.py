@@ -27,3 +27,28 @@ def test_compare_marks(name, lm, fm, sealed, deleted, prev, want):
     d = compare_marks(lm, fm, sealed, deleted, prev)
     assert (d.behind, d.extents, d.in_flight) == want
     assert bool(d.first) == bool(d.extents)
+
+
+def test_same_size_different_digest_needs_repair_at_once():
+    lm, fm = {1: 100, 2: 50}, {1: 100, 2: 40}
+    d = compare_marks(lm, fm, set(), set(), None, {1: 0xAAAA, 2: 7}, {1: 0xBBBB, 2: 7})
+    assert (d.behind, d.extents, d.in_flight) == (100, 1, 10) and "digest" in d.first
+    d = compare_marks(lm, fm, set(), set(), None, {1: 0xAAAA, 2: 7}, {1: 0xAAAA, 2: 9})   # sizes differ: in flight
+    assert (d.behind, d.extents, d.in_flight) == (0, 0, 10)
+    d = compare_marks(lm, fm, set(), set(), None, {1: 0xAAAA}, None)                     # an old follower
+    assert d.extents == 0
+
+
+def test_store_digest_tracks_the_bytes(tmp_path):
+    from datanode.store import BLOCK, ExtentStore
+    with ExtentStore(tmp_path / "a", "none") as a, ExtentStore(tmp_path / "b", "none") as b:
+        for s in (a, b):
+            s.create_extent(1)
+            s.write(1, 0, b"x" * (BLOCK + 10))
+        assert a.digests() == b.digests()
+        b.truncate(1, 5)
+        b.write(1, 5, b"y" + b"x" * (BLOCK + 4))               # same size, one byte differs in block 0
+        assert a.digests()[1][0] == b.digests()[1][0] and a.digests()[1][1] != b.digests()[1][1]
+        b.truncate(1, 5)
+        b.write(1, 5, b"x" * (BLOCK + 5))                       # the same bytes again: the same digest
+        assert a.digests() == b.digests()

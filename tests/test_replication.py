@@ -9,7 +9,7 @@ import pytest
 import trio
 
 from client.sdk import ClientError, ReplicationError
-from datanode.protocol import Header, Op, Result
+from datanode.protocol import INLINE_MAX, Header, Op, Result
 from tests.conftest import REPLICA_TIMEOUT, SLACK, create_partition, pattern, run
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -255,6 +255,9 @@ def test_stale_epoch_is_refused_by_leader_and_followers(nodes, client):
 
 # -------------------------------------------------------------------------------------------- zero copy
 def test_forwarded_payload_is_fetched_from_the_leaders_pool(nodes, client, transport):
+    """A forward names the leader's pool block and each follower READs it from there -- except, on TCP, an
+    append of at most INLINE_MAX bytes, which travels inline with its header (client -> leader -> followers)
+    and is fetched by nobody."""
     # no background repair traffic: the counters must show the client's writes and nothing else
     a, b, c = nodes(3, heartbeat_s=600.0, repair_interval_s=600.0)
     rng = random.Random(9)
@@ -265,15 +268,20 @@ def test_forwarded_payload_is_fetched_from_the_leaders_pool(nodes, client, trans
             await create_partition(dc, P1, [a.addr, b.addr, c.addr])
             leader_rkey = (await dc.admin(a.addr, Op.POOL_STATS))["rkey"]
             appends = 0
+            lengths = []
             for i, size in enumerate(sizes):
                 data = pattern(20 + i, size)
                 locs = await dc.write(P1, data)
                 appends += len(locs)
+                lengths += [loc.length for loc in locs]
                 assert await read_locs(dc, locs, replica=c.addr) == data
             total = sum(sizes)
+            inline = INLINE_MAX if transport == "tcp" else 0
+            fetched = [n for n in lengths if n > inline]
+            assert 0 < len(fetched) < len(lengths) or transport != "tcp"      # both ways were taken
             for f in (b, c):
                 counters = (await dc.admin(f.addr, Op.NODE_STATUS))["counters"]
-                assert counters["forward_fetch_bytes_by_rkey"] == {str(leader_rkey): total}, f.addr
+                assert counters["forward_fetch_bytes_by_rkey"] == {str(leader_rkey): sum(fetched)}, f.addr
                 assert counters["replica_writes"] == appends
             status = await dc.admin(a.addr, Op.NODE_STATUS)
             assert status["counters"]["forwarded"] == appends
@@ -283,8 +291,8 @@ def test_forwarded_payload_is_fetched_from_the_leaders_pool(nodes, client, trans
                 # unseen by software): exactly the payload bytes, once per follower
                 by_peer = {conn["peer"]: conn for conn in status["connections"]}
                 for f in (b, c):
-                    assert by_peer[f.addr]["served_read_bytes"] == total, by_peer.get(f.addr)
-                    assert by_peer[f.addr]["served_reads"] == appends
+                    assert by_peer[f.addr]["served_read_bytes"] == sum(fetched), by_peer.get(f.addr)
+                    assert by_peer[f.addr]["served_reads"] == len(fetched)
     run(body)
 
 
@@ -305,4 +313,22 @@ def test_deep_pipeline_keeps_extent_order(nodes, client):
             for addr in (a.addr, b.addr, c.addr):
                 assert (await dc.watermarks(P1, addr)) == {eid: len(data)}
                 assert await dc.read(P1, eid, 0, len(data), replica=addr) == data
+    run(body)
+
+
+def test_spread_reads_go_to_every_replica_and_return_the_written_bytes(nodes, client):
+    """DataClient(read_from="spread") sends each read request to the next replica in turn: every replica
+    serves some of them, and the bytes are the ones written."""
+    a, b, c = nodes(3)
+    data = pattern(41, 3 * MiB + 17)
+
+    async def body():
+        async with client([], block_size=256 * KiB, read_from="spread") as dc:
+            await create_partition(dc, P1, [a.addr, b.addr, c.addr])
+            locs = await dc.write(P1, data)
+            before = {n.addr: (await dc.admin(n.addr, Op.NODE_STATUS))["counters"]["reads"] for n in (a, b, c)}
+            assert await read_locs(dc, locs) == data
+            after = {n.addr: (await dc.admin(n.addr, Op.NODE_STATUS))["counters"]["reads"] for n in (a, b, c)}
+            served = {addr: after[addr] - before[addr] for addr in after}
+            assert all(v >= 3 for v in served.values()), served
     run(body)

@@ -9,6 +9,7 @@ import os
 import pathlib
 import shutil
 import signal
+import sys
 import threading
 import time
 
@@ -132,6 +133,12 @@ def test_node_answers_starting_with_progress_then_serves_every_byte(nodes):
                 await dc.admin(node.addr, Op.PARTITION_CREATE, partition=5,
                                body={"replicas": [node.addr], "epoch": 1})
             assert ei.value.result == Result.RETRY
+            # and an operator sees it in plain text
+            out = await trio.run_process([sys.executable, "-m", "tools.dnctl", "node", "status", node.addr],
+                                         capture_stdout=True, capture_stderr=True,
+                                         cwd=pathlib.Path(__file__).resolve().parent.parent)
+            text = out.stdout.decode()
+            assert ", starting;" in text and "opening (tail check): partitions 1/2" in text, text
 
     started.start()
     try:

@@ -282,3 +282,45 @@ def test_oversized_control_frame_drops_only_that_connection(nodes):
             assert (await dc.admin(node.addr, Op.NODE_STATUS))["pid"] == node.pid
     run(body)
     assert node.alive()
+
+
+
+_GC_SCRIPT = r"""
+import gc
+import trio
+from datanode.protocol import Header
+from tests.test_transport import pair
+
+async def refused_and_kept(transport):
+    async with pair(transport) as (cli, srv):
+        scratch = srv.dst.view[:4096]
+        try:
+            with trio.fail_after(10):
+                await srv.conn.read(Header(opcode=0, addr=cli.src.addr, rkey=cli.src.rkey ^ 0xFFFF,
+                                           rlen=4096).remote, scratch, srv.dst)
+        except Exception as e:
+            kept = e      # the traceback holds this frame, which holds kept: a reference cycle
+
+for _ in range(10):
+    trio.run(refused_and_kept, "verbs")
+    gc.collect()
+print("survived")
+"""
+
+
+@pytest.mark.verbs
+def test_a_refused_one_sided_op_leaves_nothing_that_crashes_the_collector():
+    """A refusal's traceback holds the frames of the failed op (its local buffer and whatever the transport
+    kept for it).  Kept in a reference cycle, all of it reaches the cyclic garbage collector together; that
+    must never crash the process (it did: a cffi buffer exported from the op's memoryview made CPython's
+    memoryview tp_clear drop a buffer still in use, and pytest's final gc.collect segfaulted)."""
+    from tests.conftest import _verbs_skip_reason
+    if _verbs_skip_reason():
+        pytest.skip(_verbs_skip_reason())
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-X", "faulthandler", "-c", _GC_SCRIPT], capture_output=True,
+                       text=True, timeout=300, cwd=root)
+    assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-4000:])
+    assert "survived" in r.stdout

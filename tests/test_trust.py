@@ -8,6 +8,7 @@ import json
 import os
 import pathlib
 import random
+import socket
 import subprocess
 import sys
 import time
@@ -222,6 +223,105 @@ def test_a_follower_takes_forwards_only_from_the_current_leader(nodes, secret):
     assert "but the leader of partition 7 is" in wait_log(b, "but the leader of partition 7 is")
 
 
+def test_creates_in_flight_across_a_step_down_are_never_forwarded_at_the_new_view(nodes, secret):
+    """Extent creates in flight (their store create in a worker thread) while the leader is told it no longer
+    leads: each answers OK (replicated at the view of its epoch) or a redirect (STALE_EPOCH / NOT_LEADER),
+    never a replication failure from a forward sent at the new view (which names the old leader itself)."""
+    a, b, c = nodes(3, secret_file=str(secret))
+    view2 = json.dumps({"replicas": [b.addr, a.addr, c.addr], "epoch": 2}).encode()
+
+    async def setup():
+        async with open_client("tcp", [], secret=str(secret)) as adm:
+            await create_partition(adm, PID, [a.addr, b.addr, c.addr])
+    run(setup)
+    s = fuzz.connect(a.addr, timeout=10)
+    try:
+        fuzz.hello(s, auth=auth_as(secret, Role.ADMIN))
+        creates = 40
+        for i in range(creates):
+            fuzz.send_ctrl(s, Header(opcode=Op.CREATE_EXTENT, partition=PID, epoch=1, req_id=1 + i).encode())
+        fuzz.send_ctrl(s, Header(opcode=Op.PARTITION_UPDATE, partition=PID, length=len(view2), addr=0x2000, rkey=6,
+                                 rlen=len(view2), req_id=999).encode())
+        answers = {}
+        deadline = time.monotonic() + 30
+        while len(answers) < creates + 1 and time.monotonic() < deadline:
+            ftype, _st, length, op, _a, _r, payload = fuzz.recv_frame(s)
+            if ftype == READ_REQ:
+                s.sendall(FRAME.pack(READ_RESP, 0, 0, length, op, 0, 0, 0) + view2[:length])
+            elif ftype == fuzz.CTRL:
+                r = fuzz.decode(payload, request=False)
+                answers[r.req_id] = r
+    finally:
+        fuzz.end(s, "fin")
+    assert answers.pop(999).result == Result.OK
+    results = {Result(r.result).name for r in answers.values()}
+    assert len(answers) == creates and results <= {"OK", "STALE_EPOCH", "NOT_LEADER"}, \
+        sorted((i, Result(r.result).name) for i, r in answers.items())
+    made = {r.arg for r in answers.values() if r.result == Result.OK}
+
+    async def check():                   # every create answered OK is on each replica of its view
+        async with open_client("tcp", [], secret=str(secret)) as adm:
+            await adm.discover(b.addr)
+            for addr in (a.addr, b.addr, c.addr):
+                assert made <= set(await adm.watermarks(PID, addr)), addr
+    run(check)
+
+
+def test_a_follower_copy_changed_behind_the_leaders_back_is_caught_by_the_heartbeat(nodes, secret):
+    """The issue's probe: a forwarded TRUNCATE + WRITE (valid CRC, same size as before) injected into a
+    follower with a node identity that passes as the leader's.  The leader's next heartbeat sees the copy
+    differ (the per-extent digest), says so in partition health, and repair makes it identical again --
+    long before the full repair pass (repair_interval_s) would have compared the blocks."""
+    a, b = nodes(2, secret_file=str(secret), heartbeat_s=0.5, repair_interval_s=3600)
+    data = pattern(12, 300 * KiB + 3)
+
+    async def body():
+        async with open_client("tcp", [], secret=str(secret)) as adm:
+            await create_partition(adm, PID, [a.addr, b.addr])
+            eid = await adm.create_extent(PID)
+            await adm.append(PID, eid, 0, data)
+            epoch = adm.partition(PID).epoch
+
+            async def health():
+                return await adm.admin(a.addr, Op.PARTITION_HEALTH, partition=PID)
+
+            with trio.fail_after(10 + SLACK):
+                while (await health())["followers"][0]["state"] != "healthy":
+                    await trio.sleep(0.1)
+            before = (await health())["repair"]["passes"]
+            evil = b"EVIL!"
+            cut = len(data) - len(evil)
+            node_a = auth_as(secret, Role.NODE, a.addr)
+            r = fuzz.request(b.addr, Header(opcode=Op.TRUNCATE, partition=PID, extent=eid, offset=cut, epoch=epoch,
+                                            flags=Flag.FORWARDED), auth=node_a)
+            assert r.result == Result.OK, r.result_text()
+            r = fuzz.request(b.addr, Header(opcode=Op.WRITE, partition=PID, extent=eid, offset=cut, length=len(evil),
+                                            crc=crc32c(evil), epoch=epoch, addr=0x1000, rkey=5, rlen=len(evil),
+                                            flags=Flag.FORWARDED), evil, auth=node_a)
+            assert r.result == Result.OK, r.result_text()
+            t0 = time.monotonic()
+            assert (await adm.watermarks(PID, b.addr))[eid] == len(data)          # same size: sizes alone miss it
+            seen = set()
+            with trio.fail_after(4 * 0.5 + SLACK):      # caught within a heartbeat or two, then repaired
+                while True:
+                    h = await health()
+                    seen.add(h["followers"][0]["state"])
+                    if h["repair"]["passes"] > before and seen - {"healthy"}:
+                        break
+                    await trio.sleep(0.05)
+            caught = time.monotonic() - t0
+            with trio.fail_after(10 + SLACK):
+                while (await health())["followers"][0]["state"] != "healthy":
+                    await trio.sleep(0.1)
+            assert await adm.read(PID, eid, 0, len(data), replica=b.addr) == data
+            st = await adm.admin(a.addr, Op.NODE_STATUS)
+            assert st["counters"]["repair_truncates"] >= 1
+            return caught
+    caught = run(body)
+    print(f"divergence caught and repaired {caught:.2f}s after the injection (heartbeat 0.5s)")
+    assert "different bytes (digest)" in wait_log(a, "different bytes (digest)")
+
+
 # -- memory exposed only to whom a request names ------------------------------------------------------------------
 def test_a_peer_cannot_read_pool_memory_not_granted_to_it(nodes, secret):
     a, b = nodes(2, secret_file=str(secret))
@@ -353,6 +453,75 @@ def test_one_connection_cannot_hold_the_whole_pool(nodes, secret):
     run(body)
 
 
+def test_requests_beyond_max_inflight_are_answered_busy(nodes, secret):
+    """A connection with max_inflight requests in flight gets BUSY (arg: the limit) for each extra one at once,
+    while its first ones keep waiting and everybody else is served; a peer that floods requests and reads no
+    answers is dropped instead of growing the node."""
+    [n] = nodes(1, secret_file=str(secret), max_inflight=4, peer_timeout=3.0)
+    cl = auth_as(secret, Role.CLIENT)
+
+    async def body():
+        async with open_client("tcp", [], secret=str(secret)) as adm:
+            await create_partition(adm, PID, [n.addr])
+            eid = await adm.create_extent(PID)
+            epoch = adm.partition(PID).epoch
+        s = fuzz.connect(n.addr, timeout=10)
+        try:
+            fuzz.hello(s, auth=cl)
+            for i in range(12):                     # 1-byte appends whose payload we never serve
+                fuzz.send_ctrl(s, Header(opcode=Op.WRITE, partition=PID, extent=eid, length=1, crc=0, epoch=epoch,
+                                         addr=0x1000, rkey=9, rlen=1, req_id=100 + i).encode())
+            busy, fetches = [], 0
+            while len(busy) < 8:
+                ftype, _st, _len, _op, _a, _r, payload = fuzz.recv_frame(s)
+                if ftype == fuzz.CTRL:
+                    busy.append(fuzz.decode(payload, request=False))
+                elif ftype == READ_REQ:
+                    fetches += 1
+            assert all(r.result == Result.BUSY and r.arg == 4 for r in busy), [r.result_text() for r in busy]
+            assert sorted(r.req_id for r in busy) == list(range(104, 112))   # the first four are the ones held
+            async with open_client("tcp", [n.addr], secret=str(secret)) as dc:
+                data = pattern(4, 300 * KiB)
+                locs = await dc.write(PID, data)
+                assert b"".join([await dc.read_location(loc) for loc in locs]) == data
+                st = await dc.admin(n.addr, Op.NODE_STATUS)
+                assert st["counters"]["busy_inflight"] == 8
+                assert max(c["inflight"] for c in st["connections"]) == 4
+        finally:
+            fuzz.end(s, "rst")
+    run(body)
+    assert "max_inflight 4" in wait_log(n, "max_inflight 4")
+
+    # a flood of PINGs whose answers are never read: the node stops reading us (TCP backpressure) and drops us
+    s = fuzz.connect(n.addr, timeout=1.0)
+    fuzz.hello(s, auth=cl)
+    raw = Header(opcode=Op.PING, req_id=1).encode()
+    ping = FRAME.pack(fuzz.CTRL, 0, 0, len(raw), 0, 0, 0, 0) + raw
+    dropped = False
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            s.sendall(ping * 1024)
+        except socket.timeout:
+            continue                                 # our send buffer is full: the node reads no more
+        except OSError:
+            dropped = True                           # reset by the node
+            break
+    s.close()
+    assert dropped, "the node kept a connection that reads none of its answers"
+    text = wait_log(n, "127.0.0.1")
+    assert "has not read its answers" in text or "more control messages than we have slots" in text
+    # and its host's next connections wait a little (penalty_max_s): reconnecting at once to abuse again is slowed
+    assert "its new connections wait" in wait_log(n, "its new connections wait")
+
+    async def still_serves():
+        async with open_client("tcp", [n.addr], secret=str(secret)) as dc:
+            data = pattern(6, 100 * KiB)
+            locs = await dc.write(PID, data)
+            assert b"".join([await dc.read_location(loc) for loc in locs]) == data
+    run(still_serves)
+
+
 # -- no data dies on one message: the trash -------------------------------------------------------------------------
 def test_a_deleted_partition_goes_to_the_trash_and_can_be_restored(nodes, secret):
     [n] = nodes(1, secret_file=str(secret))
@@ -451,7 +620,7 @@ def test_replication_and_repair_work_between_authenticated_nodes(nodes, secret):
 
 # -- the wire fuzz, authenticated as a client (one case in ten without credentials) --------------------------------
 def test_wire_fuzz_authenticated(nodes, secret):
-    [n] = nodes(1, transport="tcp", peer_timeout=2.0, secret_file=str(secret))
+    [n] = nodes(1, transport="tcp", peer_timeout=2.0, secret_file=str(secret), penalty_max_s=0.0)
     checker = fuzz.Checker(n.addr, secret=str(secret))
     target = checker.setup()
     cl = auth_as(secret, Role.CLIENT)
@@ -468,3 +637,93 @@ def test_wire_fuzz_authenticated(nodes, secret):
     text = log_of(n)
     assert "Traceback" not in text, text[text.index("Traceback") - 300:][:3000]
 
+
+
+# -- dnctl: a local cluster with a secret, --secret-file, and the trash ---------------------------------------------
+def test_dnctl_secret_cluster_and_trash(tmp_path):
+    from tests.test_cli import dnctl, refused
+    env_secret = os.environ.pop("DATANODE_SECRET_FILE", None)
+    d = tmp_path / "cl"
+    try:
+        up = json.loads(dnctl("cluster", "up", "--nodes", "2", "--secret", "--no-etcd", "--cluster", d, "--json", check=True).out)
+        secret = d / "cluster.secret"
+        assert secret.stat().st_mode & 0o777 == 0o600
+        a, b = (n["addr"] for n in up["nodes"])
+        assert "authentication on" in (d / "node1" / "node.log").read_text()
+        f = tmp_path / "f"
+        f.write_bytes(pattern(21, 70 * KiB))
+        dnctl("put", "--cluster", d, "--partition", "1", f, check=True)      # --cluster DIR: its secret is used
+        p = dnctl("partition", "delete", "--id", "1", "--replicas", f"{a},{b}")      # no secret: per replica, refused
+        assert p.returncode != 0 and p.out.count("requires authentication") == 2, p.out + p.err
+        refused(dnctl("--secret-file", tmp_path / "nope", "partition", "list", "--via", a), "secret file")
+        dnctl("--secret-file", secret, "partition", "delete", "--id", "1", "--replicas", f"{a},{b}", check=True)
+        rows = json.loads(dnctl("trash", "list", "--cluster", d, "--json", check=True).out)
+        assert sorted(r["node"] for r in rows) == sorted([a, b]) and {r["partition"] for r in rows} == {1}
+        mine = next(r["name"] for r in rows if r["node"] == a)
+        refused(dnctl("trash", "restore", mine, "--cluster", d, "--node", a), "is running", "stop it first")
+        dnctl("cluster", "stop-node", a, "--cluster", d, check=True)
+        got = json.loads(dnctl("trash", "restore", mine, "--cluster", d, "--node", a, "--json", check=True).out)
+        assert got == {"node": a, "name": mine, "partition": 1}
+        dnctl("cluster", "start-node", a, "--cluster", d, check=True)
+        out = dnctl("get", "--cluster", d, "--partition", "1", "--extent", "1", "--replica", a, "--out", "-",
+                    check=True)
+        assert out.stdout == f.read_bytes()
+        gone = json.loads(dnctl("trash", "purge", "--all", "--cluster", d, "--node", b, "--json", check=True).out)
+        assert [g["node"] for g in gone] == [b]
+        assert json.loads(dnctl("trash", "list", "--cluster", d, "--json", check=True).out) == []
+        refused(dnctl("trash", "purge", "nosuch", "--cluster", d), "no trash entry")
+        refused(dnctl("trash", "list"), "--config", "--cluster")
+    finally:
+        dnctl("cluster", "down", "--cluster", d)
+        if env_secret is not None:
+            os.environ["DATANODE_SECRET_FILE"] = env_secret
+
+
+# -- TLS on the TCP stream ---------------------------------------------------------------------------------------
+def make_ca(d: pathlib.Path, name: str = "ca") -> tuple[pathlib.Path, pathlib.Path, pathlib.Path]:
+    """A throwaway CA and a node certificate for 127.0.0.1 signed by it (the openssl CLI): (ca, cert, key)."""
+    d.mkdir(parents=True, exist_ok=True)
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
+    def ossl(*args):
+        subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True, cwd=d)
+    ossl("req", "-x509", *ec, "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "1", "-subj", f"/CN={name}")
+    ossl("req", *ec, "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=127.0.0.1")
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    ossl("x509", "-req", "-in", "node.csr", "-CA", f"{name}.pem", "-CAkey", f"{name}.key", "-CAcreateserial",
+         "-out", "node.pem", "-days", "1", "-extfile", "san.ext")
+    return d / f"{name}.pem", d / "node.pem", d / "node.key"
+
+
+def test_tls_on_the_tcp_stream(nodes, secret, tmp_path):
+    ca, cert, key = make_ca(tmp_path / "pki")
+    other_ca, _, _ = make_ca(tmp_path / "other", "otherca")
+    tls = dict(tls_cert=str(cert), tls_key=str(key), tls_ca=str(ca))
+    a, b = nodes(2, secret_file=str(secret), tls_required=True, **tls)
+    [c] = nodes(1, secret_file=str(secret), **tls)                 # offers TLS, takes plaintext too
+    data = pattern(13, 3 * MiB + 5)
+
+    async def body():
+        async with open_client("tcp", [], secret=str(secret), tls_ca=str(ca)) as dc:
+            await create_partition(dc, PID, [a.addr, b.addr])
+            locs = await dc.write(PID, data)                         # client -> a and a -> b over TLS
+            for addr in (a.addr, b.addr):
+                assert b"".join([await dc.read_location(loc, replica=addr) for loc in locs]) == data
+            st = await dc.admin(a.addr, Op.NODE_STATUS)
+            assert st["tls"] == "required"
+            assert st["connections"] and all(x["tls"] for x in st["connections"])
+            st_b = await dc.admin(b.addr, Op.NODE_STATUS)
+            assert any(x["role"] == "node" and x["tls"] for x in st_b["connections"])   # the leader's link
+        with pytest.raises(ClientError, match="requires TLS"):
+            async with open_client("tcp", [a.addr], secret=str(secret)):
+                pass
+        with pytest.raises(ClientError, match="certificate verify failed"):   # a node we cannot verify
+            async with open_client("tcp", [a.addr], secret=str(secret), tls_ca=str(other_ca)):
+                pass
+        for ca_file in (None, str(ca)):                               # c: either way
+            async with open_client("tcp", [], secret=str(secret), tls_ca=ca_file) as dc:
+                st = await dc.admin(c.addr, Op.NODE_STATUS)
+                assert st["tls"] == "offered"
+                assert [x["tls"] for x in st["connections"]] == [ca_file is not None]
+    run(body)
+    assert "requires TLS" in wait_log(a, "requires TLS")

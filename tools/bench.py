@@ -31,6 +31,7 @@ import time
 import click
 
 from datanode.config import TransportChoice
+from datanode.protocol import INLINE_MAX
 from tools.clikit import ADDR, ADDRS, CTX, Command, cluster_nodes, cluster_option
 
 MIB = 1 << 20
@@ -89,12 +90,13 @@ async def _worker_main(spec: dict) -> None:
     written: list[list[int]] = []        # [extent, acknowledged bytes]: what the read phase reads
 
     async with DataClient.open(spec["nodes"], block_size=block, depth=depth, pool_mib=pool_mib,
-                               transport=spec.get("transport", "auto"), timeout=spec.get("timeout", 30)) as dc:
+                               transport=spec.get("transport", "auto"), timeout=spec.get("timeout", 30),
+                               inline_max=spec.get("inline_max", INLINE_MAX),
+                               read_from="spread" if spec.get("read_from") == "spread" else "leader") as dc:
         part = dc.partition(pid)
         replicas = part.replicas
         rf = spec.get("read_from", "leader")
-        read_replica = (None if rf == "leader" else replicas[spec["index"] % len(replicas)] if rf == "spread"
-                        else rf)
+        read_replica = None if rf in ("leader", "spread") else rf    # spread: the SDK's (next replica per read)
 
         async def write_phase(seconds, total, progress):
             lat: list[int] = []
@@ -295,7 +297,8 @@ def _collect(workers, q, want: str, timeout: float, on_progress=None) -> dict[in
 
 def run_config(*, nodes: list[str], pid: int, size: int, clients: int, depth: int, seconds: float | None,
                total: int | None, phases: list[str], node_pids: dict[str, int], read_from: str,
-               transport: str, label: str, log_dir: pathlib.Path | None, progress: bool = True) -> list[dict]:
+               transport: str, label: str, log_dir: pathlib.Path | None, progress: bool = True,
+               inline_max: int = INLINE_MAX) -> list[dict]:
     """Run the phases against one partition with ``clients`` worker processes; one result per phase."""
     from tools.cluster import cpu_seconds
     q: queue.Queue = queue.Queue()
@@ -305,7 +308,7 @@ def run_config(*, nodes: list[str], pid: int, size: int, clients: int, depth: in
     try:
         for i in range(clients):
             spec = {"nodes": nodes, "partition": pid, "size": size, "depth": depth, "index": i,
-                    "read_from": read_from, "transport": transport,
+                    "read_from": read_from, "transport": transport, "inline_max": inline_max,
                     "prefill": min(256 * MIB, max(64 * MIB, size * depth * 64))}
             workers.append(Worker(i, spec, q, log_dir))
         _collect(workers, q, "ready", 60)
@@ -408,8 +411,118 @@ def run_dd(directory: pathlib.Path, mib: int) -> dict:
             "dd_says": p.stderr.strip().splitlines()[-1] if p.stderr.strip() else ""}
 
 
+def run_warm(command: str) -> dict:
+    """Run the memory warmer (e.g. shared/bench/warm-memory) once, before the first phase."""
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run([command], capture_output=True, text=True, timeout=900)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"ran": False, "command": command, "error": str(e)}
+    said = (p.stdout.strip() or p.stderr.strip()).splitlines()
+    if p.returncode != 0:
+        return {"ran": False, "command": command, "error": said[-1] if said else f"exit status {p.returncode}"}
+    return {"ran": True, "command": command, "seconds": round(time.monotonic() - t0, 1),
+            "said": said[-1] if said else ""}
+
+
+def run_fio(directory: pathlib.Path, mib: int) -> dict:
+    """Baselines on the local file system of ``directory`` (fio): a 4 KiB write + fdatasync at depth 1 (the
+    cost floor of one durable small write), a 1 MiB sequential write with one fsync at the end, and a 1 MiB
+    O_DIRECT read of that file (a read that the page cache does not serve: the disk's cold read)."""
+    path = directory / "fiotest"
+    common = ["fio", f"--filename={path}", "--output-format=json", "--ioengine=psync", "--numjobs=1"]
+    jobs = {
+        "write_4k_fdatasync": ["--name=w4k", "--rw=write", "--bs=4k", "--size=8M", "--fdatasync=1"],
+        "write_1m_end_fsync": ["--name=w1m", "--rw=write", "--bs=1M", f"--size={mib}M", "--end_fsync=1"],
+        "read_1m_direct": ["--name=r1m", "--rw=read", "--bs=1M", f"--size={mib}M", "--direct=1"],
+    }
+    out: dict = {}
+    try:
+        for name, args in jobs.items():
+            cmd = [*common, *args]
+            try:
+                p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            except FileNotFoundError:
+                return {"error": "fio is not installed (apt-get install fio)"}
+            except (OSError, subprocess.TimeoutExpired) as e:
+                return {"error": f"{name}: {e}"}
+            if p.returncode != 0:
+                return {"error": f"{name}: {(p.stderr.strip().splitlines() or ['failed'])[-1]}"}
+            job = json.loads(p.stdout[p.stdout.index("{"):])["jobs"][0]
+            side = job["read"] if name.startswith("read") else job["write"]
+            r = {"command": " ".join(cmd), "mib_s": round(side["bw_bytes"] / MIB, 1), "iops": round(side["iops"], 1)}
+            if name == "write_4k_fdatasync":
+                r["ms_per_write"] = round(1000 / side["iops"], 3) if side["iops"] else None
+                sync = job.get("sync", {}).get("lat_ns", {})
+                if sync.get("percentile"):
+                    r["fdatasync_p50_ms"] = round(sync["percentile"].get("50.000000", 0) / 1e6, 3)
+            out[name] = r
+    finally:
+        try:
+            path.unlink()
+        except OSError:
+            pass
+    return out
+
+
+def write_plot(out: dict, path: pathlib.Path) -> None:
+    """A PNG: throughput per phase (with the same-run baselines as lines) and latency percentiles."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise click.ClickException("--plot needs matplotlib: pip install 'datanode[bench]' "
+                                   "(./dev setup installs it)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = out["results"]
+    cfg = out["config"]
+    labels = [f"{r['replicas']}r {r['phase']}" for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
+    xs = range(len(rows))
+    bars = ax1.bar(xs, [r["mib_s"] for r in rows], color=["#4c72b0" if r["phase"] == "write" else "#55a868"
+                                                            for r in rows])
+    for b, r in zip(bars, rows):
+        ax1.annotate(f"{r['mib_s']:.1f}\n{r['iops']:.0f}/s", (b.get_x() + b.get_width() / 2, b.get_height()),
+                     ha="center", va="bottom", fontsize=8)
+    base = []
+    dd = out.get("dd") or {}
+    if dd.get("mib_s"):
+        base.append((dd["mib_s"], "dd conv=fdatasync", "#c44e52"))
+        base.append((dd["mib_s"] / 3, "dd / 3 (3 copies, one disk)", "#dd8452"))
+    fio = out.get("fio") or {}
+    if "read_1m_direct" in fio:
+        base.append((fio["read_1m_direct"]["mib_s"], "fio 1M O_DIRECT read (cold)", "#8172b3"))
+    for y, name, color in base:
+        ax1.axhline(y, ls="--", color=color, lw=1, label=f"{name}: {y:.0f} MiB/s")
+    if base:
+        ax1.legend(fontsize=7, loc="upper right")
+    ax1.set_xticks(list(xs), labels)
+    ax1.set_ylabel("MiB/s")
+    ax1.set_title("throughput (bar label: MiB/s, requests/s)")
+    w = 0.25
+    for k, (q, color) in enumerate((("p50", "#4c72b0"), ("p99", "#dd8452"), ("p999", "#c44e52"))):
+        ax2.bar([x + (k - 1) * w for x in xs], [r["latency_ms"][q] or 0 for r in rows], w, label=q, color=color)
+    if "write_4k_fdatasync" in fio:
+        y = fio["write_4k_fdatasync"]["ms_per_write"]
+        ax2.axhline(y, ls="--", color="grey", lw=1, label=f"fio 4k write+fdatasync: {y:.2f} ms")
+    ax2.set_yscale("log")
+    ax2.set_xticks(list(xs), labels)
+    ax2.set_ylabel("ms per request (log)")
+    ax2.set_title("latency percentiles")
+    ax2.legend(fontsize=7)
+    warm = out.get("warm_memory") or {}
+    fig.suptitle(f"dnctl bench: {fmt_size(cfg['size'])} x {cfg['clients']} client(s) x depth {cfg['depth']}, "
+                 f"sync {cfg['sync']}, {cfg['transport']}; memory warmed: {'yes' if warm.get('ran') else 'NO'}",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 # -- the command ---------------------------------------------------------------------------------------------
-def _table(header: dict, rows: list[dict], dd: dict | None, node_names: dict[str, str]) -> str:
+def _table(header: dict, rows: list[dict], dd: dict | None, node_names: dict[str, str], fio: dict | None = None,
+           warm: dict | None = None) -> str:
     lines = [f"bench: {fmt_size(header['size'])} requests, {header['clients']} client process(es) x depth "
              f"{header['depth']}, {header['budget']} per phase; nodes: sync {header['sync']}, transport "
              f"{header['transport']}; reads from {header['read_from']}"]
@@ -436,6 +549,17 @@ def _table(header: dict, rows: list[dict], dd: dict | None, node_names: dict[str
         else:
             lines.append(f"dd (same disk, one fdatasync at the end): {dd['mb_s']:.1f} MB/s = {dd['mib_s']:.1f} "
                          f"MiB/s  [{dd['command']}]")
+    if fio:
+        if "error" in fio:
+            lines.append(f"fio: {fio['error']}")
+        else:
+            w4, w1, r1 = fio["write_4k_fdatasync"], fio["write_1m_end_fsync"], fio["read_1m_direct"]
+            lines.append(f"fio (same disk): 4KiB write+fdatasync {w4['ms_per_write']:.3f} ms ({w4['iops']:.0f}/s); "
+                         f"1MiB write {w1['mib_s']:.1f} MiB/s; 1MiB O_DIRECT read (cold) {r1['mib_s']:.1f} MiB/s")
+    warm = warm or {}
+    lines.append(f"memory warmed before this run: yes ({warm['command']}, {warm['seconds']} s)" if warm.get("ran")
+                 else f"memory warmed before this run: NO ({warm.get('error') or 'give --warm-memory PATH'}; "
+                      "on a VM the first touch of guest memory is slow and measures the hypervisor)")
     return "\n".join(lines)
 
 
@@ -461,16 +585,28 @@ def _f(v) -> str:
 @click.option("--total-mib", type=click.IntRange(1), help="Or: MiB moved per phase (all clients together).")
 @click.option("--mode", type=click.Choice(["write", "read", "both"]), default="both", show_default=True)
 @click.option("--read-from", default="leader", show_default=True,
-              help="leader | spread (client i reads replica i mod N) | HOST:PORT.")
+              help="leader | spread (each read to the next replica in turn: DataClient(read_from='spread')) "
+                   "| HOST:PORT.")
 @click.option("--transport", type=click.Choice([m.value for m in TransportChoice]), default="auto", show_default=True,
               help="Client transport.")
+@click.option("--inline-max", default=fmt_size(INLINE_MAX), show_default=True,
+              help="Appends up to this size travel inline with their header on TCP (no READ round trip); "
+                   "0 turns it off (to compare).")
 @click.option("--dd", "with_dd", is_flag=True,
               help="Also run dd if=/dev/zero of=DIR/ddtest bs=1M count=1024 conv=fdatasync and show its MB/s.")
 @click.option("--dd-mib", type=click.IntRange(1, 1 << 16), default=1024, show_default=True)
+@click.option("--fio", "with_fio", is_flag=True,
+              help="Also run fio baselines in DIR: 4KiB write+fdatasync, 1MiB write, 1MiB O_DIRECT (cold) read.")
+@click.option("--warm-memory", "warm_cmd", type=click.Path(exists=True, dir_okay=False),
+              help="Run this memory warmer (e.g. shared/bench/warm-memory) once before the first phase; the "
+                   "output says whether it ran.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True),
+              help="Write a PNG: throughput (with the dd/fio baselines) and latency percentiles per phase "
+                   "(needs matplotlib: the 'bench' extra).")
 @click.option("--keep", is_flag=True, help="Keep the scratch partitions (default: deleted at the end).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON (progress stays on stderr).")
 def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, seconds, total_mib, mode, read_from,
-                  transport, with_dd, dd_mib, keep, as_json):
+                  transport, inline_max, with_dd, dd_mib, with_fio, warm_cmd, plot_path, keep, as_json):
     """Measure write and read throughput, latency percentiles and CPU per GB.
 
     \b
@@ -478,6 +614,8 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
     dnctl bench --cluster /tmp/dn --size 128KiB --clients 2 --seconds 5
     dnctl bench --cluster /tmp/dn --replicas 1,3 --dd           # single node vs 3 replicas, and dd
     dnctl bench --nodes 127.0.0.1:17310 --partition 7 --mode write --total-mib 512 --json
+    dnctl bench --cluster /tmp/dn --size 4KiB --depth 1 --dd --fio --warm-memory ../shared/bench/warm-memory \\
+                --plot bench.png --json > bench.json    # baselines in the same run, a picture, raw numbers
 
     By default the data goes into a throw-away scratch partition on every node (deleted at the end, also
     after an error or Ctrl-C; --keep keeps it); --partition N writes into an existing partition instead
@@ -503,12 +641,26 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
         raise click.UsageError("give only one of --replicas (scratch partitions) or --partition (an existing one)")
     if with_dd and not root:
         raise click.UsageError("--dd needs --cluster (dd writes DIR/ddtest)")
+    if with_fio and not root:
+        raise click.UsageError("--fio needs --cluster (fio writes DIR/fiotest)")
+    if plot_path:
+        try:
+            import matplotlib  # noqa: F401  (fail before the run, not after it)
+        except ImportError:
+            raise click.ClickException("--plot needs matplotlib: pip install 'datanode[bench]' "
+                                       "(./dev setup installs it)") from None
     try:
         nbytes = parse_size(size)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--size") from None
     if not (1 <= nbytes <= 4 * MIB):
         raise click.BadParameter("must be between 1 byte and 4MiB", param_hint="--size")
+    try:
+        inline_bytes = parse_size(inline_max)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--inline-max") from None
+    if inline_bytes > INLINE_MAX:
+        raise click.BadParameter(f"at most {fmt_size(INLINE_MAX)} (the protocol's limit)", param_hint="--inline-max")
     if not seconds and not total_mib:
         seconds = 10.0
     total = total_mib * MIB if total_mib else None
@@ -589,18 +741,24 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
     transport_used = (f"verbs ({first['rdma_device']})" if first.get("rdma_device") else "tcp")
     header = {"size": nbytes, "clients": clients, "depth": depth,
               "budget": f"{seconds:g} s" if seconds else f"{total_mib} MiB", "sync": first.get("sync"),
-              "transport": transport_used, "read_from": read_from, "nodes": addrs, "node_pids": node_pids}
+              "transport": transport_used, "read_from": read_from, "nodes": addrs, "node_pids": node_pids,
+              "inline_max": inline_bytes}
     log_tmp = tempfile.TemporaryDirectory(prefix="dnctl-bench-")    # workers' stderr: nothing left behind
     log_dir = pathlib.Path(log_tmp.name)
     rows = []
-    dd = None
+    dd = fio = None
+    warm = {"ran": False}
     try:
+        if warm_cmd:
+            click.echo(f"warming memory: {warm_cmd} ...", err=True)
+            warm = run_warm(warm_cmd)
         for tpid, members in infos:
             label = f"{len(members)} replica{'s' if len(members) > 1 else ''}"
             try:
                 res = run_config(nodes=members, pid=tpid, size=nbytes, clients=clients, depth=depth,
                                  seconds=seconds, total=total, phases=phases, node_pids=node_pids,
-                                 read_from=read_from, transport=transport, label=label, log_dir=log_dir)
+                                 read_from=read_from, transport=transport, label=label, log_dir=log_dir,
+                                 inline_max=inline_bytes)
             except BenchError as e:
                 raise click.ClickException(str(e)) from None
             for r in res:
@@ -610,6 +768,9 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
         if with_dd:
             click.echo(f"dd: writing {dd_mib} MiB to {root}/ddtest ...", err=True)
             dd = run_dd(pathlib.Path(root), dd_mib)
+        if with_fio:
+            click.echo(f"fio: baselines in {root} ...", err=True)
+            fio = run_fio(pathlib.Path(root), min(dd_mib, 512))
     finally:
         log_tmp.cleanup()
         if scratch and not keep:
@@ -617,11 +778,16 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
                 trio.run(cleanup, scratch)
             except ClientError as e:
                 click.echo(f"warning: could not delete scratch partitions: {e}", err=True)
-    out = {"config": header, "results": rows, "dd": dd}
+    out = {"config": header, "results": rows, "dd": dd, "fio": fio, "warm_memory": warm}
+    if plot_path:
+        write_plot(out, pathlib.Path(plot_path))
+        out["plot"] = str(plot_path)
     if as_json:
         click.echo(json.dumps(out, indent=2, sort_keys=True))
     else:
-        click.echo(_table(header, rows, dd, node_names))
+        click.echo(_table(header, rows, dd, node_names, fio, warm))
+        if plot_path:
+            click.echo(f"plot: {plot_path}")
     if any(r["errors"] for r in rows):
         sys.exit(1)
 

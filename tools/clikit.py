@@ -127,10 +127,20 @@ def cluster_option(required: bool = False, help: str = "A local cluster director
                         metavar="DIR", help=help + " Alias: --dir.")
 
 
+def use_cluster_secret(info: dict) -> None:
+    """A local cluster made with ``cluster up --secret`` names its secret in its config: this command then
+    authenticates with it (unless --secret-file / $DATANODE_SECRET_FILE says otherwise)."""
+    path = info.get("config", {}).get("secret_file")
+    if path and not os.environ.get("DATANODE_SECRET_FILE"):
+        os.environ["DATANODE_SECRET_FILE"] = path
+
+
 def load_cluster(cluster_dir: str) -> dict:
     from tools import cluster
     try:
-        return cluster.load(pathlib.Path(cluster_dir))
+        info = cluster.load(pathlib.Path(cluster_dir))
+        use_cluster_secret(info)
+        return info
     except FileNotFoundError as e:
         raise click.ClickException(str(e)) from None
     except (OSError, ValueError, KeyError) as e:
@@ -139,6 +149,31 @@ def load_cluster(cluster_dir: str) -> dict:
 
 def cluster_nodes(cluster_dir: str) -> list[str]:
     return [n["addr"] for n in load_cluster(cluster_dir)["nodes"]]
+
+
+def etcd_option(fn):
+    """``--etcd URL[,URL...]``: the cluster map in etcd (instead of, or besides, --cluster DIR)."""
+    return click.option("--etcd", metavar="URL[,URL...]",
+                        help="etcd endpoints of the cluster map, e.g. http://127.0.0.1:2379 (default: the one "
+                             "recorded by `dnctl cluster up` in --cluster DIR).")(fn)
+
+
+def etcd_url(etcd: str | None, cluster: str | None, *, what: str = "this command") -> str:
+    """The etcd endpoints: --etcd URL, else the cluster directory's own etcd; a clear error otherwise."""
+    if etcd:
+        from datanode.etcdmap import parse_urls
+        try:
+            parse_urls(etcd)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--etcd") from None
+        return etcd
+    if cluster:
+        url = (load_cluster(cluster).get("etcd") or {}).get("url")
+        if url:
+            return url
+        raise click.UsageError(f"{what} needs the cluster map in etcd, and {cluster} was started without etcd "
+                               f"(`dnctl cluster up --no-etcd`); give --etcd URL")
+    raise click.UsageError(f"{what} needs the cluster map in etcd: give --etcd URL or --cluster DIR")
 
 
 def seeds(via: str | None, cluster: str | None) -> list[str]:

@@ -31,7 +31,7 @@ START_TIMEOUT = float(os.environ.get("DATANODE_START_TIMEOUT", "90" if os.enviro
 
 
 def wait_listening(addr: str, timeout: float = START_TIMEOUT, proc: subprocess.Popen | None = None,
-                   secret: str | None = None) -> None:
+                   secret: str | None = None, tls_ca: str | None = None) -> None:
     """Wait until the datanode at ``addr`` serves: it listens, then answers NODE_STATUS with state
     "starting" (and progress) while it opens its partitions, then "serving".  ``timeout`` bounds each
     stretch without progress, not the whole start; TimeoutError names what the node was doing."""
@@ -56,7 +56,7 @@ def wait_listening(addr: str, timeout: float = START_TIMEOUT, proc: subprocess.P
     async def until_serving() -> None:
         last, seen = None, None
         stall = time.monotonic() + timeout
-        async with DataClient.open(timeout=min(timeout, 10.0), pool_mib=2, secret=secret) as dc:
+        async with DataClient.open(timeout=min(timeout, 10.0), pool_mib=2, secret=secret, tls_ca=tls_ca) as dc:
             while True:
                 if proc is not None and proc.poll() is not None:
                     raise RuntimeError(f"datanode {addr} exited with status {proc.returncode} while starting")
@@ -101,6 +101,7 @@ class NodeProc:
         self.cfg = {"listen": addr, "data_dir": str(root / "data"), "pool_mib": 128, **cfg}
         self.proc: subprocess.Popen | None = None
         self.pid: int | None = None
+        self.argv_prefix: list[str] = []      # e.g. ["ip", "netns", "exec", NS]: run the node in a namespace
 
     @property
     def log_path(self) -> pathlib.Path:
@@ -111,12 +112,13 @@ class NodeProc:
         cfg = config_mod.from_dict(self.cfg)       # validate before spawning
         (self.root / "node.toml").write_text(config_mod.to_toml(cfg))
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "datanode.cli", "serve", "--config",
+        self.proc = subprocess.Popen([*self.argv_prefix, sys.executable, "-m", "datanode.cli", "serve", "--config",
                                       str(self.root / "node.toml")], stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
         self.pid = self.proc.pid
-        wait_listening(self.addr, timeout, self.proc, secret=self.cfg.get("secret_file") or None)
+        wait_listening(self.addr, timeout, self.proc, secret=self.cfg.get("secret_file") or None,
+                       tls_ca=self.cfg.get("tls_ca") or None)
         return self
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
@@ -390,11 +392,47 @@ def _stop_pids(recs: list[tuple[dict, int]], timeout: float) -> None:
             rec["seconds"] = round(time.monotonic() - t0, 2)
 
 
-def down(root: pathlib.Path, timeout: float = 30.0) -> list[dict]:
+def aux_process(rec: dict, kind: str) -> int | None:
+    """The live process of a cluster directory's manager (``kind`` "manager") or own etcd member ("etcd"),
+    by its recorded pid -- only if that pid is still such a process (a reused pid is never signalled)."""
+    pid = rec.get("pid")
+    if not pid or not pid_alive(pid):
+        return None
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return None
+    if kind == "manager":
+        ok = b"tools.manager" in argv and b"manager" in argv
+    else:
+        ok = bool(argv) and argv[0].endswith(b"etcd") and rec.get("dir", "").encode() in b" ".join(argv)
+    return pid if ok else None
+
+
+def stop_aux(info: dict, kind: str, timeout: float = 10.0) -> list[dict]:
+    """Stop the directory's managers (``kind`` "manager") or its own etcd member ("etcd")."""
+    recs = info.get("managers", []) if kind == "manager" else (
+        [info["etcd"]] if info.get("etcd", {}).get("managed") else [])
+    out, todo = [], []
+    for r in recs:
+        pid = aux_process(r, kind)
+        res = {"kind": kind, "name": r.get("name", "etcd"), "pid": pid, "result": "not running"}
+        out.append(res)
+        if pid is not None:
+            todo.append((res, pid))
+    _stop_pids(todo, timeout)
+    return out
+
+
+def down(root: pathlib.Path, timeout: float = 30.0, aux: list | None = None) -> list[dict]:
     """SIGTERM every node (they drain in-flight requests), SIGKILL one that does not exit within
     ``timeout``.  Nodes are signalled together and waited for together.  Each node is found by its real
-    process (``node_process``): a node restarted by hand is stopped too, a stale pid is never signalled."""
+    process (``node_process``): a node restarted by hand is stopped too, a stale pid is never signalled.
+    The directory's managers are stopped first (so none reacts to the nodes leaving), its own etcd member
+    last; what happened to them is appended to ``aux`` if given (the returned list is the nodes')."""
     info = load(root)
+    aux_out = stop_aux(info, "manager", timeout)
     out = []
     todo = []
     for n in info["nodes"]:
@@ -413,6 +451,9 @@ def down(root: pathlib.Path, timeout: float = 30.0) -> list[dict]:
             tail = _log_tail(pathlib.Path(_find(info, rec["addr"])["log"]))
             if tail and "stopped" not in tail:
                 rec["log_tail"] = tail
+    aux_out += stop_aux(info, "etcd", timeout)
+    if aux is not None:
+        aux.extend(aux_out)
     return out
 
 

@@ -8,6 +8,7 @@ modules (tools/demo.py, tools/bench.py, tools/torture.py), which do not import t
 """
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
 
@@ -18,18 +19,53 @@ from client.sdk import ClientError, DataClient, Location
 from datanode.config import SyncMode, TransportChoice
 from datanode.protocol import Op
 from tools import cluster as cl
+from tools.abuse import soak_command
 from tools.bench import bench_command
 from tools.clikit import (ADDR, ADDRS, CTX, Group, ProgressLine, bar, cluster_nodes, cluster_option, emit,
-                          fmt_bytes, fmt_count, fmt_seconds, load_cluster, run, seeds, version)
+                          etcd_option, etcd_url, fmt_bytes, fmt_count, fmt_seconds, load_cluster, run, seeds,
+                          use_cluster_secret, version)
 from tools.demo import demo_command
 from tools.fuzz import fuzz_command
 from tools.torture import torture_command
+from tools.trash import trash_group
 
 MiB = 1 << 20
 
 
+def _secret_file(ctx, param, value):
+    """--secret-file: checked now (one clear line if unusable), then handed to every SDK call of this command
+    through $DATANODE_SECRET_FILE (which the SDK reads)."""
+    if value:
+        from datanode.auth import AuthConfigError, Credentials
+        try:
+            Credentials.load(value)
+        except AuthConfigError as e:
+            raise click.BadParameter(str(e)) from None
+        os.environ["DATANODE_SECRET_FILE"] = os.path.abspath(value)
+    return value
+
+
+def _tls_ca(ctx, param, value):
+    """--tls-ca: checked now, then handed to every SDK call through $DATANODE_TLS_CA."""
+    if value:
+        from datanode.transport.tls import TlsConfigError, client_context
+        try:
+            client_context(value)
+        except TlsConfigError as e:
+            raise click.BadParameter(str(e)) from None
+        os.environ["DATANODE_TLS_CA"] = os.path.abspath(value)
+    return value
+
+
 @click.group(cls=Group, context_settings=CTX)
 @click.version_option(version(), "--version", prog_name="dnctl")
+@click.option("--tls-ca", type=click.Path(dir_okay=False), callback=_tls_ca, expose_value=False, is_eager=True,
+              envvar="DATANODE_TLS_CA", show_envvar=True,
+              help="CA bundle (PEM): speak TLS to the nodes and check their certificates against it.")
+@click.option("--secret-file", type=click.Path(dir_okay=False), callback=_secret_file, expose_value=False,
+              is_eager=True, envvar="DATANODE_SECRET_FILE", show_envvar=True,
+              help="The cluster secret (or an admin/client role key file) to authenticate with, for nodes that "
+                   "have secret_file set.")
 def main():
     """Administer datanodes: local clusters, partitions and their replicas, data, pools, benchmarks.
 
@@ -92,6 +128,17 @@ _start_timeout = click.option("--start-timeout", type=click.FloatRange(1, 3600),
                               show_default=True, help="Seconds a node may take to start listening.")
 
 
+def _cluster_secret(root: pathlib.Path) -> str:
+    """DIR/cluster.secret, made now (0600) unless it exists; its absolute path."""
+    from datanode.auth import gen_secret
+    path = root.resolve() / "cluster.secret"
+    if not path.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        with open(path, "w", opener=lambda p, f: os.open(p, f | os.O_EXCL, 0o600)) as f:
+            f.write(gen_secret())
+    return str(path)
+
+
 @cluster.command("up")
 @click.option("--nodes", "count", type=click.IntRange(1, 64), default=3, show_default=True,
               help="How many datanodes.")
@@ -108,25 +155,67 @@ _start_timeout = click.option("--start-timeout", type=click.FloatRange(1, 3600),
               help="Seconds a follower may take to ack a forwarded write.")
 @click.option("--partition", "pid", type=click.IntRange(1), default=1, show_default=True,
               help="Id of the partition created on all nodes.")
+@etcd_option
+@click.option("--no-etcd", is_flag=True,
+              help="No etcd and no manager: the map is what admins set (dnctl replica/partition commands).")
+@click.option("--min-writable", type=click.IntRange(0), default=2, show_default=True,
+              help="The manager keeps at least this many writable partitions (it creates more).")
+@click.option("--secret", is_flag=True,
+              help="Authenticate: make DIR/cluster.secret (a new cluster secret, mode 0600) and give it to every "
+                   "node (secret_file) and the manager; dnctl commands with --cluster DIR then use it.")
 @_start_timeout
 @click.option("--json", "as_json", is_flag=True)
-def cluster_up(count, cluster, base_port, sync, transport, pool_mib, replica_timeout, pid, start_timeout,
-               as_json):
-    """Start N datanodes and create a partition replicated on all of them (leader: node1).
+def cluster_up(count, cluster, base_port, sync, transport, pool_mib, replica_timeout, pid, etcd, no_etcd,
+               min_writable, secret, start_timeout, as_json):
+    """Start a local cluster: one etcd member, N datanodes (a partition on all of them, leader node1) and
+    a cluster manager.
 
     \b
     Example:
       dnctl cluster up --nodes 3 --cluster /tmp/dn
       dnctl put --cluster /tmp/dn --partition 1 /etc/services
+      dnctl put --cluster /tmp/dn /etc/services                 # the client picks a partition
+      dnctl cluster up --nodes 3 --cluster /tmp/dn2 --etcd http://127.0.0.1:2379   # an existing etcd
+
+    The etcd member keeps its data in DIR/etcd (its log: DIR/etcd/etcd.log); the manager (DIR/manager-m1.log)
+    fails over dead leaders, re-replicates, keeps --min-writable partitions.  `cluster down` stops them all.
     """
     from datanode.config import ConfigError
+    from tools import etcd_cluster as ec
     rootp = pathlib.Path(cluster)
+    if etcd and no_etcd:
+        raise click.UsageError("give --etcd URL or --no-etcd, not both")
+    prev = cl.load(rootp) if (rootp / "cluster.json").exists() else None
+    if prev is not None:
+        running = [n["addr"] for n in prev["nodes"] if cl.node_process(n)[0] is not None]
+        if running:
+            raise click.ClickException(f"a cluster is already running in {rootp} ({', '.join(running)}); stop it "
+                                       f"with: dnctl cluster down --cluster {rootp}")
+    etcd_rec, started_etcd = None, False
+    try:
+        if prev is not None:
+            etcd_rec = prev.get("etcd")
+            if etcd_rec and etcd_rec.get("managed") and cl.aux_process(etcd_rec, "etcd") is None:
+                etcd_rec, started_etcd = ec.start_local_etcd(rootp, etcd_rec), True
+        elif etcd:
+            etcd_rec = {"url": etcd_url(etcd, None), "managed": False}
+        elif not no_etcd:
+            rootp.mkdir(parents=True, exist_ok=True)
+            etcd_rec, started_etcd = ec.start_local_etcd(rootp), True
+    except (RuntimeError, TimeoutError, FileNotFoundError, OSError) as e:
+        raise click.ClickException(f"etcd: {e}") from None
+    extra = {"etcd": etcd_rec["url"]} if etcd_rec and prev is None else {}
+    if secret:
+        extra["secret_file"] = _cluster_secret(rootp)
     try:
         info = cl.up(rootp, count, base_port, sync=sync, transport=transport, pool_mib=pool_mib,
-                     replica_timeout=replica_timeout, start_timeout=start_timeout)
+                     replica_timeout=replica_timeout, start_timeout=start_timeout, **extra)
     except (RuntimeError, TimeoutError, ValueError, ConfigError, OSError) as e:
+        if started_etcd:
+            cl.stop_aux({"etcd": etcd_rec}, "etcd")
         raise click.ClickException(str(e)) from None
     addrs = [n["addr"] for n in info["nodes"]]
+    use_cluster_secret(info)
 
     async def go():
         async with DataClient.open(timeout=10) as dc:
@@ -137,13 +226,21 @@ def cluster_up(count, cluster, base_port, sync, transport, pool_mib, replica_tim
 
     try:
         part, status, parts = run(go)
-    except click.ClickException as e:
+        if etcd_rec:
+            info["etcd"] = etcd_rec
+            live = [m for m in info.get("managers", []) if cl.aux_process(m, "manager") is not None]
+            opts = (info.get("managers") or [{}])[0].get("opts") or {"min_writable": min_writable}
+            info["managers"] = live or [ec.start_manager(rootp, etcd_rec["url"], "m1", **opts)]
+            cl.save(rootp, info)
+    except (click.ClickException, RuntimeError) as e:
         if not info.get("restarted"):
+            cl.save(rootp, {**info, **({"etcd": etcd_rec} if etcd_rec else {})})
             cl.down(rootp)
-        raise click.ClickException(f"{e.message} (cluster stopped again)") from None
+        raise click.ClickException(f"{getattr(e, 'message', e)} (cluster stopped again)") from None
     transport_used = ("verbs (RDMA device %s)" % status["rdma_device"]) if status.get("rdma_device") else (
         "tcp" if transport == "tcp" else "tcp (no RDMA device)")
     res = {"dir": str(rootp.resolve()), "nodes": info["nodes"], "config": info.get("config", {}),
+           "etcd": info.get("etcd"), "managers": info.get("managers", []),
            "restarted": bool(info.get("restarted")), "transport": transport_used,
            "partitions": [{"id": p["id"], "replicas": p["replicas"], "epoch": p["epoch"]} for p in parts]}
     d = res["dir"]
@@ -151,6 +248,12 @@ def cluster_up(count, cluster, base_port, sync, transport, pool_mib, replica_tim
     lines = [("restarted the stopped cluster (same addresses, data kept) in " if info.get("restarted")
               else f"{len(addrs)} datanode(s) up in ") + d
              + f"  [sync {cfg.get('sync')}, transport {transport_used}, pool {cfg.get('pool_mib')} MiB]"]
+    if info.get("etcd"):
+        e = info["etcd"]
+        lines.append(f"  etcd   {e['url']:21}  " + (f"pid {e['pid']:<7}  log {e['log']}" if e.get("managed")
+                                                    else "(existing, not managed here)"))
+    for m in info.get("managers", []):
+        lines.append(f"  manager {m['name']:20}  pid {m['pid']:<7}  log {m['log']}")
     for i, n in enumerate(info["nodes"], 1):
         lines.append(f"  node{i}  {n['addr']:21}  pid {n['pid']:<7}  log {n['log']}")
     for p in parts:
@@ -189,8 +292,12 @@ def cluster_down(cluster, timeout, as_json):
     `dnctl cluster up --cluster DIR` starts the same nodes again.
     """
     load_cluster(cluster)
-    res = cl.down(pathlib.Path(cluster), timeout)
-    emit(res, as_json, "\n".join(_stop_line(r) for r in res))
+    aux: list = []
+    res = cl.down(pathlib.Path(cluster), timeout, aux)
+    lines = [_stop_line(r) for r in res]
+    lines += [f"{a['kind'] + ' ' + a['name']:21} pid {a['pid'] if a['pid'] is not None else '-':<7} {a['result']}"
+              for a in aux]
+    emit(res, as_json, "\n".join(lines))
     if any(r["result"].startswith("killed") for r in res):
         sys.exit(1)
 
@@ -287,7 +394,7 @@ def cluster_status(cluster, timeout, as_json):
     only the one cluster.json recorded.
     """
     import trio
-    load_cluster(cluster)
+    info = load_cluster(cluster)
     procs = cl.status_pids(pathlib.Path(cluster))
 
     async def probe(dc, n, out):
@@ -324,7 +431,14 @@ def cluster_status(cluster, timeout, as_json):
         return out
 
     res = run(go)
-    lines = [f"{'node':6} {'address':21} {'pid':>7}  {'health':13} {'uptime':>8}  partitions"]
+    etcd_st, mgr_st = _aux_status(info, timeout)
+    lines = []
+    for e in etcd_st:
+        lines.append(f"etcd   {e['url']:21} {e['pid'] if e['pid'] is not None else '-':>7}  {e['health']:13}"
+                     + ("" if e["managed"] else "  (existing etcd, not managed here)"))
+    for m in mgr_st:
+        lines.append(f"manager {m['name']:20} {m['pid'] if m['pid'] is not None else '-':>7}  {m['health']:13}")
+    lines.append(f"{'node':6} {'address':21} {'pid':>7}  {'health':13} {'uptime':>8}  partitions")
     for i, r in enumerate(res, 1):
         parts = ", ".join(f"{p['id']} ({p['role']}, {p['state']}, epoch {p['epoch']}, {p['extents']} extents, "
                           f"{fmt_bytes(p['bytes'])})" for p in r.get("partitions", [])) or "-"
@@ -334,12 +448,48 @@ def cluster_status(cluster, timeout, as_json):
                      + (parts if r["health"] == "up" else r.get("error", "")))
         if r.get("note"):
             lines.append(f"       note: {r['note']}")
-    healthy = all(r["health"] == "up" for r in res)
+    healthy = (all(r["health"] == "up" for r in res) and all(e["health"] == "up" for e in etcd_st)
+               and (not mgr_st or any(m["health"] in ("active", "standby") for m in mgr_st)))
     lines.append(f"{sum(r['health'] == 'up' for r in res)}/{len(res)} nodes up")
-    emit({"dir": str(pathlib.Path(cluster).resolve()), "healthy": healthy, "nodes": res}, as_json,
-         "\n".join(lines))
+    emit({"dir": str(pathlib.Path(cluster).resolve()), "healthy": healthy, "nodes": res, "etcd": etcd_st,
+          "managers": mgr_st}, as_json, "\n".join(lines))
     if not healthy:
         sys.exit(1)
+
+
+def _aux_status(info: dict, timeout: float) -> tuple[list[dict], list[dict]]:
+    """The cluster directory's etcd member(s) and manager(s): pid, and health (etcd: up / down / not
+    answering; manager: active / standby / down)."""
+    import json as _json
+    import urllib.request
+    e = info.get("etcd")
+    if not e:
+        return [], []
+    etcd_st = []
+    active = None
+    for url in e["url"].split(","):
+        pid = cl.aux_process(e, "etcd") if e.get("managed") else None
+        rec = {"url": url, "pid": pid, "managed": bool(e.get("managed")), "dir": e.get("dir"), "health": "down"}
+        try:
+            with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout) as r:
+                rec["health"] = "up" if _json.loads(r.read()).get("health") in ("true", True) else "not healthy"
+        except (OSError, ValueError):
+            rec["health"] = "not answering" if pid is not None else "down"
+        etcd_st.append(rec)
+    if any(r["health"] == "up" for r in etcd_st):
+        async def who():
+            return (await admin.map_snapshot(e["url"]))["manager"]
+        try:
+            active = run(who)
+        except click.ClickException:
+            active = None
+    mgr_st = []
+    for m in info.get("managers", []):
+        pid = cl.aux_process(m, "manager")
+        health = "down" if pid is None else (
+            "active" if active and active.startswith(f"{m['name']}@") and active.endswith(f":{pid}") else "standby")
+        mgr_st.append({"name": m["name"], "pid": pid, "health": health, "log": m.get("log")})
+    return etcd_st, mgr_st
 
 
 # -- partitions ---------------------------------------------------------------------------------------
@@ -361,11 +511,53 @@ def partition():
 
 
 @partition.command("create")
-@click.option("--id", "pid", type=click.IntRange(1), required=True, help="Partition id.")
-@click.option("--replicas", type=ADDRS, required=True, help="Comma-separated HOST:PORT list, leader first.")
+@click.option("--id", "pid", type=click.IntRange(1), help="Partition id (with a HOST:PORT list).")
+@click.option("--replicas", required=True, metavar="N | HOST:PORT,...",
+              help="A replica count (the manager places them: needs etcd) or a HOST:PORT list, leader first.")
+@click.option("--count", type=click.IntRange(1, 1000), help="How many partitions the manager places (default 1).")
+@etcd_option
+@cluster_option()
+@click.option("--timeout", type=click.FloatRange(1), default=60, show_default=True,
+              help="Seconds to wait for the manager's answer.")
 @click.option("--json", "as_json", is_flag=True)
-def partition_create(pid, replicas, as_json):
-    """Create a partition on every replica (all or nothing: undone everywhere if one node fails)."""
+def partition_create(pid, replicas, count, etcd, cluster, timeout, as_json):
+    """Create partitions: placed by the manager, or on the replicas you name.
+
+    
+    dnctl partition create --count 4 --replicas 3 --cluster /tmp/dn     # the manager places them
+    dnctl partition create --count 4 --replicas 3 --etcd http://10.0.0.1:2379
+    dnctl partition create --id 2 --replicas 127.0.0.1:17310,127.0.0.1:17311
+
+    Placed (a count): the active manager (datanode manager) picks the nodes -- never two replicas of a
+    partition on one node, replicas in different zones while there are enough, the nodes with the most
+    free space first, leaders spread -- creates each partition on them and publishes it in etcd.
+    Named (a list): created on every replica, all or nothing (undone everywhere if one node fails).
+    """
+    if replicas.strip().isdigit():
+        n = int(replicas)
+        if not 1 <= n <= 16:
+            raise click.BadParameter("a replica count must be 1..16", param_hint="--replicas")
+        if pid is not None:
+            raise click.UsageError("--id goes with a HOST:PORT list; with a replica count the manager picks ids")
+        url = etcd_url(etcd, cluster, what="placing partitions (--replicas N)")
+
+        async def place():
+            return await admin.place_partitions(url, count or 1, n, timeout=timeout)
+        made = run(place)
+        emit({"partitions": made}, as_json, "\n".join(
+            f"partition {p['id']} created: replicas {','.join(p['replicas'])} (leader {p['leader']}, "
+            f"epoch {p['epoch']}, {p['state']})" for p in made))
+        return
+    try:
+        replicas = admin.parse_addrs(replicas)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--replicas") from None
+    if pid is None:
+        raise click.UsageError("--id is required with a HOST:PORT list (or give a replica count to let the "
+                               "manager place it)")
+    if count not in (None, 1):
+        raise click.UsageError("--count goes with a replica count (--replicas 3), not with a HOST:PORT list")
+
     async def go():
         async with DataClient.open() as dc:
             return await admin.create_partition(dc, pid, replicas)
@@ -380,7 +572,7 @@ def partition_create(pid, replicas, as_json):
 @_where
 @click.option("--json", "as_json", is_flag=True)
 def partition_delete(pid, replicas, via, cluster, as_json):
-    """Delete a partition and its data from its replicas (irreversible)."""
+    """Delete a partition from its replicas; each keeps its data in its trash for trash_retention_s (dnctl trash)."""
     where = None if replicas else seeds(via, cluster)
 
     async def go():
@@ -445,11 +637,37 @@ def _replica_health(p: dict) -> str:
 
 
 @partition.command("list")
-@click.argument("addr", type=ADDR)
+@click.argument("addr", type=ADDR, required=False)
+@etcd_option
+@cluster_option()
 @click.option("--json", "as_json", is_flag=True)
-def partition_list(addr, as_json):
-    """List the partitions a node hosts: role, state, epoch, size, replicas and (on a leader) each
-    follower's health."""
+def partition_list(addr, etcd, cluster, as_json):
+    """List partitions: the cluster's, from etcd (--cluster DIR or --etcd URL), or those a node hosts (ADDR).
+
+    
+    dnctl partition list --cluster /tmp/dn [--json]     # id, replicas, leader, epoch, state (etcd's map)
+    dnctl partition list 127.0.0.1:17310                # role, state, epoch, size, follower health
+    """
+    if addr is None:
+        url = etcd_url(etcd, cluster, what="partition list without ADDR")
+
+        async def snap():
+            return await admin.map_snapshot(url)
+        m = run(snap)
+        rows = [{k: p[k] for k in ("id", "replicas", "leader", "epoch", "state", "want", "synced", "installed")}
+                for p in m["partitions"]]
+        lines = [f"{'id':>4} {'state':10} {'epoch':>5}  {'leader':21}  replicas"]
+        lines += [f"{p['id']:>4} {p['state']:10} {p['epoch']:>5}  {p['leader']:21}  {','.join(p['replicas'])}"
+                  + ("" if p["installed"] else "  (installing)") for p in rows]
+        if not rows:
+            lines.append("(no partitions in etcd yet)")
+        lines.append(f"manager: {m['manager'] or 'none active'}; {len(m['nodes'])} node(s) registered"
+                     + (f"; decommissioning: {', '.join(m['draining'])}" if m["draining"] else ""))
+        emit(rows, as_json, "\n".join(lines))
+        return
+    if etcd or cluster:
+        raise click.UsageError("give ADDR (a node's own list) or --cluster/--etcd (etcd's map), not both")
+
     async def go():
         async with DataClient.open() as dc:
             return await admin.partition_list(dc, addr)
@@ -745,20 +963,42 @@ def _nodes(node, cluster):
 @main.command()
 @click.option("--node", type=ADDR, help="A datanode HOST:PORT (its partition map is used).")
 @cluster_option()
-@click.option("--partition", "pid", type=click.IntRange(1), required=True)
+@etcd_option
+@click.option("--partition", "pid", type=click.IntRange(1),
+              help="Partition to write to (default: the client picks writable ones from etcd's map).")
+@click.option("--timeout", type=click.FloatRange(1), default=30, show_default=True,
+              help="Seconds the write may take, failing over to other partitions included.")
 @click.argument("file", type=click.File("rb"))
 @click.option("--json", "as_json", is_flag=True)
-def put(node, cluster, pid, file, as_json):
-    """Store FILE in a partition; prints where it went: extent id, offset, size and CRC32C.
+def put(node, cluster, etcd, pid, timeout, file, as_json):
+    """Store FILE; prints where it went: partition, extent id, offset, size and CRC32C.
 
-    The write goes to the partition's leader, which forwards it to every follower and answers only when
-    all replicas have it.
+    The write goes to a partition's leader, which forwards it to every follower and answers only when
+    all replicas have it.  Without --partition the client picks writable partitions from the cluster map
+    in etcd and, if one fails (a replica died), writes the rest to another -- within --timeout.
 
     \b
+    dnctl put --cluster /tmp/dn /etc/services
     dnctl put --cluster /tmp/dn --partition 1 /etc/services
     dnctl put --node 127.0.0.1:17310 --partition 1 --json big.bin
+    dnctl put --etcd http://10.0.0.1:2379 --json big.bin
     """
     data = file.read()
+    if pid is None:
+        if node:
+            raise click.UsageError("--node needs --partition; without it give --cluster DIR or --etcd URL")
+        url = etcd_url(etcd, cluster, what="put without --partition")
+
+        async def anywhere():
+            async with DataClient.open(etcd=url, timeout=timeout) as dc:
+                return await dc.put(data, timeout=timeout)
+        locs = run(anywhere)
+        out = {"size": len(data), "locations": [loc.to_dict() for loc in locs],
+               "partitions": sorted({loc.partition for loc in locs})}
+        text = "\n".join(f"partition {loc.partition} extent {loc.extent} offset {loc.offset} size {loc.length} "
+                         f"crc32c {loc.crc:#010x}" for loc in _merge(locs)) or "empty file: nothing stored"
+        emit(out, as_json, text)
+        return
     nodes = _nodes(node, cluster)
 
     async def go():
@@ -776,7 +1016,8 @@ def _merge(locs: list[Location]) -> list[Location]:
     from datanode.crc import crc32c_combine
     out: list[Location] = []
     for loc in locs:
-        if out and out[-1].extent == loc.extent and out[-1].offset + out[-1].length == loc.offset:
+        if (out and out[-1].partition == loc.partition and out[-1].extent == loc.extent
+                and out[-1].offset + out[-1].length == loc.offset):
             prev = out[-1]
             out[-1] = Location(prev.partition, prev.extent, prev.offset, prev.length + loc.length,
                                crc32c_combine(prev.crc, loc.crc, loc.length))
@@ -869,6 +1110,12 @@ def _status_text(s: dict) -> str:
              f"{s.get('rdma_device') or 'none'}",
              f"partitions {len(s['partitions']) if isinstance(s['partitions'], list) else s['partitions']}, "
              f"requests in flight {s['inflight']}"]
+    o = s.get("opening") or {}
+    if s.get("state") == "starting" and o:
+        lines.append(f"opening ({o.get('verify')} check): partitions {o.get('partitions')}/"
+                     f"{o.get('partitions_total')}, extents {fmt_count(o.get('extents'))}/"
+                     f"{fmt_count(o.get('extents_total'))}, {fmt_bytes(o.get('bytes'))} of "
+                     f"{fmt_bytes(o.get('bytes_total'))}, {fmt_seconds(o.get('seconds') or 0)} so far")
     disk = s.get("disk")
     if disk:
         lines.append(f"disk {disk.get('path', '')}: {fmt_bytes(disk.get('used'))} used of "
@@ -904,11 +1151,71 @@ def node_status(addr, as_json):
     emit(s, as_json, _status_text(s))
 
 
+@node.command("decommission")
+@click.argument("addr", type=ADDR)
+@etcd_option
+@cluster_option()
+@click.option("--wait/--no-wait", default=True, show_default=True, help="Follow it until the node is empty.")
+@click.option("--timeout", type=click.FloatRange(1), default=3600, show_default=True)
+@click.option("--stuck-after", type=click.FloatRange(1), default=30, show_default=True,
+              help="Give up waiting (the node stays draining) when no node can take what is left for this long.")
+@click.option("--cancel", is_flag=True, help="Let the node take replicas again (moved ones stay moved).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress line on stderr.")
+@click.option("--json", "as_json", is_flag=True)
+def node_decommission(addr, etcd, cluster, wait, timeout, stuck_after, cancel, quiet, as_json):
+    """Move every replica off node ADDR, then leave it empty (the manager does it, through etcd).
+
+    \b
+    dnctl node decommission 127.0.0.1:17312 --cluster /tmp/dn
+    dnctl node decommission 10.0.0.7:17310 --etcd http://10.0.0.1:2379 --json
+
+    For each partition on ADDR the active manager adds a replica on another node (another zone where
+    possible, the most free space), lets the leader's repair fill it, and only then removes ADDR
+    (epoch + 1; if ADDR led, a filled replica leads).  ADDR drops its copies when it sees the new views.
+    It takes no new replicas afterwards, until --cancel.  Progress (partitions left, what each waits for)
+    goes to stderr; the end state is "ADDR holds no partitions: it can be stopped".
+    """
+    url = etcd_url(etcd, cluster, what="node decommission")
+    if cancel:
+        async def undo():
+            await admin.cancel_decommission(url, addr)
+        run(undo)
+        emit({"node": addr, "draining": False}, as_json, f"{addr} takes replicas again")
+        return
+    line = ProgressLine() if wait and not quiet else None
+
+    def progress(p):
+        done = p["partitions_total"] - len(p["remaining"])
+        now = "; ".join(f"{s['id']}: {s['step']}" for s in p["remaining"][:4])
+        line.update(f"decommission {addr} {bar(done, max(p['partitions_total'], 1))} {done}/"
+                    f"{p['partitions_total']} partitions moved, {fmt_seconds(p['seconds'])}"
+                    + (f" [{now}]" if now else "") + ("" if p["remaining"] or not p["held_by_node"] else
+                                                      f" [node still holds {p['held_by_node']}]"))
+
+    async def go():
+        try:
+            return await admin.decommission(url, addr, wait=wait, timeout=timeout, stuck_after=stuck_after,
+                                            on_progress=progress if line else None)
+        finally:
+            if line:
+                line.close()
+    res = run(go)
+    if res["done"]:
+        moved = ", ".join(f"{pid} -> {','.join(to) or '?'}" for pid, to in res["moved"].items())
+        text = f"{addr} holds no partitions: it can be stopped" + (f" (moved: {moved})" if moved else "")
+    else:
+        text = (f"{addr} is being decommissioned: {len(res['remaining'])} partition(s) to move; follow it with: "
+                f"dnctl partition list --etcd {url}")
+    emit(res, as_json, text)
+
+
 # -- demo, benchmarks, torture (each in its own module) -------------------------------------------------
 main.add_command(demo_command, "demo")
 main.add_command(bench_command, "bench")
 main.add_command(torture_command, "torture")
 main.add_command(fuzz_command, "fuzz")
+main.add_command(trash_group, "trash")
+main.add_command(soak_command, "soak")
 
 
 if __name__ == "__main__":

@@ -28,14 +28,16 @@ class EtcdProc:
     """One etcd member on free ports, its data in ``root/etcd.data``, its log in ``root/etcd.log``; alone,
     or one of an ``etcd_cluster``."""
 
-    def __init__(self, root: pathlib.Path, host: str = "127.0.0.1", name: str = "m0"):
+    def __init__(self, root: pathlib.Path, host: str = "127.0.0.1", name: str = "m0", *,
+                 client_port: int | None = None, peer_port: int | None = None):
         self.root = root
         self.host = host
         self.name = name
-        self.client_port = free_port(host)
-        self.peer_port = free_port(host)
+        self.client_port = client_port or free_port(host)
+        self.peer_port = peer_port or free_port(host)
         self.initial_cluster = f"{name}={self.peer_url}"
-        self.token = f"dn-{self.peer_port}"      # members of one cluster share it
+        self.token = f"dn-{self.peer_port}"
+        self.existing = (root / "etcd.data" / "member").is_dir()    # a restart: keep its cluster      # members of one cluster share it
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -56,7 +58,8 @@ class EtcdProc:
         argv = [etcd_binary(), "--name", self.name, "--data-dir", str(self.root / "etcd.data"),
                 "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", self.initial_cluster, "--initial-cluster-state", "new",
+                "--initial-cluster", self.initial_cluster,
+                "--initial-cluster-state", "existing" if self.existing else "new",
                 "--initial-cluster-token", self.token,
                 "--heartbeat-interval", "100", "--election-timeout", "1000", "--log-level", "warn"]
         log = open(self.log_path, "ab")
@@ -156,3 +159,24 @@ def _stop(proc: subprocess.Popen | None, timeout: float) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=30)
+
+
+# -- a local cluster directory's own etcd member and manager (dnctl cluster up/down/status) ----------------------
+def start_local_etcd(root: pathlib.Path, rec: dict | None = None) -> dict:
+    """Start the cluster directory's single etcd member (data in ``root/etcd``), detached; ``rec`` (from
+    cluster.json) restarts it on the same ports.  Returns its record for cluster.json."""
+    rec = rec or {}
+    e = EtcdProc(root / "etcd", client_port=rec.get("client_port"), peer_port=rec.get("peer_port"))
+    e.start()
+    return {"url": e.url, "pid": e.proc.pid, "dir": str(e.root), "log": str(e.log_path), "managed": True,
+            "client_port": e.client_port, "peer_port": e.peer_port}
+
+
+def start_manager(root: pathlib.Path, etcd: str, name: str = "m1", **opts) -> dict:
+    """Start ``datanode manager`` for the cluster directory, detached; returns its record for cluster.json."""
+    m = ManagerProc(root, etcd, name, **opts).start()
+    time.sleep(0.3)
+    if not m.alive():
+        tail = m.log_path.read_text(errors="replace").strip().splitlines()[-1:] if m.log_path.exists() else []
+        raise RuntimeError(f"manager {name} exited at once" + (f": {tail[0]}" if tail else ""))
+    return {"name": name, "pid": m.proc.pid, "log": str(m.log_path), "opts": opts}

@@ -1,6 +1,7 @@
 """Failover timings with real processes: etcd, one manager, four datanodes, one SDK writer.
 
     python -m tools.failover_bench --leader-kills 9 --follower-kills 3 --manager-kills 5 [--ttl 2] [--json]
+    python -m tools.failover_bench --leader-kills 0 --follower-kills 3 --fill-mib 1024   # 1 GiB to re-replicate
 
 Per leader kill (kill -9): seconds from the kill to the writer's next acknowledged write.  Per follower kill:
 seconds from the kill to the writer's next acknowledged write after the stall, and to the partition being
@@ -45,7 +46,8 @@ def _full(v):
 
 async def _manager_rounds(et: Etcd, root: pathlib.Path, url: str, ttl: int, kills: int) -> list[float]:
     """Kill the active manager ``kills`` times; seconds until a standby holds the manager key."""
-    mgrs = {f"m{i}": ManagerProc(root, url, f"m{i}", lease_ttl_s=ttl, down_after_s=0.5, tick_s=0.2).start()
+    mgrs = {f"m{i}": ManagerProc(root, url, f"m{i}", lease_ttl_s=ttl, down_after_s=0.5, tick_s=0.2,
+                                     min_writable=0).start()
             for i in (2, 3)}
     out = []
     try:
@@ -76,13 +78,16 @@ async def _manager_rounds(et: Etcd, root: pathlib.Path, url: str, ttl: int, kill
 
 
 async def bench(root: pathlib.Path, leader_kills: int, follower_kills: int, ttl: int, size: int,
-                manager_kills: int = 0) -> dict:
+                manager_kills: int = 0, fill: int = 0, repair_mib_s: float | None = None) -> dict:
     e = EtcdProc(root / "etcd").start()
     cfg = {"etcd": e.url, "lease_ttl_s": ttl, "heartbeat_s": 0.5, "pool_mib": 64, "transport": "tcp",
-           "replica_timeout": 2.0, "sync": "always"}
+           "replica_timeout": 2.0, "sync": "always",
+           **({"repair_mib_s": repair_mib_s} if repair_mib_s is not None else {})}
     nodes = [NodeProc(root / f"node{i}", f"127.0.0.1:{free_port()}", **cfg) for i in range(4)]
-    mgr = ManagerProc(root, e.url, "m1", lease_ttl_s=ttl, down_after_s=0.5, tick_s=0.2)
-    out = {"lease_ttl_s": ttl, "down_after_s": 0.5, "write_size": size, "leader": [], "follower": []}
+    mgr = ManagerProc(root, e.url, "m1", lease_ttl_s=ttl, down_after_s=0.5, tick_s=0.2,
+                      min_writable=0)       # partition 1 only: the bench measures it alone
+    out = {"lease_ttl_s": ttl, "down_after_s": 0.5, "write_size": size, "leader": [], "follower": [],
+           "repair_mib_s": repair_mib_s if repair_mib_s is not None else "datanode default"}
     try:
         for n in nodes:
             n.start()
@@ -97,6 +102,16 @@ async def bench(root: pathlib.Path, leader_kills: int, follower_kills: int, ttl:
         acks: list[float] = []
         written = [0]
         async with DataClient.open(transport="tcp", timeout=30, etcd=e.url) as dc:
+            if fill:                                # data the re-replication has to copy (--fill-mib)
+                t_fill = time.monotonic()
+                chunk = bytes(4 * MiB)
+                while written[0] < fill:
+                    await dc.write(1, chunk[:min(len(chunk), fill - written[0])])
+                    written[0] += min(len(chunk), fill - written[0])
+                out["fill_bytes"] = written[0]
+                out["fill_s"] = round(time.monotonic() - t_fill, 1)
+                print(f"filled partition 1 with {written[0] / MiB:.0f} MiB in {out['fill_s']}s", file=sys.stderr)
+
             async def writer():
                 i = 0
                 data = bytes(size)
@@ -163,12 +178,16 @@ def main() -> None:
     ap.add_argument("--manager-kills", type=int, default=0)
     ap.add_argument("--ttl", type=int, default=2, help="lease TTL of nodes and manager (s)")
     ap.add_argument("--size", type=int, default=64 << 10, help="bytes per write")
+    ap.add_argument("--fill-mib", type=int, default=0,
+                    help="write this much into the partition first (what a follower's replacement must copy)")
+    ap.add_argument("--repair-mib-s", type=float, default=None,
+                    help="datanodes' repair rate cap, MiB/s (default: the datanode's default; 0: uncapped)")
     ap.add_argument("--dir", help="keep the processes' data and logs here (default: a temp dir, removed)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="failover-bench-") as d:
         res = trio.run(bench, pathlib.Path(a.dir or d), a.leader_kills, a.follower_kills, a.ttl, a.size,
-                       a.manager_kills)
+                       a.manager_kills, a.fill_mib * MiB, a.repair_mib_s)
     print(json.dumps(res, indent=1) if a.json else
           f"lease ttl {res['lease_ttl_s']}s: leader kill -> next ack {res.get('leader_resume_s')}; "
           f"follower kill -> writes again {res.get('follower_resume_s')}, full count {res.get('follower_full_again_s')}; "

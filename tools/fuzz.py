@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import pathlib
 import random
 import socket
 import struct
@@ -446,11 +447,10 @@ def soak(addr: str, *, seed: int, cases: int, batch: int = 500, parallel: int = 
 @contextlib.contextmanager
 def scratch_node(root, **cfg):
     """A throw-away single datanode under ``root`` (TCP, short peer timeout) for a soak; yields its address."""
-    import pathlib
-
     from tools.cluster import NodeProc, free_port
     node = NodeProc(pathlib.Path(root), f"127.0.0.1:{free_port()}",
-                    **{"pool_mib": 64, "transport": "tcp", "peer_timeout": 2.0, "sync": "none", **cfg})
+                    **{"pool_mib": 64, "transport": "tcp", "peer_timeout": 2.0, "sync": "none",
+                       "penalty_max_s": 0.0, **cfg})
     node.start()
     try:
         yield node
@@ -472,8 +472,11 @@ def summary(res: dict) -> str:
 @click.option("--batch", type=click.IntRange(1), default=1000, show_default=True,
               help="Cases between two health checks.")
 @click.option("--parallel", type=click.IntRange(1, 64), default=4, show_default=True, help="Peers at once.")
+@click.option("--auth", is_flag=True,
+              help="The scratch node holds a fresh cluster secret and the cases authenticate as 'client' (one in "
+                   "ten with none); with --node, give the node's secret with dnctl --secret-file.")
 @click.option("--json", "as_json", is_flag=True)
-def fuzz_command(addr, seed, cases, batch, parallel, as_json):
+def fuzz_command(addr, seed, cases, batch, parallel, auth, as_json):
     """Wire fuzz soak: broken and hostile peers (random bytes, cut hellos, random frames, valid headers with
     random fields, one-sided ops served partly, wrongly or never, FIN/RST at every point) against a live
     datanode; after each batch the node must be alive, round-trip 1 MiB for a normal client, and hold no
@@ -494,11 +497,25 @@ def fuzz_command(addr, seed, cases, batch, parallel, as_json):
 
     try:
         if addr:
-            res = soak(addr, seed=seed, cases=cases, batch=batch, parallel=parallel, on_batch=progress)
+            secret = os.environ.get("DATANODE_SECRET_FILE") or None      # dnctl --secret-file sets it
+            res = soak(addr, seed=seed, cases=cases, batch=batch, parallel=parallel, on_batch=progress,
+                       secret=secret)
         else:
-            with tempfile.TemporaryDirectory(prefix="dnfuzz-") as d, scratch_node(d) as node:
-                res = soak(node.addr, seed=seed, cases=cases, batch=batch, parallel=parallel, on_batch=progress)
-                res["tracebacks_in_log"] = node.log_path.read_text(errors="replace").count("Traceback")
+            with tempfile.TemporaryDirectory(prefix="dnfuzz-") as d:
+                extra = {}
+                if auth:
+                    from datanode.auth import gen_secret
+                    secret = os.path.join(d, "cluster.secret")
+                    with open(secret, "w", opener=lambda p, f: os.open(p, f, 0o600)) as f:
+                        f.write(gen_secret())
+                    extra["secret_file"] = secret
+                with scratch_node(d, **extra) as node:
+                    res = soak(node.addr, seed=seed, cases=cases, batch=batch, parallel=parallel,
+                               on_batch=progress, secret=extra.get("secret_file"))
+                    res["auth"] = bool(auth)
+                    res["tracebacks_in_log"] = node.log_path.read_text(errors="replace").count("Traceback")
+                    # is RSS growth data?  the extents the cases created (each holds open files and entries)
+                    res["extents_on_disk"] = sum(1 for _ in pathlib.Path(d).rglob("extents/*.dat"))
     except AssertionError as e:
         line.close()
         raise click.ClickException(f"the node failed a health check (seed {seed}): {e}") from None

@@ -1,12 +1,19 @@
 """The cluster manager: ``datanode manager --etcd URL[,URL...]`` (run several; exactly one is active).
 
-Election: every instance watches the key ``manager``; when it is absent an instance grants itself a lease
-and creates the key with a compare-and-swap (create revision 0).  The winner keeps its lease alive and is
-active while it does; the others poll the key every ``STANDBY_POLL_S`` and take over when the active one's
-lease lapses (it died, hung, or lost etcd).  Every partition change the active manager makes is a CAS that
-also requires the manager key to still hold its id, so a deposed manager cannot change the map.
+Watch, not poll: every instance follows the whole map (nodes, partitions, manager key) through **one etcd
+watch** (``datanode.etcdmap.MapCache``: read once, then changes pushed; a full re-read after a watch
+reconnect and every ``MAP_RESYNC_S`` as a safety net).  At idle a manager sends etcd only its lease
+keepalives (the active one) and that slow re-read (measure: ``python -m tools.etcd_traffic``).
 
-Each tick (``tick_s``) the active manager reads the registered nodes and the partition views and, per
+Election: when the cached manager key is absent an instance grants itself a lease and creates the key with
+a compare-and-swap (create revision 0).  The winner keeps its lease alive and is active while it does; the
+others wait for the key's deletion to arrive by the watch (or ``STANDBY_RESYNC_S``) and take over when the
+active one's lease lapses (it died, hung, or lost etcd).  Every partition change the active manager makes
+is a CAS that also requires the manager key to still hold its id, so a deposed manager cannot change the map.
+
+The active manager passes over the cached map whenever it changes (a node's lease lapsed, a view was
+written), and every ``tick_s`` while something is under way (a replica gone but not yet ``down_after_s``,
+an install to retry, a repair to follow) -- else every ``IDLE_LOOK_S``, which costs no etcd request.  Per
 partition (design and the no-acknowledged-write-lost argument: datanode/etcdmap.py):
 
 * **adopt**: a partition a registered leader reports that etcd does not have yet is written to etcd as it
@@ -42,17 +49,21 @@ import trio
 from client.sdk import ClientError, DataClient
 from datanode.cli import main as node_cli
 from datanode.config import TransportChoice
-from datanode.etcdmap import Etcd, EtcdError, Lease, PartView
+from datanode.etcdmap import Etcd, EtcdError, Lease, MapCache, PartView
 from datanode.protocol import Op, Result
+from tools.manager_tasks import ManagerTasks
 
 log = logging.getLogger(__name__)
-STANDBY_POLL_S = 0.25
+STANDBY_POLL_S = 0.25     # first retry after etcd refused (doubling up to 5 s)
+STANDBY_RESYNC_S = 10.0   # a standby looks at the manager key at least this often (else: on its deletion)
+IDLE_LOOK_S = 5.0         # the active manager passes over a settled map this often (no etcd request)
+MAP_RESYNC_S = 30.0       # full re-read of the map, a safety net under the watch
 
 
 class Manager:
     def __init__(self, etcd: str, *, prefix: str = "/datanode", name: str = "manager", lease_ttl_s: int = 3,
                  down_after_s: float = 1.0, tick_s: float = 0.25, transport: str = "tcp",
-                 rpc_timeout: float = 3.0):
+                 rpc_timeout: float = 3.0, min_writable: int = 2, replicas: int = 3, min_free_mib: int = 256):
         self.etcd = Etcd(etcd, prefix, timeout=max(1.0, lease_ttl_s / 2))
         self.ident = f"{name}@{socket.gethostname()}:{os.getpid()}"
         self.lease_ttl_s = lease_ttl_s
@@ -62,25 +73,34 @@ class Manager:
         self.rpc_timeout = rpc_timeout
         self.active = False
         self.down_since: dict[str, float] = {}
+        self.cache = MapCache(self.etcd, resync_s=MAP_RESYNC_S)
+        self.ticks = 0
         self.dc: DataClient | None = None
+        # placement, min_writable, decommission, admins' requests (tools/manager_tasks.py)
+        self.tasks = ManagerTasks(self, min_writable=min_writable, replicas=replicas, min_free_mib=min_free_mib,
+                                  settle_s=max(2.0, 2 * tick_s))
 
-    # -- election -----------------------------------------------------------------------------------
+    # -- election ---------------------------------------------------------------------------------------
     async def run(self) -> None:
-        async with DataClient.open(transport=self.transport, timeout=self.rpc_timeout, pool_mib=8) as dc:
+        async with DataClient.open(transport=self.transport, timeout=self.rpc_timeout, pool_mib=8) as dc, \
+                trio.open_nursery() as n:
             self.dc = dc
             log.info("manager %s: standing by (etcd %s, prefix %s)", self.ident, self.etcd.urls, self.etcd.prefix)
+            await n.start(self.cache.run)           # the map, followed by one watch (etcdmap.MapCache)
             delay = STANDBY_POLL_S
             while True:
+                seen = self.cache.seq
                 try:
                     await self._campaign_once()
-                    delay = STANDBY_POLL_S
+                    delay = STANDBY_RESYNC_S
                 except EtcdError as e:
-                    (log.warning if delay == STANDBY_POLL_S else log.debug)("manager %s: %s", self.ident, e)
-                    delay = min(delay * 2, 5.0)
-                await trio.sleep(delay)
+                    (log.warning if delay >= STANDBY_RESYNC_S else log.debug)("manager %s: %s", self.ident, e)
+                    delay = min(max(delay, STANDBY_POLL_S) * 2, 5.0)
+                with trio.move_on_after(delay):     # the manager key's deletion arrives by the watch
+                    await self.cache.wait(seen)
 
     async def _campaign_once(self) -> None:
-        if await self.etcd.get(self.etcd.manager_key) is not None:
+        if self.cache.get(self.etcd.manager_key) is not None:
             return
         lease = Lease(self.etcd, self.lease_ttl_s)
         await lease.grant()
@@ -98,29 +118,43 @@ class Manager:
             log.warning("manager %s: lost the manager lease: standing by", self.ident)
         finally:
             self.active = False
+            self.tasks.standby()
             await self.etcd.release(lease)          # a clean stop hands over at once
 
     async def _active_loop(self) -> None:
+        """React to the map's changes (pushed by the watch); while something is under way (a replica down
+        but not yet ``down_after_s``, an install to retry, a repair to follow) look again every ``tick_s``."""
         while True:
+            seen = self.cache.seq
             try:
-                await self.tick()
+                busy = await self.tick()
             except (EtcdError, ClientError) as e:
                 log.warning("manager tick: %s", e)
-            await trio.sleep(self.tick_s)
+                busy = True
+            self.ticks += 1
+            with trio.move_on_after(self.tick_s if busy else IDLE_LOOK_S):
+                await self.cache.wait(seen)
 
     # -- one pass over the map ----------------------------------------------------------------------
-    async def tick(self) -> None:
-        nodes = await self.etcd.nodes()
+    async def tick(self) -> bool:
+        """One pass over the cached map; True while some partition is not settled (look again soon)."""
+        nodes = self.cache.nodes()
         now = trio.current_time()
         for addr in list(self.down_since):
             if addr in nodes:
                 del self.down_since[addr]
-        parts = await self.etcd.parts()
+        parts = self.cache.parts()
         if await self._adopt(nodes, parts):
-            parts = await self.etcd.parts()
+            return True                             # the adopted views arrive by the watch
+        busy = []
+
+        async def one(view):
+            busy.append(await self._handle_safely(view, nodes, now))
         async with trio.open_nursery() as n:
             for view in parts.values():
-                n.start_soon(self._handle_safely, view, nodes, now)
+                n.start_soon(one, view)
+        busy.append(await self.tasks.run(nodes))     # placement, min_writable, decommission, requests
+        return any(busy)
 
     async def _adopt(self, nodes: dict, parts: dict[int, PartView]) -> bool:
         changed = False
@@ -148,13 +182,15 @@ class Manager:
                         changed = True
         return changed
 
-    async def _handle_safely(self, view: PartView, nodes: dict, now: float) -> None:
+    async def _handle_safely(self, view: PartView, nodes: dict, now: float) -> bool:
         try:
-            await self.handle(view, nodes, now)
+            return await self.handle(view, nodes, now)
         except (EtcdError, ClientError) as e:
             log.warning("partition %d: %s", view.id, e)
+            return True
 
-    async def handle(self, view: PartView, nodes: dict, now: float) -> None:
+    async def handle(self, view: PartView, nodes: dict, now: float) -> bool:
+        """Act on one partition; True while it is not settled (something to look at again soon)."""
         live = set(nodes)
         dead = [r for r in view.replicas if r not in live]
         for r in dead:
@@ -166,37 +202,36 @@ class Manager:
                     log.error("partition %d: leader %s is gone and no synced replica survives (%s): read_only",
                               view.id, view.leader, ",".join(view.replicas))
                     await self._set(view, state="read_only")
-                return
+                return False                        # until one of its replicas registers again
             survivors = [cands[0]] + [r for r in view.replicas if r in live and r != cands[0]]
             await self.change(view, survivors, f"leader {view.leader} lost its lease; {cands[0]} leads")
-            return
+            return True
         gone = [r for r in dead if now - self.down_since[r] >= self.down_after_s]
         if gone:
             await self.change(view, [r for r in view.replicas if r not in gone],
                               f"follower(s) {','.join(gone)} lost their lease")
-            return
+            return True
         if dead:
-            return                                  # wait down_after_s before shrinking
+            return True                             # wait down_after_s before shrinking
         if not view.installed:
             await self.install(view)
-            return
+            return True
         unsynced = [r for r in view.replicas if r not in view.synced]
         if unsynced:
             await self._check_filled(view, unsynced)
-            return
+            return True
         if len(view.replicas) < view.want:
             spare = self.pick_spare(view, nodes)
             if spare is not None:
                 await self.change(view, view.replicas + [spare], f"re-replicating onto {spare}")
-                return
+                return True
         if view.state != _state(view):
             await self._set(view, state=_state(view))
+            return True
+        return False
 
     def pick_spare(self, view: PartView, nodes: dict) -> str | None:
-        zones = {nodes.get(r, {}).get("zone") for r in view.replicas}
-        cands = [(nodes[a].get("zone") not in zones, nodes[a].get("free_bytes", 0), a) for a in nodes
-                 if a not in view.replicas and str(view.id) not in (nodes[a].get("partitions") or {})]
-        return max(cands)[2] if cands else None
+        return self.tasks.spare(view, nodes)      # tools/placement.py decides; draining nodes excluded
 
     # -- changes ------------------------------------------------------------------------------------
     async def _cas(self, view: PartView, rev: int) -> bool:
@@ -277,18 +312,30 @@ def _state(view: PartView, installed: bool | None = None) -> str:
 @click.option("--down-after-s", type=click.FloatRange(0), default=1.0, show_default=True,
               help="A follower without a lease this long is removed from its partitions (then replaced).")
 @click.option("--tick-s", type=click.FloatRange(0.05), default=0.25, show_default=True,
-              help="How often the active manager looks at the whole map.")
+              help="How often the active manager looks again while a change is under way (it reacts to "
+                   "etcd's watch events at once, and looks at a settled map only every few seconds).")
 @click.option("--transport", type=click.Choice([t.value for t in TransportChoice]), default="tcp", show_default=True,
               help="How the manager reaches datanodes for admin requests.")
+@click.option("--min-writable", type=click.IntRange(0), default=2, show_default=True,
+              help="Keep at least this many partitions that take writes (writable, or degraded/recovering "
+                   "while they heal) with free space; new ones are placed automatically; 0: never create any.")
+@click.option("--replicas", type=click.IntRange(1, 16), default=3, show_default=True,
+              help="Replica count of the partitions it creates for --min-writable (fewer if fewer nodes).")
+@click.option("--min-free-mib", type=click.IntRange(0), default=256, show_default=True,
+              help="A node with less free disk gets no new replicas; a partition on one does not count as "
+                   "writable for --min-writable.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info")
-def manager_command(etcd, prefix, name, lease_ttl_s, down_after_s, tick_s, transport, log_level):
+def manager_command(etcd, prefix, name, lease_ttl_s, down_after_s, tick_s, transport, min_writable, replicas,
+                    min_free_mib, log_level):
     """Run a cluster manager on etcd until SIGTERM/SIGINT.
 
     \b
     Start any number of them; exactly one is active (elected through etcd), the
     others take over when its lease lapses.  The active one moves leadership off
     dead leaders, shrinks partitions whose followers died (after --down-after-s),
-    re-replicates them onto spare nodes and adopts partitions datanodes report.
+    re-replicates them onto spare nodes, adopts partitions datanodes report,
+    places new partitions (dnctl partition create --count N; --min-writable)
+    and empties decommissioned nodes (dnctl node decommission ADDR).
     Example:  datanode manager --etcd http://10.0.0.1:2379,http://10.0.0.2:2379
     """
     from datanode.etcdmap import parse_urls
@@ -299,7 +346,8 @@ def manager_command(etcd, prefix, name, lease_ttl_s, down_after_s, tick_s, trans
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     m = Manager(etcd, prefix=prefix, name=name, lease_ttl_s=lease_ttl_s, down_after_s=down_after_s,
-                tick_s=tick_s, transport=transport)
+                tick_s=tick_s, transport=transport, min_writable=min_writable, replicas=replicas,
+                min_free_mib=min_free_mib)
 
     async def main():
         async with trio.open_nursery() as n:

@@ -10,10 +10,12 @@ import trio
 from ..partition import Partition
 from ..protocol import BODY_REASONS, BodyError, Header, RemoteBuf, Result, decode_view
 from ..pool import PoolExhausted
-from ..store import StoreCode, StoreError, io_error
-from ..transport.base import Connection, RemoteAccessError, TransportError
+from ..store import StoreCode, StoreError, WouldBlock, io_error
+from ..transport.base import Connection, ConnectionClosed, RemoteAccessError, TransportError
 
 MAX_JSON = 1 << 20
+ANSWER_BYTES = 8 << 20      # one connection's one-sided answers (read payloads, JSON) being prepared or sent
+LOOP_IO = 128 << 10       # appends up to this size run in the event loop (page cache; no thread hop)
 STORE_RESULTS = {StoreCode.NOT_FOUND: Result.NOT_FOUND, StoreCode.DELETED: Result.NOT_FOUND,
                  StoreCode.EXISTS: Result.EXISTS, StoreCode.WRONG_OFFSET: Result.WRONG_OFFSET,
                  StoreCode.OUT_OF_RANGE: Result.OUT_OF_RANGE, StoreCode.TOO_LARGE: Result.TOO_LARGE,
@@ -38,6 +40,29 @@ def bad_body(e: BodyError) -> Reply:
     return Reply(Result.BAD_BODY, arg=BODY_REASONS.index(e.reason), why=str(e))
 
 
+class ByteBudget:
+    """Bytes one connection's answers may have in preparation or on the wire at once (``ANSWER_BYTES``).  Taken
+    *before* the disk is read: a peer that does not read its answers gets at most this much work done for it
+    (its other requests wait here, in flight, until it is dropped), and answers never queue in memory."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.used = 0
+        self._freed = trio.Event()
+
+    async def take(self, n: int) -> int:
+        n = min(n, self.cap)                 # one answer larger than the budget runs alone
+        while self.used and self.used + n > self.cap:
+            await self._freed.wait()
+        self.used += n
+        return n
+
+    def give(self, n: int) -> None:
+        self.used -= n
+        self._freed.set()
+        self._freed = trio.Event()
+
+
 def store_reply(e: StoreError) -> Reply:
     return Reply(STORE_RESULTS[e.code], arg=e.arg, why=str(e))
 
@@ -47,6 +72,9 @@ class RequestCounters:
     requests: int = 0
     protocol_errors: int = 0
     forbidden: int = 0             # requests refused for the connection's role or node identity
+    fenced: int = 0                # leader requests refused while self-fenced (etcd lease expired)
+    busy_inflight: int = 0         # requests answered BUSY because their connection had max_inflight in flight
+    penalties: int = 0             # peers dropped for breaking the rules (their host's next connections wait)
     writes: int = 0                # client appends acknowledged (as leader)
     replica_writes: int = 0        # forwarded appends applied (as follower)
     write_bytes: int = 0
@@ -69,6 +97,7 @@ class Handlers:
     pool: object
     region: object
     counters: RequestCounters
+    commit: object            # datanode.commit.GroupCommit
 
     # -- the request's partition --------------------------------------------------------------------
     def _hosted(self, h: Header) -> Partition:
@@ -89,6 +118,30 @@ class Handlers:
     def _leader_of(self, part: Partition) -> None:
         if part.leader != self.me:
             raise Reply(Result.NOT_LEADER, why=f"leader of partition {part.pid} is {part.leader}")
+
+    agent = None              # the node's etcd agent (datanode/etcdagent.py), when etcd is configured
+
+    async def _lead(self, h: Header) -> Partition:
+        """The request's partition, led here, at its epoch -- and this leader is not self-fenced: a leader of
+        a replicated partition whose etcd lease expired acknowledges nothing until it has re-registered and
+        re-read the map (NOT_LEADER; the rule and why: datanode/etcdmap.py, "Self-fencing")."""
+        part = self._partition(h)
+        self._leader_of(part)
+        if self.agent is not None and len(part.replicas) > 1:
+            why = await self.agent.fence()
+            if why:
+                self.counters.fenced += 1
+                raise Reply(Result.NOT_LEADER, why=f"self-fenced: {why}")
+            part = self._partition(h)            # the map may have changed while we waited for etcd
+            self._leader_of(part)
+        return part
+    def _still_leading(self, part: Partition, h: Header) -> None:
+        """After an await: the view may have changed meanwhile (a step-down).  A request may only go on (be
+        forwarded) at the view of the epoch it carries, with this node still its leader."""
+        if part.epoch != h.epoch:
+            raise Reply(Result.STALE_EPOCH, arg=part.epoch,
+                        why=f"partition {part.pid} moved to epoch {part.epoch} while handling epoch {h.epoch}")
+        self._leader_of(part)
 
     @staticmethod
     def _size(part: Partition, extent: int) -> int:
@@ -140,6 +193,17 @@ class Handlers:
         """One-sided READ of the peer's ``remote`` into ``view`` (a block of our pool), bounded in time."""
         await self._one_sided(conn.read(remote, view, self.region), "read")
 
+    async def _answer_budget(self, conn: Connection, n: int) -> int:
+        """Take ``n`` bytes of the connection's answer budget (give them back with ``conn.answers.give``)."""
+        budget = getattr(conn, "answers", None)
+        if budget is None:
+            budget = conn.answers = ByteBudget(ANSWER_BYTES)
+        taken = await budget.take(n)
+        if not conn.alive:                   # dropped while we waited: do not read the disk for nobody
+            budget.give(taken)
+            raise ConnectionClosed(f"{conn.peer}: connection closed")
+        return taken
+
     async def _write_remote(self, conn: Connection, view: memoryview, remote: RemoteBuf) -> None:
         """One-sided WRITE of ``view`` into the peer's ``remote``, bounded in time."""
         await self._one_sided(conn.write(view, self.region, remote), "write")
@@ -165,20 +229,60 @@ class Handlers:
         except OSError as e:
             raise store_reply(io_error(getattr(fn, "__name__", "disk"), e)) from None
 
+    async def _append(self, store, extent: int, offset: int, view, crc: int) -> int:
+        """``store.append`` (no sync): a small one right here (a pwrite into the page cache costs less
+        than the hop to a worker thread), a large one -- or one whose extent is busy -- in a thread."""
+        if len(view) <= LOOP_IO:
+            try:
+                return store.append(extent, offset, view, crc, blocking=False)
+            except WouldBlock:
+                pass
+            except StoreError as e:
+                raise store_reply(e) from None
+            except OSError as e:
+                raise store_reply(io_error("append", e)) from None
+        return await self._store(store.append, extent, offset, view, crc)
+
+    async def _read(self, store, extent: int, offset: int, length: int, view) -> int:
+        """``store.read_into``: right here when the bytes are in the page cache and the extent is not being
+        truncated (RWF_NOWAIT: no thread hop, never blocks the loop), else in a worker thread -- so a read
+        waits neither for a thread when it need not, nor behind the disk when another read must."""
+        if length <= LOOP_IO:
+            try:
+                return store.read_into(extent, offset, length, view, nowait=True)
+            except WouldBlock:
+                pass
+            except StoreError as e:
+                raise store_reply(e) from None
+            except OSError as e:
+                raise store_reply(io_error("read", e)) from None
+        return await self._store(store.read_into, extent, offset, length, view)
+
+    async def _durable(self, store, extent: int, end: int) -> None:
+        """Wait until ``[0, end)`` of the extent is durable (group commit; at once under sync=none)."""
+        try:
+            await self.commit.durable(store, extent, end)
+        except StoreError as e:
+            raise store_reply(e) from None
+
     # -- JSON bodies and answers -----------------------------------------------------------------------
     async def _push_json(self, conn: Connection, h: Header, obj) -> Header:
         data = json.dumps(obj).encode()
         if len(data) > h.rlen:
             raise Reply(Result.SHORT_BUFFER, arg=len(data),
                         why=f"answer needs {len(data)} bytes, the buffer holds {h.rlen}")
-        block = await self._alloc(len(data), conn)
+        taken = await self._answer_budget(conn, len(data))
         try:
-            view = block.view(len(data))
-            view[:] = data
-            if data:
-                await self._write_remote(conn, view, h.remote.slice(0, len(data)))
+            block = await self._alloc(len(data), conn)
+            try:
+                view = block.view(len(data))
+                view[:] = data
+                if data:
+                    await self._write_remote(conn, view, h.remote.slice(0, len(data)))
+            finally:
+                self._free(block, conn)
         finally:
-            self._free(block, conn)
+            conn.answers.give(taken)
         return h.reply(Result.OK, length=len(data))
 
     async def _pull_json(self, conn: Connection, h: Header):

@@ -6,13 +6,18 @@ Follow a write from the client to the disk (``DataOps.op_write``):
      ``Node._dispatch`` (datanode/server.py) decodes it and, for appends, takes a ticket in the extent's lane
      (arrival order);
   2. we allocate a block from the registered pool and fetch the payload with a one-sided READ from the
-     client's buffer straight into the block (bounded by ``peer_timeout``), then check its CRC32C;
+     client's buffer straight into the block (bounded by ``peer_timeout``), then check its CRC32C -- unless
+     the payload came inline (a small WRITE on TCP, ``Flag.INLINE``: no READ round trip, and no pool block
+     when every follower's link takes it inline too);
   3. in the extent's turn (``async with lane.turn(ticket)``): check the offset is the extent's end, SEND each
      follower the same header marked forwarded with the descriptor rewritten to name *our pool block*
-     (``Replicator.submit``, datanode/replication.py: followers READ it from there, no copy here), and
-     persist the block to our extent (datanode/store.py: pwrite + CRC entries, fdatasync under
-     ``sync = always``);
-  4. outside the turn (the extent's next append may go on), wait for every follower's ack
+     (``Replicator.submit``, datanode/replication.py: followers READ it from there, no copy here; a payload
+     of at most ``INLINE_MAX`` bytes goes inline in the forward instead, where the link takes it), and
+     append the block to our extent (datanode/store.py ``append``: CRCs + pwrite; a small one right here in
+     the event loop, a large one in a worker thread);
+  4. outside the turn (the extent's next append may go on): wait until the append is durable (under
+     ``sync = always``: group commit, datanode/commit.py -- one flush for every append queued meanwhile), and
+     for every follower's ack
      (``Replicator.wait``: matched on request id, partition, extent, offset, CRC) within ``replica_timeout``;
      reply OK to the client only then; free the block.
   Any failure after the turn began seals the extent (DIVERGED): its replicas may differ, so no more appends.
@@ -25,7 +30,7 @@ import logging
 import os
 
 from ..crc import crc32c
-from ..protocol import Flag, Header, Result
+from ..protocol import INLINE_MAX, Flag, Header, Result
 from ..replication import replica_names
 from ..transport.base import Connection
 from .base import Handlers, Reply
@@ -37,23 +42,29 @@ class DataOps(Handlers):
     async def op_ping(self, conn, h: Header, _t) -> Header:
         return h.reply(Result.OK, arg=os.getpid())
 
-    async def op_write(self, conn: Connection, h: Header, ticket) -> Header:
-        part = self._partition(h)
+    async def op_write(self, conn: Connection, h: Header, ticket, payload: memoryview | None = None) -> Header:
         forwarded = bool(h.flags & Flag.FORWARDED)
-        if not forwarded:
-            self._leader_of(part)
+        part = self._partition(h) if forwarded else await self._lead(h)
         if ticket is None:
             raise Reply(Result.NOT_FOUND, why=f"extent {h.extent} does not exist")
         lane, t = ticket
         holder = None if forwarded else conn     # a leader's forwards are not held to a client's share
-        block = await self._alloc(h.length, holder)
+        block = None
+        fanout = not forwarded and len(part.replicas) > 1
         try:
-            view = block.view(h.length)
-            await self._fetch(conn, h.remote.slice(0, h.length), view)          # one-sided READ
+            if payload is not None and (not fanout or await self.replication.inline_ok(part, h.length)):
+                view = payload                   # eager: it came inline and goes on inline; no pool block
+            else:
+                block = await self._alloc(h.length, holder)
+                view = block.view(h.length)
+                if payload is not None:
+                    view[:] = payload            # some follower takes no inline payload: it READs the block
+                else:
+                    await self._fetch(conn, h.remote.slice(0, h.length), view)          # one-sided READ
+                    if forwarded:
+                        self.counters.count_forward_fetch(h.rkey, h.length)
             if crc32c(view) != h.crc:
                 raise Reply(Result.CRC_MISMATCH, why="payload CRC does not match the header")
-            if forwarded:
-                self.counters.count_forward_fetch(h.rkey, h.length)
             fan = None
             async with lane.turn(t):
                 if lane.diverged and not (forwarded and h.flags & Flag.REPAIR):  # repair may fill a sealed one
@@ -62,25 +73,43 @@ class DataOps(Handlers):
                 if h.offset != end:
                     raise Reply(Result.WRONG_OFFSET, arg=end,
                                 why=f"append at {h.offset} but extent {h.extent} ends at {end}")
+                if not forwarded:
+                    self._still_leading(part, h)     # the fetch awaited: a step-down may have come meanwhile
                 try:
-                    if not forwarded and len(part.replicas) > 1:
-                        # the forward names our pool block: followers READ the payload from it, we copy nothing
-                        fan = await self.replication.submit(
-                            part, h.forwarded(addr=block.addr, rkey=self.region.rkey, rlen=h.length))
-                    size = await self._store(part.store.write, h.extent, h.offset, view, h.crc)
+                    if fanout:
+                        # a small payload goes inline to each follower whose link takes it; otherwise the
+                        # forward names our pool block: followers READ the payload from it, we copy nothing
+                        small = view if h.length <= INLINE_MAX else None
+                        if block is None:
+                            fwd = h.forwarded()
+                        else:
+                            fwd = dataclasses.replace(h, flags=(h.flags | Flag.FORWARDED) & ~Flag.INLINE,
+                                                      addr=block.addr, rkey=self.region.rkey, rlen=h.length)
+                        fan = await self.replication.submit(part, fwd, small)
+                    size = await self._append(part.store, h.extent, h.offset, view, h.crc)
                 except BaseException as e:
                     self.replication.seal(part, h.extent, lane, f"local write failed: {e}")
                     if fan:
                         await self.replication.wait(fan)   # the followers must be done with our block
                     raise
+            # outside the turn: the extent's next append goes on while this one becomes durable (group
+            # commit, datanode/commit.py) and the followers answer
+            try:
+                await self._durable(part.store, h.extent, size)
+            except BaseException as e:
+                self.replication.seal(part, h.extent, lane, f"local flush failed: {e}")
+                if fan:
+                    await self.replication.wait(fan)
+                raise
             if fan:
                 failed = await self.replication.wait(fan)
                 if failed:
-                    names = replica_names(part, failed)
+                    names = replica_names(fan.replicas, failed)
                     self.replication.seal(part, h.extent, lane, f"replica {names} failed a write")
                     raise Reply(Result.REPLICATION_FAILED, arg=failed, why=f"replica {names} failed {h.describe()}")
         finally:
-            self._free(block, holder)
+            if block is not None:
+                self._free(block, holder)
         if forwarded:
             self.counters.replica_writes += 1
         else:
@@ -92,14 +121,18 @@ class DataOps(Handlers):
         part = self._partition(h)        # the buffer holds h.length bytes: checked by decode
         if not h.flags & Flag.ANY_REPLICA:
             self._leader_of(part)
-        block = await self._alloc(h.length, conn)
+        taken = await self._answer_budget(conn, h.length)     # before the disk: see ByteBudget
         try:
-            view = block.view(h.length)
-            crc = await self._store(part.store.read_into, h.extent, h.offset, h.length, view)
-            if h.length:
-                await self._write_remote(conn, view, h.remote.slice(0, h.length))  # one-sided WRITE
+            block = await self._alloc(h.length, conn)
+            try:
+                view = block.view(h.length)
+                crc = await self._read(part.store, h.extent, h.offset, h.length, view)
+                if h.length:
+                    await self._write_remote(conn, view, h.remote.slice(0, h.length))  # one-sided WRITE
+            finally:
+                self._free(block, conn)
         finally:
-            self._free(block, conn)
+            conn.answers.give(taken)
         self.counters.reads += 1
         self.counters.read_bytes += h.length
         return h.reply(Result.OK, length=h.length, crc=crc, arg=self._size(part, h.extent))
@@ -111,26 +144,34 @@ class DataOps(Handlers):
                 return h.reply(Result.OK, arg=h.extent)   # repair and a client's create raced: same result
             eid = await self._store(part.store.create_extent, h.extent)
             return h.reply(Result.OK, arg=eid)
-        self._leader_of(part)
+        part = await self._lead(h)
+        view = list(part.replicas)          # the view of h.epoch: forwards go to it, whatever happens meanwhile
         eid = await self._store(part.store.create_extent, None)
-        failed = await self.replication.replicate(part, h.forwarded(extent=eid))
+        try:
+            self._still_leading(part, h)     # stepped down during the create: take it back, redirect the client
+        except Reply:
+            await self._store(part.store.mark_delete, eid)
+            part.lanes.pop(eid, None)
+            raise
+        failed = await self.replication.replicate(part, h.forwarded(extent=eid), view)
         if failed:
             # not on every replica: take it back (its tombstone makes repair delete it where it did land),
             # so a client retrying against a dead follower does not leave an empty extent per try
             await self._store(part.store.mark_delete, eid)
             part.lanes.pop(eid, None)
             raise Reply(Result.REPLICATION_FAILED, arg=failed,
-                        why=f"replica {replica_names(part, failed)} failed create (extent {eid} taken back)")
+                        why=f"replica {replica_names(view, failed)} failed create (extent {eid} taken back)")
         return dataclasses.replace(h.reply(Result.OK, arg=eid), extent=eid)
 
     async def op_mark_delete(self, conn, h: Header, _t) -> Header:
         part = self._partition(h)
         if not h.flags & Flag.FORWARDED:
-            self._leader_of(part)
-            failed = await self.replication.replicate(part, h.forwarded())
+            part = await self._lead(h)
+            view = list(part.replicas)
+            failed = await self.replication.replicate(part, h.forwarded(), view)
             if failed:
                 raise Reply(Result.REPLICATION_FAILED, arg=failed,
-                            why=f"replica {replica_names(part, failed)} failed delete")
+                            why=f"replica {replica_names(view, failed)} failed delete")
         await self._store(part.store.mark_delete, h.extent)
         part.lanes.pop(h.extent, None)
         return h.reply(Result.OK)

@@ -1,6 +1,8 @@
 """The follower's side of the leader's repair and scrub (the work itself is in datanode/repair.py)."""
 from __future__ import annotations
 
+import trio
+
 from ..protocol import Flag, Header, Result
 from ..repair import scrub_range
 from .base import Handlers, Reply
@@ -9,9 +11,11 @@ from .base import Handlers, Reply
 class RepairOps(Handlers):
     async def op_replica_state(self, conn, h: Header, _t) -> Header:
         part = self._hosted(h)
+        dig = await trio.to_thread.run_sync(part.store.digests)     # sizes and digests: one snapshot per extent
         return await self._push_json(conn, h, {
             "epoch": part.epoch, "replicas": part.replicas,
-            "marks": {str(k): v for k, v in part.store.watermarks().items()},
+            "marks": {str(k): v[0] for k, v in dig.items()},
+            "digests": {str(k): v[1] for k, v in dig.items()},
             "deleted": sorted(part.deleted_extents()), "sealed": sorted(int(e) for e in part.sealed)})
 
     async def op_block_crcs(self, conn, h: Header, _t) -> Header:

@@ -2,7 +2,8 @@
 
 A connection gives each side
   * control messages: ``send(header)`` puts one fixed-size header into one of the peer's preposted control
-    slots; ``recv()`` returns the next header that landed in one of ours (slots are reposted as they are
+    slots (``send(header, payload)``: with a small payload after it, where ``max_inline`` allows: TCP);
+    ``recv()`` returns the next message that landed in one of ours (slots are reposted as they are
     consumed).  Flow control is by credits: a requester never has more requests outstanding than the peer
     has slots, and every request gets exactly one response, so no side ever SENDs into a full ring.
   * one-sided operations on memory the peer registered: ``read(remote, local)`` copies the peer's
@@ -187,6 +188,7 @@ class Connection(abc.ABC):
     slots: int = 0           # the peer's control slots: our credit limit for outstanding requests
     role = None              # protocol.Role the peer proved in the hello; None: authentication is off
     identity: str = ""       # a NODE peer's address (its listen HOST:PORT), bound into its proof
+    tls: bool = False        # the stream is TLS (transport/tls.py)
 
     def __init__(self, our_slots: int) -> None:
         self.stats = ConnStats()
@@ -194,11 +196,20 @@ class Connection(abc.ABC):
         self.pool_held = 0                   # bytes of the node's pool held by this peer's requests
         self.busy = 0                        # its requests being handled now (the server's count)
         self._closed: str | None = None     # why the connection ended
+        self.misbehaved = ""                 # why we dropped the peer for breaking the rules (server policy)
         # control messages that landed in our slots, in arrival order; a transport puts them in ``_ctrl_in``
         self._ctrl_in, self._ctrl_out = trio.open_memory_channel(our_slots)
 
+    @property
+    def alive(self) -> bool:
+        return self._closed is None
+
+    max_inline = 0           # payload bytes a control message may carry after its header (0: none)
+
     @abc.abstractmethod
-    async def send(self, header: bytes) -> None: ...
+    async def send(self, header: bytes, payload: memoryview | None = None) -> None:
+        """One control message: ``header``, and ``payload`` after it in the same message (an inline
+        WRITE, protocol.Flag.INLINE; at most ``max_inline`` bytes)."""
 
     async def recv(self) -> bytes:
         """The next control message (raises ConnectionClosed at end)."""
@@ -223,8 +234,8 @@ class Connection(abc.ABC):
     def info(self) -> dict:
         s = self.stats
         return {"peer": self.peer, "transport": self.transport,
-                "role": self.role.name.lower() if self.role is not None else None, "identity": self.identity,
-                "pool_held": self.pool_held, "sends": s.sends, "recvs": s.recvs,
+                "role": self.role.name.lower() if self.role is not None else None, "identity": self.identity, "tls": self.tls,
+                "pool_held": self.pool_held, "inflight": self.busy, "sends": s.sends, "recvs": s.recvs,
                 "reads": s.reads, "read_bytes": s.read_bytes, "writes": s.writes, "write_bytes": s.write_bytes,
                 "served_reads": s.served_reads, "served_read_bytes": s.served_read_bytes,
                 "served_writes": s.served_writes, "refused": s.refused, **s.extra}

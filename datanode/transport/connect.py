@@ -31,6 +31,7 @@ from ..config import TransportChoice
 from ..protocol import (HELLO_SIZE, HELLO_STATUS, AuthProof, AuthVerdict, Hello, ProtocolError, Role, Transport,
                         decode_hello, decode_identity)
 from .base import Connection, Domain, TransportError
+from . import tls
 from .tcp import TcpConnection, recv_exactly, send_all, tune_socket
 
 log = logging.getLogger(__name__)
@@ -118,7 +119,8 @@ async def dial(host: str, port: int, domain: Domain, *, transport: str = "auto",
     peer = f"{host}:{port}"
     auth = auth or DialAuth(None)
     key = auth.key
-    sock = trio.socket.socket()
+    raw = sock = trio.socket.socket()
+    device = has_device(domain) and auth.tls is None       # a TLS connection stays on TCP
     try:
         with trio.fail_after(timeout):
             tune_socket(sock)
@@ -126,8 +128,13 @@ async def dial(host: str, port: int, domain: Domain, *, transport: str = "auto",
                 await sock.connect((host, port))
             except OSError as e:
                 raise TransportError(f"cannot connect to {peer}: {e.strerror or e}") from None
+            if auth.tls is not None:
+                try:
+                    sock = await tls.wrap(sock, auth.tls, server_side=False, server_hostname=host)
+                except TransportError as e:
+                    raise TransportError(f"connecting to {peer}: {e}") from None
             nonce = new_nonce() if key else bytes(32)
-            await send_all(sock, Hello(transport=TRANSPORT_NAMES[transport], has_device=has_device(domain),
+            await send_all(sock, Hello(transport=TRANSPORT_NAMES[transport], has_device=device,
                                        slots=slots, auth=key is not None, role=int(auth.role), nonce=nonce,
                                        identity=auth.identity).encode())
             answer = await _read_hello(sock)
@@ -149,20 +156,21 @@ async def dial(host: str, port: int, domain: Domain, *, transport: str = "auto",
                     raise AuthError(f"{peer} refused our credentials: {_status(verdict)}")
             if answer.transport == Transport.AUTO:
                 raise NegotiationError(f"{peer} refused the connection: transports cannot agree "
-                                       f"(we asked for {transport}, device={has_device(domain)})")
+                                       f"(we asked for {transport}, device={device})")
             conn: Connection | None = None
             if answer.transport == Transport.VERBS:
                 conn = await _upgrade(sock, domain, peer, False, answer.slots, slots)
             if conn is None:
                 conn = TcpConnection(sock, domain, peer, answer.slots, slots)
+            conn.tls = auth.tls is not None
     except trio.TooSlowError:
-        sock.close()
+        raw.close()
         raise TransportError(f"connecting to {peer} timed out after {timeout}s") from None
     except (ProtocolError, OSError) as e:
-        sock.close()
+        raw.close()
         raise TransportError(f"connecting to {peer}: {e}") from None
     except BaseException:
-        sock.close()
+        raw.close()
         raise
     async with _running(conn) as c:
         yield c
@@ -171,10 +179,12 @@ async def dial(host: str, port: int, domain: Domain, *, transport: str = "auto",
 class ServerAuth:
     """The accepting side's credentials (the cluster secret), or None for authentication off."""
 
-    def __init__(self, creds: Credentials | None):
+    def __init__(self, creds: Credentials | None, tls=None, tls_required: bool = False):
         if creds is not None and not creds.master:
             raise ValueError(f"{creds.source}: a datanode needs the cluster secret, not a role key file")
         self.creds = creds
+        self.tls = tls                       # ssl.SSLContext (server side): TLS offered (transport/tls.py)
+        self.tls_required = tls_required     # plaintext hellos refused
 
 
 async def refuse(sock, domain: Domain, slots: int, status: int) -> None:
@@ -223,14 +233,22 @@ async def accept(sock, peer: str, domain: Domain, *, transport: str = "auto", sl
     tune_socket(sock)
     creds = auth.creds if auth is not None else None
     with trio.fail_after(timeout):
+        secure = False
+        if auth is not None and auth.tls is not None and await tls.starts_tls(sock):
+            sock = await tls.wrap(sock, auth.tls, server_side=True)
+            secure = True
         hello = await _read_hello(sock)
+        if auth is not None and auth.tls_required and not secure:
+            await refuse(sock, domain, slots, 6)
+            raise AuthError(f"connection from {peer} refused: plaintext, and this node requires TLS")
         mine = TRANSPORT_NAMES[transport]
+        device = has_device(domain) and not secure           # a TLS connection stays on TCP
         try:
-            chosen = choose(mine, hello.transport, has_device(domain), hello.has_device)
+            chosen = choose(mine, hello.transport, device, hello.has_device)
         except NegotiationError as e:
             await refuse(sock, domain, slots, 0)
             raise NegotiationError(f"connection from {peer}: {e}") from None
-        answer = Hello(transport=chosen, has_device=has_device(domain), slots=slots,
+        answer = Hello(transport=chosen, has_device=device, slots=slots,
                        nonce=new_nonce() if creds else bytes(32))
         role, identity = await _authenticate(sock, peer, hello, creds, answer)
         conn: Connection | None = None
@@ -238,8 +256,8 @@ async def accept(sock, peer: str, domain: Domain, *, transport: str = "auto", sl
             conn = await _upgrade(sock, domain, peer, True, hello.slots, slots)
         if conn is None:
             conn = TcpConnection(sock, domain, peer, hello.slots, slots)
-        conn.role, conn.identity = role, identity
-    log.debug("connection from %s on %s (role %s)", peer, conn.transport,
+        conn.role, conn.identity, conn.tls = role, identity, secure
+    log.debug("connection from %s on %s%s (role %s)", peer, conn.transport, "+tls" if secure else "",
               role.name.lower() if role is not None else "unauthenticated")
     async with _running(conn) as c:
         yield c

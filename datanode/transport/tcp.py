@@ -1,10 +1,12 @@
 """TCP transport: the same control messages and one-sided operations as verbs, carried on one stream.
 
-Frames on the stream (after the hello), each a 32-byte frame header, big-endian:
+Frames on the stream (after the hello), each a 32-byte frame header, big-endian (a frame and its payload
+leave in one ``sendmsg``):
 
     type u8 | status u8 | pad u16 | length u32 | op_id u64 | addr u64 | rkey u32 | reserved u32
 
-  CTRL        +length bytes: one control message (a protocol header) for the peer's slots
+  CTRL        +length bytes: one control message (a protocol header; for an inline WRITE its payload
+              after it, ``max_inline``) for the peer's slots
   READ_REQ    "send me [addr, +length) of region rkey"      -> answered by READ_RESP (+length bytes if ok)
   WRITE_REQ   +length bytes "put these at [addr, +length)"  -> answered by WRITE_RESP
 
@@ -26,14 +28,14 @@ from dataclasses import dataclass
 
 import trio
 
-from ..protocol import MAX_PAYLOAD, RemoteBuf
+from ..protocol import HEADER_SIZE, INLINE_MAX, MAX_PAYLOAD, RemoteBuf
 from .base import Access, Connection, ConnectionClosed, Domain, Region, RemoteAccessError, TransportError
 
 log = logging.getLogger(__name__)
 
 FRAME = struct.Struct(">BBHIQQII")
 CTRL, READ_REQ, READ_RESP, WRITE_REQ, WRITE_RESP = 1, 2, 3, 4, 5
-MAX_CTRL = 4096
+MAX_CTRL = HEADER_SIZE + INLINE_MAX    # a header, and an inline WRITE's payload after it
 SERVE_QUEUE = 64        # one-sided requests of a peer queued for answering at most
 REFUSALS = {1: "unknown rkey", 2: "no remote right on that region", 3: "outside the registered region",
             4: "refused", 5: "not granted to this connection"}
@@ -62,6 +64,18 @@ async def send_all(sock, data) -> None:
         sent += await sock.send(view[sent:])
 
 
+async def send_all_of(sock, first: bytes, second) -> None:
+    """``first`` then ``second`` (a frame and its payload) with one sendmsg where the socket takes it all."""
+    if not len(second):
+        return await send_all(sock, first)
+    sent = await sock.sendmsg([first, second])
+    if sent < len(first):
+        await send_all(sock, memoryview(first)[sent:])
+        sent = len(first)
+    if sent - len(first) < len(second):
+        await send_all(sock, memoryview(second).cast("B")[sent - len(first):])
+
+
 @dataclass
 class _Pending:
     view: memoryview | None       # READ: where the answer lands; None -> drain (the caller gave up)
@@ -86,12 +100,17 @@ class TcpConnection(Connection):
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
 
+    max_inline = INLINE_MAX
+
     # -- the interface ------------------------------------------------------------------------------
-    async def send(self, header: bytes) -> None:
+    async def send(self, header: bytes, payload=None) -> None:
         self._check_open()
-        frame = FRAME.pack(CTRL, 0, 0, len(header), 0, 0, 0, 0) + header
+        n = len(payload) if payload is not None else 0
+        if len(header) + n > MAX_CTRL:
+            raise ValueError("control message larger than MAX_CTRL")
+        frame = FRAME.pack(CTRL, 0, 0, len(header) + n, 0, 0, 0, 0) + header
         async with self._send_lock:
-            await self._guarded(send_all(self._sock, frame))
+            await self._guarded(send_all_of(self._sock, frame, payload) if n else send_all(self._sock, frame))
         self.stats.sends += 1
 
     async def read(self, remote: RemoteBuf, local: memoryview, local_region: Region | None = None) -> None:
@@ -146,9 +165,7 @@ class TcpConnection(Connection):
             raise RemoteAccessError(f"{what} refused by {self.peer}: {REFUSALS.get(p.status, 'refused')}")
 
     async def _send_frame_and(self, frame: bytes, payload: memoryview):
-        await send_all(self._sock, frame)
-        if len(payload):
-            await send_all(self._sock, payload)
+        await send_all_of(self._sock, frame, payload)
 
     async def _guarded(self, coro):
         try:
@@ -204,8 +221,9 @@ class TcpConnection(Connection):
                 msg = bytearray(length)
                 await recv_exactly(sock, memoryview(msg))
                 try:
-                    self._ctrl_in.send_nowait(bytes(msg))
+                    self._ctrl_in.send_nowait(msg)
                 except trio.WouldBlock:
+                    self.misbehaved = "more control messages than slots"
                     raise TransportError("peer sent more control messages than we have slots") from None
             elif ftype == READ_REQ:
                 await self._serve_in.send((READ_REQ, op, addr, rkey, length))

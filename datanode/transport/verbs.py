@@ -13,6 +13,18 @@
   state; everything in flight fails with ConnectionClosed / RemoteAccessError, the connection is torn down
   and the next request dials again.  The TCP stream stays open beside the QP: its EOF tells us at once that
   the peer process is gone.
+
+Limits of memory scoping on verbs.  The NIC serves RDMA READ/WRITE from an MR by rkey alone: the TCP
+transport's per-connection grants (``base.Grants``) are not consulted, so any peer with an established QP
+to us that learns the pool's rkey and address can read the whole pool (it is registered REMOTE_READ only,
+never REMOTE_WRITE; ``pool stats`` shows the rkey to admins only, and it is otherwise carried in the forwarded
+write headers that followers -- authenticated nodes -- receive).  A QP exists only after an authenticated
+hello, so strangers and connections refused at the hello get nothing.  ``rdma_rxe`` in our VM (kernel 6.1)
+advertises memory windows (``bench/mw_probe.py``: ``MEM_WINDOW`` and ``TYPE_2B``, max_mw 524287; an MR with
+``MW_BIND`` and type-1/type-2 windows allocate) -- binding per request was not exercised and is not done:
+it needs a bind work request on the requester's QP per request, the window's rkey in the header in place of
+the MR's, a local invalidate when the answer arrives (and on timeout, before the buffer is reused), and a
+fallback for devices without windows; the next step when verbs is used across a trust boundary.
 """
 from __future__ import annotations
 
@@ -64,10 +76,16 @@ def _access(a: Access) -> int:
     return flags
 
 
-def address_of(view) -> tuple[int, object]:
-    """Virtual address of a writable buffer (keep the returned cdata alive while it is in use)."""
-    p = ffi.from_buffer(view, require_writable=False)
-    return int(ffi.cast("uintptr_t", p)), p
+def address_of(buf) -> int:
+    """Virtual address of a buffer.  Not a pin: the caller keeps the memory alive while it is in use (a
+    registered region, the pool, the connection's control mmap).
+
+    The cffi buffer is released at once on purpose.  A cffi buffer kept beside the memoryview it exports
+    from (say, in a frame held by a refusal's traceback) can reach the cyclic garbage collector together
+    with it; CPython's memoryview tp_clear then drops its buffer while it is still exported and the later
+    release segfaults (seen once at the end of the VM suite; ``test_transport`` reproduces it)."""
+    with ffi.from_buffer(buf, require_writable=False) as p:
+        return int(ffi.cast("uintptr_t", p))
 
 
 class Device:
@@ -138,12 +156,11 @@ def _comp_channel(ctx: Context) -> tuple[CompChannel, int]:
 
 
 class _Op:
-    __slots__ = ("event", "status", "cdata")
+    __slots__ = ("event", "status")
 
-    def __init__(self, cdata=None):
+    def __init__(self):
         self.event = trio.Event()
         self.status = None
-        self.cdata = cdata
 
 
 class VerbsConnection(Connection):
@@ -166,7 +183,7 @@ class VerbsConnection(Connection):
         # resources, released in _destroy (QP, MR, CQ, channel); a partial set is released at once, never
         # left to the garbage collector (which would free them in any order)
         self._destroyed = False
-        self.qp = self.ctrl_mr = self.cq = self.cc = self.ctrl = self.ctrl_view = self._ctrl_cdata = None
+        self.qp = self.ctrl_mr = self.cq = self.cc = self.ctrl = self.ctrl_view = None
         try:
             self._create(dev, our_slots)
         except BaseException:
@@ -182,7 +199,7 @@ class VerbsConnection(Connection):
         self.cq.req_notify()
         self.ctrl = mmap.mmap(-1, max(mmap.PAGESIZE, our_slots * SLOT))
         self.ctrl_view = memoryview(self.ctrl)
-        self.ctrl_addr, self._ctrl_cdata = address_of(self.ctrl)
+        self.ctrl_addr = address_of(self.ctrl)
         self.ctrl_mr = MR(dev.pd, len(self.ctrl), E.IBV_ACCESS_LOCAL_WRITE, address=self.ctrl_addr)
         cap = QPCap(max_send_wr=self.sq_depth, max_recv_wr=our_slots, max_send_sge=1, max_recv_sge=1,
                     max_inline_data=SLOT)
@@ -226,15 +243,15 @@ class VerbsConnection(Connection):
         self.qp.post_recv(RecvWR(wr_id=RECV_TAG | slot, num_sge=1, sg=[sge]))
 
     # -- the interface --------------------------------------------------------------------------------
-    async def send(self, header: bytes) -> None:
+    async def send(self, header: bytes, payload=None) -> None:
+        if payload is not None:              # max_inline is 0: payloads take the one-sided READ here
+            raise ValueError("verbs control messages carry no payload")
         if len(header) > SLOT:
             raise ValueError("control message larger than a slot")
-        buf = ffi.from_buffer(header)
-        addr = int(ffi.cast("uintptr_t", buf))
-        # inline: the bytes are copied into the WQE at post time, no lkey needed
-        wr = SendWR(opcode=E.IBV_WR_SEND, num_sge=1, sg=[SGE(addr, len(header), 0)],
+        # inline: the bytes are copied into the WQE at post time (``header`` lives until then), no lkey
+        wr = SendWR(opcode=E.IBV_WR_SEND, num_sge=1, sg=[SGE(address_of(header), len(header), 0)],
                     send_flags=E.IBV_SEND_SIGNALED | E.IBV_SEND_INLINE)
-        await self._post(wr, "send", cdata=buf)
+        await self._post(wr, "send")
         self.stats.sends += 1
 
     async def read(self, remote, local: memoryview, local_region: Region | None = None) -> None:
@@ -256,15 +273,15 @@ class VerbsConnection(Connection):
             raise ValueError("local and remote lengths differ")
         if remote.length == 0:
             return
-        addr, cdata = address_of(local)
+        addr = address_of(local)          # ``local`` is the caller's, alive until we return
         if region is None or not (region.addr <= addr and addr + len(local) <= region.addr + region.length):
             region = self.domain.find_local(addr, len(local))
         wr = SendWR(opcode=opcode, num_sge=1, sg=[SGE(addr, len(local), region.lkey)],
                     send_flags=E.IBV_SEND_SIGNALED)
         wr.set_wr_rdma(remote.rkey, remote.addr)
-        await self._post(wr, what, cdata=cdata)
+        await self._post(wr, what)
 
-    async def _post(self, wr: SendWR, what: str, cdata=None) -> None:
+    async def _post(self, wr: SendWR, what: str) -> None:
         if self._closed:
             raise ConnectionClosed(f"connection to {self.peer} is closed: {self._closed}")
         await self._sq.acquire()
@@ -274,7 +291,7 @@ class VerbsConnection(Connection):
         self._ids += 1
         wr_id = self._ids
         wr.wr_id = wr_id
-        op = self._ops[wr_id] = _Op(cdata)
+        op = self._ops[wr_id] = _Op()
         try:
             self.qp.post_send(wr)
         except PyverbsError as e:
@@ -313,6 +330,7 @@ class VerbsConnection(Connection):
             try:
                 self._ctrl_in.send_nowait(msg)
             except (trio.WouldBlock, trio.ClosedResourceError):
+                self.misbehaved = "more control messages than slots"
                 self._shutdown("peer sent more control messages than we have slots")
             return
         op = self._ops.pop(wc.wr_id, None)
@@ -408,8 +426,6 @@ class VerbsConnection(Connection):
                 log.debug("closing %s: %s", type(res).__name__, e)
         if self.ctrl_view is not None:
             self.ctrl_view.release()
-        if self._ctrl_cdata is not None:
-            ffi.release(self._ctrl_cdata)
         if self.ctrl is not None:
             self.ctrl.close()
 

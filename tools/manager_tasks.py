@@ -1,0 +1,246 @@
+"""The active manager's work beyond failover: placing new partitions, keeping ``min_writable`` writable
+partitions, decommissioning nodes.  Called once per manager pass (``Manager.tick`` -> ``ManagerTasks.run``),
+after the per-partition failover / re-replication handling; the decisions are tools/placement.py's.
+
+Keys (under the cluster prefix, next to ``nodes/``, ``parts/`` and ``manager``; see datanode/etcdmap.py):
+
+* ``requests/<id>`` -- an admin's request, e.g. ``{"op": "create", "count": 4, "replicas": 3}`` (written by
+  ``dnctl partition create --count N``).  The manager answers in the same key: ``"state": "done"`` with the
+  partitions it made, or ``"state": "failed"`` with an ``error``; the requester reads and deletes it.
+* ``drain/<addr>``  -- the node is being decommissioned (``dnctl node decommission ADDR``).  No new replica
+  goes there (placement, re-replication), and every partition naming it is moved, one membership change at
+  a time, each through the CAS path every other change takes (``Manager.change``): first a spare is added
+  (epoch + 1; the leader's repair fills it; it joins ``synced`` when the leader reports it healthy), then the
+  draining node is removed (epoch + 1; a synced replica leads if it led).  Its agent sees the view that no
+  longer names it and drops its copy.  The key stays after the node is empty (the node takes no new
+  replicas) until ``dnctl node decommission ADDR --cancel``.
+
+A new partition is created on its nodes first (``PARTITION_CREATE``, all or nothing) and then published in
+etcd with every replica synced (it is empty) and ``writable``; ids are one above any id etcd or a node knows.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import trio
+
+from client import admin
+from client.sdk import ClientError
+from datanode.etcdmap import EtcdError, PartView
+from tools.placement import PlacementError, eligible, pick_spare, place
+
+log = logging.getLogger(__name__)
+MiB = 1 << 20
+# states in which a partition with an installed view takes writes (the SDK's put uses them): a partition
+# that lost a replica for a moment is re-replicated, not replaced by a new one
+TAKES_WRITES = ("writable", "degraded", "recovering")
+FORGET_S = 10.0    # a partition no replica holds any more is dropped from the map after this long
+
+
+class ManagerTasks:
+    """The work of ``m`` (a tools.manager.Manager: its etcd handle, DataClient, CAS and ``change``)."""
+
+    def __init__(self, m, *, min_writable: int = 2, replicas: int = 3, min_free_mib: int = 256,
+                 settle_s: float = 2.0):
+        self.m = m
+        self.min_writable = min_writable
+        self.replicas = replicas
+        self.min_free = min_free_mib * MiB
+        self.settle_s = settle_s           # after becoming active: let every live node register first
+        self.draining: set[str] = set()
+        self._active_since: float | None = None
+        self._warned = ""
+        self._missing: dict[int, float] = {}
+        self._seen: set[str] = set()     # nodes registered at some point while this manager was active
+
+    # -- keys ---------------------------------------------------------------------------------------
+    @property
+    def requests_prefix(self) -> str:
+        return self.m.etcd.key("requests") + "/"
+
+    @property
+    def drain_prefix(self) -> str:
+        return self.m.etcd.key("drain") + "/"
+
+    # -- one pass -----------------------------------------------------------------------------------
+    async def run(self, nodes: dict) -> bool:
+        """One pass (hook: the end of ``Manager.tick``).  It reads the manager's watched copy of the map
+        (``m.cache``: no etcd request at idle) and etcd itself only before it changes something.  True while
+        work is under way (a node draining, a manager not yet settled): look again soon."""
+        now = trio.current_time()
+        if self._active_since is None:
+            self._active_since = now
+        self.draining = {k[len(self.drain_prefix):] for k, _v in self.m.cache.under(self.drain_prefix)}
+        await self.serve_requests(nodes)
+        await self.forget_deleted(nodes, now)
+        await self.decommission(nodes)
+        settled = now - self._active_since >= self.settle_s
+        if settled:
+            await self.keep_min_writable(nodes)
+        return bool(self.draining) or not settled
+
+    def standby(self) -> None:
+        self._active_since = None
+        self._seen.clear()
+
+    # -- placement ----------------------------------------------------------------------------------
+    def _load(self, parts: dict[int, PartView]) -> tuple[dict, dict]:
+        held: dict[str, int] = {}
+        leading: dict[str, int] = {}
+        for v in parts.values():
+            for a in v.replicas:
+                held[a] = held.get(a, 0) + 1
+            leading[v.leader] = leading.get(v.leader, 0) + 1
+        return held, leading
+
+    def spare(self, view: PartView, nodes: dict, parts: dict[int, PartView] | None = None) -> str | None:
+        """A node for one more replica of ``view`` (not draining, not holding it, enough free space)."""
+        ok = {a: r for a, r in eligible(nodes, exclude=self.draining, min_free_bytes=self.min_free).items()
+              if str(view.id) not in (r.get("partitions") or {})}
+        held, _ = self._load(parts or {})
+        return pick_spare(ok, view.replicas, held=held)
+
+    async def create(self, nodes: dict, count: int, replicas: int) -> list[dict]:
+        """Place and create ``count`` new partitions; returns their views (as dicts).  PlacementError when
+        there are not enough eligible nodes; a partition that fails to be created ends the batch."""
+        parts = await self.m.etcd.parts()
+        ok = eligible(nodes, exclude=self.draining, min_free_bytes=self.min_free)
+        held, leading = self._load(parts)
+        layout = place(ok, count, replicas, held=held, leading=leading)
+        known = set(parts) | {int(p) for r in nodes.values() for p in (r.get("partitions") or {})}
+        next_id = max(known, default=0) + 1
+        out = []
+        for reps in layout:
+            pid = next_id
+            next_id += 1
+            await admin.create_partition(self.m.dc, pid, reps)
+            view = PartView(pid, reps, 1, want=replicas, synced=list(reps), state="writable", installed=True)
+            if not await self.m._cas(view, 0):
+                raise ClientError(f"partition {pid}: etcd already has it (created concurrently?)")
+            log.warning("partition %d created: replicas %s (leader %s)", pid, ",".join(reps), reps[0])
+            out.append(view.to_dict())
+        return out
+
+    async def keep_min_writable(self, nodes: dict) -> None:
+        """Create a partition when fewer than ``min_writable`` take writes (``TAKES_WRITES``) with
+        room on every replica (one on a draining node counts: it takes writes until it has moved)."""
+        self._seen |= set(nodes)
+        if self.min_writable <= 0 or not nodes:
+            return
+
+        def good(parts):
+            return [v for v in parts.values()
+                    if v.state in TAKES_WRITES      # a view being installed (a change under way) counts too
+                    and all(int((nodes.get(a) or {}).get("free_bytes") or 0) >= self.min_free
+                            for a in v.replicas)]
+        if len(good(self.m.cache.parts())) >= self.min_writable:
+            self._warned = ""
+            return
+        good = good(await self.m.etcd.parts())       # the watched copy may lag: ask etcd before creating
+        if len(good) >= self.min_writable:
+            return
+        ok = eligible(nodes, exclude=self.draining, min_free_bytes=self.min_free)
+        n = min(self.replicas, len(ok))
+        if n < self.replicas and len(self._seen - self.draining) > len(ok):
+            self._warn(f"only {len(good)} writable partition(s), fewer than min_writable {self.min_writable}; "
+                       f"not creating one with {n} of {self.replicas} replicas while node(s) "
+                       f"{', '.join(sorted(self._seen - self.draining - set(ok)))} are away or full")
+            return
+        if n < 1:
+            self._warn(f"only {len(good)} writable partition(s), fewer than min_writable {self.min_writable}, "
+                       f"and no node has {self.min_free // MiB} MiB free to place another")
+            return
+        try:
+            made = await self.create(nodes, 1, n)
+        except (PlacementError, ClientError) as e:
+            self._warn(f"keeping min_writable {self.min_writable}: {e}")
+            return
+        log.warning("min_writable %d: %d writable partition(s) had room; created partition %d",
+                    self.min_writable, len(good), made[0]["id"])
+
+    def _warn(self, text: str) -> None:
+        if text != self._warned:
+            log.warning("%s", text)
+            self._warned = text
+
+    async def forget_deleted(self, nodes: dict, now: float) -> None:
+        """A partition etcd has but none of its replicas holds any more, all of them alive and registered
+        (deleted by an admin: `dnctl partition delete`, a benchmark's scratch partition), is removed from
+        the map after FORGET_S, so clients stop picking it and min_writable stops counting it (the delete
+        is a CAS on the partition's revision: a stale copy of the map cannot remove a newer view)."""
+        parts = self.m.cache.parts()
+        for pid in list(self._missing):
+            if pid not in parts:
+                del self._missing[pid]
+        for pid, v in parts.items():
+            gone = bool(v.replicas) and all(a in nodes and str(pid) not in (nodes[a].get("partitions") or {})
+                                            for a in v.replicas)
+            if not gone:
+                self._missing.pop(pid, None)
+                continue
+            since = self._missing.setdefault(pid, now)
+            if now - since >= FORGET_S and await self.m.etcd.cas_delete_part(
+                    pid, expect_rev=v.rev, holder=(self.m.etcd.manager_key, self.m.ident)):
+                log.warning("partition %d: no replica (%s) holds it any more: removed from the map", pid,
+                            ",".join(v.replicas))
+                del self._missing[pid]
+
+    # -- requests from admins -----------------------------------------------------------------------
+    async def serve_requests(self, nodes: dict) -> None:
+        def pending(raw) -> dict | None:
+            try:
+                req = json.loads(raw)
+            except ValueError:
+                return None
+            return req if isinstance(req, dict) and req.get("state", "pending") == "pending" else None
+        for key, raw in self.m.cache.under(self.requests_prefix):
+            if pending(raw) is None:
+                continue
+            got = await self.m.etcd.get(key)        # the watched copy may not show our answer yet
+            req = pending(got[0]) if got else None
+            if req is None:
+                continue
+            try:
+                if req.get("op") != "create":
+                    raise ValueError(f"unknown request {req.get('op')!r}")
+                count, replicas = int(req["count"]), int(req["replicas"])
+                made = await self.create(nodes, count, replicas)
+                req.update(state="done", partitions=made, manager=self.m.ident)
+            except (PlacementError, ClientError, ValueError, KeyError) as e:
+                req.update(state="failed", error=str(e), manager=self.m.ident)
+                log.warning("request %s failed: %s", key, e)
+            await self.m.etcd.put(key, json.dumps(req, sort_keys=True))
+
+    # -- decommission -------------------------------------------------------------------------------
+    async def decommission(self, nodes: dict) -> None:
+        if not self.draining:
+            return
+        parts = await self.m.etcd.parts()
+        for view in parts.values():
+            leaving = [a for a in view.replicas if a in self.draining]
+            if not leaving:
+                continue
+            try:
+                await self._move(view, leaving, nodes, parts)
+            except (EtcdError, ClientError) as e:
+                log.warning("decommission: partition %d: %s", view.id, e)
+
+    async def _move(self, view: PartView, leaving: list[str], nodes: dict, parts: dict[int, PartView]) -> None:
+        live = set(nodes)
+        if (not view.installed or view.state == "read_only"
+                or any(a not in live for a in view.replicas if a not in self.draining)):
+            return                               # failover / shrink first (Manager.handle)
+        if any(a not in view.synced for a in view.replicas):
+            return                               # a replica is still being filled
+        staying = [a for a in view.replicas if a not in self.draining]
+        want = view.want or len(view.replicas)
+        if len(staying) < want:
+            spare = self.spare(view, nodes, parts)
+            if spare is None:
+                self._warn(f"decommission: partition {view.id} has no spare node to move to "
+                           f"(replicas {','.join(view.replicas)}); waiting")
+                return
+            await self.m.change(view, view.replicas + [spare],
+                                f"decommissioning {','.join(leaving)}: adding {spare}")
+            return
+        await self.m.change(view, staying, f"decommissioning {','.join(leaving)}: removed (its replacement is filled)")
