@@ -371,7 +371,9 @@ class DataClient:
         """Write ``data`` (any size) into partition ``pid``, as pipelined block-sized appends.
 
         Returns where it went.  A replication failure seals that extent on the leader: the unacknowledged
-        blocks are written again to a new extent, so the returned locations are all on every replica."""
+        blocks are written again to a new extent, so the returned locations are all on every replica.
+        A ClientError raised here carries ``done``: the locations acknowledged before it (a prefix of
+        ``data``), so a caller can retry only the rest."""
         mv = memoryview(data).cast("B")
         out: list[Location] = []
         pos = 0
@@ -386,10 +388,10 @@ class DataClient:
                 if self.map is not None and _changes_view(e):
                     deadline = deadline or trio.current_time() + self.timeout
                     if not await self._failover(pid, part, e, deadline):
-                        raise
+                        raise _acked(e, out)
                     continue
                 if failures > 3 or e.result not in (Result.STALE_EPOCH, Result.NOT_LEADER):
-                    raise
+                    raise _acked(e, out)
                 await self.refresh(pid)
                 continue
             chunks = []
@@ -411,10 +413,10 @@ class DataClient:
             if self.map is not None and isinstance(err, ClientError) and _changes_view(err):
                 deadline = deadline or trio.current_time() + self.timeout
                 if not await self._failover(pid, part, err, deadline):
-                    raise err
+                    raise _acked(err, out)
                 continue
             if failures > 3 or not isinstance(err, ClientError) or not await self._recoverable(pid, err):
-                raise err
+                raise _acked(err, out)
             log.warning("write to partition %d extent %d failed (%s); continuing on a new extent", pid,
                         extent, err)
         return out
@@ -725,6 +727,12 @@ class DataClient:
         resp, _ = await self.request(part.replicas[0], Header(opcode=Op.MARK_DELETE, partition=pid,
                                                               extent=extent, epoch=part.epoch))
         check(resp, part.replicas[0], part)
+
+
+def _acked(e: Exception, done: list[Location]) -> Exception:
+    """``e`` with the locations a write had acknowledged before it (``e.done``)."""
+    e.done = list(done)
+    return e
 
 
 PUT_STATES = {"writable": 0, "degraded": 1, "recovering": 2}     # etcd states a put may use, preferred first

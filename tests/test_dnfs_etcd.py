@@ -2,8 +2,10 @@
 dir) and two real FUSE mounts of the same cluster and volume."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -110,3 +112,61 @@ def test_two_mounts_on_one_etcd(cluster, etcd, tmp_path):  # noqa: F811
         assert (a.path / "a.log").stat().st_size == 40 * 50_000
     finally:
         a.cleanup()
+
+
+def test_open_file_sessions_across_mounts(cluster, etcd, tmp_path):  # noqa: F811
+    """A file unlinked on mount B while mount A has it open stays readable on A (B's orphan sweep leaves it
+    alone) and is removed at A's last close; if A dies instead, its session expires and B removes the inode
+    and releases its extents on the datanodes."""
+    import etcd3gw
+
+    from client.fs.meta_etcd import SESSION_TTL, u64
+    from tests.test_dnfs import watermarks
+    vol = f"v{free_port()}"
+    url = f"etcd://{etcd}/{vol}"
+    host, port = etcd.split(":")
+    kv = etcd3gw.client(host=host, port=int(port))
+    prefix = f"dnfs/{vol}/".encode()
+
+    def inode_exists(ino):
+        return bool(kv.get(prefix + b"i" + u64(ino)))
+
+    def extents_of(ino):
+        return {tuple(json.loads(v)[2:4]) for v, _ in kv.get_prefix(prefix + b"s" + u64(ino))}
+
+    a = Mount(cluster, tmp_path, url, "a").mount()
+    b = Mount(cluster, tmp_path, url, "b")
+    try:
+        b.mount()
+        data = pattern(3, (2 << 20) + 5)
+        (a.path / "f").write_bytes(data)
+        ino = os.stat(a.path / "f").st_ino
+        with open(a.path / "f", "rb") as f:                 # open on A ...
+            os.unlink(b.path / "f")                          # ... unlinked on B
+            time.sleep(SESSION_TTL / 2 + 1)                  # B's sweeps run meanwhile
+            assert inode_exists(ino), "an inode open on another mount was removed"
+            assert f.read() == data
+        eventually(lambda: not inode_exists(ino))            # A's last close removed it
+        # now A dies with an unlinked file open
+        (a.path / "g").write_bytes(pattern(4, 3 << 20))
+        ino = os.stat(a.path / "g").st_ino
+        exts = extents_of(ino)
+        assert exts
+        fd = os.open(a.path / "g", os.O_RDONLY)
+        os.unlink(b.path / "g")
+        os.kill(a.pid, signal.SIGKILL)
+        time.sleep(0.5)
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        subprocess.run(["fusermount3", "-u", "-z", str(a.path)], capture_output=True)
+        a.pid = None
+        assert inode_exists(ino), "removed before A's session expired"
+        eventually(lambda: not inode_exists(ino), timeout=SESSION_TTL + 20)   # B's sweep, after the lease
+        eventually(lambda: not any(e in watermarks(cluster) for _, e in exts), timeout=20)  # extents released
+    finally:
+        for m in (a, b):
+            m.cleanup()
+    r = b.fsck()
+    assert "clean" in r.stdout, r.stdout

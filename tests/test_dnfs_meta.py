@@ -1,5 +1,5 @@
-"""The SQLite metadata engine on a real database file: tree operations, slices (newer wins), the deletion
-queue, the one-mount lock."""
+"""The metadata engines -- SQLite on a real database file, etcd on a real etcd server -- through the same
+rules: tree operations, slices (newer wins), the deletion queue, open-file sessions; SQLite's one-mount lock."""
 from __future__ import annotations
 
 import errno
@@ -19,9 +19,28 @@ def sl(off, length, extent, ext_off=0):
     return Slice(off, length, 1, extent, ext_off, ext_off, length, 0)
 
 
-def test_tree_slices_and_queue(tmp_path):
+@pytest.fixture(params=["sqlite", "etcd"])
+def engine(request, tmp_path):
+    """A factory for a fresh engine of each kind (etcd: a real server, a volume of its own)."""
+    if request.param == "sqlite":
+        yield lambda: SqliteMeta(str(tmp_path / "m.db"))
+        return
+    from client.fs.meta_etcd import EtcdMeta
+    from tools.etcd_cluster import EtcdProc, etcd_binary
+    try:
+        etcd_binary()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    p = EtcdProc(tmp_path / "etcd").start()
+    try:
+        yield lambda: EtcdMeta(p.url + "/t")
+    finally:
+        p.stop()
+
+
+def test_tree_slices_and_queue(engine):
     async def main():
-        m = SqliteMeta(str(tmp_path / "m.db"))
+        m = engine()
         d = await m.create(ROOT, b"d", DIR, 0, 0)
         f = await m.create(d.ino, b"f", FILE, 0, 0)
         assert (await m.lookup(d.ino, b"f")).ino == f.ino
@@ -57,9 +76,18 @@ def test_tree_slices_and_queue(tmp_path):
         with pytest.raises(MetaError) as e:
             await m.rename(ROOT, b"g", ROOT, b"d", noreplace=True)
         assert e.value.errno == errno.EEXIST
-        a = await m.unlink(ROOT, b"g")
-        assert a.nlink == 0 and await m.orphans() == [f.ino]
-        await m.remove(f.ino)
+        await m.opened(f.ino)                                  # open (on this mount) ...
+        a = await m.unlink(ROOT, b"g")                         # ... when its last link goes
+        assert a.nlink == 0 and await m.orphans() == []
+        assert not await m.remove(f.ino)                       # still open: kept
+        assert (await m.slices(f.ino))
+        assert await m.closed(f.ino)                           # the last close removes it
+        with pytest.raises(MetaError):
+            await m.getattr(f.ino)
+        h = await m.create(ROOT, b"h", FILE, 0, 0)            # unlinked while nobody has it open (a crash
+        await m.unlink(ROOT, b"h")                             # before the remove): an orphan to sweep
+        assert await m.orphans() == [h.ino]
+        assert await m.remove(h.ino) and await m.orphans() == []
         assert not await m.referenced(1, 3)
         assert await m.check() == []
         await m.close()

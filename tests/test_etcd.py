@@ -84,6 +84,22 @@ async def view(et: Etcd, pid: int):
     return v if v is not None and v.state == "writable" else None
 
 
+def managed_partition(nodes, etcd, managers, n: int = 3, pid: int = 1):
+    """``n`` datanodes registered in a fresh etcd, partition ``pid`` on all of them, a manager that has
+    adopted it (writable).  Returns (etcd proc, node procs, Etcd client)."""
+    e = etcd()
+    ns = nodes(n, etcd=e.url, **ETCD_NODE)
+    et = Etcd(e.url)
+
+    async def setup():
+        async with open_client("tcp") as dc0:
+            await create_partition(dc0, pid, [x.addr for x in ns])
+        managers(e.url)
+        await wait_for(f"partition {pid} adopted and writable", lambda: view(et, pid))
+    run(setup)
+    return e, ns, et
+
+
 def test_registration_under_lease(nodes, etcd, tmp_path):
     e = etcd()
     ns = nodes(2, etcd=e.url, zone="z1", **ETCD_NODE)

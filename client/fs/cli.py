@@ -41,8 +41,9 @@ def _run(fn, *args, **kw):
         raise
 
 
-def _cluster(cluster_dir: str | None, node: tuple[str, ...]) -> tuple[list[str], list[str]]:
-    """(datanode addresses, node directories) from a cluster directory and/or --node."""
+def _cluster(cluster_dir: str | None, node: tuple[str, ...], etcd: str | None = None) -> tuple[list[str], list[str]]:
+    """(datanode addresses, node directories) from a cluster directory and/or --node (none needed with
+    --etcd: the partition map is in etcd)."""
     addrs, dirs = list(node), []
     if cluster_dir:
         path = pathlib.Path(cluster_dir) / "cluster.json"
@@ -55,17 +56,20 @@ def _cluster(cluster_dir: str | None, node: tuple[str, ...]) -> tuple[list[str],
                                        f"with: dnctl cluster up --dir {cluster_dir}") from None
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise click.ClickException(f"{path} is unreadable: {e}") from None
-    if not addrs:
-        raise click.UsageError("name the cluster: --cluster DIR or --node ADDR")
+    if not addrs and not etcd:
+        raise click.UsageError("name the cluster: --cluster DIR, --node ADDR or --etcd URL")
     return addrs, dirs
 
 
-def _meta_url(meta: str | None, cluster_dir: str | None) -> str:
+def _meta_url(meta: str | None, cluster_dir: str | None, etcd: str | None = None) -> str:
     if meta:
         if not (meta.startswith("sqlite:") and meta != "sqlite:") and not meta.startswith("etcd://"):
             raise click.BadParameter(f"{meta!r}: use sqlite:PATH or etcd://HOST:PORT[/VOLUME]",
                                      param_hint="--meta")
         return meta
+    if etcd and not cluster_dir:
+        first = etcd.split(",")[0].strip()
+        return "etcd://" + first.split("://", 1)[-1].rstrip("/") + "/default"
     if not cluster_dir:
         raise click.UsageError("--meta sqlite:PATH is needed without --cluster")
     return "sqlite:" + str(pathlib.Path(cluster_dir).resolve() / "dnfs.db")
@@ -80,6 +84,9 @@ cluster_opts = [
     click.option("--cluster", "cluster_dir", type=click.Path(file_okay=False),
                  help="Local cluster directory (from `dnctl cluster up --dir`)."),
     click.option("--node", multiple=True, help="A datanode address HOST:PORT (repeatable), instead of --cluster."),
+    click.option("--etcd", help="The cluster's etcd (http://HOST:PORT[,...]), when a cluster manager keeps "
+                      "the partition map there: writes follow its changes (a dead replica is dropped within "
+                      "seconds).  Without --cluster also the default metadata store (etcd://HOST:PORT/default)."),
     click.option("--meta", help="Metadata store: sqlite:PATH (one mount; default sqlite:CLUSTER_DIR/dnfs.db) or "
                       "etcd://HOST:PORT[/VOLUME] (shared by many mounts)."),
 ]
@@ -102,13 +109,16 @@ def with_cluster(fn):
               help="A file's buffered bytes are flushed in the background at this size.")
 @click.option("--timeout", type=click.FloatRange(1, 3600), default=30.0, show_default=True,
               help="Seconds a request to the cluster may take before it fails (EIO).")
+@click.option("--write-retry", type=click.FloatRange(0, 3600), default=30.0, show_default=True,
+              help="Seconds a failed write is retried (in a new extent, on another partition or after the "
+                   "replica set changed) before the application sees EIO.")
 @click.option("--foreground", "-f", is_flag=True, help="Stay in the foreground (logs to stderr).")
 @click.option("--log", "log_path", type=click.Path(dir_okay=False),
               help="Log file of the background mount (default: META_PATH.log).")
 @click.option("--debug", is_flag=True, help="Log every request.")
 @click.option("--json", "as_json", is_flag=True)
-def mount_cmd(cluster_dir, node, meta, mountpoint, partition, buffer_mib, chunk_mib, timeout, foreground, log_path,
-              debug, as_json):
+def mount_cmd(cluster_dir, node, etcd, meta, mountpoint, partition, buffer_mib, chunk_mib, timeout, write_retry,
+              foreground, log_path, debug, as_json):
     """Mount the cluster at MOUNTPOINT.  Returns once the mount is up (the filesystem runs in a background
     process; `dnfs umount MOUNTPOINT` stops it).
 
@@ -118,21 +128,24 @@ def mount_cmd(cluster_dir, node, meta, mountpoint, partition, buffer_mib, chunk_
       dnfs mount --cluster /tmp/dn /mnt/dn
       cp -r ~/src /mnt/dn/ && dnfs umount /mnt/dn
     """
-    addrs, dirs = _cluster(cluster_dir, node)
-    url = _meta_url(meta, cluster_dir)
+    addrs, _ = _cluster(cluster_dir, node, etcd)
+    url = _meta_url(meta, cluster_dir, etcd)
     mountpoint = os.path.abspath(mountpoint)
     if foreground:
         logging.basicConfig(level=logging.DEBUG if debug else logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         _run(serve, mountpoint, addrs, url, partitions=list(partition) or None, budget=buffer_mib << 20,
-             chunk=chunk_mib << 20, capacity_paths=dirs, timeout=timeout)
+             chunk=chunk_mib << 20, timeout=timeout, write_retry_s=write_retry, etcd=etcd)
         return
     if not log_path:
         log_path = (url.partition(":")[2] + ".log" if url.startswith("sqlite:") else
                     os.path.join(os.environ.get("TMPDIR", "/tmp"), f"dnfs-{os.getpid()}.log"))
     log_path = os.path.abspath(log_path)
     args = [sys.executable, "-m", "client.fs.cli", "mount", "--foreground", "--meta", url, "--buffer-mib",
-            str(buffer_mib), "--chunk-mib", str(chunk_mib), "--timeout", str(timeout)]
+            str(buffer_mib), "--chunk-mib", str(chunk_mib), "--timeout", str(timeout), "--write-retry",
+            str(write_retry)]
+    if etcd:
+        args += ["--etcd", etcd]
     if cluster_dir:
         args += ["--cluster", cluster_dir]
     for a in node:
@@ -186,18 +199,18 @@ def umount_cmd(mountpoint, lazy, timeout, as_json):
 @click.option("--repair", is_flag=True, help="Fix what is safe to fix (see dnfs fsck --help).")
 @click.option("--no-crc", is_flag=True, help="Do not read data back to check CRCs (metadata and sizes only).")
 @click.option("--json", "as_json", is_flag=True)
-def fsck_cmd(cluster_dir, node, meta, repair, no_crc, as_json):
+def fsck_cmd(cluster_dir, node, etcd, meta, repair, no_crc, as_json):
     """Check the metadata against itself and the datanodes (run it while unmounted).  Exit status 1 if
     problems remain."""
     from client.fs.fsck import fsck
     from client.sdk import DataClient
-    addrs, _ = _cluster(cluster_dir, node)
-    url = _meta_url(meta, cluster_dir)
+    addrs, _ = _cluster(cluster_dir, node, etcd)
+    url = _meta_url(meta, cluster_dir, etcd)
 
     async def go():
         m = await trio.to_thread.run_sync(open_meta, url)
         try:
-            async with DataClient.open(addrs) as dc:
+            async with DataClient.open(addrs, etcd=etcd) as dc:
                 return await fsck(m, dc, repair=repair, verify_crc=not no_crc)
         finally:
             await m.close()

@@ -8,6 +8,12 @@ every replica) followed by one metadata commit of the new slices (newer wins); `
 metadata durable.  ``read`` fetches the committed slices' bytes (holes are zeros) with sequential
 readahead, then lays the unflushed bytes over them.
 
+Faults: a flush whose append fails (a replica died, a timeout, a stale epoch) writes the part not yet
+acknowledged again from the buffer -- in a new extent, on another writable partition when there is one,
+else once the map changed -- for ``write_retry_s`` before the file reports EIO (logged with the reason).
+A full datanode disk is ENOSPC (also when a follower's full disk shows only as a replication failure).
+``statfs`` reports the datanodes' disks (NODE_STATUS) divided by the replica count, cached briefly.
+
 Caching: the kernel page cache is kept across opens (``keep_cache``) while the file's mtime/ctime are those
 we saw at its last close.  Close-to-open: ``flush`` on close commits, ``open`` reloads the slice list.
 
@@ -31,8 +37,8 @@ import trio
 from client.fs.meta import Attr, Meta, MetaError, Slice
 from client.fs.reclaim import DataLock, Reclaimer
 from client.fs.writeback import DirtyMap
-from client.sdk import ClientError, DataClient
-from datanode.protocol import Result
+from client.sdk import ClientError, DataClient, Location
+from datanode.protocol import Op, Result
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +46,12 @@ TIMEOUT = 1.0           # seconds the kernel may cache entries and attributes
 READAHEAD = 4 << 20
 COMPACT_SLICES = 256               # a file with this many slices is rewritten at its last close ...
 COMPACT_MAX_BYTES = 256 << 20      # ... if it is no larger than this
+STATFS_CACHE_S = 2.0               # statfs answers from the datanodes' figures this old at most
+STATFS_TIMEOUT_S = 2.0             # a datanode that does not report its disk within this is left out
+FULL_BELOW = 2 << 20               # a datanode with less free disk than this counts as full
+ORPHAN_SWEEP_S = 5.0               # shared engines: how often unlinked inodes of dead mounts are looked for
+AVOID_S = 10.0                     # a partition a write just failed on is passed over this long when others can take it
+RETRY_PAUSE = 1.0                  # a write that failed on every partition waits this long before the next try
 
 
 def fuse_op(fn):
@@ -107,13 +119,16 @@ class DnFS(pyfuse3.Operations):
     enable_writeback_cache = False
 
     def __init__(self, meta: Meta, dc: DataClient, partitions: list[int], nursery: trio.Nursery, *,
-                 budget: int = 256 << 20, chunk: int = 16 << 20, capacity_paths: list[str] = ()):
+                 budget: int = 256 << 20, chunk: int = 16 << 20, write_retry_s: float = 30.0):
         super().__init__()
         if not partitions:
             raise ValueError("no data partition to write to")
         self.meta, self.dc, self.partitions, self.nursery = meta, dc, partitions, nursery
         self.budget, self.chunk = budget, min(chunk, budget)
-        self.capacity_paths = list(capacity_paths)
+        self._cap: tuple[float, tuple[int, int]] | None = None     # (when, (total, free)) for statfs
+        self._cap_lock = trio.Lock()
+        self.write_retry_s = write_retry_s
+        self._avoid: dict[int, float] = {}     # partition -> until when writes prefer the others (a failure)
         self.lock = DataLock()
         self.reclaimer = Reclaimer(meta, dc, self.lock)
         self.files: dict[int, FileState] = {}
@@ -129,10 +144,29 @@ class DnFS(pyfuse3.Operations):
     # -- helpers
     async def startup(self) -> None:
         """Remove inodes a previous mount left unlinked but open (it crashed before their last close)."""
+        await self.sweep_orphans()
+
+    async def sweep_orphans(self) -> None:
+        """Remove the inodes with no links left that no live mount has open any more."""
+        removed = 0
         for ino in await self.meta.orphans():
-            await self.meta.remove(ino)
-            log.info("removed orphan inode %d", ino)
-        self.reclaimer.kick()
+            if ino not in self.files and await self.meta.remove(ino):
+                removed += 1
+                log.info("removed orphan inode %d (unlinked, and no mount has it open)", ino)
+        if removed:
+            self.reclaimer.kick()
+
+    async def run_sweeper(self) -> None:
+        """With a shared engine: a mount that died with unlinked files open leaves them to the others, once its
+        session expired."""
+        if self.meta.single_mount:
+            return
+        while True:
+            await trio.sleep(ORPHAN_SWEEP_S)
+            try:
+                await self.sweep_orphans()
+            except MetaError as e:
+                log.warning("orphan sweep: %s", e)
 
     def entry(self, a: Attr) -> pyfuse3.EntryAttributes:
         st = self.files.get(a.ino)
@@ -179,7 +213,7 @@ class DnFS(pyfuse3.Operations):
                 payload = ranges[0][1] if len(ranges) == 1 else b"".join(b for _, b in ranges)
                 await self.lock.acquire_shared()
                 try:
-                    locs = await self.dc.write(self._pid(st.ino), payload)
+                    locs = await self._write_data(st.ino, payload)
                     slices = []
                     it = iter(ranges)
                     roff, rbuf = next(it)
@@ -209,6 +243,82 @@ class DnFS(pyfuse3.Operations):
             finally:
                 st.flushing = None
                 self.dirty_total -= m.nbytes
+
+    def _writable(self, pid: int) -> bool:
+        """Can partition ``pid`` take writes, as far as the map says (without an etcd map: assume so)."""
+        v = self.dc.views.get(pid)
+        return v is None or v.state == "writable"
+
+    async def _write_data(self, ino: int, payload) -> list[Location]:
+        """Write ``payload`` into extents, acknowledged by every replica; returns its locations in order.
+
+        A failed append (a replica died, a timeout, a lost connection, a stale epoch) is not the
+        application's problem while the write-back buffer still holds the bytes: the part not yet
+        acknowledged is written again, in a new extent, on another writable partition when there is one,
+        else on the same one once the map has had time to change (the cluster manager shrinks a replica set
+        within seconds; the SDK follows etcd).  Only after ``write_retry_s`` does the error reach the caller
+        (EIO, logged with the reason).  A full disk (NO_SPACE) is reported at once (ENOSPC)."""
+        mv = memoryview(payload).cast("B")
+        out: list[Location] = []
+        pos = 0
+        home = self._pid(ino)
+        failed: set[int] = set()
+        full: set[int] = set()
+        deadline = trio.current_time() + self.write_retry_s
+        while True:
+            now = trio.current_time()
+            order = [p for p in [home] + [p for p in self.partitions if p != home] if p not in full]
+            cands = [p for p in order if p not in failed and self._writable(p)]
+            cands = [p for p in cands if self._avoid.get(p, 0) <= now] or cands
+            pid = cands[0] if cands else order[0]
+            try:
+                out += await self.dc.write(pid, mv[pos:])
+                if failed:
+                    log.info("inode %d: write went through on partition %d after retrying", ino, pid)
+                return out
+            except ClientError as e:
+                done = getattr(e, "done", [])
+                out += done
+                pos += sum(loc.length for loc in done)
+                if e.result == Result.FORBIDDEN:
+                    raise
+                if e.result != Result.NO_SPACE and await self._replica_full(pid):
+                    e = ClientError(f"partition {pid}: a replica's disk is full ({e})", Result.NO_SPACE, e.node)
+                if e.result == Result.NO_SPACE:      # another partition may have room; else ENOSPC at once
+                    full.add(pid)
+                    if all(p in full for p in self.partitions):
+                        raise e
+                    log.warning("inode %d: partition %d is full; writing to another one", ino, pid)
+                    continue
+                left = deadline - trio.current_time()
+                if left <= 0:
+                    log.error("inode %d: giving up on a write of %d bytes after %.0fs of retries: %s", ino,
+                              len(mv) - pos, self.write_retry_s, e)
+                    raise
+                log.warning("inode %d: write to partition %d failed (%s); %d bytes unacknowledged, retrying "
+                            "for %.0fs more", ino, pid, e, len(mv) - pos, left)
+                failed.add(pid)
+                self._avoid[pid] = trio.current_time() + AVOID_S
+                if not [p for p in self.partitions if p not in failed and self._writable(p)]:
+                    failed.clear()                      # every partition failed: wait for the map to change
+                    await trio.sleep(min(RETRY_PAUSE, left))
+
+    async def _replica_full(self, pid: int) -> bool:
+        """Does a replica of ``pid`` report a full disk?  (A follower's NO_SPACE reaches us only as a
+        replication failure.)"""
+        part = self.dc.partitions.get(pid)
+        if part is None:
+            return False
+        for addr in part.replicas:
+            with trio.move_on_after(STATFS_TIMEOUT_S):
+                try:
+                    d = (await self.dc.admin(addr, Op.NODE_STATUS)).get("disk") or {}
+                except ClientError:
+                    continue
+                if "free" in d and d["free"] < FULL_BELOW:
+                    log.warning("partition %d: %s reports a full disk (%d bytes free)", pid, addr, d["free"])
+                    return True
+        return False
 
     async def _background_flush(self, st: FileState) -> None:
         try:
@@ -361,6 +471,7 @@ class DnFS(pyfuse3.Operations):
         elif not (st.dirty or st.flushing):
             st.size = a.size
         if st.opens == 0:
+            await self.meta.opened(a.ino)
             st.changed()            # close-to-open: the slice list is read again
             st.seen = (a.mtime_ns, a.ctime_ns)
         st.opens += 1
@@ -524,12 +635,16 @@ class DnFS(pyfuse3.Operations):
         ino = self.handles.pop(fh)
         st = self.files[ino]
         st.opens -= 1
-        if st.opens == 0:
+        if st.opens == 0:          # each first open here told the engine (opened), each last close does
             try:
                 await self._flush(st)
                 if st.committed_slices >= COMPACT_SLICES and self.meta.single_mount:
                     await self._compact(st)
             finally:
+                if await self.meta.closed(ino):          # its last link was gone: removed
+                    self.unlinked.discard(ino)
+                    self.seen.pop(ino, None)
+                    self.reclaimer.kick()
                 if st.opens == 0 and not st.dirty:
                     self.files.pop(ino, None)
                     if ino not in self.unlinked:
@@ -553,7 +668,7 @@ class DnFS(pyfuse3.Operations):
             data = await self._committed(st, 0, a.size)
             await self.lock.acquire_shared()
             try:
-                locs = await self.dc.write(self._pid(st.ino), data)
+                locs = await self._write_data(st.ino, data)
                 new, pos = [], 0
                 for loc in locs:
                     new.append(Slice(pos, loc.length, loc.partition, loc.extent, loc.offset, loc.offset, loc.length,
@@ -572,21 +687,48 @@ class DnFS(pyfuse3.Operations):
             await self._flush(st)
 
     # -- file system
+    async def capacity(self) -> tuple[int, int]:
+        """(total, free) bytes a file can still use: the datanodes' reported disks (NODE_STATUS ``disk``)
+        summed over the nodes holding our partitions, divided by the replica count (every byte is stored that
+        many times).  Cached for ``STATFS_CACHE_S``; a node that does not answer is left out; with no answer
+        at all the last known figures stand."""
+        async with self._cap_lock:
+            if self._cap is not None and trio.current_time() - self._cap[0] < STATFS_CACHE_S:
+                return self._cap[1]
+            parts = [self.dc.partitions[p] for p in self.partitions if p in self.dc.partitions]
+            addrs = sorted({a for p in parts for a in p.replicas})
+            copies = max((len(p.replicas) for p in parts), default=1) or 1
+            disks: dict[str, dict] = {}
+
+            async def ask(addr):
+                with trio.move_on_after(STATFS_TIMEOUT_S):
+                    try:
+                        st = await self.dc.admin(addr, Op.NODE_STATUS)
+                    except ClientError as e:
+                        log.debug("statfs: %s: %s", addr, e)
+                        return
+                    d = st.get("disk") or {}
+                    if "total" in d:
+                        disks[addr] = d
+
+            async with trio.open_nursery() as n:
+                for a in addrs:
+                    n.start_soon(ask, a)
+            if disks:
+                total = sum(d["total"] for d in disks.values()) * len(addrs) // len(disks) // copies
+                free = sum(d["free"] for d in disks.values()) * len(addrs) // len(disks) // copies
+                self._cap = (trio.current_time(), (total, free))
+            elif self._cap is None:
+                log.warning("statfs: no datanode reported its disk (%s)", ", ".join(addrs) or "no nodes")
+                return 0, 0
+            return self._cap[1]
+
     @fuse_op
     async def statfs(self, ctx):
-        files, used = await self.meta.usage()
+        files, _used = await self.meta.usage()
+        total, free = await self.capacity()
         s = pyfuse3.StatvfsData()
         s.f_bsize, s.f_frsize, s.f_namemax = 1 << 20, 4096, 255
-        total = free = 0
-        for p in self.capacity_paths:
-            try:
-                v = os.statvfs(p)
-            except OSError:
-                continue
-            t, f = v.f_blocks * v.f_frsize, v.f_bavail * v.f_frsize
-            total, free = (t, f) if not total else (min(total, t), min(free, f))
-        if not total:
-            total, free = max(used, 1 << 40), max((1 << 40) - used, 0)
         s.f_blocks = total // s.f_frsize
         s.f_bfree = s.f_bavail = free // s.f_frsize
         s.f_files = files + (1 << 32)

@@ -12,8 +12,16 @@ The model (after JuiceFS's metadata engines and CubeFS's metanode, facts only):
 * a **deletion queue** of extents that may have lost their last slice.  The filesystem deletes an extent
   on the datanodes only after checking, at that moment, that no slice references it any more.
 
+* **open-file sessions**: which mounts have an inode open.  An inode whose last link is gone is removed
+  (and its extents queued) only once no mount has it open; the sessions of a mount that died expire (an
+  etcd lease; for SQLite, the single mount's own lock) and its open inodes are then reclaimed.
+
 Engines are async (their blocking client calls run in worker threads).  Every method that changes more
 than one record is one transaction.  Errors a caller should turn into an errno raise :class:`MetaError`.
+
+The namespace and data rules (lookup, create, link, unlink, rmdir, rename, commit, truncate, remove...)
+are written once, here in :class:`Meta`, over the small storage primitives of one transaction
+(:class:`MetaTx`) that each engine implements on its store.
 """
 from __future__ import annotations
 
@@ -21,7 +29,10 @@ import abc
 import dataclasses
 import errno
 import stat
-from typing import Sequence
+import time
+from typing import Callable, Sequence, TypeVar
+
+T = TypeVar("T")
 
 ROOT = 1
 NAME_MAX = 255
@@ -104,11 +115,84 @@ def overlay(old: Sequence[Slice], new: Slice) -> tuple[list[Slice], list[Slice]]
     return kept, touched
 
 
+class MetaTx(abc.ABC):
+    """The storage primitives of one metadata transaction: what an engine implements on its store.  Reads see
+    the transaction's own writes; nothing is visible to others before the transaction commits."""
+
+    @abc.abstractmethod
+    def attr(self, ino: int) -> Attr | None: ...
+
+    @abc.abstractmethod
+    def put_attr(self, a: Attr) -> None:
+        """Write an existing inode's attributes (its symlink target is kept)."""
+
+    @abc.abstractmethod
+    def new_inode(self, a: Attr, target: bytes) -> Attr:
+        """Store a new inode (``a.ino`` is ignored); returns it with its number."""
+
+    @abc.abstractmethod
+    def target(self, ino: int) -> bytes: ...
+
+    @abc.abstractmethod
+    def child(self, parent: int, name: bytes) -> int | None: ...
+
+    @abc.abstractmethod
+    def has_children(self, ino: int) -> bool: ...
+
+    @abc.abstractmethod
+    def add_entry(self, parent: int, name: bytes, ino: int) -> None:
+        """A new entry (a new readdir position)."""
+
+    @abc.abstractmethod
+    def set_entry(self, parent: int, name: bytes, ino: int) -> None:
+        """Point an existing entry at another inode (its readdir position is kept)."""
+
+    @abc.abstractmethod
+    def move_entry(self, p1: int, n1: bytes, p2: int, n2: bytes, ino: int) -> None:
+        """Move entry (p1, n1) -> ino to (p2, n2); no entry exists at (p2, n2)."""
+
+    @abc.abstractmethod
+    def del_entry(self, parent: int, name: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def drop_inode(self, ino: int) -> None:
+        """Delete an inode with its slices (their extents go to the deletion queue) and extended attributes."""
+
+    @abc.abstractmethod
+    def unlinked(self, ino: int) -> None:
+        """The inode's last link is gone (it is removed once nobody has it open)."""
+
+    @abc.abstractmethod
+    def is_open(self, ino: int) -> bool:
+        """Does a live mount session have the inode open?"""
+
+    @abc.abstractmethod
+    def slices(self, ino: int, start: int = 0, end: int | None = None) -> list[Slice]:
+        """The file's slices in offset order (with ``end``: at least those overlapping [start, end))."""
+
+    @abc.abstractmethod
+    def add_slice(self, ino: int, s: Slice) -> None: ...
+
+    @abc.abstractmethod
+    def drop_slice(self, ino: int, s: Slice) -> None:
+        """Remove a slice; its extent goes to the deletion queue (released once nothing references it)."""
+
+    @abc.abstractmethod
+    def wrote_extent(self, partition: int, extent: int) -> None:
+        """Remember an extent data was committed into (fsck: extents nobody references)."""
+
+
 class Meta(abc.ABC):
-    """One metadata engine.  Names are bytes; times are ns since the epoch."""
+    """One metadata engine.  Names are bytes; times are ns since the epoch.
+
+    The rules below run inside :meth:`_run`: one transaction of the engine, given its :class:`MetaTx`."""
 
     single_mount = True      # only one mount changes this tree (the kernel may cache negative lookups)
     reclaim_all = False      # fsck: release extents whatever mount session wrote them
+
+    @abc.abstractmethod
+    async def _run(self, fn: Callable[..., T], *args) -> T:
+        """``fn(tx, *args)`` as one transaction (retried as a whole if the engine needs to)."""
 
     # -- lifecycle
     @abc.abstractmethod
@@ -118,63 +202,258 @@ class Meta(abc.ABC):
     async def sync(self) -> None:
         """Make every committed change durable (fsync returns only after this)."""
 
-    # -- tree
-    @abc.abstractmethod
-    async def lookup(self, parent: int, name: bytes) -> Attr: ...
+    # -- open-file sessions
+    async def keep_session(self) -> None:
+        """Run for as long as the mount lives: keeps this mount's session alive (where it can expire)."""
 
     @abc.abstractmethod
-    async def getattr(self, ino: int) -> Attr: ...
+    async def opened(self, ino: int) -> None:
+        """This mount has the inode open (its first open here)."""
 
     @abc.abstractmethod
+    async def closed(self, ino: int) -> bool:
+        """This mount closed the inode (its last close here).  Removes the inode if its last link is gone and
+        no mount has it open any more; returns whether it did."""
+
+    # -- tree (the rules)
+    @staticmethod
+    def _get(tx: MetaTx, ino: int) -> Attr:
+        a = tx.attr(ino)
+        if a is None:
+            raise MetaError(errno.ENOENT, f"inode {ino}")
+        return a
+
+    def _dir(self, tx: MetaTx, ino: int) -> Attr:
+        a = self._get(tx, ino)
+        if not a.is_dir:
+            raise MetaError(errno.ENOTDIR)
+        return a
+
+    def _existing(self, tx: MetaTx, parent: int, name: bytes) -> int:
+        ino = tx.child(parent, name)
+        if ino is None:
+            self._dir(tx, parent)
+            raise MetaError(errno.ENOENT)
+        return ino
+
+    def _touch(self, tx: MetaTx, ino: int, now: int, nlink: int = 0) -> None:
+        a = self._get(tx, ino)
+        a.mtime_ns = a.ctime_ns = now
+        a.nlink += nlink
+        tx.put_attr(a)
+
+    def _drop_entry(self, tx: MetaTx, parent: int, name: bytes, ino: int, now: int) -> Attr:
+        """Remove the entry (parent, name) -> ino; one link less (a directory loses both of its own)."""
+        a = self._get(tx, ino)
+        tx.del_entry(parent, name)
+        if a.is_dir:
+            a.nlink = 0
+            self._touch(tx, parent, now, -1)
+        else:
+            a.nlink -= 1
+            self._touch(tx, parent, now)
+        a.ctime_ns = now
+        tx.put_attr(a)
+        if a.nlink <= 0 and not a.is_dir:
+            tx.unlinked(ino)
+        return a
+
+    async def lookup(self, parent: int, name: bytes) -> Attr:
+        return await self._run(lambda tx: self._get(tx, self._existing(tx, parent, name)))
+
+    async def getattr(self, ino: int) -> Attr:
+        return await self._run(self._get, ino)
+
     async def setattr(self, ino: int, *, mode=None, uid=None, gid=None, atime_ns=None, mtime_ns=None,
-                      ctime_ns: int) -> Attr: ...
+                      ctime_ns: int) -> Attr:
+        def go(tx):
+            a = self._get(tx, ino)
+            if mode is not None:
+                a.mode = (a.mode & ~0o7777) | (mode & 0o7777)
+            for k, v in (("uid", uid), ("gid", gid), ("atime_ns", atime_ns), ("mtime_ns", mtime_ns)):
+                if v is not None:
+                    setattr(a, k, v)
+            a.ctime_ns = ctime_ns
+            tx.put_attr(a)
+            return a
+        return await self._run(go)
 
-    @abc.abstractmethod
     async def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int, rdev: int = 0,
                      target: bytes = b"") -> Attr:
         """A new inode (file, directory, symlink with ``target``, device, fifo) and its entry."""
+        check_name(name)
 
-    @abc.abstractmethod
-    async def link(self, ino: int, parent: int, name: bytes) -> Attr: ...
+        def go(tx):
+            self._dir(tx, parent)
+            if tx.child(parent, name) is not None:
+                raise MetaError(errno.EEXIST)
+            now = time.time_ns()
+            is_dir = stat.S_ISDIR(mode)
+            a = tx.new_inode(Attr(0, mode, 2 if is_dir else 1, uid, gid, rdev, len(target), now, now, now), target)
+            tx.add_entry(parent, name, a.ino)
+            self._touch(tx, parent, now, 1 if is_dir else 0)
+            return a
+        return await self._run(go)
 
-    @abc.abstractmethod
+    async def link(self, ino: int, parent: int, name: bytes) -> Attr:
+        check_name(name)
+
+        def go(tx):
+            a = self._get(tx, ino)
+            if a.is_dir:
+                raise MetaError(errno.EPERM, "hard link to a directory")
+            self._dir(tx, parent)
+            if tx.child(parent, name) is not None:
+                raise MetaError(errno.EEXIST)
+            now = time.time_ns()
+            tx.add_entry(parent, name, ino)
+            a.nlink += 1
+            a.ctime_ns = now
+            tx.put_attr(a)
+            self._touch(tx, parent, now)
+            return a
+        return await self._run(go)
+
     async def unlink(self, parent: int, name: bytes) -> Attr:
         """Remove a non-directory entry; returns the inode's attributes after (nlink may be 0: the caller
         removes the inode with :meth:`remove` once nothing has it open)."""
+        def go(tx):
+            ino = self._existing(tx, parent, name)
+            if self._get(tx, ino).is_dir:
+                raise MetaError(errno.EISDIR)
+            return self._drop_entry(tx, parent, name, ino, time.time_ns())
+        return await self._run(go)
 
-    @abc.abstractmethod
-    async def rmdir(self, parent: int, name: bytes) -> None: ...
+    async def rmdir(self, parent: int, name: bytes) -> None:
+        def go(tx):
+            ino = self._existing(tx, parent, name)
+            self._dir(tx, ino)
+            if tx.has_children(ino):
+                raise MetaError(errno.ENOTEMPTY)
+            self._drop_entry(tx, parent, name, ino, time.time_ns())
+            tx.drop_inode(ino)
+        await self._run(go)
 
-    @abc.abstractmethod
     async def rename(self, p1: int, n1: bytes, p2: int, n2: bytes, *, noreplace: bool = False,
                      exchange: bool = False) -> Attr | None:
         """Returns the replaced inode's attributes (nlink may now be 0), or None."""
+        check_name(n2)
+
+        def go(tx):
+            src = self._existing(tx, p1, n1)
+            self._dir(tx, p2)
+            dst = tx.child(p2, n2)
+            if src == dst:
+                return None
+            now = time.time_ns()
+            sa = self._get(tx, src)
+            if exchange:
+                if dst is None:
+                    raise MetaError(errno.ENOENT)
+                da = self._get(tx, dst)
+                tx.set_entry(p1, n1, dst)
+                tx.set_entry(p2, n2, src)
+                moved = (1 if sa.is_dir else -1) if p1 != p2 and sa.is_dir != da.is_dir else 0
+                self._touch(tx, p1, now, -moved)
+                self._touch(tx, p2, now, moved)
+                for a in (self._get(tx, src), self._get(tx, dst)):
+                    a.ctime_ns = now
+                    tx.put_attr(a)
+                return None
+            replaced = None
+            if dst is not None:
+                if noreplace:
+                    raise MetaError(errno.EEXIST)
+                da = self._get(tx, dst)
+                if sa.is_dir and not da.is_dir:
+                    raise MetaError(errno.ENOTDIR)
+                if da.is_dir and not sa.is_dir:
+                    raise MetaError(errno.EISDIR)
+                if da.is_dir and tx.has_children(dst):
+                    raise MetaError(errno.ENOTEMPTY)
+                replaced = self._drop_entry(tx, p2, n2, dst, now)
+                if da.is_dir:
+                    tx.drop_inode(dst)
+                    replaced = None
+            tx.move_entry(p1, n1, p2, n2, src)
+            sa = self._get(tx, src)
+            sa.ctime_ns = now
+            tx.put_attr(sa)
+            moved = 1 if sa.is_dir and p1 != p2 else 0
+            self._touch(tx, p1, now, -moved)
+            self._touch(tx, p2, now, moved)
+            return replaced
+        return await self._run(go)
 
     @abc.abstractmethod
     async def readdir(self, ino: int, after: int, limit: int) -> list[tuple[bytes, Attr, int]]:
         """Up to ``limit`` entries after cookie ``after`` (0: from the start): (name, attr, cookie)."""
 
-    @abc.abstractmethod
-    async def readlink(self, ino: int) -> bytes: ...
+    async def readlink(self, ino: int) -> bytes:
+        def go(tx):
+            if not stat.S_ISLNK(self._get(tx, ino).mode):
+                raise MetaError(errno.EINVAL)
+            return tx.target(ino)
+        return await self._run(go)
 
-    @abc.abstractmethod
-    async def remove(self, ino: int) -> None:
-        """Drop an inode whose link count is 0 (its slices' extents go to the deletion queue)."""
+    def _remove(self, tx: MetaTx, ino: int) -> bool:
+        a = tx.attr(ino)
+        if a is None or a.nlink > 0 or tx.is_open(ino):
+            return False
+        tx.drop_inode(ino)
+        return True
+
+    async def remove(self, ino: int) -> bool:
+        """Drop an inode whose link count is 0 and that no mount has open (its slices' extents go to the
+        deletion queue); returns whether it did."""
+        return await self._run(self._remove, ino)
 
     @abc.abstractmethod
     async def orphans(self) -> list[int]:
-        """Inodes with no links left (a crash between the last unlink and the last close)."""
+        """Inodes with no links left that no live mount has open (a crash between the last unlink and the
+        last close): :meth:`remove` them."""
 
     # -- data
-    @abc.abstractmethod
-    async def slices(self, ino: int) -> list[Slice]: ...
+    async def slices(self, ino: int) -> list[Slice]:
+        def go(tx):
+            self._get(tx, ino)
+            return tx.slices(ino)
+        return await self._run(go)
 
-    @abc.abstractmethod
+    @staticmethod
+    def _lay(tx: MetaTx, ino: int, new: Slice) -> None:
+        """Cut away what ``new`` covers of the file's slices (``new`` itself is not added)."""
+        kept, touched = overlay(tx.slices(ino, new.off, new.end), new)
+        for s in touched:
+            tx.drop_slice(ino, s)
+        for s in kept:
+            tx.add_slice(ino, s)
+
     async def commit(self, ino: int, new: Sequence[Slice], size: int, mtime_ns: int) -> Attr:
         """Lay ``new`` (in order) over the file's slices, grow its size to at least ``size``."""
+        def go(tx):
+            a = self._get(tx, ino)
+            for s in new:
+                self._lay(tx, ino, s)
+                tx.add_slice(ino, s)
+                tx.wrote_extent(s.partition, s.extent)
+            a.size = max(a.size, size)
+            a.mtime_ns = a.ctime_ns = mtime_ns
+            tx.put_attr(a)
+            return a
+        return await self._run(go)
 
-    @abc.abstractmethod
-    async def truncate(self, ino: int, size: int, mtime_ns: int) -> Attr: ...
+    async def truncate(self, ino: int, size: int, mtime_ns: int) -> Attr:
+        def go(tx):
+            a = self._get(tx, ino)
+            if a.is_dir:
+                raise MetaError(errno.EISDIR)
+            if size < a.size:
+                self._lay(tx, ino, Slice(size, max(a.size, 1 << 62) - size, 0, 0, 0, 0, 0, 0))
+            a.size, a.mtime_ns, a.ctime_ns = size, mtime_ns, mtime_ns
+            tx.put_attr(a)
+            return a
+        return await self._run(go)
 
     # -- deletion queue and accounting
     @abc.abstractmethod

@@ -6,6 +6,8 @@ Keys live under ``dnfs/VOLUME/`` (its own prefix; the cluster manager may share 
     s INO OFF            -> a slice (JSON)                   x INO NAME    -> an extended attribute
     c PID EXTENT         -> how many slices reference it     e PID EXTENT  -> the mount session that wrote it
     q PID EXTENT         -> deletion queue                   n             -> the inode / entry counter
+    o INO SESSION        -> a mount has the inode open       z INO         -> the inode has no links left
+    m SESSION            -> a live mount                     (o and m under the mount's lease)
 
 (INO, OFF, EXTENT are 8-byte big-endian, PID 4 bytes, so keys sort numerically.)
 
@@ -15,13 +17,19 @@ directory's entries, a file's slices) are guarded by the owning inode's key, whi
 also rewrites.  Blocking etcd3gw calls run in worker threads (one client per thread).
 
 An extent is deleted on the datanodes only by the mount session that wrote it (another mount may still be
-appending to it); extents of a session that is gone are released by ``dnfs fsck --repair``.  Inodes left
-with no links by a crashed mount are not purged at mount time (another mount may have them open): fsck
-reports them.  The server must allow big transactions (``--max-txn-ops``, say 10000): a commit or a remove
+appending to it) -- or, once that session is gone (its ``m`` key expired with its lease), by any mount.
+
+Open-file sessions: a mount holds an etcd lease (``SESSION_TTL`` seconds, kept alive by
+:meth:`EtcdMeta.keep_session`) and puts an ``o`` key under it for every inode it has open.  An inode whose
+last link is gone (``z``) is removed only when no ``o`` key of it is left: by the last mount to close it,
+or -- when that mount died and its lease expired, taking its ``o`` keys along -- by any mount's periodic
+:meth:`orphans` sweep.  The server must allow big transactions (``--max-txn-ops``, say 10000): a commit or a remove
 touches every affected slice at once.
 """
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import errno
 import functools
 import json
@@ -35,10 +43,11 @@ import uuid
 
 import trio
 
-from client.fs.meta import ROOT, Attr, Meta, MetaError, Slice, check_name, overlay
+from client.fs.meta import ROOT, Attr, Meta, MetaError, MetaTx, Slice
 
 log = logging.getLogger(__name__)
 
+SESSION_TTL = 10       # seconds a dead mount's open files stay protected
 FIELDS = ("mode", "nlink", "uid", "gid", "rdev", "size", "atime_ns", "mtime_ns", "ctime_ns")
 
 
@@ -71,6 +80,7 @@ class Tx:
         self.reads: dict[bytes, int] = {}
         self.cache: dict[bytes, bytes | None] = {}
         self.writes: dict[bytes, bytes | None] = {}
+        self.leases: dict[bytes, int] = {}
 
     def get(self, key: bytes) -> bytes | None:
         if key in self.writes:
@@ -98,8 +108,10 @@ class Tx:
                     out[k] = v
         return sorted(out.items())
 
-    def put(self, key: bytes, value: bytes) -> None:
+    def put(self, key: bytes, value: bytes, lease: int | None = None) -> None:
         self.writes[key] = value
+        if lease:
+            self.leases[key] = lease
 
     def delete(self, key: bytes) -> None:
         self.writes[key] = None
@@ -109,11 +121,128 @@ class Tx:
             return
         compare = [{"key": _b64(k), "result": "EQUAL", "target": "MOD", "mod_revision": rev}
                    for k, rev in self.reads.items()]
-        success = [{"request_put": {"key": _b64(k), "value": _b64(v)}} if v is not None
+        success = [{"request_put": {"key": _b64(k), "value": _b64(v),
+                                    **({"lease": self.leases[k]} if k in self.leases else {})}} if v is not None
                    else {"request_delete_range": {"key": _b64(k)}} for k, v in self.writes.items()]
         resp = self.c.transaction({"compare": compare, "success": success, "failure": []})
         if not resp.get("succeeded", False):
             raise Conflict()
+
+
+def enc_attr(a: Attr, target: bytes | None = None) -> bytes:
+    d = {f: getattr(a, f) for f in FIELDS}
+    if target:
+        d["target"] = target.hex()
+    return json.dumps(d).encode()
+
+
+def enc_slice(s: Slice) -> bytes:
+    return json.dumps([s.off, s.length, s.partition, s.extent, s.ext_off, s.wpos, s.wlen, s.crc]).encode()
+
+
+class EtcdTx(MetaTx):
+    """The storage primitives on one optimistic etcd transaction (:class:`Tx`).  A file's slice list is read
+    once per transaction and kept current here as slices come and go."""
+
+    def __init__(self, m: "EtcdMeta", tx: Tx):
+        self.m, self.tx = m, tx
+        self._slices: dict[int, list[Slice]] = {}
+
+    def attr(self, ino):
+        raw = self.tx.get(self.m.k_ino(ino))
+        if raw is None:
+            return None
+        d = json.loads(raw)
+        return Attr(ino, *(d[f] for f in FIELDS))
+
+    def put_attr(self, a):
+        raw = self.tx.get(self.m.k_ino(a.ino))
+        target = bytes.fromhex(json.loads(raw).get("target", "")) if raw else b""
+        self.tx.put(self.m.k_ino(a.ino), enc_attr(a, target))
+
+    def _next(self) -> int:
+        k = self.m.p + b"n"
+        n = int(self.tx.get(k) or b"1") + 1
+        self.tx.put(k, str(n).encode())
+        return n
+
+    def new_inode(self, a, target):
+        a = dataclasses.replace(a, ino=self._next())
+        self.tx.put(self.m.k_ino(a.ino), enc_attr(a, target))
+        return a
+
+    def target(self, ino):
+        return bytes.fromhex(json.loads(self.tx.get(self.m.k_ino(ino))).get("target", ""))
+
+    def child(self, parent, name):
+        raw = self.tx.get(self.m.k_dir(parent) + name)
+        return json.loads(raw)["ino"] if raw else None
+
+    def has_children(self, ino):
+        k = self.m.k_dir(ino)
+        return bool(self.tx.range(k, prefix_end(k), limit=1))
+
+    def add_entry(self, parent, name, ino):
+        self.tx.put(self.m.k_dir(parent) + name, json.dumps({"ino": ino, "seq": self._next()}).encode())
+
+    def set_entry(self, parent, name, ino):
+        k = self.m.k_dir(parent) + name
+        self.tx.put(k, json.dumps({"ino": ino, "seq": json.loads(self.tx.get(k))["seq"]}).encode())
+
+    def move_entry(self, p1, n1, p2, n2, ino):
+        self.tx.delete(self.m.k_dir(p1) + n1)
+        self.add_entry(p2, n2, ino)
+
+    def del_entry(self, parent, name):
+        self.tx.delete(self.m.k_dir(parent) + name)
+
+    def drop_inode(self, ino):
+        for s in list(self.slices(ino)):
+            self.drop_slice(ino, s)
+        k = self.m.p + b"x" + u64(ino)
+        for key, _ in self.tx.range(k, prefix_end(k)):
+            self.tx.delete(key)
+        self.tx.delete(self.m.k_ino(ino))
+        self.tx.delete(self.m.p + b"z" + u64(ino))
+
+    def unlinked(self, ino):
+        self.tx.put(self.m.p + b"z" + u64(ino), b"")
+
+    def is_open(self, ino):
+        k = self.m.k_open(ino)
+        return bool(self.tx.range(k, prefix_end(k), limit=1))
+
+    def slices(self, ino, start=0, end=None):
+        if ino not in self._slices:
+            k = self.m.k_slices(ino)
+            self._slices[ino] = [Slice(*json.loads(v)) for _, v in self.tx.range(k, prefix_end(k))]
+        return self._slices[ino]
+
+    def _ref(self, s: Slice, delta: int) -> None:
+        k = self.m.k_ext(b"c", s.partition, s.extent)
+        n = int(self.tx.get(k) or b"0") + delta
+        if n > 0:
+            self.tx.put(k, str(n).encode())
+        else:
+            self.tx.delete(k)
+            self.tx.put(self.m.k_ext(b"q", s.partition, s.extent), b"")
+
+    def add_slice(self, ino, s):
+        self.tx.put(self.m.k_slices(ino) + u64(s.off), enc_slice(s))
+        self._ref(s, +1)
+        cur = self.slices(ino)
+        cur.insert(bisect.bisect_left([x.off for x in cur], s.off), s)
+
+    def drop_slice(self, ino, s):
+        self.tx.delete(self.m.k_slices(ino) + u64(s.off))
+        self._ref(s, -1)
+        cur = self.slices(ino)
+        self._slices[ino] = [x for x in cur if x.off != s.off]
+
+    def wrote_extent(self, partition, extent):
+        ek = self.m.k_ext(b"e", partition, extent)
+        if self.tx.get(ek) is None:
+            self.tx.put(ek, self.m.session.encode())
 
 
 class EtcdMeta(Meta):
@@ -131,6 +260,7 @@ class EtcdMeta(Meta):
             raise ValueError(f"bad volume name {vol!r} in {url!r}")
         self.p = f"dnfs/{vol}/".encode()
         self.session = uuid.uuid4().hex
+        self._opens: dict[int, int] = {}       # inode -> how many opens here (its ``o`` key is in etcd)
         self._etcd3gw = etcd3gw
         self._local = threading.local()
         self._limiter = trio.CapacityLimiter(8)
@@ -140,10 +270,13 @@ class EtcdMeta(Meta):
         except Exception as e:   # noqa: BLE001 - any failure to reach etcd is one clear message
             raise ValueError(f"etcd at {self.host}:{self.port} does not answer: {e}") from None
 
+        self.lease = c.lease(SESSION_TTL)
+        self._mark_live()
+
         def init(tx: Tx):
             if tx.get(self.k_ino(ROOT)) is None:
                 now = time.time_ns()
-                tx.put(self.k_ino(ROOT), self._enc(Attr(ROOT, stat.S_IFDIR | 0o755, 2, os.getuid(), os.getgid(),
+                tx.put(self.k_ino(ROOT), enc_attr(Attr(ROOT, stat.S_IFDIR | 0o755, 2, os.getuid(), os.getgid(),
                                                         0, 0, now, now, now)))
                 tx.put(self.p + b"n", b"1")
         self._tx(init)
@@ -164,22 +297,19 @@ class EtcdMeta(Meta):
     def k_slices(self, ino: int) -> bytes:
         return self.p + b"s" + u64(ino)
 
+    def k_open(self, ino: int) -> bytes:
+        return self.p + b"o" + u64(ino)
+
     def k_ext(self, kind: bytes, pid: int, extent: int) -> bytes:
         return self.p + kind + struct.pack(">IQ", pid, extent)
 
-    @staticmethod
-    def _enc(a: Attr, target: bytes | None = None) -> bytes:
-        d = {f: getattr(a, f) for f in FIELDS}
-        if target:
-            d["target"] = target.hex()
-        return json.dumps(d).encode()
-
-    @staticmethod
-    def _slice_enc(s: Slice) -> bytes:
-        return json.dumps([s.off, s.length, s.partition, s.extent, s.ext_off, s.wpos, s.wlen, s.crc]).encode()
-
     # -- plumbing
     async def _run(self, fn, *args):
+        """``fn(EtcdTx, *args)`` as one transaction (run again whole on a conflict)."""
+        return await self._raw(lambda tx: fn(EtcdTx(self, tx), *args))
+
+    async def _raw(self, fn, *args):
+        """``fn(Tx, *args)`` on the raw key-value transaction (the engine's own queries)."""
         return await trio.to_thread.run_sync(functools.partial(self._tx, fn, *args), limiter=self._limiter)
 
     def _tx(self, fn, *args):
@@ -193,310 +323,81 @@ class EtcdMeta(Meta):
                 time.sleep(min(0.001 * (attempt + 1), 0.05))
         raise MetaError(errno.EAGAIN, "etcd: too many conflicting transactions")
 
-    def _get(self, tx: Tx, ino: int) -> Attr:
-        raw = tx.get(self.k_ino(ino))
-        if raw is None:
-            raise MetaError(errno.ENOENT, f"inode {ino}")
-        d = json.loads(raw)
-        return Attr(ino, *(d[f] for f in FIELDS))
-
-    def _put(self, tx: Tx, a: Attr) -> None:
-        raw = tx.get(self.k_ino(a.ino))
-        target = bytes.fromhex(json.loads(raw).get("target", "")) if raw else b""
-        tx.put(self.k_ino(a.ino), self._enc(a, target))
-
-    def _dir(self, tx: Tx, ino: int) -> Attr:
-        a = self._get(tx, ino)
-        if not a.is_dir:
-            raise MetaError(errno.ENOTDIR)
-        return a
-
-    def _child(self, tx: Tx, parent: int, name: bytes) -> int | None:
-        raw = tx.get(self.k_dir(parent) + name)
-        return json.loads(raw)["ino"] if raw else None
-
-    def _next(self, tx: Tx) -> int:
-        n = int(tx.get(self.p + b"n") or b"1") + 1
-        tx.put(self.p + b"n", str(n).encode())
-        return n
-
-    def _touch(self, tx: Tx, ino: int, now: int, nlink: int = 0) -> None:
-        a = self._get(tx, ino)
-        a.mtime_ns = a.ctime_ns = now
-        a.nlink += nlink
-        self._put(tx, a)
-
     async def close(self) -> None:
-        pass
+        try:
+            await trio.to_thread.run_sync(self.lease.revoke)      # our open-file keys go with it
+        except Exception as e:     # noqa: BLE001 - it expires by itself
+            log.warning("etcd: revoking the session lease: %s", e)
 
     async def sync(self) -> None:
         pass        # an etcd commit is durable (raft log fsynced on a quorum) when it returns
 
-    # -- tree
-    async def lookup(self, parent, name):
+    # -- open-file sessions
+    def _mark_live(self) -> None:
+        self._client().put(self.p + b"m" + self.session.encode(), b"", lease=self.lease)
+
+    def _mark_open(self, ino: int) -> None:
+        self._client().put(self.k_open(ino) + self.session.encode(), b"", lease=self.lease)
+
+    async def opened(self, ino):
+        self._opens[ino] = self._opens.get(ino, 0) + 1
+        if self._opens[ino] == 1:
+            await trio.to_thread.run_sync(self._mark_open, ino, limiter=self._limiter)
+
+    async def closed(self, ino):
+        n = self._opens.pop(ino, 0) - 1
+        if n > 0:
+            self._opens[ino] = n
+            return False
+
         def go(tx):
-            ino = self._child(tx, parent, name)
-            if ino is None:
-                self._dir(tx, parent)
-                raise MetaError(errno.ENOENT)
-            return self._get(tx, ino)
+            tx.tx.delete(self.k_open(ino) + self.session.encode())
+            return self._remove(tx, ino)
         return await self._run(go)
 
-    async def getattr(self, ino):
-        return await self._run(self._get, ino)
+    async def keep_session(self) -> None:
+        """Refresh the lease every third of its TTL; if it expired anyway (etcd unreachable for that long), take
+        a new one and mark the open inodes again."""
+        while True:
+            await trio.sleep(SESSION_TTL / 3)
+            try:
+                ttl = await trio.to_thread.run_sync(self.lease.refresh, limiter=self._limiter)
+                if ttl <= 0:
+                    log.warning("etcd: the session lease expired; taking a new one")
+                    self.lease = await trio.to_thread.run_sync(self._client().lease, SESSION_TTL,
+                                                               limiter=self._limiter)
+                    await trio.to_thread.run_sync(self._mark_live, limiter=self._limiter)
+                    for ino in list(self._opens):
+                        await trio.to_thread.run_sync(self._mark_open, ino, limiter=self._limiter)
+            except Exception as e:     # noqa: BLE001 - etcd away for a moment: try again next round
+                log.warning("etcd: keeping the session alive: %s", e)
 
-    async def setattr(self, ino, *, mode=None, uid=None, gid=None, atime_ns=None, mtime_ns=None, ctime_ns):
+    async def orphans(self):
         def go(tx):
-            a = self._get(tx, ino)
-            if mode is not None:
-                a.mode = (a.mode & ~0o7777) | (mode & 0o7777)
-            for k, v in (("uid", uid), ("gid", gid), ("atime_ns", atime_ns), ("mtime_ns", mtime_ns)):
-                if v is not None:
-                    setattr(a, k, v)
-            a.ctime_ns = ctime_ns
-            self._put(tx, a)
-            return a
-        return await self._run(go)
-
-    async def create(self, parent, name, mode, uid, gid, rdev=0, target=b""):
-        check_name(name)
-
-        def go(tx):
-            self._dir(tx, parent)
-            if self._child(tx, parent, name) is not None:
-                raise MetaError(errno.EEXIST)
-            now = time.time_ns()
-            ino = self._next(tx)
-            is_dir = stat.S_ISDIR(mode)
-            a = Attr(ino, mode, 2 if is_dir else 1, uid, gid, rdev, len(target), now, now, now)
-            tx.put(self.k_ino(ino), self._enc(a, target))
-            tx.put(self.k_dir(parent) + name, json.dumps({"ino": ino, "seq": ino}).encode())
-            self._touch(tx, parent, now, 1 if is_dir else 0)
-            return a
-        return await self._run(go)
-
-    async def link(self, ino, parent, name):
-        check_name(name)
-
-        def go(tx):
-            a = self._get(tx, ino)
-            if a.is_dir:
-                raise MetaError(errno.EPERM)
-            self._dir(tx, parent)
-            if self._child(tx, parent, name) is not None:
-                raise MetaError(errno.EEXIST)
-            now = time.time_ns()
-            tx.put(self.k_dir(parent) + name, json.dumps({"ino": ino, "seq": self._next(tx)}).encode())
-            a.nlink += 1
-            a.ctime_ns = now
-            self._put(tx, a)
-            self._touch(tx, parent, now)
-            return a
-        return await self._run(go)
-
-    def _drop_entry(self, tx: Tx, parent: int, name: bytes, ino: int, now: int) -> Attr:
-        a = self._get(tx, ino)
-        tx.delete(self.k_dir(parent) + name)
-        if a.is_dir:
-            a.nlink = 0
-            self._touch(tx, parent, now, -1)
-        else:
-            a.nlink -= 1
-            self._touch(tx, parent, now)
-        a.ctime_ns = now
-        self._put(tx, a)
-        return a
-
-    def _empty(self, tx: Tx, ino: int) -> bool:
-        k = self.k_dir(ino)
-        return not tx.range(k, prefix_end(k), limit=1)
-
-    async def unlink(self, parent, name):
-        def go(tx):
-            ino = self._child(tx, parent, name)
-            if ino is None:
-                self._dir(tx, parent)
-                raise MetaError(errno.ENOENT)
-            if self._get(tx, ino).is_dir:
-                raise MetaError(errno.EISDIR)
-            return self._drop_entry(tx, parent, name, ino, time.time_ns())
-        return await self._run(go)
-
-    async def rmdir(self, parent, name):
-        def go(tx):
-            ino = self._child(tx, parent, name)
-            if ino is None:
-                self._dir(tx, parent)
-                raise MetaError(errno.ENOENT)
-            self._dir(tx, ino)
-            if not self._empty(tx, ino):
-                raise MetaError(errno.ENOTEMPTY)
-            self._drop_entry(tx, parent, name, ino, time.time_ns())
-            self._remove(tx, ino)
-        await self._run(go)
-
-    async def rename(self, p1, n1, p2, n2, *, noreplace=False, exchange=False):
-        check_name(n2)
-
-        def go(tx):
-            src = self._child(tx, p1, n1)
-            if src is None:
-                self._dir(tx, p1)
-                raise MetaError(errno.ENOENT)
-            self._dir(tx, p2)
-            dst = self._child(tx, p2, n2)
-            if src == dst:
-                return None
-            now = time.time_ns()
-            sa = self._get(tx, src)
-            k1, k2 = self.k_dir(p1) + n1, self.k_dir(p2) + n2
-            if exchange:
-                if dst is None:
-                    raise MetaError(errno.ENOENT)
-                da = self._get(tx, dst)
-                e1, e2 = json.loads(tx.get(k1)), json.loads(tx.get(k2))
-                tx.put(k1, json.dumps({"ino": dst, "seq": e1["seq"]}).encode())
-                tx.put(k2, json.dumps({"ino": src, "seq": e2["seq"]}).encode())
-                if p1 != p2 and sa.is_dir != da.is_dir:
-                    moved = 1 if sa.is_dir else -1
-                    self._touch(tx, p1, now, -moved)
-                    self._touch(tx, p2, now, moved)
-                else:
-                    self._touch(tx, p1, now)
-                    self._touch(tx, p2, now)
-                return None
-            replaced = None
-            if dst is not None:
-                if noreplace:
-                    raise MetaError(errno.EEXIST)
-                da = self._get(tx, dst)
-                if sa.is_dir and not da.is_dir:
-                    raise MetaError(errno.ENOTDIR)
-                if da.is_dir and not sa.is_dir:
-                    raise MetaError(errno.EISDIR)
-                if da.is_dir and not self._empty(tx, dst):
-                    raise MetaError(errno.ENOTEMPTY)
-                replaced = self._drop_entry(tx, p2, n2, dst, now)
-                if da.is_dir:
-                    self._remove(tx, dst)
-                    replaced = None
-            tx.delete(k1)
-            tx.put(k2, json.dumps({"ino": src, "seq": self._next(tx)}).encode())
-            sa = self._get(tx, src)
-            sa.ctime_ns = now
-            self._put(tx, sa)
-            moved = 1 if sa.is_dir and p1 != p2 else 0
-            self._touch(tx, p1, now, -moved)
-            self._touch(tx, p2, now, moved)
-            return replaced
-        return await self._run(go)
+            k = self.p + b"z"
+            out = []
+            for key, _ in tx.range(k, prefix_end(k)):
+                ino = struct.unpack(">Q", key[len(k):])[0]
+                ko = self.k_open(ino)
+                if not tx.range(ko, prefix_end(ko), limit=1):
+                    out.append(ino)
+            return out
+        return await self._raw(go)
 
     async def readdir(self, ino, after, limit):
         def go(tx):
-            self._dir(tx, ino)
+            self._dir(EtcdTx(self, tx), ino)
             k = self.k_dir(ino)
             ents = [(json.loads(v), key[len(k):]) for key, v in tx.range(k, prefix_end(k))]
             ents = sorted((e["seq"], name, e["ino"]) for e, name in ents if e["seq"] > after)[:limit]
             out = []
             for seq, name, child in ents:
                 try:
-                    out.append((name, self._get(tx, child), seq))
+                    out.append((name, self._get(EtcdTx(self, tx), child), seq))
                 except MetaError:
                     continue
             return out
-        return await self._run(go)
-
-    async def readlink(self, ino):
-        def go(tx):
-            a = self._get(tx, ino)
-            if not stat.S_ISLNK(a.mode):
-                raise MetaError(errno.EINVAL)
-            return bytes.fromhex(json.loads(tx.get(self.k_ino(ino))).get("target", ""))
-        return await self._run(go)
-
-    # -- slices and extents
-    def _slices(self, tx: Tx, ino: int) -> list[Slice]:
-        k = self.k_slices(ino)
-        return [Slice(*json.loads(v)) for _, v in tx.range(k, prefix_end(k))]
-
-    def _ref(self, tx: Tx, s: Slice, delta: int) -> None:
-        k = self.k_ext(b"c", s.partition, s.extent)
-        n = int(tx.get(k) or b"0") + delta
-        if n > 0:
-            tx.put(k, str(n).encode())
-        else:
-            tx.delete(k)
-            tx.put(self.k_ext(b"q", s.partition, s.extent), b"")
-
-    def _add(self, tx: Tx, ino: int, s: Slice) -> None:
-        tx.put(self.k_slices(ino) + u64(s.off), self._slice_enc(s))
-        self._ref(tx, s, +1)
-
-    def _drop(self, tx: Tx, ino: int, s: Slice) -> None:
-        tx.delete(self.k_slices(ino) + u64(s.off))
-        self._ref(tx, s, -1)
-
-    def _remove(self, tx: Tx, ino: int) -> None:
-        for s in self._slices(tx, ino):
-            self._drop(tx, ino, s)
-        k = self.p + b"x" + u64(ino)
-        for key, _ in tx.range(k, prefix_end(k)):
-            tx.delete(key)
-        tx.delete(self.k_ino(ino))
-
-    async def remove(self, ino):
-        def go(tx):
-            raw = tx.get(self.k_ino(ino))
-            if raw is not None and json.loads(raw)["nlink"] <= 0:
-                self._remove(tx, ino)
-        await self._run(go)
-
-    async def orphans(self):
-        return []          # another mount may still have them open: fsck reports them
-
-    async def slices(self, ino):
-        def go(tx):
-            self._get(tx, ino)
-            return self._slices(tx, ino)
-        return await self._run(go)
-
-    def _lay(self, tx: Tx, ino: int, current: list[Slice], new: Slice) -> list[Slice]:
-        kept, touched = overlay(current, new)
-        for s in touched:
-            self._drop(tx, ino, s)
-        for s in kept:
-            self._add(tx, ino, s)
-        gone = {s.off for s in touched}
-        return sorted([s for s in current if s.off not in gone] + kept, key=lambda s: s.off)
-
-    async def commit(self, ino, new, size, mtime_ns):
-        def go(tx):
-            a = self._get(tx, ino)
-            current = self._slices(tx, ino)
-            for s in new:
-                current = self._lay(tx, ino, current, s)
-                self._add(tx, ino, s)
-                current = sorted(current + [s], key=lambda x: x.off)
-                ek = self.k_ext(b"e", s.partition, s.extent)
-                if tx.get(ek) is None:
-                    tx.put(ek, self.session.encode())
-            a.size = max(a.size, size)
-            a.mtime_ns = a.ctime_ns = mtime_ns
-            self._put(tx, a)
-            return a
-        return await self._run(go)
-
-    async def truncate(self, ino, size, mtime_ns):
-        def go(tx):
-            a = self._get(tx, ino)
-            if a.is_dir:
-                raise MetaError(errno.EISDIR)
-            if size < a.size:
-                self._lay(tx, ino, self._slices(tx, ino), Slice(size, (1 << 62) - size, 0, 0, 0, 0, 0, 0))
-            a.size, a.mtime_ns, a.ctime_ns = size, mtime_ns, mtime_ns
-            self._put(tx, a)
-            return a
-        return await self._run(go)
+        return await self._raw(go)
 
     # -- deletion queue: this session's extents only (another mount may be appending to its own)
     async def queued(self, limit, *, any_session: bool = False):
@@ -506,22 +407,23 @@ class EtcdMeta(Meta):
             for key, _ in tx.range(k, prefix_end(k)):
                 pid, extent = struct.unpack(">IQ", key[len(k):])
                 owner = tx.get(self.k_ext(b"e", pid, extent))
-                if any_session or self.reclaim_all or owner is None or owner.decode() == self.session:
+                if any_session or self.reclaim_all or owner is None or owner.decode() == self.session \
+                        or tx.get(self.p + b"m" + owner) is None:
                     out.append((pid, extent))
                 if len(out) >= limit:
                     break
             return out
-        return await self._run(go)
+        return await self._raw(go)
 
     async def referenced(self, partition, extent):
-        return await self._run(lambda tx: tx.get(self.k_ext(b"c", partition, extent)) is not None)
+        return await self._raw(lambda tx: tx.get(self.k_ext(b"c", partition, extent)) is not None)
 
     async def dequeue(self, partition, extent):
         def go(tx):
             tx.delete(self.k_ext(b"q", partition, extent))
             if tx.get(self.k_ext(b"c", partition, extent)) is None:
                 tx.delete(self.k_ext(b"e", partition, extent))
-        await self._run(go)
+        await self._raw(go)
 
     async def usage(self):
         def go(tx):
@@ -533,38 +435,38 @@ class EtcdMeta(Meta):
                     files += 1
                     size += d["size"]
             return files, size
-        return await self._run(go)
+        return await self._raw(go)
 
     # -- xattrs
     async def getxattr(self, ino, name):
         def go(tx):
-            self._get(tx, ino)
+            self._get(EtcdTx(self, tx), ino)
             v = tx.get(self.p + b"x" + u64(ino) + name)
             if v is None:
                 raise MetaError(errno.ENODATA)
             return v
-        return await self._run(go)
+        return await self._raw(go)
 
     async def setxattr(self, ino, name, value):
         def go(tx):
-            a = self._get(tx, ino)
+            a = self._get(EtcdTx(self, tx), ino)
             tx.put(self.p + b"x" + u64(ino) + name, bytes(value))
             a.ctime_ns = time.time_ns()
-            self._put(tx, a)
-        await self._run(go)
+            EtcdTx(self, tx).put_attr(a)
+        await self._raw(go)
 
     async def listxattr(self, ino):
         def go(tx):
             k = self.p + b"x" + u64(ino)
             return [key[len(k):] for key, _ in tx.range(k, prefix_end(k))]
-        return await self._run(go)
+        return await self._raw(go)
 
     async def removexattr(self, ino, name):
         def go(tx):
             if tx.get(self.p + b"x" + u64(ino) + name) is None:
                 raise MetaError(errno.ENODATA)
             tx.delete(self.p + b"x" + u64(ino) + name)
-        await self._run(go)
+        await self._raw(go)
 
     # -- fsck
     async def check(self):
@@ -588,20 +490,20 @@ class EtcdMeta(Meta):
                     out.append({"kind": "orphan_inode" if n == 0 else "wrong_nlink", "ino": ino,
                                 "nlink": d["nlink"], "entries": n})
             return out
-        return await self._run(go)
+        return await self._raw(go)
 
     async def all_slices(self):
         def go(tx):
             k = self.p + b"s"
             return [(struct.unpack(">Q", key[len(k):len(k) + 8])[0], Slice(*json.loads(v)))
                     for key, v in tx.range(k, prefix_end(k))]
-        return await self._run(go)
+        return await self._raw(go)
 
     async def known_extents(self):
         def go(tx):
             k = self.p + b"e"
             return {struct.unpack(">IQ", key[len(k):]) for key, _ in tx.range(k, prefix_end(k))}
-        return await self._run(go)
+        return await self._raw(go)
 
     async def repair(self, problems):
         done = []
@@ -611,19 +513,19 @@ class EtcdMeta(Meta):
                     tx.delete(self.k_dir(p["parent"]) + p["name"].encode(errors="surrogateescape"))
                     return "entry removed"
                 if p["kind"] == "orphan_inode":
-                    self._remove(tx, p["ino"])
+                    EtcdTx(self, tx).drop_inode(p["ino"])
                     return "inode removed, its extents queued for deletion"
                 if p["kind"] == "wrong_nlink":
-                    a = self._get(tx, p["ino"])
+                    a = self._get(EtcdTx(self, tx), p["ino"])
                     a.nlink = p["entries"]
-                    self._put(tx, a)
+                    EtcdTx(self, tx).put_attr(a)
                     return f"nlink set to {p['entries']}"
                 if p["kind"] == "unreferenced_extent":
                     tx.put(self.k_ext(b"q", p["partition"], p["extent"]), b"")
                     tx.put(self.k_ext(b"e", p["partition"], p["extent"]), self.session.encode())
                     return "queued for deletion"
                 return None
-            action = await self._run(go)
+            action = await self._raw(go)
             if action:
                 done.append({**p, "action": action})
         return done

@@ -5,21 +5,27 @@ A second mount (or ``dnfs fsck`` while mounted) is refused: the engine holds an 
 transaction (``BEGIN IMMEDIATE``); the connection runs with ``synchronous=NORMAL`` (a commit survives a
 killed process at once) and :meth:`sync` checkpoints the WAL, which fsyncs it, before an ``fsync`` returns.
 All SQLite calls run in a worker thread, one at a time.
+
+Open-file sessions: the lock makes this mount the only one, so the inodes it has open are kept in its
+memory; they end with the process (which also releases the lock), and the next mount removes the inodes
+left without links (:meth:`orphans`).
 """
 from __future__ import annotations
 
 import errno
 import fcntl
 import functools
+import dataclasses
 import logging
 import os
 import sqlite3
 import stat
 import time
+from collections import Counter
 
 import trio
 
-from client.fs.meta import ROOT, Attr, Meta, MetaBusy, MetaError, Slice, check_name, overlay
+from client.fs.meta import ROOT, Attr, Meta, MetaBusy, MetaError, MetaTx, Slice
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +48,78 @@ COLS = "ino, mode, nlink, uid, gid, rdev, size, atime, mtime, ctime"
 
 def _attr(row) -> Attr:
     return Attr(*row)
+
+
+class SqliteTx(MetaTx):
+    """The storage primitives on one SQLite transaction."""
+
+    def __init__(self, db, m: "SqliteMeta"):
+        self.db, self.m = db, m
+
+    def attr(self, ino):
+        row = self.db.execute(f"SELECT {COLS} FROM inodes WHERE ino=?", (ino,)).fetchone()
+        return _attr(row) if row else None
+
+    def put_attr(self, a):
+        self.db.execute("UPDATE inodes SET mode=?, nlink=?, uid=?, gid=?, rdev=?, size=?, atime=?, mtime=?, ctime=? "
+                        "WHERE ino=?", (a.mode, a.nlink, a.uid, a.gid, a.rdev, a.size, a.atime_ns, a.mtime_ns,
+                                        a.ctime_ns, a.ino))
+
+    def new_inode(self, a, target):
+        cur = self.db.execute(f"INSERT INTO inodes ({COLS}, target) VALUES (NULL,?,?,?,?,?,?,?,?,?,?)",
+                              (a.mode, a.nlink, a.uid, a.gid, a.rdev, a.size, a.atime_ns, a.mtime_ns, a.ctime_ns,
+                               target))
+        return dataclasses.replace(a, ino=cur.lastrowid)
+
+    def target(self, ino):
+        return self.db.execute("SELECT target FROM inodes WHERE ino=?", (ino,)).fetchone()[0]
+
+    def child(self, parent, name):
+        row = self.db.execute("SELECT ino FROM dentries WHERE parent=? AND name=?", (parent, name)).fetchone()
+        return row[0] if row else None
+
+    def has_children(self, ino):
+        return self.db.execute("SELECT 1 FROM dentries WHERE parent=? LIMIT 1", (ino,)).fetchone() is not None
+
+    def add_entry(self, parent, name, ino):
+        self.db.execute("INSERT INTO dentries (parent, name, ino) VALUES (?,?,?)", (parent, name, ino))
+
+    def set_entry(self, parent, name, ino):
+        self.db.execute("UPDATE dentries SET ino=? WHERE parent=? AND name=?", (ino, parent, name))
+
+    def move_entry(self, p1, n1, p2, n2, ino):
+        self.db.execute("UPDATE dentries SET parent=?, name=? WHERE parent=? AND name=?", (p2, n2, p1, n1))
+
+    def del_entry(self, parent, name):
+        self.db.execute("DELETE FROM dentries WHERE parent=? AND name=?", (parent, name))
+
+    def drop_inode(self, ino):
+        db = self.db
+        db.execute("INSERT OR IGNORE INTO delq SELECT DISTINCT pid, extent FROM slices WHERE ino=?", (ino,))
+        db.execute("DELETE FROM slices WHERE ino=?", (ino,))
+        db.execute("DELETE FROM xattrs WHERE ino=?", (ino,))
+        db.execute("DELETE FROM inodes WHERE ino=?", (ino,))
+        self.m._zero.discard(ino)
+
+    def unlinked(self, ino):
+        self.m._zero.add(ino)      # (orphans() finds such inodes by their link count)
+
+    def is_open(self, ino):
+        return self.m._opens[ino] > 0
+
+    def slices(self, ino, start=0, end=None):
+        return SqliteMeta._slices(self.db, ino, start, end)
+
+    def add_slice(self, ino, s):
+        self.db.execute("INSERT INTO slices VALUES (?,?,?,?,?,?,?,?,?)",
+                        (ino, s.off, s.length, s.partition, s.extent, s.ext_off, s.wpos, s.wlen, s.crc))
+
+    def drop_slice(self, ino, s):
+        self.db.execute("DELETE FROM slices WHERE ino=? AND off=?", (ino, s.off))
+        self.db.execute("INSERT OR IGNORE INTO delq VALUES (?,?)", (s.partition, s.extent))
+
+    def wrote_extent(self, partition, extent):
+        self.db.execute("INSERT OR IGNORE INTO extents VALUES (?,?)", (partition, extent))
 
 
 class SqliteMeta(Meta):
@@ -72,16 +150,23 @@ class SqliteMeta(Meta):
             self.db.execute(f"INSERT INTO inodes ({COLS}, target) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                             (ROOT, stat.S_IFDIR | 0o755, 2, os.getuid(), os.getgid(), 0, 0, now, now, now, b""))
         self._limiter = trio.CapacityLimiter(1)
+        self._opens: Counter[int] = Counter()
+        self._zero: set[int] = set()      # inodes this mount saw lose their last link (closed() checks only these)
 
     # -- plumbing
-    async def _run(self, fn, *args, **kw):
-        return await trio.to_thread.run_sync(functools.partial(self._tx, fn, *args, **kw), limiter=self._limiter)
+    async def _run(self, fn, *args):
+        """``fn(SqliteTx, *args)`` as one transaction."""
+        return await self._raw(lambda db: fn(SqliteTx(db, self), *args))
 
-    def _tx(self, fn, *args, **kw):
+    async def _raw(self, fn, *args):
+        """``fn(connection, *args)`` as one transaction (the engine's own queries)."""
+        return await trio.to_thread.run_sync(functools.partial(self._tx, fn, *args), limiter=self._limiter)
+
+    def _tx(self, fn, *args):
         db = self.db
         db.execute("BEGIN IMMEDIATE")
         try:
-            out = fn(db, *args, **kw)
+            out = fn(db, *args)
         except BaseException:
             db.execute("ROLLBACK")
             raise
@@ -99,211 +184,32 @@ class SqliteMeta(Meta):
         await trio.to_thread.run_sync(lambda: self.db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone(),
                                       limiter=self._limiter)
 
-    @staticmethod
-    def _get(db, ino: int) -> Attr:
-        row = db.execute(f"SELECT {COLS} FROM inodes WHERE ino=?", (ino,)).fetchone()
-        if row is None:
-            raise MetaError(errno.ENOENT, f"inode {ino}")
-        return _attr(row)
+    # -- open-file sessions (this process's own: see the module docstring)
+    async def opened(self, ino):
+        self._opens[ino] += 1
 
-    @staticmethod
-    def _child(db, parent: int, name: bytes) -> int | None:
-        row = db.execute("SELECT ino FROM dentries WHERE parent=? AND name=?", (parent, name)).fetchone()
-        return row[0] if row else None
-
-    def _dir(self, db, ino: int) -> Attr:
-        a = self._get(db, ino)
-        if not a.is_dir:
-            raise MetaError(errno.ENOTDIR)
-        return a
-
-    @staticmethod
-    def _touch(db, ino: int, now: int, *, nlink: int = 0) -> None:
-        db.execute("UPDATE inodes SET mtime=?, ctime=?, nlink=nlink+? WHERE ino=?", (now, now, nlink, ino))
+    async def closed(self, ino):
+        n = self._opens.pop(ino, 0) - 1
+        if n > 0:
+            self._opens[ino] = n
+            return False
+        if ino not in self._zero:      # only this mount unlinks (the lock): still linked, nothing to do
+            return False
+        return await self._run(self._remove, ino)
 
     # -- tree
-    async def lookup(self, parent, name):
-        def go(db):
-            ino = self._child(db, parent, name)
-            if ino is None:
-                self._dir(db, parent)
-                raise MetaError(errno.ENOENT)
-            return self._get(db, ino)
-        return await self._run(go)
-
-    async def getattr(self, ino):
-        return await self._run(self._get, ino)
-
-    async def setattr(self, ino, *, mode=None, uid=None, gid=None, atime_ns=None, mtime_ns=None, ctime_ns):
-        def go(db):
-            a = self._get(db, ino)
-            if mode is not None:
-                a.mode = (a.mode & ~0o7777) | (mode & 0o7777)
-            for k, v in (("uid", uid), ("gid", gid), ("atime_ns", atime_ns), ("mtime_ns", mtime_ns)):
-                if v is not None:
-                    setattr(a, k, v)
-            a.ctime_ns = ctime_ns
-            db.execute("UPDATE inodes SET mode=?, uid=?, gid=?, atime=?, mtime=?, ctime=? WHERE ino=?",
-                       (a.mode, a.uid, a.gid, a.atime_ns, a.mtime_ns, a.ctime_ns, ino))
-            return a
-        return await self._run(go)
-
-    async def create(self, parent, name, mode, uid, gid, rdev=0, target=b""):
-        check_name(name)
-
-        def go(db):
-            self._dir(db, parent)
-            if self._child(db, parent, name) is not None:
-                raise MetaError(errno.EEXIST)
-            now = time.time_ns()
-            is_dir = stat.S_ISDIR(mode)
-            cur = db.execute(f"INSERT INTO inodes ({COLS}, target) VALUES (NULL,?,?,?,?,?,?,?,?,?,?)",
-                             (mode, 2 if is_dir else 1, uid, gid, rdev, len(target), now, now, now, target))
-            ino = cur.lastrowid
-            db.execute("INSERT INTO dentries (parent, name, ino) VALUES (?,?,?)", (parent, name, ino))
-            self._touch(db, parent, now, nlink=1 if is_dir else 0)
-            return self._get(db, ino)
-        return await self._run(go)
-
-    async def link(self, ino, parent, name):
-        check_name(name)
-
-        def go(db):
-            a = self._get(db, ino)
-            if a.is_dir:
-                raise MetaError(errno.EPERM, "hard link to a directory")
-            self._dir(db, parent)
-            if self._child(db, parent, name) is not None:
-                raise MetaError(errno.EEXIST)
-            now = time.time_ns()
-            db.execute("INSERT INTO dentries (parent, name, ino) VALUES (?,?,?)", (parent, name, ino))
-            db.execute("UPDATE inodes SET nlink=nlink+1, ctime=? WHERE ino=?", (now, ino))
-            self._touch(db, parent, now)
-            return self._get(db, ino)
-        return await self._run(go)
-
-    def _drop_entry(self, db, parent: int, name: bytes, ino: int, now: int) -> Attr:
-        """Remove the entry (parent, name) -> ino; one link less (a directory loses both of its own)."""
-        a = self._get(db, ino)
-        db.execute("DELETE FROM dentries WHERE parent=? AND name=?", (parent, name))
-        if a.is_dir:
-            db.execute("UPDATE inodes SET nlink=0, ctime=? WHERE ino=?", (now, ino))
-            self._touch(db, parent, now, nlink=-1)
-        else:
-            db.execute("UPDATE inodes SET nlink=nlink-1, ctime=? WHERE ino=?", (now, ino))
-            self._touch(db, parent, now)
-        return self._get(db, ino)
-
-    async def unlink(self, parent, name):
-        def go(db):
-            ino = self._child(db, parent, name)
-            if ino is None:
-                self._dir(db, parent)
-                raise MetaError(errno.ENOENT)
-            if self._get(db, ino).is_dir:
-                raise MetaError(errno.EISDIR)
-            return self._drop_entry(db, parent, name, ino, time.time_ns())
-        return await self._run(go)
-
-    def _empty(self, db, ino: int) -> bool:
-        return db.execute("SELECT 1 FROM dentries WHERE parent=? LIMIT 1", (ino,)).fetchone() is None
-
-    async def rmdir(self, parent, name):
-        def go(db):
-            ino = self._child(db, parent, name)
-            if ino is None:
-                self._dir(db, parent)
-                raise MetaError(errno.ENOENT)
-            self._dir(db, ino)
-            if not self._empty(db, ino):
-                raise MetaError(errno.ENOTEMPTY)
-            self._drop_entry(db, parent, name, ino, time.time_ns())
-            self._remove(db, ino)
-        await self._run(go)
-
-    async def rename(self, p1, n1, p2, n2, *, noreplace=False, exchange=False):
-        check_name(n2)
-
-        def go(db):
-            src = self._child(db, p1, n1)
-            if src is None:
-                self._dir(db, p1)
-                raise MetaError(errno.ENOENT)
-            self._dir(db, p2)
-            dst = self._child(db, p2, n2)
-            if src == dst:
-                return None
-            now = time.time_ns()
-            sa = self._get(db, src)
-            if exchange:
-                if dst is None:
-                    raise MetaError(errno.ENOENT)
-                da = self._get(db, dst)
-                db.execute("UPDATE dentries SET ino=? WHERE parent=? AND name=?", (dst, p1, n1))
-                db.execute("UPDATE dentries SET ino=? WHERE parent=? AND name=?", (src, p2, n2))
-                if p1 != p2 and sa.is_dir != da.is_dir:
-                    moved = 1 if sa.is_dir else -1
-                    self._touch(db, p1, now, nlink=-moved)
-                    self._touch(db, p2, now, nlink=moved)
-                for i in (src, dst, p1, p2):
-                    db.execute("UPDATE inodes SET ctime=? WHERE ino=?", (now, i))
-                return None
-            replaced = None
-            if dst is not None:
-                if noreplace:
-                    raise MetaError(errno.EEXIST)
-                da = self._get(db, dst)
-                if sa.is_dir and not da.is_dir:
-                    raise MetaError(errno.ENOTDIR)
-                if da.is_dir and not sa.is_dir:
-                    raise MetaError(errno.EISDIR)
-                if da.is_dir and not self._empty(db, dst):
-                    raise MetaError(errno.ENOTEMPTY)
-                replaced = self._drop_entry(db, p2, n2, dst, now)
-                if da.is_dir:
-                    self._remove(db, dst)
-                    replaced = None
-            db.execute("UPDATE dentries SET parent=?, name=? WHERE parent=? AND name=?", (p2, n2, p1, n1))
-            db.execute("UPDATE inodes SET ctime=? WHERE ino=?", (now, src))
-            moved = 1 if sa.is_dir and p1 != p2 else 0
-            self._touch(db, p1, now, nlink=-moved)
-            self._touch(db, p2, now, nlink=moved)
-            return replaced
-        return await self._run(go)
-
     async def readdir(self, ino, after, limit):
         def go(db):
-            self._dir(db, ino)
+            self._dir(SqliteTx(db, self), ino)
             rows = db.execute(f"SELECT d.id, d.name, {', '.join('i.' + c.strip() for c in COLS.split(','))} "
                               "FROM dentries d JOIN inodes i ON i.ino = d.ino WHERE d.parent=? AND d.id>? "
                               "ORDER BY d.id LIMIT ?", (ino, after, limit)).fetchall()
             return [(r[1], _attr(r[2:]), r[0]) for r in rows]
-        return await self._run(go)
-
-    async def readlink(self, ino):
-        def go(db):
-            a = self._get(db, ino)
-            if not stat.S_ISLNK(a.mode):
-                raise MetaError(errno.EINVAL)
-            return db.execute("SELECT target FROM inodes WHERE ino=?", (ino,)).fetchone()[0]
-        return await self._run(go)
-
-    def _remove(self, db, ino: int) -> None:
-        db.execute("INSERT OR IGNORE INTO delq SELECT DISTINCT pid, extent FROM slices WHERE ino=?", (ino,))
-        db.execute("DELETE FROM slices WHERE ino=?", (ino,))
-        db.execute("DELETE FROM xattrs WHERE ino=?", (ino,))
-        db.execute("DELETE FROM inodes WHERE ino=?", (ino,))
-
-    async def remove(self, ino):
-        def go(db):
-            row = db.execute("SELECT nlink FROM inodes WHERE ino=?", (ino,)).fetchone()
-            if row is not None and row[0] <= 0:
-                self._remove(db, ino)
-        await self._run(go)
+        return await self._raw(go)
 
     async def orphans(self):
-        return await self._run(lambda db: [r[0] for r in db.execute(
-            "SELECT ino FROM inodes WHERE nlink<=0 AND ino<>?", (ROOT,))])
+        return await self._raw(lambda db: [r[0] for r in db.execute(
+            "SELECT ino FROM inodes WHERE nlink<=0 AND ino<>?", (ROOT,)) if not self._opens[r[0]]])
 
     # -- data
     @staticmethod
@@ -318,53 +224,12 @@ class SqliteMeta(Meta):
                               (ino, start if first is None else first, end)).fetchall()
         return [Slice(*r) for r in rows]
 
-    async def slices(self, ino):
-        return await self._run(self._slices, ino)
-
-    def _cut(self, db, ino: int, new: Slice) -> None:
-        kept, touched = overlay(self._slices(db, ino, new.off, new.end), new)
-        for s in touched:
-            db.execute("DELETE FROM slices WHERE ino=? AND off=?", (ino, s.off))
-            db.execute("INSERT OR IGNORE INTO delq VALUES (?,?)", (s.partition, s.extent))
-        for s in kept:
-            self._put(db, ino, s)
-
-    @staticmethod
-    def _put(db, ino: int, s: Slice) -> None:
-        db.execute("INSERT INTO slices VALUES (?,?,?,?,?,?,?,?,?)",
-                   (ino, s.off, s.length, s.partition, s.extent, s.ext_off, s.wpos, s.wlen, s.crc))
-
-    async def commit(self, ino, new, size, mtime_ns):
-        def go(db):
-            a = self._get(db, ino)
-            for s in new:
-                self._cut(db, ino, s)
-                self._put(db, ino, s)
-                db.execute("INSERT OR IGNORE INTO extents VALUES (?,?)", (s.partition, s.extent))
-            a.size = max(a.size, size)
-            a.mtime_ns = a.ctime_ns = mtime_ns
-            db.execute("UPDATE inodes SET size=?, mtime=?, ctime=? WHERE ino=?", (a.size, mtime_ns, mtime_ns, ino))
-            return a
-        return await self._run(go)
-
-    async def truncate(self, ino, size, mtime_ns):
-        def go(db):
-            a = self._get(db, ino)
-            if a.is_dir:
-                raise MetaError(errno.EISDIR)
-            if size < a.size:
-                self._cut(db, ino, Slice(size, max(a.size, 1 << 62) - size, 0, 0, 0, 0, 0, 0))
-            a.size, a.mtime_ns, a.ctime_ns = size, mtime_ns, mtime_ns
-            db.execute("UPDATE inodes SET size=?, mtime=?, ctime=? WHERE ino=?", (size, mtime_ns, mtime_ns, ino))
-            return a
-        return await self._run(go)
-
     # -- deletion queue
     async def queued(self, limit):
-        return await self._run(lambda db: db.execute("SELECT pid, extent FROM delq LIMIT ?", (limit,)).fetchall())
+        return await self._raw(lambda db: db.execute("SELECT pid, extent FROM delq LIMIT ?", (limit,)).fetchall())
 
     async def referenced(self, partition, extent):
-        return await self._run(lambda db: db.execute("SELECT 1 FROM slices WHERE pid=? AND extent=? LIMIT 1",
+        return await self._raw(lambda db: db.execute("SELECT 1 FROM slices WHERE pid=? AND extent=? LIMIT 1",
                                                      (partition, extent)).fetchone() is not None)
 
     async def dequeue(self, partition, extent):
@@ -373,37 +238,37 @@ class SqliteMeta(Meta):
             if db.execute("SELECT 1 FROM slices WHERE pid=? AND extent=? LIMIT 1", (partition, extent)).fetchone() \
                     is None:
                 db.execute("DELETE FROM extents WHERE pid=? AND extent=?", (partition, extent))
-        await self._run(go)
+        await self._raw(go)
 
     async def usage(self):
-        return await self._run(lambda db: db.execute("SELECT count(*), coalesce(sum(size), 0) FROM inodes "
+        return await self._raw(lambda db: db.execute("SELECT count(*), coalesce(sum(size), 0) FROM inodes "
                                                       "WHERE mode & ? = ?", (S_IFMT, stat.S_IFREG)).fetchone())
 
     # -- xattrs
     async def getxattr(self, ino, name):
         def go(db):
-            self._get(db, ino)
+            self._get(SqliteTx(db, self), ino)
             row = db.execute("SELECT value FROM xattrs WHERE ino=? AND name=?", (ino, name)).fetchone()
             if row is None:
                 raise MetaError(errno.ENODATA)
             return row[0]
-        return await self._run(go)
+        return await self._raw(go)
 
     async def setxattr(self, ino, name, value):
         def go(db):
-            self._get(db, ino)
+            self._get(SqliteTx(db, self), ino)
             db.execute("INSERT OR REPLACE INTO xattrs VALUES (?,?,?)", (ino, name, value))
             db.execute("UPDATE inodes SET ctime=? WHERE ino=?", (time.time_ns(), ino))
-        await self._run(go)
+        await self._raw(go)
 
     async def listxattr(self, ino):
-        return await self._run(lambda db: [r[0] for r in db.execute("SELECT name FROM xattrs WHERE ino=?", (ino,))])
+        return await self._raw(lambda db: [r[0] for r in db.execute("SELECT name FROM xattrs WHERE ino=?", (ino,))])
 
     async def removexattr(self, ino, name):
         def go(db):
             if db.execute("DELETE FROM xattrs WHERE ino=? AND name=?", (ino, name)).rowcount == 0:
                 raise MetaError(errno.ENODATA)
-        await self._run(go)
+        await self._raw(go)
 
     # -- fsck
     async def check(self):
@@ -428,14 +293,14 @@ class SqliteMeta(Meta):
                     out.append({"kind": "overlapping_slices", "ino": ino, "off": s.off})
                 prev[ino] = s
             return out
-        return await self._run(go)
+        return await self._raw(go)
 
     async def all_slices(self):
-        return await self._run(lambda db: [(r[0], Slice(*r[1:])) for r in db.execute(
+        return await self._raw(lambda db: [(r[0], Slice(*r[1:])) for r in db.execute(
             "SELECT ino, off, len, pid, extent, ext_off, wpos, wlen, crc FROM slices ORDER BY pid, extent, wpos")])
 
     async def known_extents(self):
-        return await self._run(lambda db: {tuple(r) for r in db.execute("SELECT pid, extent FROM extents")})
+        return await self._raw(lambda db: {tuple(r) for r in db.execute("SELECT pid, extent FROM extents")})
 
     async def repair(self, problems):
         def go(db):
@@ -446,7 +311,7 @@ class SqliteMeta(Meta):
                     done.append({**p, "action": "entry removed"})
                 elif p["kind"] == "orphan_inode":
                     db.execute("UPDATE inodes SET nlink=0 WHERE ino=?", (p["ino"],))
-                    self._remove(db, p["ino"])
+                    SqliteTx(db, self).drop_inode(p["ino"])
                     done.append({**p, "action": "inode removed, its extents queued for deletion"})
                 elif p["kind"] == "wrong_nlink":
                     db.execute("UPDATE inodes SET nlink=? WHERE ino=?", (p["entries"], p["ino"]))
@@ -455,4 +320,4 @@ class SqliteMeta(Meta):
                     db.execute("INSERT OR IGNORE INTO delq VALUES (?,?)", (p["partition"], p["extent"]))
                     done.append({**p, "action": "queued for deletion"})
             return done
-        return await self._run(go)
+        return await self._raw(go)

@@ -65,21 +65,23 @@ def check_mountpoint(mountpoint: str) -> None:
 
 
 async def serve(mountpoint: str, nodes: list[str], meta_url: str, *, partitions: list[int] | None = None,
-                budget: int = 256 << 20, chunk: int = 16 << 20, capacity_paths=(), timeout: float = 30.0,
-                ready=None) -> None:
+                budget: int = 256 << 20, chunk: int = 16 << 20, timeout: float = 30.0,
+                write_retry_s: float = 30.0, etcd: str | None = None, ready=None) -> None:
+    """Mount and serve until unmounted.  ``etcd``: the cluster's etcd (the partition map is read from it and
+    followed, so a shrunk replica set or a new leader is known within a watch round-trip)."""
     check_mountpoint(mountpoint)
     meta: Meta = await trio.to_thread.run_sync(open_meta, meta_url)
     try:
-        async with DataClient.open(nodes, timeout=timeout) as dc:
+        async with DataClient.open(nodes, timeout=timeout, etcd=etcd) as dc:
             pids = partitions or sorted(dc.partitions)
             if not pids:
-                raise MountError(f"the cluster ({', '.join(nodes)}) has no data partition: create one with "
+                raise MountError(f"the cluster ({', '.join(nodes) or etcd}) has no data partition: create one with "
                                  f"`dnctl partition create`")
             missing = [p for p in pids if p not in dc.partitions]
             if missing:
                 raise MountError(f"partition(s) {missing} unknown to the cluster (known: {sorted(dc.partitions)})")
             async with trio.open_nursery() as n:
-                fs = DnFS(meta, dc, pids, n, budget=budget, chunk=chunk, capacity_paths=list(capacity_paths))
+                fs = DnFS(meta, dc, pids, n, budget=budget, chunk=chunk, write_retry_s=write_retry_s)
                 await fs.startup()
                 opts = set(pyfuse3.default_options) | {f"fsname=dnfs-{os.getpid()}", "subtype=dnfs"}
                 try:
@@ -88,6 +90,8 @@ async def serve(mountpoint: str, nodes: list[str], meta_url: str, *, partitions:
                     raise MountError(f"cannot mount {mountpoint}: {e}") from None
                 log.info("mounted %s (meta %s, partitions %s)", mountpoint, meta_url, pids)
                 n.start_soon(fs.reclaimer.run)
+                n.start_soon(meta.keep_session)
+                n.start_soon(fs.run_sweeper)
                 n.start_soon(_signals)
                 if ready is not None:
                     ready()
