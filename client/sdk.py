@@ -394,12 +394,7 @@ class DataClient:
                     raise _acked(e, out)
                 await self.refresh(pid)
                 continue
-            chunks = []
-            while pos < len(mv) and offset + min(self.block_size, len(mv) - pos) <= MAX_EXTENT:
-                n = min(self.block_size, len(mv) - pos)
-                chunks.append((pos, offset, n))
-                pos += n
-                offset += n
+            chunks, pos, offset = self._chunks(len(mv), pos, offset)
             if not chunks:       # the extent is full: drop it
                 continue
             done, err = await self._pipeline(part, extent, mv, chunks, on_progress)
@@ -484,12 +479,7 @@ class DataClient:
                 with trio.move_on_at(deadline) as cs:
                     extent, offset = await self._extent_for(pid, min(len(mv) - pos, self.block_size))
                     fresh = offset == 0
-                    chunks = []
-                    while pos < len(mv) and offset + min(self.block_size, len(mv) - pos) <= MAX_EXTENT:
-                        n = min(self.block_size, len(mv) - pos)
-                        chunks.append((pos, offset, n))
-                        pos += n
-                        offset += n
+                    chunks, pos, offset = self._chunks(len(mv), pos, offset)
                     done, err = await self._pipeline(part, extent, mv, chunks, on_progress)
                 if cs.cancelled_caught:
                     err = ClientError(f"partition {pid}: no answer before the deadline", node=leader)
@@ -614,6 +604,17 @@ class DataClient:
                                        f"unreachable (partition {part.pid} is degraded; no extent created)",
                                        addr, result=Result.REPLICATION_FAILED, node=part.replicas[0],
                                        arg=idx) from None
+
+    def _chunks(self, total: int, pos: int, offset: int) -> tuple[list[tuple[int, int, int]], int, int]:
+        """Split data[pos:total] into (data pos, extent offset, length) requests of at most block_size that
+        fit the extent from ``offset``; returns them, and the data position and extent offset after them."""
+        chunks = []
+        while pos < total and offset + min(self.block_size, total - pos) <= MAX_EXTENT:
+            n = min(self.block_size, total - pos)
+            chunks.append((pos, offset, n))
+            pos += n
+            offset += n
+        return chunks, pos, offset
 
     async def _pipeline(self, part, extent, mv, chunks, on_progress):
         """Send appends in order with up to ``depth`` in flight; returns (acked prefix, first error)."""
