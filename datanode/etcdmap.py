@@ -210,6 +210,7 @@ class Etcd:
     def _call_sync(self, fn):
         """Run ``fn(client)`` against the endpoints in turn (the last good one first)."""
         import etcd3gw.exceptions as ex
+        import requests
         errors = []
         n = len(self._clients)
         start = self._good
@@ -218,7 +219,10 @@ class Etcd:
             c = self._clients[k]
             try:
                 out = fn(c)
-            except (ex.ConnectionFailedError, ex.ConnectionTimeoutError, ex.InternalServerError) as e:
+            except (ex.ConnectionFailedError, ex.ConnectionTimeoutError, ex.InternalServerError,
+                    requests.RequestException, ValueError) as e:
+                # etcd3gw passes some of requests' errors through unwrapped: a member killed mid-answer
+                # ends the body early (ChunkedEncodingError) or leaves half a JSON document (ValueError)
                 errors.append(f"{c.base_url}: {type(e).__name__}")
                 continue
             except ex.Etcd3Exception as e:
