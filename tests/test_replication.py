@@ -266,6 +266,12 @@ def test_forwarded_payload_is_fetched_from_the_leaders_pool(nodes, client, trans
     async def body():
         async with client([]) as dc:
             await create_partition(dc, P1, [a.addr, b.addr, c.addr])
+            # the leader's first repair pass (on gaining the lead) must be over: run beside the first writes
+            # it may copy an append still in flight -- correct (the follower refuses it, WRONG_OFFSET), but
+            # its fetch would show in the counters
+            with trio.fail_after(10 * SLACK):
+                while (await dc.admin(a.addr, Op.NODE_STATUS))["counters"]["repair_passes"] < 1:
+                    await trio.sleep(0.05)
             leader_rkey = (await dc.admin(a.addr, Op.POOL_STATS))["rkey"]
             appends = 0
             lengths = []
