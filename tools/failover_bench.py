@@ -3,6 +3,9 @@
     python -m tools.failover_bench --leader-kills 9 --follower-kills 3 --manager-kills 5 [--ttl 2] [--json]
     python -m tools.failover_bench --leader-kills 0 --follower-kills 3 --fill-mib 1024   # 1 GiB to re-replicate
 
+The writer is paced (``--rate``, 200 writes/s) and replaced copies are purged at once, so a long run of kills
+does not fill the disk.
+
 Per leader kill (kill -9): seconds from the kill to the writer's next acknowledged write.  Per follower kill:
 seconds from the kill to the writer's next acknowledged write after the stall, and to the partition being
 back at its full replica count (re-replicated onto the spare and filled by repair).  The killed node is
@@ -78,10 +81,12 @@ async def _manager_rounds(et: Etcd, root: pathlib.Path, url: str, ttl: int, kill
 
 
 async def bench(root: pathlib.Path, leader_kills: int, follower_kills: int, ttl: int, size: int,
-                manager_kills: int = 0, fill: int = 0, repair_mib_s: float | None = None) -> dict:
+                manager_kills: int = 0, fill: int = 0, repair_mib_s: float | None = None,
+                rate: float = 200.0) -> dict:
     e = EtcdProc(root / "etcd").start()
     cfg = {"etcd": e.url, "lease_ttl_s": ttl, "heartbeat_s": 0.5, "pool_mib": 64, "transport": "tcp",
            "replica_timeout": 2.0, "sync": "always",
+           "trash_retention_s": 0.0,     # a replaced node's stale copy is purged at once (else: disk fills up)
            **({"repair_mib_s": repair_mib_s} if repair_mib_s is not None else {})}
     nodes = [NodeProc(root / f"node{i}", f"127.0.0.1:{free_port()}", **cfg) for i in range(4)]
     mgr = ManagerProc(root, e.url, "m1", lease_ttl_s=ttl, down_after_s=0.5, tick_s=0.2,
@@ -113,13 +118,16 @@ async def bench(root: pathlib.Path, leader_kills: int, follower_kills: int, ttl:
                 print(f"filled partition 1 with {written[0] / MiB:.0f} MiB in {out['fill_s']}s", file=sys.stderr)
 
             async def writer():
-                i = 0
+                # paced (``rate`` writes/s at most): fine enough to time a stall to 1/rate s, and many kills
+                # do not fill the disk
                 data = bytes(size)
+                next_at = trio.current_time()
                 while True:
-                    i += 1
                     await dc.write(1, data)
                     acks.append(time.monotonic())
                     written[0] += size
+                    next_at = max(next_at + 1 / rate, trio.current_time() - 1)
+                    await trio.sleep_until(next_at)
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(writer)
@@ -178,6 +186,8 @@ def main() -> None:
     ap.add_argument("--manager-kills", type=int, default=0)
     ap.add_argument("--ttl", type=int, default=2, help="lease TTL of nodes and manager (s)")
     ap.add_argument("--size", type=int, default=64 << 10, help="bytes per write")
+    ap.add_argument("--rate", type=float, default=200.0,
+                    help="the writer's pace, writes/s at most (the stall is timed to 1/rate s)")
     ap.add_argument("--fill-mib", type=int, default=0,
                     help="write this much into the partition first (what a follower's replacement must copy)")
     ap.add_argument("--repair-mib-s", type=float, default=None,
@@ -187,7 +197,7 @@ def main() -> None:
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="failover-bench-") as d:
         res = trio.run(bench, pathlib.Path(a.dir or d), a.leader_kills, a.follower_kills, a.ttl, a.size,
-                       a.manager_kills, a.fill_mib * MiB, a.repair_mib_s)
+                       a.manager_kills, a.fill_mib * MiB, a.repair_mib_s, a.rate)
     print(json.dumps(res, indent=1) if a.json else
           f"lease ttl {res['lease_ttl_s']}s: leader kill -> next ack {res.get('leader_resume_s')}; "
           f"follower kill -> writes again {res.get('follower_resume_s')}, full count {res.get('follower_full_again_s')}; "
