@@ -328,16 +328,21 @@ class Etcd:
             out[k[len(self.nodes_prefix):]] = d
         return out
 
-    async def cas_part(self, view: PartView, *, expect_rev: int, holder: tuple[str, str] | None = None) -> bool:
+    async def cas_part(self, view: PartView, *, expect_rev: int, holder: tuple[str, str] | None = None,
+                       also: tuple[str, str] | None = None) -> bool:
         """Write ``view`` if its key is still at ``expect_rev`` (0: does not exist yet) and, with
-        ``holder=(key, value)``, only while ``key`` still holds ``value`` (the manager's election key)."""
+        ``holder=(key, value)``, only while ``key`` still holds ``value`` (the manager's election key).
+        ``also=(key, value)``: put that too, in the same transaction (an admin request's progress)."""
         key = self.part_key(view.id)
         cmp = ([{"key": _b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": 0}]
                if expect_rev == 0 else
                [{"key": _b64(key), "result": "EQUAL", "target": "MOD", "mod_revision": expect_rev}])
         if holder is not None:
             cmp.append({"key": _b64(holder[0]), "result": "EQUAL", "target": "VALUE", "value": _b64(holder[1])})
-        ok, rev = await self.txn(cmp, [{"request_put": {"key": _b64(key), "value": _b64(view.encode())}}])
+        puts = [{"request_put": {"key": _b64(key), "value": _b64(view.encode())}}]
+        if also is not None:
+            puts.append({"request_put": {"key": _b64(also[0]), "value": _b64(also[1])}})
+        ok, rev = await self.txn(cmp, puts)
         if ok:
             view.rev = rev
         return ok

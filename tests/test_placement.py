@@ -93,7 +93,8 @@ import pathlib  # noqa: E402
 
 import trio  # noqa: E402
 
-from datanode.etcdmap import Etcd  # noqa: E402
+from client import admin  # noqa: E402
+from datanode.etcdmap import Etcd, PartView  # noqa: E402
 from datanode.protocol import Op  # noqa: E402
 from tests.conftest import open_client, pattern, run  # noqa: E402
 from tests.test_etcd import ETCD_NODE, etcd, managers, wait_for  # noqa: E402,F401 - fixtures used below
@@ -172,6 +173,41 @@ def test_manager_places_and_keeps_min_writable(nodes, etcd, managers):
 
 async def _gone(et, pid):
     return pid not in await et.parts()
+
+
+def test_a_create_request_half_served_by_a_dead_manager_is_finished_not_repeated(nodes, etcd, managers):
+    """A manager that dies while serving `partition create --count 3` leaves, in one etcd transaction each,
+    the partitions it published and their record in the request (``made``).  The manager that takes over
+    creates only the missing ones: the admin gets 3 partitions and etcd holds 3, not 4."""
+    e = etcd()
+    ns = nodes(3, etcd=e.url, **NODE)
+    addrs = [n.addr for n in ns]
+    et = Etcd(e.url)
+
+    async def main():
+        # what the dead manager left: partition 1 on its nodes and in etcd, recorded in the pending request
+        async with open_client("tcp") as dc:
+            await admin.create_partition(dc, 1, addrs)
+        first = PartView(1, addrs, 1, want=3, synced=list(addrs), state="writable", installed=True)
+        key = et.key("requests", "half-served")
+        body = {"op": "create", "count": 3, "replicas": 3, "state": "pending", "made": [first.to_dict()]}
+        assert await et.cas_part(first, expect_rev=0, also=(key, json.dumps(body)))
+        managers(e.url, **MGR)
+
+        async def answered():
+            got = await et.get(key)
+            req = json.loads(got[0]) if got else {}
+            return req if req.get("state") != "pending" else None
+        req = await wait_for("the request to be answered", answered)
+        assert req["state"] == "done", req
+        assert len(req["partitions"]) == 3 and req["partitions"][0]["id"] == 1, req
+        parts = await et.parts()
+        assert sorted(parts) == sorted(p["id"] for p in req["partitions"]), sorted(parts)
+        async with open_client("tcp") as dc:              # each one really exists on its replicas
+            for p in req["partitions"]:
+                for a in p["replicas"]:
+                    assert p["id"] in [q["id"] for q in await dc.admin(a, Op.PARTITION_LIST)]
+    run(main)
 
 
 def test_decommission_empties_node_and_data_reads_back(nodes, etcd, managers):

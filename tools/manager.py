@@ -234,8 +234,9 @@ class Manager:
         return self.tasks.spare(view, nodes)      # tools/placement.py decides; draining nodes excluded
 
     # -- changes ------------------------------------------------------------------------------------
-    async def _cas(self, view: PartView, rev: int) -> bool:
-        return await self.etcd.cas_part(view, expect_rev=rev, holder=(self.etcd.manager_key, self.ident))
+    async def _cas(self, view: PartView, rev: int, also: tuple[str, str] | None = None) -> bool:
+        return await self.etcd.cas_part(view, expect_rev=rev, holder=(self.etcd.manager_key, self.ident),
+                                        also=also)
 
     async def _set(self, view: PartView, **changes) -> bool:
         new = PartView(**{**{k: getattr(view, k) for k in ("id", "replicas", "epoch", "want", "synced",

@@ -7,6 +7,9 @@ Keys (under the cluster prefix, next to ``nodes/``, ``parts/`` and ``manager``; 
 * ``requests/<id>`` -- an admin's request, e.g. ``{"op": "create", "count": 4, "replicas": 3}`` (written by
   ``dnctl partition create --count N``).  The manager answers in the same key: ``"state": "done"`` with the
   partitions it made, or ``"state": "failed"`` with an ``error``; the requester reads and deletes it.
+  While serving it, the manager records each partition it publishes in the key's ``made`` list (one etcd
+  transaction with the partition's view), so a standby that takes over mid-request finishes it and never
+  creates a partition twice.
 * ``drain/<addr>``  -- the node is being decommissioned (``dnctl node decommission ADDR``).  No new replica
   goes there (placement, re-replication), and every partition naming it is moved, one membership change at
   a time, each through the CAS path every other change takes (``Manager.change``): first a spare is added
@@ -100,9 +103,14 @@ class ManagerTasks:
         held, _ = self._load(parts or {})
         return pick_spare(ok, view.replicas, held=held)
 
-    async def create(self, nodes: dict, count: int, replicas: int) -> list[dict]:
+    async def create(self, nodes: dict, count: int, replicas: int,
+                     request: tuple[str, dict] | None = None) -> list[dict]:
         """Place and create ``count`` new partitions; returns their views (as dicts).  PlacementError when
-        there are not enough eligible nodes; a partition that fails to be created ends the batch."""
+        there are not enough eligible nodes; a partition that fails to be created ends the batch.
+
+        ``request=(key, body)``: an admin's request being served.  Each partition is published together with
+        the request's progress (``body["made"]``, in the same etcd transaction), so a manager that takes
+        over a half-served request creates only what is still missing."""
         parts = await self.m.etcd.parts()
         ok = eligible(nodes, exclude=self.draining, min_free_bytes=self.min_free)
         held, leading = self._load(parts)
@@ -115,7 +123,12 @@ class ManagerTasks:
             next_id += 1
             await admin.create_partition(self.m.dc, pid, reps)
             view = PartView(pid, reps, 1, want=replicas, synced=list(reps), state="writable", installed=True)
-            if not await self.m._cas(view, 0):
+            also = None
+            if request is not None:
+                key, body = request
+                body["made"] = body.get("made", []) + [view.to_dict()]
+                also = (key, json.dumps(body, sort_keys=True))
+            if not await self.m._cas(view, 0, also):
                 raise ClientError(f"partition {pid}: etcd already has it (created concurrently?)")
             log.warning("partition %d created: replicas %s (leader %s)", pid, ",".join(reps), reps[0])
             out.append(view.to_dict())
@@ -204,7 +217,9 @@ class ManagerTasks:
                 if req.get("op") != "create":
                     raise ValueError(f"unknown request {req.get('op')!r}")
                 count, replicas = int(req["count"]), int(req["replicas"])
-                made = await self.create(nodes, count, replicas)
+                made = list(req.get("made", []))     # published by a manager before us that did not finish
+                if count > len(made):
+                    made += await self.create(nodes, count - len(made), replicas, request=(key, req))
                 req.update(state="done", partitions=made, manager=self.m.ident)
             except (PlacementError, ClientError, ValueError, KeyError) as e:
                 req.update(state="failed", error=str(e), manager=self.m.ident)
