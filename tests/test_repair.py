@@ -259,6 +259,29 @@ def test_scrub_finds_flipped_bytes_and_repairs_them(nodes, client):
     assert "bad block" in a.log_path.read_text()
 
 
+def test_racing_creates_of_one_extent_on_a_follower_both_succeed(nodes, client):
+    """The leader's repair creates an extent a client's create is forwarding at the same moment (both
+    forwards in flight on the follower at once): an empty extent of that id is the result either way, so
+    both are answered OK -- the client's create must not fail (CI saw REPLICATION_FAILED from this race)."""
+    a, b = nodes(2, **FAST)
+
+    async def body():
+        async with client([]) as dc:
+            await create_partition(dc, PID, [a.addr, b.addr])
+            results = []
+
+            async def create(e):
+                r, _ = await dc.request(b.addr, Header(opcode=Op.CREATE_EXTENT, partition=PID, extent=e,
+                                                       epoch=1, flags=Flag.FORWARDED | Flag.REPAIR))
+                results.append((e, Result(r.result).name))
+            async with trio.open_nursery() as n:
+                for e in range(100, 130):
+                    n.start_soon(create, e)
+                    n.start_soon(create, e)
+            assert sorted(results) == sorted((e, "OK") for e in range(100, 130) for _ in (1, 2)), results
+    run(body)
+
+
 def test_old_leader_is_fenced_then_repaired(nodes, client):
     """The leader dies; `dnctl partition set-leader` promotes a follower (epoch + 1) although the old
     leader does not answer.  When the old leader returns, requests at its stale epoch are refused, it

@@ -140,9 +140,14 @@ class DataOps(Handlers):
     async def op_create_extent(self, conn, h: Header, _t) -> Header:
         part = self._partition(h)
         if h.flags & Flag.FORWARDED:
-            if part.lane(h.extent) is not None and self._size(part, h.extent) == 0:
-                return h.reply(Result.OK, arg=h.extent)   # repair and a client's create raced: same result
-            eid = await self._store(part.store.create_extent, h.extent)
+            # The leader's repair and a client's create may race (both forwards may even be creating here at
+            # once, in worker threads): an empty extent of that id is the same result either way.
+            try:
+                eid = await self._store(part.store.create_extent, h.extent)
+            except Reply as e:
+                if e.result == Result.EXISTS and part.lane(h.extent) is not None and self._size(part, h.extent) == 0:
+                    return h.reply(Result.OK, arg=h.extent)
+                raise
             return h.reply(Result.OK, arg=eid)
         part = await self._lead(h)
         view = list(part.replicas)          # the view of h.epoch: forwards go to it, whatever happens meanwhile
