@@ -19,7 +19,7 @@ import time
 import trio
 
 from . import config as config_mod
-from .audit import AuditLog
+from .audit import NOTE as AUDIT_NOTE, AuditLog
 from .commit import GroupCommit
 from .auth import AuthConfigError, Credentials, DialAuth
 from .metrics import NodeMetrics, serve_metrics
@@ -380,7 +380,7 @@ class Node(DataOps, AdminOps, RepairOps):
                     await self.audit.record(peer=conn.peer, role=conn.role, identity=conn.identity,
                                             op=Op(h.opcode).name, partition=h.partition, epoch=h.epoch,
                                             result=Result(resp.result).name if resp is not None else "DROPPED",
-                                            detail=why)
+                                            detail=why or AUDIT_NOTE.get())
 
     async def install_view(self, pid: int, replicas: list[str], epoch: int) -> bool:
         """Adopt a higher epoch and its replica list (False if ``epoch`` is not above ours)."""

@@ -658,15 +658,24 @@ def test_dnctl_secret_cluster_and_trash(tmp_path):
         dnctl("--secret-file", secret, "partition", "delete", "--id", "1", "--replicas", f"{a},{b}", check=True)
         rows = json.loads(dnctl("trash", "list", "--cluster", d, "--json", check=True).out)
         assert sorted(r["node"] for r in rows) == sorted([a, b]) and {r["partition"] for r in rows} == {1}
+        assert {r["via"] for r in rows} == {"node"}                  # both run: asked over the wire
         mine = next(r["name"] for r in rows if r["node"] == a)
-        refused(dnctl("trash", "restore", mine, "--cluster", d, "--node", a), "is running", "stop it first")
-        dnctl("cluster", "stop-node", a, "--cluster", d, check=True)
+        theirs = next(r["name"] for r in rows if r["node"] == b)
         got = json.loads(dnctl("trash", "restore", mine, "--cluster", d, "--node", a, "--json", check=True).out)
-        assert got == {"node": a, "name": mine, "partition": 1}
-        dnctl("cluster", "start-node", a, "--cluster", d, check=True)
+        assert got == {"node": a, "name": mine, "partition": 1, "via": "node"}     # running: served at once
         out = dnctl("get", "--cluster", d, "--partition", "1", "--extent", "1", "--replica", a, "--out", "-",
                     check=True)
         assert out.stdout == f.read_bytes()
+        dnctl("cluster", "stop-node", b, "--cluster", d, check=True)     # down: its disk, from this host
+        rows = json.loads(dnctl("trash", "list", "--cluster", d, "--json", check=True).out)
+        assert [(r["node"], r["name"], r["via"]) for r in rows] == [(b, theirs, "disk")]
+        got = json.loads(dnctl("trash", "restore", theirs, "--cluster", d, "--json", check=True).out)
+        assert got == {"node": b, "name": theirs, "partition": 1, "via": "disk"}
+        dnctl("cluster", "start-node", b, "--cluster", d, check=True)
+        out = dnctl("get", "--cluster", d, "--partition", "1", "--extent", "1", "--replica", b, "--out", "-",
+                    check=True)
+        assert out.stdout == f.read_bytes()
+        dnctl("--secret-file", secret, "partition", "delete", "--id", "1", "--replicas", b, check=True)
         gone = json.loads(dnctl("trash", "purge", "--all", "--cluster", d, "--node", b, "--json", check=True).out)
         assert [g["node"] for g in gone] == [b]
         assert json.loads(dnctl("trash", "list", "--cluster", d, "--json", check=True).out) == []
