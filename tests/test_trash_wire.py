@@ -162,7 +162,7 @@ def test_dnctl_trash_over_the_wire(nodes, secret, tmp_path):
     p = dnctl("list", "--node", n.addr)
     assert row["name"] in p.stdout and f"partition {PID}" in p.stdout
     p = dnctl("restore", "not-a-name", "--node", n.addr)
-    assert p.returncode == 2 and "PARTITION.NANOSECONDS" in p.stderr and "Traceback" not in p.stderr
+    assert p.returncode == 2 and "PARTITION.NANOSECONDS" in p.stderr and "bad_trash_name" not in p.stderr and "Traceback" not in p.stderr
     p = dnctl("list", "--node", n.addr, secret_file=None)
     assert p.returncode == 1 and "requires authentication" in p.stderr and "Traceback" not in p.stderr
     p = dnctl("restore", row["name"], "--node", n.addr, "--json")

@@ -679,7 +679,8 @@ def test_dnctl_secret_cluster_and_trash(tmp_path):
         gone = json.loads(dnctl("trash", "purge", "--all", "--cluster", d, "--node", b, "--json", check=True).out)
         assert [g["node"] for g in gone] == [b]
         assert json.loads(dnctl("trash", "list", "--cluster", d, "--json", check=True).out) == []
-        refused(dnctl("trash", "purge", "nosuch", "--cluster", d), "no trash entry")
+        refused(dnctl("trash", "purge", "7.1", "--cluster", d), "no trash entry 7.1")
+        refused(dnctl("trash", "purge", "nosuch", "--cluster", d), "not a trash entry name")
         refused(dnctl("trash", "list"), "--config", "--cluster")
     finally:
         dnctl("cluster", "down", "--cluster", d)

@@ -149,7 +149,7 @@ def trash_restore(name, config_path, cluster, node, as_json):
     try:
         check_trash_name(name)
     except BodyError as e:
-        raise click.BadParameter(str(e), param_hint="NAME") from None
+        raise click.BadParameter(e.detail, param_hint="NAME") from None
     targets = _targets(config_path, cluster, node)
     if len(targets) > 1:                  # which node holds it?
         holders = []
@@ -198,7 +198,7 @@ def trash_purge(names, config_path, cluster, node, expired, everything, as_json)
         for n in names:
             check_trash_name(n)
     except BodyError as e:
-        raise click.BadParameter(str(e), param_hint="NAMES") from None
+        raise click.BadParameter(e.detail, param_hint="NAMES") from None
     targets = _targets(config_path, cluster, node)
     gone = []
     for t in targets:
