@@ -58,7 +58,7 @@ class Config:
     idle_timeout_s: float = 600.0  # a connection with nothing in flight for this long is closed (0: never)
     conn_pool_share: float = 0.5   # most of the pool one connection's requests may hold (fraction)
     max_inflight: int = 0          # requests one connection may have in flight; more are answered BUSY (0: = slots)
-    penalty_max_s: float = 2.0     # a host whose peer was dropped for abuse: its new connections wait (0: never)
+    penalty_max_s: float = 2.0     # a host+role (node: +identity) whose peer was dropped for abuse: its new connections wait (0: never)
     trash_retention_s: float = 86400.0   # a deleted/removed partition's data is kept in data_dir/trash this long
     audit_log: str = ""            # admin actions, one JSON line each (empty: data_dir/audit.log)
     tls_cert: str = ""             # PEM certificate (chain) this node presents to TLS clients (empty: no TLS)
@@ -201,8 +201,8 @@ KEY_HELP: dict[str, tuple[str, str]] = {
     "max_inflight": ("count", "requests one connection may have in flight; more are answered BUSY at once "
                               "(0: the same as slots)"),
     "penalty_max_s": ("seconds", "after a peer is dropped for abuse (payload not served, answers not read, "
-                                 "slots overrun), its host's new connections wait 0.05s, doubling per offence up "
-                                 "to this (0: never)"),
+                                 "slots overrun), new connections of its host and role (a node: its identity) wait "
+                                 "0.05s after their hello, doubling per offence up to this (0: never)"),
     "trash_retention_s": ("seconds", "a deleted or removed partition's data stays in data_dir/trash this long"),
     "audit_log": ("path", "admin actions as JSON lines (empty: data_dir/audit.log)"),
     "tls_cert": ("path", "PEM certificate (chain) presented to TLS clients; names the node's listen IP/host"),

@@ -77,7 +77,7 @@ class Node(DataOps, AdminOps, RepairOps):
         self.audit = AuditLog(cfg.audit_log or str(pathlib.Path(cfg.data_dir) / "audit.log"), self.me)
         self.accepted = 0                    # connections accepted and not yet ended (max_connections)
         self.refused_connections = 0
-        self.penalties: dict[str, tuple[float, float]] = {}   # host -> (its new connections wait until, since)
+        self.penalties: dict[str, tuple[float, float]] = {}   # _penalty_key -> (its connections wait until, since)
         self.domain.scoped = True            # our memory is reachable only through grants (transport/base.py)
         self.pool = BuddyPool(cfg.pool_mib << 20, cfg.max_block_kib << 10)
         # The whole arena, registered once; peers may read it (followers fetch forwards), never write.
@@ -146,6 +146,8 @@ class Node(DataOps, AdminOps, RepairOps):
                                                auth=self.dial_auth)
                 nursery.start_soon(self._keep_trash)
                 nursery.start_soon(self.commit.run)
+                nursery.start_soon(self.metrics.loop_lag.run)
+                self.metrics.gc.install()
                 if cfg.metrics_listen:
                     await nursery.start(serve_metrics, cfg.metrics_listen, self.metrics)
                 accepting = trio.CancelScope()
@@ -182,9 +184,6 @@ class Node(DataOps, AdminOps, RepairOps):
         except OSError:                          # reset before we even looked at it
             return
         peer = f"{host}:{port}"
-        delay = self.penalties.get(host, (0.0, 0.0))[0] - trio.current_time()
-        if delay > 0:                 # this host's peers broke the rules lately: its new connections wait
-            await trio.sleep(delay)
         if self.accepted >= self.cfg.max_connections:
             self.refused_connections += 1
             if self.refused_connections % 1000 == 1:
@@ -199,6 +198,9 @@ class Node(DataOps, AdminOps, RepairOps):
             async with accept(stream.socket, peer, self.domain, transport=self.cfg.transport,
                               slots=self.cfg.slots, timeout=self.cfg.hello_timeout,
                               auth=self.server_auth) as conn:
+                delay = self.penalties.get(self._penalty_key(host, conn), (0.0, 0.0))[0] - trio.current_time()
+                if delay > 0:   # peers of this host and role (node: identity) broke the rules lately: wait
+                    await trio.sleep(delay)
                 await self._connection(conn)
         except ConnectionClosed as e:
             log.debug("connection from %s ended: %s", peer, e)               # e.g. a port probe
@@ -210,27 +212,38 @@ class Node(DataOps, AdminOps, RepairOps):
         finally:
             self.accepted -= 1
             if conn is not None and conn.misbehaved and self.cfg.penalty_max_s:
-                self._penalize(host, conn.misbehaved)
+                self._penalize(self._penalty_key(host, conn), conn.misbehaved)
         # (trio.serve_listeners closes the stream when this returns)
 
     PENALTY_MIN, PENALTY_FORGET = 0.05, 30.0
 
-    def _penalize(self, host: str, why: str) -> None:
-        """A peer of ``host`` was dropped for breaking the rules: the host's next connections wait before their
-        hello (doubling per offence, up to ``penalty_max_s``; forgotten after PENALTY_FORGET quiet seconds), so a
-        peer that reconnects at once to abuse again gets a bounded share of the node.  Connections already
-        open (well-behaved clients keep theirs) are not touched."""
+    @staticmethod
+    def _penalty_key(host: str, conn: Connection) -> str:
+        """Whose offences a new connection pays for: its host and the role it proved in the hello, and for a
+        node its identity (its listen address, proven with the node key).  So a client-role peer that abuses
+        the node from a host does not slow the replication links of a datanode on the same host (on loopback:
+        every local peer), nor an admin's commands.  Without authentication: the host alone."""
+        if conn.role is None:
+            return host
+        return f"{host} {conn.role.name.lower()}" + (f" {conn.identity}" if conn.identity else "")
+
+    def _penalize(self, key: str, why: str) -> None:
+        """A peer of ``key`` (``_penalty_key``) was dropped for breaking the rules: the key's next connections
+        wait after their hello, before their first request is read (doubling per offence, up to
+        ``penalty_max_s``; forgotten after PENALTY_FORGET quiet seconds), so a peer that reconnects at once to
+        abuse again gets a bounded share of the node.  Connections already open (well-behaved clients keep
+        theirs) are not touched."""
         now = trio.current_time()
-        until, last = self.penalties.get(host, (0.0, 0.0))
+        until, last = self.penalties.get(key, (0.0, 0.0))
         prev = max(0.0, until - last) if now - last < self.PENALTY_FORGET else 0.0
         step = min(self.cfg.penalty_max_s, max(self.PENALTY_MIN, prev * 2))
-        self.penalties[host] = (now + step, now)
+        self.penalties[key] = (now + step, now)
         if len(self.penalties) > 4096:        # bounded, whatever the number of hosts
-            for h in [h for h, (_, t) in self.penalties.items() if now - t > self.PENALTY_FORGET]:
-                del self.penalties[h]
+            for k in [k for k, (_, t) in self.penalties.items() if now - t > self.PENALTY_FORGET]:
+                del self.penalties[k]
         self.counters.penalties += 1
         if self.counters.penalties % 100 == 1:
-            log.warning("peer from %s dropped (%s): its new connections wait %.2fs (%d such drops so far)", host,
+            log.warning("peer from %s dropped (%s): its new connections wait %.2fs (%d such drops so far)", key,
                         why, step, self.counters.penalties)
 
     def _track(self, conn: Connection, opened: bool) -> None:
@@ -460,6 +473,7 @@ class Node(DataOps, AdminOps, RepairOps):
                 "inflight": self.inflight - asking, "partitions": sorted(self.table.parts),
                 "disk": self.disk(),
                 "connections": [c.info() for c in list(self.conns)],
+                "loop_lag": self.metrics.loop_lag.to_dict(), "gc": self.metrics.gc.to_dict(),
                 "counters": {**dataclasses.asdict(self.counters), **dataclasses.asdict(self.replication.counters),
                              **dataclasses.asdict(self.commit.counters),
                              **dataclasses.asdict(self.repair.counters)},

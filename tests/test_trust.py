@@ -736,3 +736,48 @@ def test_tls_on_the_tcp_stream(nodes, secret, tmp_path):
                 assert [x["tls"] for x in st["connections"]] == [ca_file is not None]
     run(body)
     assert "requires TLS" in wait_log(a, "requires TLS")
+
+
+# -- the reconnect penalty is per host and role (a node: its identity), paid after the hello ------------------------
+def test_a_client_abusers_penalty_does_not_slow_nodes_or_admins_of_its_host(nodes, secret):
+    """Eight client-role peers from 127.0.0.1 never serve their payloads and are dropped: client-role connections
+    from that host then wait (penalty), while a datanode's link (role node, its identity) and an admin's
+    connection from the same host are served at once -- on loopback every local peer shares the host."""
+    [n] = nodes(1, transport="tcp", peer_timeout=0.5, secret_file=str(secret), penalty_max_s=30.0)
+
+    async def setup():
+        async with open_client("tcp", [], secret=str(secret)) as adm:
+            await create_partition(adm, PID, [n.addr])
+            return await adm.create_extent(PID)
+    extent = run(setup)
+    cl = auth_as(secret, Role.CLIENT)
+    abusers = []
+    for i in range(8):                                  # all at once: eight offences, the penalty doubles to 6.4s
+        s = fuzz.connect(n.addr, timeout=5.0)
+        fuzz.hello(s, auth=cl)
+        fuzz.send_ctrl(s, Header(opcode=Op.WRITE, partition=PID, extent=extent, length=MiB, crc=0, epoch=1,
+                                 addr=0x100000, rkey=9, rlen=MiB, req_id=i + 1).encode())
+        abusers.append(s)
+    for s in abusers:                                   # the node drops each after peer_timeout
+        s.settimeout(10.0)
+        try:
+            while s.recv(1 << 16):
+                pass
+        except OSError:
+            pass
+        s.close()
+    text = wait_log(n, "peer from 127.0.0.1 client dropped")
+    assert "peer from 127.0.0.1 client dropped" in text
+
+    def ping(auth, timeout):
+        s = fuzz.connect(n.addr, timeout=1.0)
+        try:
+            fuzz.hello(s, auth=auth)
+            fuzz.send_ctrl(s, Header(opcode=Op.PING, req_id=77).encode())
+            return fuzz.serve_until_answer(s, b"", timeout=timeout).result
+        finally:
+            fuzz.end(s, "fin")
+    assert ping(auth_as(secret, Role.NODE, "127.0.0.1:1"), 5.0) == Result.OK       # a node of this host
+    assert ping(auth_as(secret, Role.ADMIN), 5.0) == Result.OK                      # an admin of this host
+    with pytest.raises(TimeoutError):                                               # a client of this host waits
+        ping(cl, 1.5)
