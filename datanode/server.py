@@ -48,7 +48,7 @@ from .rpc import Links
 from .store import StoreError
 from .transport.base import Access, Connection, ConnectionClosed, Domain, TransportError
 from .transport import tls
-from .transport.connect import ServerAuth, accept, make_domain, refuse
+from .transport.connect import NotAdmitted, ServerAuth, accept, make_domain, refuse
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,8 @@ class Node(DataOps, AdminOps, RepairOps):
                           else None)
         self.audit = AuditLog(cfg.audit_log or str(pathlib.Path(cfg.data_dir) / "audit.log"), self.me)
         self.accepted = 0                    # connections accepted and not yet ended (max_connections)
+        self.client_conns = 0                # of those, admitted as client role (or unauthenticated)
+        self.client_conns_by_host: dict[str, int] = {}     # max_connections_per_host
         self.refused_connections = 0
         self.penalties: dict[str, tuple[float, float]] = {}   # _penalty_key -> (its connections wait until, since)
         self.domain.scoped = True            # our memory is reachable only through grants (transport/base.py)
@@ -194,16 +196,25 @@ class Node(DataOps, AdminOps, RepairOps):
             return
         self.accepted += 1
         conn = None
+        admitted: list[str] = []             # the host whose client count this connection holds (if any)
+
+        def admit(role, identity) -> int:
+            status = self._admit(host, role)
+            if not status and role in (None, Role.CLIENT):
+                self.client_conns += 1
+                self.client_conns_by_host[host] = self.client_conns_by_host.get(host, 0) + 1
+                admitted.append(host)
+            return status
         try:
             async with accept(stream.socket, peer, self.domain, transport=self.cfg.transport,
                               slots=self.cfg.slots, timeout=self.cfg.hello_timeout,
-                              auth=self.server_auth) as conn:
+                              auth=self.server_auth, admit=admit) as conn:
                 delay = self.penalties.get(self._penalty_key(host, conn), (0.0, 0.0))[0] - trio.current_time()
                 if delay > 0:   # peers of this host and role (node: identity) broke the rules lately: wait
                     await trio.sleep(delay)
                 await self._connection(conn)
-        except ConnectionClosed as e:
-            log.debug("connection from %s ended: %s", peer, e)               # e.g. a port probe
+        except (ConnectionClosed, NotAdmitted) as e:    # a port probe; a refusal (_admit logs those, rate-limited)
+            log.debug("connection from %s ended: %s", peer, e)
         except (TransportError, ProtocolError, trio.TooSlowError, OSError, trio.BrokenResourceError,
                 trio.ClosedResourceError) as e:
             log.warning("connection from %s ended: %s", peer, str(e) or type(e).__name__)
@@ -211,9 +222,39 @@ class Node(DataOps, AdminOps, RepairOps):
             log.exception("connection from %s ended by an internal error", peer)
         finally:
             self.accepted -= 1
+            if admitted:
+                self.client_conns -= 1
+                left = self.client_conns_by_host[host] - 1
+                if left:
+                    self.client_conns_by_host[host] = left
+                else:
+                    del self.client_conns_by_host[host]
             if conn is not None and conn.misbehaved and self.cfg.penalty_max_s:
                 self._penalize(self._penalty_key(host, conn), conn.misbehaved)
         # (trio.serve_listeners closes the stream when this returns)
+
+    def _admit(self, host: str, role) -> int:
+        """Whether a peer whose hello proved ``role`` may stay: 0, or a HELLO_STATUS code (3: too many
+        connections).  Client-role (and unauthenticated) connections may use max_connections minus
+        ``reserved_connections`` (at most half kept), and ``max_connections_per_host`` from one host: however
+        many connections clients open, datanodes (replication, repair) and admins still get in."""
+        if role in (Role.NODE, Role.ADMIN):
+            return 0
+        cfg = self.cfg
+        limit = cfg.max_connections - min(cfg.reserved_connections, cfg.max_connections // 2)
+        why = ""
+        if self.client_conns >= limit:
+            why = (f"{self.client_conns} client connections open (max_connections {cfg.max_connections} minus "
+                   f"reserved_connections)")
+        elif cfg.max_connections_per_host and self.client_conns_by_host.get(host, 0) >= cfg.max_connections_per_host:
+            why = f"{self.client_conns_by_host[host]} client connections open from {host} (max_connections_per_host)"
+        if not why:
+            return 0
+        self.refused_connections += 1
+        if self.refused_connections % 1000 == 1:
+            log.warning("refusing a client connection from %s: %s; %d refused so far", host, why,
+                        self.refused_connections)
+        return 3
 
     PENALTY_MIN, PENALTY_FORGET = 0.05, 30.0
 
@@ -467,7 +508,7 @@ class Node(DataOps, AdminOps, RepairOps):
                 "uptime_s": round(time.time() - self.started, 1),
                 "auth": "on" if self.server_auth.creds is not None else "off",
                 "tls": ("required" if self.cfg.tls_required else "offered") if self.server_auth.tls else "off",
-                "refused_connections": self.refused_connections,
+                "refused_connections": self.refused_connections, "client_connections": self.client_conns,
                 "transport": self.cfg.transport, "sync": self.cfg.sync,
                 "rdma_device": getattr(self.domain.device, "name", None), "draining": self.draining,
                 "inflight": self.inflight - asking, "partitions": sorted(self.table.parts),

@@ -390,15 +390,24 @@ def test_hello_deadline_idle_timeout_and_max_connections(nodes, secret):
     fuzz.hello(s, auth=cl)
     assert s.recv(16) == b""
     s.close()
-    # at most max_connections at once: the next is told why
+    # at most max_connections at once, of which clients may take all but reserved_connections (here 2 of 4):
+    # the next client is told why, an admin and a datanode still get in; beyond max_connections nobody does
     held = []
-    for _ in range(4):
+    for _ in range(2):
         h = fuzz.connect(n.addr, timeout=5)
         fuzz.hello(h, auth=cl)
         held.append(h)
     s = fuzz.connect(n.addr, timeout=5)
     with pytest.raises(fuzz.Refused, match="too many connections"):
         fuzz.hello(s, auth=cl)
+    s.close()
+    for auth in (auth_as(secret, Role.ADMIN), auth_as(secret, Role.NODE, "127.0.0.1:1")):
+        h = fuzz.connect(n.addr, timeout=5)
+        fuzz.hello(h, auth=auth)
+        held.append(h)
+    s = fuzz.connect(n.addr, timeout=5)
+    with pytest.raises(fuzz.Refused, match="too many connections"):
+        fuzz.hello(s, auth=auth_as(secret, Role.ADMIN))
     s.close()
     for h in held:
         fuzz.end(h, "fin")
@@ -413,8 +422,71 @@ def test_hello_deadline_idle_timeout_and_max_connections(nodes, secret):
                     assert "too many connections" in str(e)
                     await trio.sleep(0.2)
     assert run(body)["auth"] == "on"
-    text = wait_log(n, "idle for", "max_connections")
-    assert "idle for" in text and "max_connections" in text
+    text = wait_log(n, "idle for", "max_connections", "minus reserved_connections")
+    assert "idle for" in text and "max_connections" in text and "minus reserved_connections" in text
+
+
+def test_clients_cannot_lock_nodes_and_admins_out(nodes, secret):
+    """Idle client connections up to the clients' share (and per host): the next client connection is refused
+    with a clear error through the SDK, while a datanode replicates and an admin runs commands as before."""
+    a, b = nodes(2, secret_file=str(secret), max_connections=24, reserved_connections=8,
+                 max_connections_per_host=0)
+    cl = auth_as(secret, Role.CLIENT)
+
+    async def setup():
+        async with open_client("tcp", [], secret=str(secret)) as adm:
+            await create_partition(adm, PID, [a.addr, b.addr])
+    run(setup)
+    held = []
+    try:
+        while True:                          # fill the clients' share of the leader (16 of 24)
+            s = fuzz.connect(a.addr, timeout=5)
+            try:
+                fuzz.hello(s, auth=cl)
+            except fuzz.Refused as e:
+                assert "too many connections" in str(e)
+                s.close()
+                break
+            held.append(s)
+            assert len(held) <= 16
+        assert len(held) == 16
+
+        async def body():
+            with pytest.raises(ClientError, match="refused the connection: too many connections"):
+                async with open_client("tcp", [a.addr], secret=str(secret), role="client") as dc:
+                    await dc.write(PID, b"x")
+            async with open_client("tcp", [a.addr], secret=str(secret)) as adm:    # an admin gets in
+                st = await adm.admin(a.addr, Op.NODE_STATUS)
+                assert st["client_connections"] == 16 and st["refused_connections"] >= 2
+                data = pattern(31, 200 * KiB)         # and the leader's link to its follower is made and used
+                locs = await adm.write(PID, data)
+                assert b"".join([await adm.read_location(loc, replica=b.addr) for loc in locs]) == data
+        run(body)
+    finally:
+        for s in held:
+            fuzz.end(s, "fin")
+
+
+def test_max_connections_per_host(nodes, secret):
+    [n] = nodes(1, secret_file=str(secret), max_connections_per_host=3)
+    cl = auth_as(secret, Role.CLIENT)
+    held = []
+    try:
+        for _ in range(3):
+            s = fuzz.connect(n.addr, timeout=5)
+            fuzz.hello(s, auth=cl)
+            held.append(s)
+        s = fuzz.connect(n.addr, timeout=5)
+        with pytest.raises(fuzz.Refused, match="too many connections"):
+            fuzz.hello(s, auth=cl)
+        s.close()
+        s = fuzz.connect(n.addr, timeout=5)              # an admin of the same host is not a client
+        fuzz.hello(s, auth=auth_as(secret, Role.ADMIN))
+        held.append(s)
+    finally:
+        for s in held:
+            fuzz.end(s, "fin")
+    assert "max_connections_per_host" in wait_log(n, "max_connections_per_host")
 
 
 def test_one_connection_cannot_hold_the_whole_pool(nodes, secret):
