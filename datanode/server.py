@@ -9,6 +9,7 @@ client to the disk in ``datanode/ops/data.py`` -- with replication to the follow
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import math
 import os
@@ -51,6 +52,23 @@ from .transport import tls
 from .transport.connect import NotAdmitted, ServerAuth, accept, make_domain, refuse
 
 log = logging.getLogger(__name__)
+
+GC_YOUNG = 20_000            # allocations between two young-generation collections (CPython's default: 700)
+
+
+def tune_gc() -> None:
+    """The cyclic garbage collector, tuned for a server holding many connections.  Each collection stops the
+    event loop while it walks the live objects of its generations; a connection holds ~150 of them (tasks,
+    coroutines, cancel scopes), and requests allocate many short-lived objects, most freed by reference
+    counting.  With CPython's default (a young collection every 700 net allocations) the node collected
+    3-4 times as often with abusive peers churning connections beside 2,000 idle ones, and spent 5-10% of the
+    time in pauses (``dnctl soak``: node GC per phase).  A larger young threshold collects the same garbage in
+    fewer, hardly longer pauses (what survives, not what was allocated, is walked); older generations keep
+    their ratios.  ``gc.freeze()`` once serving takes the start-up objects out of every full collection."""
+    g0, g1, g2 = gc.get_threshold()
+    if g0 and g0 < GC_YOUNG:
+        gc.set_threshold(GC_YOUNG, g1, g2)
+
 
 class Node(DataOps, AdminOps, RepairOps):
     def __init__(self, cfg: config_mod.Config, domain: Domain | None = None):
@@ -136,6 +154,7 @@ class Node(DataOps, AdminOps, RepairOps):
             log.info("datanode %s serving: %d partitions, %d extents, %d bytes opened in %.2fs (verify=%s)",
                      self.me, o["partitions"], o["extents"], o["bytes"], o["seconds"], o["verify"])
             self.state = "serving"
+            gc.freeze()          # what start-up made (modules, the opened partitions) lives as long as we do
             self._nursery.start_soon(self.repair.run)
             if self.agent is not None:            # registers the partitions it now holds
                 self._nursery.start_soon(self.agent.run)
@@ -150,6 +169,7 @@ class Node(DataOps, AdminOps, RepairOps):
                 nursery.start_soon(self.commit.run)
                 nursery.start_soon(self.metrics.loop_lag.run)
                 self.metrics.gc.install()
+                tune_gc()
                 if cfg.metrics_listen:
                     await nursery.start(serve_metrics, cfg.metrics_listen, self.metrics)
                 accepting = trio.CancelScope()
@@ -205,13 +225,15 @@ class Node(DataOps, AdminOps, RepairOps):
                 self.client_conns_by_host[host] = self.client_conns_by_host.get(host, 0) + 1
                 admitted.append(host)
             return status
+
+        async def penalty(c: Connection) -> None:
+            delay = self.penalties.get(self._penalty_key(host, c), (0.0, 0.0))[0] - trio.current_time()
+            if delay > 0:        # peers of this host and role (node: identity) broke the rules lately: wait,
+                await trio.sleep(delay)       # reading nothing of theirs meanwhile
         try:
             async with accept(stream.socket, peer, self.domain, transport=self.cfg.transport,
                               slots=self.cfg.slots, timeout=self.cfg.hello_timeout,
-                              auth=self.server_auth, admit=admit) as conn:
-                delay = self.penalties.get(self._penalty_key(host, conn), (0.0, 0.0))[0] - trio.current_time()
-                if delay > 0:   # peers of this host and role (node: identity) broke the rules lately: wait
-                    await trio.sleep(delay)
+                              auth=self.server_auth, admit=admit, hold=penalty) as conn:
                 await self._connection(conn)
         except (ConnectionClosed, NotAdmitted) as e:    # a port probe; a refusal (_admit logs those, rate-limited)
             log.debug("connection from %s ended: %s", peer, e)

@@ -245,10 +245,12 @@ async def _authenticate(sock, peer: str, hello: Hello, creds: Credentials | None
 
 @asynccontextmanager
 async def accept(sock, peer: str, domain: Domain, *, transport: str = "auto", slots: int = DEFAULT_SLOTS,
-                 timeout: float = 5.0, auth: ServerAuth | None = None, admit=None) -> AsyncIterator[Connection]:
+                 timeout: float = 5.0, auth: ServerAuth | None = None, admit=None,
+                 hold=None) -> AsyncIterator[Connection]:
     """The server side of ``dial`` on an accepted socket.  ``timeout`` bounds the whole hello (a peer that
     does not complete it in time is dropped).  ``admit``: see ``_authenticate`` (called once the peer's role
-    is proven, or, without authentication, once its hello is read)."""
+    is proven, or, without authentication, once its hello is read).  ``hold(conn)``: awaited after the hello
+    (outside its deadline), before the connection reads anything of the peer's (e.g. a reconnect penalty)."""
     tune_socket(sock)
     creds = auth.creds if auth is not None else None
     with trio.fail_after(timeout):
@@ -278,6 +280,12 @@ async def accept(sock, peer: str, domain: Domain, *, transport: str = "auto", sl
         conn.role, conn.identity, conn.tls = role, identity, secure
     log.debug("connection from %s on %s%s (role %s)", peer, conn.transport, "+tls" if secure else "",
               role.name.lower() if role is not None else "unauthenticated")
+    if hold is not None:        # before anything of the peer's is read: what it sends waits in the kernel
+        try:
+            await hold(conn)
+        except BaseException:
+            await conn.aclose()
+            raise
     async with _running(conn) as c:
         yield c
 
