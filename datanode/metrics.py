@@ -132,8 +132,7 @@ class GcPauses:
     def to_dict(self) -> dict:
         import gc
         return {"collections": list(self.count), "total_ms": [round(t * 1e3, 3) for t in self.total_s],
-                "max_ms": [round(t * 1e3, 3) for t in self.max_s], "tracked_objects": len(gc.get_objects()),
-                "threshold": list(gc.get_threshold())}
+                "max_ms": [round(t * 1e3, 3) for t in self.max_s], "threshold": list(gc.get_threshold())}
 
 
 def lag_percentile(before: dict | None, after: dict, q: float) -> float:
