@@ -157,6 +157,9 @@ class NodeMetrics(RequestFamilies):
         self.gc = GcPauses()
         self.registry.register(_NodeCollector(node))
 
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
 
 class _NodeCollector:
     """Reads the numbers the node's components own, at scrape time."""
