@@ -474,6 +474,50 @@ async def request_pass(dc: DataClient, leader: str, pid: int, op: Op) -> int:
     return resp.arg
 
 
+# -- the trash of deleted partitions on a running node (admin role) ----------------------------------------
+async def trash_list(dc: DataClient, addr: str) -> list[dict]:
+    """The trash entries of the node at ``addr``: [{"name", "partition", "deleted", "bytes", "purge_in_s"}]."""
+    return await dc.admin(addr, Op.TRASH_LIST)
+
+
+async def trash_restore(dc: DataClient, addr: str, name: str) -> int:
+    """Put trash entry ``name`` back on the running node at ``addr`` (it serves it at once, with the replicas
+    and epoch it had); returns the partition id.  A partition of that id live there: ClientError (EXISTS)."""
+    try:
+        return (await dc.admin(addr, Op.TRASH_RESTORE, body={"name": name})).arg
+    except ClientError as e:
+        pid = name.partition(".")[0]
+        if e.result == Result.EXISTS:
+            live = f"is live there (epoch {e.arg})" if e.arg else "has a directory there again"
+            raise ClientError(f"{addr}: partition {pid} {live}: restoring {name} would clobber it; delete the "
+                              f"live copy first (it goes to the trash too)", result=e.result, node=addr,
+                              arg=e.arg) from None
+        if e.result == Result.NOT_FOUND:
+            raise ClientError(f"{addr}: no trash entry {name} there (see: dnctl trash list)", result=e.result,
+                              node=addr) from None
+        raise
+
+
+async def trash_purge(dc: DataClient, addr: str, *, names: list[str] | None = None, expired: bool = False,
+                      everything: bool = False) -> list[dict]:
+    """Delete trash entries on ``addr`` for good: ``names`` (all must exist, else nothing is purged), the
+    expired ones, or ``everything``.  Returns the entries purged (as ``trash_list`` showed them)."""
+    if sum(map(bool, (names, expired, everything))) != 1:
+        raise ValueError("say exactly one of names, expired or everything")
+    before = await trash_list(dc, addr)
+    body = {"names": list(names)} if names else {"expired": True} if expired else {"all": True}
+    try:
+        await dc.admin(addr, Op.TRASH_PURGE, body=body)
+    except ClientError as e:
+        if e.result == Result.NOT_FOUND:
+            held = {x["name"] for x in before}
+            raise ClientError(f"{addr}: no trash entry {', '.join(n for n in names if n not in held)} there "
+                              f"(nothing purged; see: dnctl trash list)", result=e.result, node=addr) from None
+        raise
+    after = {e["name"] for e in await trash_list(dc, addr)}
+    return [e for e in before if e["name"] not in after]
+
+
 def settled(h: dict, only: str | None = None) -> bool:
     fs = [f for f in h.get("followers", []) if only is None or f["addr"] == only]
     if only is not None and not fs:

@@ -1,7 +1,7 @@
 """The audit log: one JSON line per admin action (who, what, when, result), beside the daemon's log.
 
 Written by ``Node._handle`` for every request of ``protocol.ADMIN_ACTIONS`` (partition create, update,
-delete, repair and scrub requests), whatever its result -- refusals (FORBIDDEN, BAD_BODY) included.  Each line:
+delete, repair and scrub requests, trash list, restore and purge), whatever its result -- refusals (FORBIDDEN, BAD_BODY) included.  Each line:
 
     {"ts": 1700000000.123, "time": "2026-11-23T09:00:00Z", "node": "127.0.0.1:17310",
      "peer": "10.0.0.5:40112", "role": "admin", "identity": "", "op": "PARTITION_DELETE",
@@ -12,6 +12,7 @@ rotated by moving it away at any time.
 """
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import time
@@ -19,6 +20,11 @@ import time
 import trio
 
 log = logging.getLogger(__name__)
+
+# What a handler of an admin action says about it for the audit line's "detail" when it succeeds (e.g. which
+# trash entries it restored or purged).  Each request runs in its own task, so a value set by its handler
+# is seen by nobody else.
+NOTE: contextvars.ContextVar[str] = contextvars.ContextVar("audit_note", default="")
 
 
 class AuditLog:

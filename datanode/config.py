@@ -55,10 +55,12 @@ class Config:
     secret_file: str = ""          # the cluster secret (datanode gen-secret); empty: NO authentication (warned)
     hello_timeout: float = 5.0     # seconds a new connection may take to complete its hello
     max_connections: int = 1024    # accepted connections at once; more are refused at the hello
+    reserved_connections: int = 32  # of max_connections, kept for role node and admin (clients never take them)
+    max_connections_per_host: int = 0   # client-role connections from one host at once (0: no per-host limit)
     idle_timeout_s: float = 600.0  # a connection with nothing in flight for this long is closed (0: never)
     conn_pool_share: float = 0.5   # most of the pool one connection's requests may hold (fraction)
     max_inflight: int = 0          # requests one connection may have in flight; more are answered BUSY (0: = slots)
-    penalty_max_s: float = 2.0     # a host whose peer was dropped for abuse: its new connections wait (0: never)
+    penalty_max_s: float = 2.0     # a host+role (node: +identity) whose peer was dropped for abuse: its new connections wait (0: never)
     trash_retention_s: float = 86400.0   # a deleted/removed partition's data is kept in data_dir/trash this long
     audit_log: str = ""            # admin actions, one JSON line each (empty: data_dir/audit.log)
     tls_cert: str = ""             # PEM certificate (chain) this node presents to TLS clients (empty: no TLS)
@@ -123,6 +125,10 @@ def _check(cfg: Config) -> Config:
             bad(key, "no such file")
     if cfg.tls_required and not cfg.tls_cert:
         bad("tls_required", "needs tls_cert and tls_key")
+    if cfg.reserved_connections < 0:
+        bad("reserved_connections", "must be >= 0 (0: none kept for nodes and admins)")
+    if cfg.max_connections_per_host < 0:
+        bad("max_connections_per_host", "must be >= 0 (0: no per-host limit)")
     if cfg.penalty_max_s < 0:
         bad("penalty_max_s", "must be >= 0 seconds (0: no penalty)")
     if cfg.max_inflight < 0:
@@ -196,13 +202,19 @@ KEY_HELP: dict[str, tuple[str, str]] = {
     "secret_file": ("path", "the cluster secret (datanode gen-secret); empty: NO authentication, warned at start"),
     "hello_timeout": ("seconds", "how long a new connection may take to complete its (authenticated) hello"),
     "max_connections": ("count", "connections accepted at once; more are refused with 'too many connections'"),
+    "reserved_connections": ("count", "of max_connections, this many are kept for datanodes (role node) and admins: "
+                                      "client-role connections are refused beyond max_connections minus these (at "
+                                      "most half of max_connections is kept), so clients cannot lock replication "
+                                      "and admins out"),
+    "max_connections_per_host": ("count", "client-role connections from one host at once; more are refused with "
+                                          "'too many connections' (0: no per-host limit; mind NAT and loopback)"),
     "idle_timeout_s": ("seconds", "a connection with nothing in flight this long is closed (0: never)"),
     "conn_pool_share": ("fraction", "most of the pool one connection may hold (BUSY beyond; fair share when short)"),
     "max_inflight": ("count", "requests one connection may have in flight; more are answered BUSY at once "
                               "(0: the same as slots)"),
     "penalty_max_s": ("seconds", "after a peer is dropped for abuse (payload not served, answers not read, "
-                                 "slots overrun), its host's new connections wait 0.05s, doubling per offence up "
-                                 "to this (0: never)"),
+                                 "slots overrun), new connections of its host and role (a node: its identity) wait "
+                                 "0.05s after their hello, doubling per offence up to this (0: never)"),
     "trash_retention_s": ("seconds", "a deleted or removed partition's data stays in data_dir/trash this long"),
     "audit_log": ("path", "admin actions as JSON lines (empty: data_dir/audit.log)"),
     "tls_cert": ("path", "PEM certificate (chain) presented to TLS clients; names the node's listen IP/host"),

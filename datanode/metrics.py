@@ -64,10 +64,97 @@ class RequestFamilies:
             yield from m.collect()
 
 
+LAG_BUCKETS_MS = (0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+
+
+class LoopLag:
+    """How late the node's event loop runs a task that asked to wake up: a probe sleeps ``PERIOD`` again and
+    again and counts how much later than asked it woke (cumulative counts per bucket of ``LAG_BUCKETS_MS``,
+    plus the worst).  A late wake-up delays every request waiting on that loop by the same: comparing this
+    with the clients' latency says whether slow requests wait on the node's loop or elsewhere (the kernel,
+    the CPU given to other processes)."""
+    PERIOD = 0.005
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.counts = [0] * (len(LAG_BUCKETS_MS) + 1)     # the last one: above the largest bucket
+        self.max_ms = 0.0
+        self.histogram = Histogram("datanode_loop_lag_seconds", "How much later than asked the event loop woke "
+                                   "a sleeping probe task", buckets=tuple(b / 1e3 for b in LAG_BUCKETS_MS),
+                                   registry=registry)
+
+    def observe(self, lag_s: float) -> None:
+        ms = lag_s * 1e3
+        i = 0
+        while i < len(LAG_BUCKETS_MS) and ms > LAG_BUCKETS_MS[i]:
+            i += 1
+        self.counts[i] += 1
+        self.max_ms = max(self.max_ms, ms)
+        self.histogram.observe(lag_s)
+
+    async def run(self) -> None:
+        while True:
+            t = trio.current_time()
+            await trio.sleep(self.PERIOD)
+            self.observe(max(0.0, trio.current_time() - t - self.PERIOD))
+
+    def to_dict(self) -> dict:
+        """{"buckets_ms": upper bounds, "counts": per bucket (cumulative since start; last: above), "max_ms"}."""
+        return {"buckets_ms": list(LAG_BUCKETS_MS), "counts": list(self.counts), "max_ms": round(self.max_ms, 3)}
+
+
+class GcPauses:
+    """The cyclic garbage collector's pauses, per generation (count, total and worst seconds): a full
+    collection walks every tracked object -- with thousands of connections open, every task, frame and
+    buffer of theirs -- and the event loop stands still meanwhile."""
+
+    def __init__(self):
+        self.count = [0, 0, 0]
+        self.total_s = [0.0, 0.0, 0.0]
+        self.max_s = [0.0, 0.0, 0.0]
+        self._t0 = 0.0
+
+    def install(self) -> None:
+        import gc
+        if self._callback not in gc.callbacks:
+            gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        import time
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        g = min(2, info.get("generation", 2))
+        dt = time.perf_counter() - self._t0
+        self.count[g] += 1
+        self.total_s[g] += dt
+        self.max_s[g] = max(self.max_s[g], dt)
+
+    def to_dict(self) -> dict:
+        import gc
+        return {"collections": list(self.count), "total_ms": [round(t * 1e3, 3) for t in self.total_s],
+                "max_ms": [round(t * 1e3, 3) for t in self.max_s], "threshold": list(gc.get_threshold())}
+
+
+def lag_percentile(before: dict | None, after: dict, q: float) -> float:
+    """The ``q`` quantile (an upper bound: its bucket's) of the loop lag between two ``LoopLag.to_dict``."""
+    counts = [a - (before["counts"][i] if before else 0) for i, a in enumerate(after["counts"])]
+    total = sum(counts)
+    if not total:
+        return 0.0
+    seen = 0
+    for i, c in enumerate(counts):
+        seen += c
+        if seen >= q * total:
+            return float(after["buckets_ms"][i]) if i < len(after["buckets_ms"]) else float("inf")
+    return float("inf")
+
+
 class NodeMetrics(RequestFamilies):
     def __init__(self, node):
         self.registry = CollectorRegistry(auto_describe=True)
         super().__init__("datanode", "answered (arrival to answer)", self.registry)
+        self.loop_lag = LoopLag(self.registry)
+        self.gc = GcPauses()
         self.registry.register(_NodeCollector(node))
 
     def exposition(self) -> bytes:

@@ -216,23 +216,14 @@ class PartitionTable:
         try:
             for d in dirs:
                 try:
-                    m = json.loads((d / "meta.json").read_text())
-                    replicas, epoch = decode_view(m)
-                    pid, sealed = m["id"], m.get("sealed", {})
-                    if not isinstance(pid, int) or str(pid) != d.name or not isinstance(sealed, dict):
-                        raise BodyError("other", f"id {pid!r} / sealed {type(sealed).__name__}")
+                    pid, replicas, epoch, sealed = self._meta(d, d.name)
                 except (OSError, ValueError, KeyError, BodyError) as e:
                     log.error("partition directory %s: unusable meta.json (%s): not loaded, data left in place",
                               d, e)
                     prog.partitions_total -= 1
                     continue
-                store = ExtentStore(d / "store", sync=self.sync, verify=self.verify, on_extent=on_extent)
-                marks = store.watermarks()
-                loaded[pid] = Partition(pid, replicas, epoch, d, store, sealed,
-                                        unverified=self.verify != "full" and any(marks.values()))
+                loaded[pid] = self._open(d, pid, replicas, epoch, sealed, on_extent)
                 prog.partitions += 1
-                log.info("partition %d loaded: epoch %d, replicas %s, %d extents, %d bytes (verify=%s)", pid,
-                         epoch, ",".join(replicas), len(marks), sum(marks.values()), self.verify)
                 if checkpoint is not None:
                     checkpoint()
         except BaseException:
@@ -241,6 +232,25 @@ class PartitionTable:
             raise
         self.parts.update(loaded)
         prog.finished = time.monotonic()
+
+    @staticmethod
+    def _meta(d: pathlib.Path, expect_id: str) -> tuple[int, list[str], int, dict]:
+        """(id, replicas, epoch, sealed) from a partition directory's meta.json, checked completely."""
+        m = json.loads((d / "meta.json").read_text())
+        replicas, epoch = decode_view(m)
+        pid, sealed = m["id"], m.get("sealed", {})
+        if not isinstance(pid, int) or str(pid) != expect_id or not isinstance(sealed, dict):
+            raise BodyError("other", f"id {pid!r} / sealed {type(sealed).__name__}")
+        return pid, replicas, epoch, sealed
+
+    def _open(self, d: pathlib.Path, pid: int, replicas: list[str], epoch: int, sealed: dict,
+              on_extent=None) -> Partition:
+        store = ExtentStore(d / "store", sync=self.sync, verify=self.verify, on_extent=on_extent)
+        marks = store.watermarks()
+        log.info("partition %d loaded: epoch %d, replicas %s, %d extents, %d bytes (verify=%s)", pid,
+                 epoch, ",".join(replicas), len(marks), sum(marks.values()), self.verify)
+        return Partition(pid, replicas, epoch, d, store, sealed,
+                         unverified=self.verify != "full" and any(marks.values()))
 
     def get(self, pid: int) -> Partition | None:
         return self.parts.get(pid)
@@ -307,6 +317,50 @@ class PartitionTable:
         for d in (self.root, self.trash):
             _fsync_dir(d)
         return int(pid)
+
+    def restore_live(self, name: str) -> Partition:
+        """Put a trash entry back as its partition on a running node and open it (blocking: the node runs it
+        in a worker thread, holding its view lock).  FileNotFoundError: no such entry; FileExistsError: the
+        partition is live here (or its directory exists again) -- nothing is touched then; ValueError: the
+        entry's meta.json is unusable (it stays in the trash)."""
+        src = self.trash / name
+        pid_s, _, ns = name.partition(".")
+        if not (pid_s.isdigit() and ns.isdigit() and src.is_dir()):
+            raise FileNotFoundError(f"no trash entry {name!r} on this node")
+        pid = int(pid_s)
+        if pid in self.parts:
+            raise FileExistsError(f"partition {pid} is live on this node: restoring {name} would clobber it "
+                                  f"(delete the live copy first, it goes to the trash too)")
+        dest = self.root / pid_s
+        if dest.exists():
+            raise FileExistsError(f"partition {pid} exists again at {dest}: move it away first")
+        try:
+            _, replicas, epoch, sealed = self._meta(src, pid_s)
+        except (OSError, KeyError, BodyError, ValueError) as e:
+            raise ValueError(f"trash entry {name}: unusable meta.json ({e}): left in the trash") from None
+        os.rename(src, dest)
+        try:
+            part = self._open(dest, pid, replicas, epoch, sealed)
+        except BaseException:
+            os.rename(dest, src)
+            raise
+        for d in (self.root, self.trash):
+            _fsync_dir(d)
+        self.parts[pid] = part
+        log.warning("partition %d restored from the trash (%s): epoch %d, replicas %s", pid, name, epoch,
+                    ",".join(replicas))
+        return part
+
+    def purge_names(self, names) -> list[dict]:
+        """Remove the trash entries named (those that exist); returns the entries removed."""
+        want = set(names)
+        gone = []
+        for e in self.list_trash():
+            if e["name"] in want:
+                shutil.rmtree(self.trash / e["name"], ignore_errors=True)
+                log.info("trash: purged %s (partition %d, %d bytes)", e["name"], e["partition"], e["bytes"])
+                gone.append(e)
+        return gone
 
     def close(self) -> None:
         for p in self.parts.values():

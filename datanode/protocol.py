@@ -90,6 +90,11 @@ class Op(enum.IntEnum):
     PARTITION_HEALTH = 0x24  # answer: JSON, the leader's view of its replicas, repair and scrub progress
     REPAIR = 0x25            # ask the leader for a full repair pass now; arg in the answer = pass number
     SCRUB = 0x26             # ask the leader for a scrub pass now; arg in the answer = pass number
+    # -- the trash of deleted partitions (datanode/partition.py), admin only --
+    TRASH_LIST = 0x27        # answer: JSON [{"name", "partition", "deleted", "bytes", "purge_in_s"}]
+    TRASH_RESTORE = 0x28     # body: JSON {"name": entry}; answer arg = the partition restored (now served)
+    TRASH_PURGE = 0x29       # body: JSON {"names": [entry...]} | {"expired": true} | {"all": true};
+                             #   answer arg = entries purged
 
 
 class Result(enum.IntEnum):
@@ -123,7 +128,8 @@ class Result(enum.IntEnum):
 # Why an admin request's JSON body was refused; a BAD_BODY result carries the index in ``arg``.
 BODY_REASONS = ["other", "missing", "too_large", "not_json", "not_an_object", "replicas_not_a_list",
                 "replicas_empty", "too_many_replicas", "replica_not_an_address", "replicas_not_distinct",
-                "epoch_not_an_integer", "epoch_out_of_range", "not_a_member"]
+                "epoch_not_an_integer", "epoch_out_of_range", "not_a_member", "unknown_key", "bad_trash_name",
+                "purge_choice"]
 
 
 class Flag(enum.IntFlag):
@@ -153,11 +159,14 @@ OP_ROLES: dict[Op, frozenset] = {
     Op.SCRUB_EXTENT: frozenset({Role.NODE, Role.ADMIN}),
     Op.PARTITION_CREATE: frozenset({Role.ADMIN}), Op.PARTITION_DELETE: frozenset({Role.ADMIN}),
     Op.REPAIR: frozenset({Role.ADMIN}), Op.SCRUB: frozenset({Role.ADMIN}),
+    Op.TRASH_LIST: frozenset({Role.ADMIN}), Op.TRASH_RESTORE: frozenset({Role.ADMIN}),
+    Op.TRASH_PURGE: frozenset({Role.ADMIN}),
     # a node may push only a view in which it is the leader (checked by the handler)
     Op.PARTITION_UPDATE: frozenset({Role.ADMIN, Role.NODE}),
 }
 assert set(OP_ROLES) == set(Op), "every opcode declares its roles"
-ADMIN_ACTIONS = frozenset({Op.PARTITION_CREATE, Op.PARTITION_UPDATE, Op.PARTITION_DELETE, Op.REPAIR, Op.SCRUB})
+ADMIN_ACTIONS = frozenset({Op.PARTITION_CREATE, Op.PARTITION_UPDATE, Op.PARTITION_DELETE, Op.REPAIR, Op.SCRUB,
+                           Op.TRASH_LIST, Op.TRASH_RESTORE, Op.TRASH_PURGE})
 
 
 _NODE_ONLY = frozenset({Role.NODE})
@@ -172,7 +181,9 @@ def roles_for(h: "Header") -> frozenset:
 
 # What a request is allowed to carry.  Checked by decode so handlers see only sane headers:
 # these ops move ``length`` bytes through the requester's buffer, so it must expose at least that many.
-_LENGTH_IN_BUFFER = {Op.WRITE, Op.READ, Op.PARTITION_CREATE, Op.PARTITION_UPDATE}
+# admin ops whose JSON body the node fetches from the requester's buffer (one-sided READ)
+BODY_OPS = frozenset({Op.PARTITION_CREATE, Op.PARTITION_UPDATE, Op.TRASH_RESTORE, Op.TRASH_PURGE})
+_LENGTH_IN_BUFFER = {Op.WRITE, Op.READ, *BODY_OPS}
 MAX_EPOCH = (1 << 63) - 1
 DEFAULT_RESULT_TEXT = {
     Result.OK: "ok",
@@ -423,6 +434,55 @@ def decode_view(obj) -> tuple[list[str], int]:
     if not 1 <= epoch <= MAX_EPOCH:
         raise BodyError("epoch_out_of_range", f"'epoch' must be in 1..{MAX_EPOCH}")
     return list(replicas), epoch
+
+
+MAX_TRASH_NAMES = 1024
+
+
+def check_trash_name(name) -> str:
+    """A trash entry's name as the node makes them: ``<partition id>.<unix ns deleted>`` (digits only)."""
+    if not isinstance(name, str):
+        raise BodyError("bad_trash_name", f"a trash entry name must be a string, got {type(name).__name__}")
+    pid, dot, ns = name.partition(".")
+    if not (dot and pid.isascii() and pid.isdigit() and ns.isascii() and ns.isdigit() and len(name) <= 48):
+        raise BodyError("bad_trash_name", f"{name[:60]!r} is not a trash entry name (PARTITION.NANOSECONDS)")
+    return name
+
+
+def _only_keys(obj, allowed: set) -> dict:
+    if not isinstance(obj, dict):
+        raise BodyError("not_an_object", f"body is a {type(obj).__name__}, expected an object")
+    extra = set(obj) - allowed
+    if extra:
+        raise BodyError("unknown_key", f"unknown key(s) {', '.join(sorted(map(str, extra)))[:200]}; "
+                                       f"expected {', '.join(sorted(allowed))}")
+    return obj
+
+
+def decode_trash_restore(obj) -> str:
+    """The body of TRASH_RESTORE: ``{"name": entry}``; returns the entry name or raises BodyError."""
+    obj = _only_keys(obj, {"name"})
+    if "name" not in obj:
+        raise BodyError("bad_trash_name", "'name' is missing")
+    return check_trash_name(obj["name"])
+
+
+def decode_trash_purge(obj) -> tuple[str, list[str]]:
+    """The body of TRASH_PURGE: exactly one of ``{"names": [entry...]}``, ``{"expired": true}``,
+    ``{"all": true}``; returns ("names", names) | ("expired", []) | ("all", [])."""
+    obj = _only_keys(obj, {"names", "expired", "all"})
+    if len(obj) != 1:
+        raise BodyError("purge_choice", "say exactly one of 'names', 'expired' or 'all'")
+    (key, value), = obj.items()
+    if key == "names":
+        if not isinstance(value, list) or not value:
+            raise BodyError("purge_choice", "'names' must be a non-empty list of trash entry names")
+        if len(value) > MAX_TRASH_NAMES:
+            raise BodyError("purge_choice", f"{len(value)} names, at most {MAX_TRASH_NAMES}")
+        return "names", [check_trash_name(n) for n in value]
+    if value is not True:
+        raise BodyError("purge_choice", f"'{key}' must be true")
+    return key, []
 
 
 def peek_req_id(data: bytes | bytearray | memoryview) -> int | None:

@@ -19,7 +19,7 @@ import logging
 
 import trio
 
-from .protocol import Header, Op, ProtocolError, decode
+from .protocol import BODY_OPS, Header, Op, ProtocolError, decode
 from .transport.base import Access, Connection, ConnectionClosed, TransportError
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ class RequestTimeout(TransportError):
     pass
 
 
-_PEER_READS = frozenset({Op.WRITE, Op.PARTITION_CREATE, Op.PARTITION_UPDATE})   # the peer fetches our buffer
+_PEER_READS = frozenset({Op.WRITE, *BODY_OPS})   # the peer fetches our buffer
 
 
 def _grant(conn: Connection, h: Header) -> int | None:

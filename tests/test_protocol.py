@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from datanode.crc import crc32c
-from datanode.protocol import (BODY_REASONS, HEADER_SIZE, HELLO_SIZE, MAGIC, MAX_EPOCH, MAX_PAYLOAD,
+from datanode.protocol import (BODY_OPS, BODY_REASONS, HEADER_SIZE, HELLO_SIZE, MAGIC, MAX_EPOCH, MAX_PAYLOAD,
                                PROTOCOL_REASONS, VERSION, BodyError, Header, Hello, Op, ProtocolError, Result,
                                INLINE_MAX, Flag, Transport, decode, decode_hello, decode_message, decode_view,
                                encode_message, peek_req_id)
@@ -30,7 +30,7 @@ def requests(draw):
     """Any header a sender may legally put on the wire as a request."""
     op = draw(st.sampled_from(list(Op)))
     length = draw(st.integers(0, MAX_PAYLOAD))
-    in_buffer = op in (Op.WRITE, Op.READ, Op.PARTITION_CREATE, Op.PARTITION_UPDATE)
+    in_buffer = op in (Op.WRITE, Op.READ, *BODY_OPS)
     rlen = draw(st.integers(length, (1 << 32) - 1)) if in_buffer else draw(U32)
     return Header(opcode=op, partition=draw(U64), extent=draw(U64), offset=draw(U64), length=length,
                   crc=draw(U32), req_id=draw(U64), epoch=draw(st.integers(0, MAX_EPOCH)), addr=draw(U64),

@@ -390,15 +390,24 @@ def test_hello_deadline_idle_timeout_and_max_connections(nodes, secret):
     fuzz.hello(s, auth=cl)
     assert s.recv(16) == b""
     s.close()
-    # at most max_connections at once: the next is told why
+    # at most max_connections at once, of which clients may take all but reserved_connections (here 2 of 4):
+    # the next client is told why, an admin and a datanode still get in; beyond max_connections nobody does
     held = []
-    for _ in range(4):
+    for _ in range(2):
         h = fuzz.connect(n.addr, timeout=5)
         fuzz.hello(h, auth=cl)
         held.append(h)
     s = fuzz.connect(n.addr, timeout=5)
     with pytest.raises(fuzz.Refused, match="too many connections"):
         fuzz.hello(s, auth=cl)
+    s.close()
+    for auth in (auth_as(secret, Role.ADMIN), auth_as(secret, Role.NODE, "127.0.0.1:1")):
+        h = fuzz.connect(n.addr, timeout=5)
+        fuzz.hello(h, auth=auth)
+        held.append(h)
+    s = fuzz.connect(n.addr, timeout=5)
+    with pytest.raises(fuzz.Refused, match="too many connections"):
+        fuzz.hello(s, auth=auth_as(secret, Role.ADMIN))
     s.close()
     for h in held:
         fuzz.end(h, "fin")
@@ -413,8 +422,71 @@ def test_hello_deadline_idle_timeout_and_max_connections(nodes, secret):
                     assert "too many connections" in str(e)
                     await trio.sleep(0.2)
     assert run(body)["auth"] == "on"
-    text = wait_log(n, "idle for", "max_connections")
-    assert "idle for" in text and "max_connections" in text
+    text = wait_log(n, "idle for", "max_connections", "minus reserved_connections")
+    assert "idle for" in text and "max_connections" in text and "minus reserved_connections" in text
+
+
+def test_clients_cannot_lock_nodes_and_admins_out(nodes, secret):
+    """Idle client connections up to the clients' share (and per host): the next client connection is refused
+    with a clear error through the SDK, while a datanode replicates and an admin runs commands as before."""
+    a, b = nodes(2, secret_file=str(secret), max_connections=24, reserved_connections=8,
+                 max_connections_per_host=0)
+    cl = auth_as(secret, Role.CLIENT)
+
+    async def setup():
+        async with open_client("tcp", [], secret=str(secret)) as adm:
+            await create_partition(adm, PID, [a.addr, b.addr])
+    run(setup)
+    held = []
+    try:
+        while True:                          # fill the clients' share of the leader (16 of 24)
+            s = fuzz.connect(a.addr, timeout=5)
+            try:
+                fuzz.hello(s, auth=cl)
+            except fuzz.Refused as e:
+                assert "too many connections" in str(e)
+                s.close()
+                break
+            held.append(s)
+            assert len(held) <= 16
+        assert len(held) == 16
+
+        async def body():
+            with pytest.raises(ClientError, match="refused the connection: too many connections"):
+                async with open_client("tcp", [a.addr], secret=str(secret), role="client") as dc:
+                    await dc.write(PID, b"x")
+            async with open_client("tcp", [a.addr], secret=str(secret)) as adm:    # an admin gets in
+                st = await adm.admin(a.addr, Op.NODE_STATUS)
+                assert st["client_connections"] == 16 and st["refused_connections"] >= 2
+                data = pattern(31, 200 * KiB)         # and the leader's link to its follower is made and used
+                locs = await adm.write(PID, data)
+                assert b"".join([await adm.read_location(loc, replica=b.addr) for loc in locs]) == data
+        run(body)
+    finally:
+        for s in held:
+            fuzz.end(s, "fin")
+
+
+def test_max_connections_per_host(nodes, secret):
+    [n] = nodes(1, secret_file=str(secret), max_connections_per_host=3)
+    cl = auth_as(secret, Role.CLIENT)
+    held = []
+    try:
+        for _ in range(3):
+            s = fuzz.connect(n.addr, timeout=5)
+            fuzz.hello(s, auth=cl)
+            held.append(s)
+        s = fuzz.connect(n.addr, timeout=5)
+        with pytest.raises(fuzz.Refused, match="too many connections"):
+            fuzz.hello(s, auth=cl)
+        s.close()
+        s = fuzz.connect(n.addr, timeout=5)              # an admin of the same host is not a client
+        fuzz.hello(s, auth=auth_as(secret, Role.ADMIN))
+        held.append(s)
+    finally:
+        for s in held:
+            fuzz.end(s, "fin")
+    assert "max_connections_per_host" in wait_log(n, "max_connections_per_host")
 
 
 def test_one_connection_cannot_hold_the_whole_pool(nodes, secret):
@@ -658,19 +730,29 @@ def test_dnctl_secret_cluster_and_trash(tmp_path):
         dnctl("--secret-file", secret, "partition", "delete", "--id", "1", "--replicas", f"{a},{b}", check=True)
         rows = json.loads(dnctl("trash", "list", "--cluster", d, "--json", check=True).out)
         assert sorted(r["node"] for r in rows) == sorted([a, b]) and {r["partition"] for r in rows} == {1}
+        assert {r["via"] for r in rows} == {"node"}                  # both run: asked over the wire
         mine = next(r["name"] for r in rows if r["node"] == a)
-        refused(dnctl("trash", "restore", mine, "--cluster", d, "--node", a), "is running", "stop it first")
-        dnctl("cluster", "stop-node", a, "--cluster", d, check=True)
+        theirs = next(r["name"] for r in rows if r["node"] == b)
         got = json.loads(dnctl("trash", "restore", mine, "--cluster", d, "--node", a, "--json", check=True).out)
-        assert got == {"node": a, "name": mine, "partition": 1}
-        dnctl("cluster", "start-node", a, "--cluster", d, check=True)
+        assert got == {"node": a, "name": mine, "partition": 1, "via": "node"}     # running: served at once
         out = dnctl("get", "--cluster", d, "--partition", "1", "--extent", "1", "--replica", a, "--out", "-",
                     check=True)
         assert out.stdout == f.read_bytes()
+        dnctl("cluster", "stop-node", b, "--cluster", d, check=True)     # down: its disk, from this host
+        rows = json.loads(dnctl("trash", "list", "--cluster", d, "--json", check=True).out)
+        assert [(r["node"], r["name"], r["via"]) for r in rows] == [(b, theirs, "disk")]
+        got = json.loads(dnctl("trash", "restore", theirs, "--cluster", d, "--json", check=True).out)
+        assert got == {"node": b, "name": theirs, "partition": 1, "via": "disk"}
+        dnctl("cluster", "start-node", b, "--cluster", d, check=True)
+        out = dnctl("get", "--cluster", d, "--partition", "1", "--extent", "1", "--replica", b, "--out", "-",
+                    check=True)
+        assert out.stdout == f.read_bytes()
+        dnctl("--secret-file", secret, "partition", "delete", "--id", "1", "--replicas", b, check=True)
         gone = json.loads(dnctl("trash", "purge", "--all", "--cluster", d, "--node", b, "--json", check=True).out)
         assert [g["node"] for g in gone] == [b]
         assert json.loads(dnctl("trash", "list", "--cluster", d, "--json", check=True).out) == []
-        refused(dnctl("trash", "purge", "nosuch", "--cluster", d), "no trash entry")
+        refused(dnctl("trash", "purge", "7.1", "--cluster", d), "no trash entry 7.1")
+        refused(dnctl("trash", "purge", "nosuch", "--cluster", d), "not a trash entry name")
         refused(dnctl("trash", "list"), "--config", "--cluster")
     finally:
         dnctl("cluster", "down", "--cluster", d)
@@ -726,3 +808,48 @@ def test_tls_on_the_tcp_stream(nodes, secret, tmp_path):
                 assert [x["tls"] for x in st["connections"]] == [ca_file is not None]
     run(body)
     assert "requires TLS" in wait_log(a, "requires TLS")
+
+
+# -- the reconnect penalty is per host and role (a node: its identity), paid after the hello ------------------------
+def test_a_client_abusers_penalty_does_not_slow_nodes_or_admins_of_its_host(nodes, secret):
+    """Eight client-role peers from 127.0.0.1 never serve their payloads and are dropped: client-role connections
+    from that host then wait (penalty), while a datanode's link (role node, its identity) and an admin's
+    connection from the same host are served at once -- on loopback every local peer shares the host."""
+    [n] = nodes(1, transport="tcp", peer_timeout=0.5, secret_file=str(secret), penalty_max_s=30.0)
+
+    async def setup():
+        async with open_client("tcp", [], secret=str(secret)) as adm:
+            await create_partition(adm, PID, [n.addr])
+            return await adm.create_extent(PID)
+    extent = run(setup)
+    cl = auth_as(secret, Role.CLIENT)
+    abusers = []
+    for i in range(8):                                  # all at once: eight offences, the penalty doubles to 6.4s
+        s = fuzz.connect(n.addr, timeout=5.0)
+        fuzz.hello(s, auth=cl)
+        fuzz.send_ctrl(s, Header(opcode=Op.WRITE, partition=PID, extent=extent, length=MiB, crc=0, epoch=1,
+                                 addr=0x100000, rkey=9, rlen=MiB, req_id=i + 1).encode())
+        abusers.append(s)
+    for s in abusers:                                   # the node drops each after peer_timeout
+        s.settimeout(10.0)
+        try:
+            while s.recv(1 << 16):
+                pass
+        except OSError:
+            pass
+        s.close()
+    text = wait_log(n, "peer from 127.0.0.1 client dropped")
+    assert "peer from 127.0.0.1 client dropped" in text
+
+    def ping(auth, timeout):
+        s = fuzz.connect(n.addr, timeout=1.0)
+        try:
+            fuzz.hello(s, auth=auth)
+            fuzz.send_ctrl(s, Header(opcode=Op.PING, req_id=77).encode())
+            return fuzz.serve_until_answer(s, b"", timeout=timeout).result
+        finally:
+            fuzz.end(s, "fin")
+    assert ping(auth_as(secret, Role.NODE, "127.0.0.1:1"), 5.0) == Result.OK       # a node of this host
+    assert ping(auth_as(secret, Role.ADMIN), 5.0) == Result.OK                      # an admin of this host
+    with pytest.raises(TimeoutError):                                               # a client of this host waits
+        ping(cl, 1.5)

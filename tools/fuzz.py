@@ -44,7 +44,7 @@ CHECK_PARTITION = 1
 KINDS = ("probe", "hello", "frames", "request")
 ENDINGS = ("fin", "rst", "silent")
 ADMIN_OPS = {Op.PARTITION_CREATE, Op.PARTITION_UPDATE, Op.PARTITION_DELETE, Op.TRUNCATE, Op.MARK_DELETE,
-             Op.REPAIR, Op.SCRUB}
+             Op.REPAIR, Op.SCRUB, Op.TRASH_LIST, Op.TRASH_RESTORE, Op.TRASH_PURGE}
 SOCK_TIMEOUT = 0.1
 
 

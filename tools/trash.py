@@ -1,24 +1,47 @@
 """``dnctl trash``: the partitions a node deleted (or was removed from), kept in ``data_dir/trash`` for
-``trash_retention_s`` (datanode/partition.py).  The commands work on the node's data directory, so they run on
-the node's host: ``--config node.toml`` names one node, ``--cluster DIR`` every node of a local cluster (``--node
-ADDR`` one of them).  ``restore`` needs the node stopped (it loads its partitions at start); ``list`` and
-``purge`` do not."""
+``trash_retention_s`` (datanode/partition.py).
+
+Two ways to reach a node's trash:
+
+* **over the wire** (a running node): admin-role requests ``TRASH_LIST`` / ``TRASH_RESTORE`` / ``TRASH_PURGE``
+  (datanode/ops/admin.py, audit-logged; client/admin.py ``trash_*``).  ``--node ADDR`` alone names the node;
+  with ``--cluster DIR`` or ``--config node.toml``, a node found running is reached this way too.  A restore
+  on a running node serves the partition at once; restoring a partition that is live there is refused.
+* **on the local disk** (a node that is down): ``--config node.toml`` or ``--cluster DIR [--node ADDR]`` on the
+  node's host; ``restore`` then puts the directory back for the node to load at its next start.
+"""
 from __future__ import annotations
 
+import dataclasses
+import os
 import pathlib
 import shutil
 import time
 
 import click
 
-from tools.clikit import ADDR, CTX, cluster_option, emit, fmt_bytes, load_cluster
+from tools.clikit import ADDR, CTX, cluster_option, emit, fmt_bytes, load_cluster, run
 
 
-def _nodes(config_path, cluster, node) -> list[tuple[str, object]]:
-    """[(node address, its Config)] of the nodes chosen by --config or --cluster [--node]."""
+@dataclasses.dataclass
+class Target:
+    addr: str
+    cfg: object | None          # its Config, when we know its data_dir (--config / --cluster)
+    wire: bool                  # running: over the wire; else on the local disk
+
+
+def _targets(config_path, cluster, node) -> list[Target]:
+    """The nodes chosen: ``--node ADDR`` alone (a running node, over the wire), ``--config`` (one node) or
+    ``--cluster DIR`` (every node, or ``--node``'s); each reached over the wire if running, else on disk."""
     from datanode import config as config_mod
-    if bool(config_path) == bool(cluster):
-        raise click.UsageError("say whose trash: --config node.toml (one node) or --cluster DIR [--node ADDR]")
+    if config_path and cluster:
+        raise click.UsageError("say whose trash with one of --config node.toml, --cluster DIR [--node ADDR] or "
+                               "--node ADDR")
+    if not config_path and not cluster:
+        if not node:
+            raise click.UsageError("say whose trash: --node ADDR (a running node), --config node.toml or "
+                                   "--cluster DIR [--node ADDR]")
+        return [Target(node, None, True)]
     paths = [pathlib.Path(config_path)] if config_path else [
         pathlib.Path(n["dir"]) / "node.toml" for n in load_cluster(cluster)["nodes"] if not node or n["addr"] == node]
     if not paths:
@@ -29,7 +52,11 @@ def _nodes(config_path, cluster, node) -> list[tuple[str, object]]:
             cfg = config_mod.load(str(p))
         except config_mod.ConfigError as e:
             raise click.ClickException(str(e)) from None
-        out.append((cfg.listen, cfg))
+        if config_path and node and node != cfg.listen:
+            raise click.UsageError(f"--node {node} is not the node of {config_path} ({cfg.listen})")
+        if cfg.secret_file and not os.environ.get("DATANODE_SECRET_FILE"):
+            os.environ["DATANODE_SECRET_FILE"] = str(pathlib.Path(cfg.secret_file).resolve())
+        out.append(Target(cfg.listen, cfg, _running(cfg) is not None))
     return out
 
 
@@ -43,9 +70,24 @@ def _running(cfg) -> int | None:
     return cl.listener_pid(cfg.listen)
 
 
-_where = [click.option("--config", "config_path", type=click.Path(dir_okay=False), help="One node's node.toml."),
+def _over_wire(targets: list[Target], fn):
+    """``fn(dc, target)`` for each target reached over the wire, with one admin client; [results]."""
+    wired = [t for t in targets if t.wire]
+    if not wired:
+        return []
+
+    async def go():
+        from client.sdk import DataClient
+        async with DataClient.open(timeout=10) as dc:
+            return [await fn(dc, t) for t in wired]
+    return run(go)
+
+
+_where = [click.option("--config", "config_path", type=click.Path(dir_okay=False),
+                       help="One node's node.toml (over the wire if it runs, else its data_dir on this host)."),
           cluster_option(help="A local cluster directory: every node of it (or --node ADDR)."),
-          click.option("--node", type=ADDR, help="With --cluster: only this node (HOST:PORT).")]
+          click.option("--node", type=ADDR, help="A running node, over the wire (HOST:PORT; admin role: the cluster "
+                                                 "secret or an admin key file); with --cluster: only this node.")]
 
 
 def where(fn):
@@ -56,12 +98,13 @@ def where(fn):
 
 @click.group("trash", context_settings=CTX)
 def trash_group():
-    """Deleted partitions kept for trash_retention_s: list them, put one back, purge them.
+    """Deleted partitions kept for trash_retention_s: list them, put one back, purge them -- over the wire on a
+    running node (--node ADDR; admin role), or on the local disk of a node that is down (--config/--cluster).
 
     \b
-    dnctl trash list --cluster /tmp/dn
-    dnctl cluster stop-node 127.0.0.1:17311 --cluster /tmp/dn
-    dnctl trash restore 7.1700000000000000000 --cluster /tmp/dn --node 127.0.0.1:17311
+    dnctl trash list --node 127.0.0.1:17311
+    dnctl trash restore 7.1700000000000000000 --node 127.0.0.1:17311
+    dnctl trash list --cluster /tmp/dn                 # every node: running ones over the wire, others on disk
     dnctl trash purge --expired --config /etc/datanode/node.toml
     """
 
@@ -71,11 +114,21 @@ def trash_group():
 @click.option("--json", "as_json", is_flag=True)
 def trash_list(config_path, cluster, node, as_json):
     """What each node's trash holds: entry name, partition, when deleted, bytes, time left before the purge."""
+    from client import admin
+    targets = _targets(config_path, cluster, node)
     now = time.time()
     rows = []
-    for addr, cfg in _nodes(config_path, cluster, node):
-        for e in _table(cfg).list_trash():
-            rows.append({**e, "node": addr, "purge_in_s": max(0.0, round(cfg.trash_retention_s - (now - e["deleted"]), 1))})
+    for t in targets:
+        if not t.wire:
+            rows += [{**e, "node": t.addr, "via": "disk",
+                      "purge_in_s": max(0.0, round(t.cfg.trash_retention_s - (now - e["deleted"]), 1))}
+                     for e in _table(t.cfg).list_trash()]
+
+    async def one(dc, t):
+        return [{**e, "node": t.addr, "via": "node"} for e in await admin.trash_list(dc, t.addr)]
+    for got in _over_wire(targets, one):
+        rows += got
+    rows.sort(key=lambda r: (r["node"], r["deleted"]))
     lines = [f"{r['node']:21}  {r['name']:32}  partition {r['partition']:<6}  deleted "
              f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(r['deleted']))}  {fmt_bytes(r['bytes']):>10}  "
              f"purged in {r['purge_in_s']:.0f}s" for r in rows]
@@ -87,25 +140,46 @@ def trash_list(config_path, cluster, node, as_json):
 @where
 @click.option("--json", "as_json", is_flag=True)
 def trash_restore(name, config_path, cluster, node, as_json):
-    """Put trash entry NAME back as its partition, with the replicas and epoch it had; the node must be stopped
-    (start it again afterwards: a leader's repair brings the copy up to date, or a newer view fences it)."""
-    chosen = [(a, c) for a, c in _nodes(config_path, cluster, node)
-              if (pathlib.Path(c.data_dir) / "trash" / name).is_dir()]
-    if not chosen:
-        raise click.ClickException(f"no trash entry {name!r} (see: dnctl trash list)")
-    if len(chosen) > 1:
-        raise click.UsageError(f"{len(chosen)} nodes hold {name!r}: say which with --node")
-    addr, cfg = chosen[0]
-    pid = _running(cfg)
-    if pid is not None:
-        raise click.ClickException(f"node {addr} is running (pid {pid}): stop it first, it loads its partitions at "
-                                   f"start (dnctl cluster stop-node ADDR --cluster DIR, or your service manager)")
+    """Put trash entry NAME back as its partition, with the replicas and epoch it had.  A running node serves
+    it at once (a partition of that id live there is an error, nothing is changed); on a node that is down,
+    the directory is put back for its next start.  Then a leader's repair brings the copy up to date, or a
+    newer view fences it."""
+    from client import admin
+    from datanode.protocol import BodyError, check_trash_name
     try:
-        part = _table(cfg).restore(name)
+        check_trash_name(name)
+    except BodyError as e:
+        raise click.BadParameter(e.detail, param_hint="NAME") from None
+    targets = _targets(config_path, cluster, node)
+    if len(targets) > 1:                  # which node holds it?
+        holders = []
+        for t in targets:
+            if not t.wire:
+                if (pathlib.Path(t.cfg.data_dir) / "trash" / name).is_dir():
+                    holders.append(t)
+
+        async def holds(dc, t):
+            return t if any(e["name"] == name for e in await admin.trash_list(dc, t.addr)) else None
+        holders += [t for t in _over_wire(targets, holds) if t is not None]
+        if not holders:
+            raise click.ClickException(f"no trash entry {name!r} (see: dnctl trash list)")
+        if len(holders) > 1:
+            raise click.UsageError(f"{len(holders)} nodes hold {name!r}: say which with --node")
+        targets = holders
+    t = targets[0]
+    if t.wire:
+        async def restore(dc, t):
+            return await admin.trash_restore(dc, t.addr, name)
+        part = _over_wire([t], restore)[0]
+        emit({"node": t.addr, "name": name, "partition": part, "via": "node"}, as_json,
+             f"partition {part} restored on {t.addr} from {name}; the node serves it now")
+        return
+    try:
+        part = _table(t.cfg).restore(name)
     except (FileNotFoundError, FileExistsError, OSError) as e:
         raise click.ClickException(str(e)) from None
-    emit({"node": addr, "name": name, "partition": part}, as_json,
-         f"partition {part} restored on {addr} from {name}; start the node to serve it")
+    emit({"node": t.addr, "name": name, "partition": part, "via": "disk"}, as_json,
+         f"partition {part} restored on {t.addr} (on its disk: it is down) from {name}; start the node to serve it")
 
 
 @trash_group.command("purge")
@@ -116,18 +190,40 @@ def trash_restore(name, config_path, cluster, node, as_json):
 @click.option("--json", "as_json", is_flag=True)
 def trash_purge(names, config_path, cluster, node, expired, everything, as_json):
     """Delete trash entries for good: the NAMEs given, or --expired ones, or --all."""
+    from client import admin
+    from datanode.protocol import BodyError, check_trash_name
     if sum(map(bool, (names, expired, everything))) != 1:
         raise click.UsageError("say which entries: NAME..., --expired or --all")
+    try:
+        for n in names:
+            check_trash_name(n)
+    except BodyError as e:
+        raise click.BadParameter(e.detail, param_hint="NAMES") from None
+    targets = _targets(config_path, cluster, node)
     gone = []
-    for addr, cfg in _nodes(config_path, cluster, node):
-        table = _table(cfg)
+    for t in targets:
+        if t.wire:
+            continue
+        table = _table(t.cfg)
         if expired:
-            gone += [{"node": addr, "name": n} for n in table.purge_trash(cfg.trash_retention_s)]
+            gone += [{"node": t.addr, "name": n, "via": "disk"} for n in table.purge_trash(t.cfg.trash_retention_s)]
             continue
         for e in table.list_trash():
             if everything or e["name"] in names:
                 shutil.rmtree(table.trash / e["name"], ignore_errors=True)
-                gone.append({"node": addr, "name": e["name"], "bytes": e["bytes"]})
+                gone.append({"node": t.addr, "name": e["name"], "bytes": e["bytes"], "via": "disk"})
+
+    async def one(dc, t):
+        if names:            # only the names this node holds (the node refuses a list with one it lacks)
+            held = {e["name"] for e in await admin.trash_list(dc, t.addr)} & set(names)
+            if not held:
+                return []
+            got = await admin.trash_purge(dc, t.addr, names=sorted(held))
+        else:
+            got = await admin.trash_purge(dc, t.addr, expired=expired, everything=everything)
+        return [{"node": t.addr, "name": e["name"], "bytes": e["bytes"], "via": "node"} for e in got]
+    for got in _over_wire(targets, one):
+        gone += got
     missing = set(names) - {g["name"] for g in gone}
     if missing:
         raise click.ClickException(f"no trash entry {', '.join(sorted(missing))} (see: dnctl trash list)")

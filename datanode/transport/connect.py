@@ -49,6 +49,10 @@ class AuthError(NegotiationError):
     """The hello's authentication failed (either side); the message says which side and why."""
 
 
+class NotAdmitted(AuthError):
+    """The server's ``admit`` refused a peer (e.g. too many connections of its kind); it was told why."""
+
+
 def _status(code: int) -> str:
     return HELLO_STATUS[code] if 0 <= code < len(HELLO_STATUS) else f"refused ({code})"
 
@@ -152,6 +156,8 @@ async def dial(host: str, port: int, domain: Domain, *, transport: str = "auto",
                     raise AuthError(f"{peer} failed to prove it holds the cluster secret (a different secret?)")
                 await send_all(sock, AuthProof.encode(proof(key, b"client", text)))
                 verdict = AuthVerdict.decode(await _read(sock, AuthVerdict.SIZE))
+                if verdict == 3:                  # too many connections: not about our credentials
+                    raise AuthError(f"{peer} refused the connection: {_status(verdict)}")
                 if verdict:
                     raise AuthError(f"{peer} refused our credentials: {_status(verdict)}")
             if answer.transport == Transport.AUTO:
@@ -192,10 +198,17 @@ async def refuse(sock, domain: Domain, slots: int, status: int) -> None:
                                status=status).encode())
 
 
-async def _authenticate(sock, peer: str, hello: Hello, creds: Credentials | None, answer: Hello) -> tuple:
+async def _authenticate(sock, peer: str, hello: Hello, creds: Credentials | None, answer: Hello,
+                        admit=None) -> tuple:
     """The server's half of the hello's authentication; returns the (role, identity) proven, (None, "") when
-    authentication is off, or raises AuthError after telling the peer why."""
+    authentication is off, or raises AuthError after telling the peer why.  ``admit(role, identity)``: 0 to
+    let the proven peer in, else a HELLO_STATUS code to refuse it with (e.g. too many connections)."""
     if creds is None:         # a peer holding a secret refuses us itself (we cannot prove anything)
+        status = admit(None, "") if admit is not None else 0
+        if status:
+            answer.status, answer.transport = status, Transport.AUTO
+            await send_all(sock, answer.encode())
+            raise NotAdmitted(f"connection from {peer} refused: {_status(status)}")
         await send_all(sock, answer.encode())
         return None, ""
     if not hello.auth:
@@ -221,15 +234,23 @@ async def _authenticate(sock, peer: str, hello: Hello, creds: Credentials | None
         await send_all(sock, AuthVerdict.encode(4))
         raise AuthError(f"connection from {peer} refused: bad proof for role {role.name.lower()} "
                         f"(wrong secret or role key)")
+    identity = hello.identity if role == Role.NODE else ""
+    status = admit(role, identity) if admit is not None else 0
+    if status:
+        await send_all(sock, AuthVerdict.encode(status))
+        raise NotAdmitted(f"connection from {peer} ({role.name.lower()}) refused: {_status(status)}")
     await send_all(sock, AuthVerdict.encode(0))
-    return role, hello.identity if role == Role.NODE else ""
+    return role, identity
 
 
 @asynccontextmanager
 async def accept(sock, peer: str, domain: Domain, *, transport: str = "auto", slots: int = DEFAULT_SLOTS,
-                 timeout: float = 5.0, auth: ServerAuth | None = None) -> AsyncIterator[Connection]:
+                 timeout: float = 5.0, auth: ServerAuth | None = None, admit=None,
+                 hold=None) -> AsyncIterator[Connection]:
     """The server side of ``dial`` on an accepted socket.  ``timeout`` bounds the whole hello (a peer that
-    does not complete it in time is dropped)."""
+    does not complete it in time is dropped).  ``admit``: see ``_authenticate`` (called once the peer's role
+    is proven, or, without authentication, once its hello is read).  ``hold(conn)``: awaited after the hello
+    (outside its deadline), before the connection reads anything of the peer's (e.g. a reconnect penalty)."""
     tune_socket(sock)
     creds = auth.creds if auth is not None else None
     with trio.fail_after(timeout):
@@ -250,7 +271,7 @@ async def accept(sock, peer: str, domain: Domain, *, transport: str = "auto", sl
             raise NegotiationError(f"connection from {peer}: {e}") from None
         answer = Hello(transport=chosen, has_device=device, slots=slots,
                        nonce=new_nonce() if creds else bytes(32))
-        role, identity = await _authenticate(sock, peer, hello, creds, answer)
+        role, identity = await _authenticate(sock, peer, hello, creds, answer, admit)
         conn: Connection | None = None
         if chosen == Transport.VERBS:
             conn = await _upgrade(sock, domain, peer, True, hello.slots, slots)
@@ -259,6 +280,12 @@ async def accept(sock, peer: str, domain: Domain, *, transport: str = "auto", sl
         conn.role, conn.identity, conn.tls = role, identity, secure
     log.debug("connection from %s on %s%s (role %s)", peer, conn.transport, "+tls" if secure else "",
               role.name.lower() if role is not None else "unauthenticated")
+    if hold is not None:        # before anything of the peer's is read: what it sends waits in the kernel
+        try:
+            await hold(conn)
+        except BaseException:
+            await conn.aclose()
+            raise
     async with _running(conn) as c:
         yield c
 

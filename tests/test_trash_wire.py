@@ -1,0 +1,179 @@
+"""The trash over the wire (issue 11): a running node lists, restores and purges its deleted partitions for an
+admin (TRASH_LIST / TRASH_RESTORE / TRASH_PURGE, audit-logged), through the admin library and ``dnctl trash
+... --node ADDR``; other roles get FORBIDDEN, bad bodies BAD_BODY, and a live partition is never clobbered."""
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import trio
+
+from client import admin
+from client.sdk import ClientError
+from datanode.auth import Credentials, DialAuth, gen_secret
+from datanode.protocol import BODY_REASONS, Header, Op, Result, Role
+from tests.conftest import create_partition, open_client, pattern, run
+from tools import fuzz
+
+KiB = 1 << 10
+PID = 7
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def secret(tmp_path) -> pathlib.Path:
+    p = tmp_path / "cluster.secret"
+    p.write_text(gen_secret())
+    p.chmod(0o600)
+    return p
+
+
+def audit_lines(node) -> list[dict]:
+    p = pathlib.Path(node.cfg["data_dir"]) / "audit.log"
+    return [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
+
+
+def test_delete_list_restore_read_back_over_the_wire(nodes, secret):
+    """A partition with data is deleted; an admin lists the trash over the wire, restores it on the running
+    node, and reads back the same bytes; restoring again (the partition is live) is EXISTS, nothing changes."""
+    [n] = nodes(1, secret_file=str(secret))
+    data = pattern(11, 700 * KiB)
+
+    async def body():
+        async with open_client("tcp", [], secret=str(secret)) as adm:
+            await create_partition(adm, PID, [n.addr])
+            locs = await adm.write(PID, data)
+            await adm.admin(n.addr, Op.PARTITION_DELETE, partition=PID)
+            assert PID not in (await admin.node_status(adm, n.addr))["partitions"]
+            listing = await admin.trash_list(adm, n.addr)
+            assert [e["partition"] for e in listing] == [PID]
+            e = listing[0]
+            assert e["bytes"] >= len(data) and 0 < e["purge_in_s"] <= 86400
+            assert await admin.trash_restore(adm, n.addr, e["name"]) == PID
+            assert await admin.trash_list(adm, n.addr) == []
+            assert PID in (await admin.node_status(adm, n.addr))["partitions"]
+            await adm.discover(n.addr)
+            assert b"".join([await adm.read_location(loc) for loc in locs]) == data
+            more = pattern(12, 10 * KiB)                # and it takes writes again
+            loc2 = await adm.write(PID, more)
+            assert b"".join([await adm.read_location(loc) for loc in loc2]) == more
+
+            # delete again, then make a new partition with the same id: restoring the old one must not clobber it
+            await adm.admin(n.addr, Op.PARTITION_DELETE, partition=PID)
+            [old] = await admin.trash_list(adm, n.addr)
+            fresh = pattern(13, 5 * KiB)
+            async with open_client("tcp", [], secret=str(secret)) as adm2:   # (adm would append to its old extent)
+                await create_partition(adm2, PID, [n.addr])
+                floc = await adm2.write(PID, fresh)
+            with pytest.raises(ClientError, match=f"partition {PID} is live there") as ei:
+                await admin.trash_restore(adm, n.addr, old["name"])
+            assert ei.value.result == Result.EXISTS
+            assert [x["name"] for x in await admin.trash_list(adm, n.addr)] == [old["name"]]   # still in the trash
+            assert b"".join([await adm.read_location(loc) for loc in floc]) == fresh          # live copy untouched
+            with pytest.raises(ClientError) as ei:
+                await admin.trash_restore(adm, n.addr, "7.123")
+            assert ei.value.result == Result.NOT_FOUND
+
+            # purge: a name it lacks refuses the whole request; then the real one
+            with pytest.raises(ClientError) as ei:
+                await admin.trash_purge(adm, n.addr, names=[old["name"], "7.1"])
+            assert ei.value.result == Result.NOT_FOUND
+            gone = await admin.trash_purge(adm, n.addr, names=[old["name"]])
+            assert [g["name"] for g in gone] == [old["name"]]
+            assert await admin.trash_list(adm, n.addr) == []
+            return old["name"]
+    name = run(body)
+    log = [(a["op"], a["result"], a["detail"]) for a in audit_lines(n) if a["op"].startswith("TRASH_")]
+    assert ("TRASH_LIST", "OK", "") in log
+    assert any(op == "TRASH_RESTORE" and r == "OK" and f"as partition {PID}" in d for op, r, d in log), log
+    assert any(op == "TRASH_RESTORE" and r == "EXISTS" and "is live" in d for op, r, d in log), log
+    assert ("TRASH_PURGE", "OK", f"purged (names): {name}") in log
+    assert "Traceback" not in n.log_path.read_text()
+
+
+def test_trash_ops_need_the_admin_role_and_a_whole_valid_body(nodes, secret):
+    [n] = nodes(1, secret_file=str(secret))
+
+    async def body():
+        async with open_client("tcp", [], secret=str(secret)) as adm:
+            await create_partition(adm, PID, [n.addr])
+            await adm.write(PID, b"x" * 1000)
+            await adm.admin(n.addr, Op.PARTITION_DELETE, partition=PID)
+            [entry] = await admin.trash_list(adm, n.addr)
+        async with open_client("tcp", [], secret=str(secret), role="client") as dc:
+            for call in (admin.trash_list(dc, n.addr), admin.trash_restore(dc, n.addr, entry["name"]),
+                         admin.trash_purge(dc, n.addr, names=[entry["name"]])):
+                with pytest.raises(ClientError) as ei:
+                    await call
+                assert ei.value.result == Result.FORBIDDEN
+        as_node = DialAuth(Credentials.load(secret), Role.NODE, identity=n.addr)     # even the node itself
+        for op, b in ((Op.TRASH_LIST, b""), (Op.TRASH_RESTORE, json.dumps({"name": entry["name"]}).encode()),
+                      (Op.TRASH_PURGE, b'{"all": true}')):
+            h = Header(opcode=op, length=len(b), addr=0x10000, rkey=5, rlen=max(len(b), 4096), req_id=1)
+            r = await trio.to_thread.run_sync(lambda: fuzz.request(n.addr, h, b, auth=as_node))
+            assert r.result == Result.FORBIDDEN, op
+        async with open_client("tcp", [], secret=str(secret)) as adm:
+            bad = [(Op.TRASH_RESTORE, {"name": "../../etc"}, "bad_trash_name"),
+                   (Op.TRASH_RESTORE, {"name": 7}, "bad_trash_name"),
+                   (Op.TRASH_RESTORE, {}, "bad_trash_name"),
+                   (Op.TRASH_RESTORE, {"name": entry["name"], "force": True}, "unknown_key"),
+                   (Op.TRASH_RESTORE, [entry["name"]], "not_an_object"),
+                   (Op.TRASH_PURGE, {}, "purge_choice"),
+                   (Op.TRASH_PURGE, {"all": True, "expired": True}, "purge_choice"),
+                   (Op.TRASH_PURGE, {"all": 1}, "purge_choice"),
+                   (Op.TRASH_PURGE, {"names": []}, "purge_choice"),
+                   (Op.TRASH_PURGE, {"names": [entry["name"], "x/y"]}, "bad_trash_name"),
+                   (Op.TRASH_PURGE, {"names": "7.1"}, "purge_choice")]
+            for op, b, reason in bad:
+                resp, _ = await adm.request(n.addr, Header(opcode=op), body=json.dumps(b).encode())
+                assert resp.result == Result.BAD_BODY and BODY_REASONS[resp.arg] == reason, (b, resp)
+            resp, _ = await adm.request(n.addr, Header(opcode=Op.TRASH_PURGE), body=b"{not json")
+            assert resp.result == Result.BAD_BODY and BODY_REASONS[resp.arg] == "not_json"
+            assert [e["name"] for e in await admin.trash_list(adm, n.addr)] == [entry["name"]]   # nothing changed
+    run(body)
+    forbidden = [a for a in audit_lines(n) if a["op"].startswith("TRASH_") and a["result"] == "FORBIDDEN"]
+    assert {a["role"] for a in forbidden} == {"client", "node"} and len(forbidden) == 6
+
+
+def test_dnctl_trash_over_the_wire(nodes, secret, tmp_path):
+    """``dnctl trash list|restore|purge --node ADDR`` on a running node, with --json and clear errors."""
+    [n] = nodes(1, secret_file=str(secret))
+    data = pattern(14, 300 * KiB)
+
+    async def write():
+        async with open_client("tcp", [], secret=str(secret)) as adm:
+            await create_partition(adm, PID, [n.addr])
+            locs = await adm.write(PID, data)
+            await adm.admin(n.addr, Op.PARTITION_DELETE, partition=PID)
+            return locs
+    locs = run(write)
+
+    def dnctl(*args, secret_file=secret):
+        pre = ["--secret-file", str(secret_file)] if secret_file else []
+        return subprocess.run([sys.executable, "-m", "tools.dnctl", *pre, "trash", *map(str, args)],
+                              capture_output=True, text=True, cwd=REPO, timeout=60)
+    p = dnctl("list", "--node", n.addr, "--json")
+    assert p.returncode == 0, p.stderr
+    [row] = json.loads(p.stdout)
+    assert row["partition"] == PID and row["node"] == n.addr and row["via"] == "node"
+    p = dnctl("list", "--node", n.addr)
+    assert row["name"] in p.stdout and f"partition {PID}" in p.stdout
+    p = dnctl("restore", "not-a-name", "--node", n.addr)
+    assert p.returncode == 2 and "PARTITION.NANOSECONDS" in p.stderr and "bad_trash_name" not in p.stderr and "Traceback" not in p.stderr
+    p = dnctl("list", "--node", n.addr, secret_file=None)
+    assert p.returncode == 1 and "requires authentication" in p.stderr and "Traceback" not in p.stderr
+    p = dnctl("restore", row["name"], "--node", n.addr, "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout) == {"node": n.addr, "name": row["name"], "partition": PID, "via": "node"}
+
+    async def read():
+        async with open_client("tcp", [n.addr], secret=str(secret)) as dc:
+            return b"".join([await dc.read_location(loc) for loc in locs])
+    assert run(read) == data
+    p = dnctl("purge", "--all", "--node", n.addr, "--json")
+    assert p.returncode == 0 and json.loads(p.stdout) == [], p.stderr
+    p = dnctl("purge", "7.5", "--node", n.addr)
+    assert p.returncode == 1 and "no trash entry 7.5" in p.stderr
