@@ -269,8 +269,13 @@ async def _answer(stream: trio.SocketStream, metrics: NodeMetrics) -> None:
                 head += chunk
             line = head.split(b"\r\n", 1)[0].split()
             if len(line) >= 2 and line[0] == b"GET" and line[1].split(b"?")[0] == b"/metrics":
-                body = metrics.exposition()
-                status, ctype = b"200 OK", b"text/plain; version=0.0.4; charset=utf-8"
+                try:
+                    body = metrics.exposition()
+                    status, ctype = b"200 OK", b"text/plain; version=0.0.4; charset=utf-8"
+                except Exception:  # noqa: BLE001 - a fault in observability must not end the data path
+                    log.exception("metrics: building the exposition failed (the node serves on)")
+                    body, status, ctype = (b"internal error: see the datanode's log\n", b"500 Internal Server Error",
+                                           b"text/plain")
             else:
                 body, status, ctype = b"not found: try /metrics\n", b"404 Not Found", b"text/plain"
             await stream.send_all(b"HTTP/1.1 " + status + b"\r\nContent-Type: " + ctype +

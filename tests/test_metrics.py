@@ -94,3 +94,37 @@ def test_status_reports_disk_and_does_not_count_itself(nodes):
             assert st["state"] == "serving"
             assert [c["transport"] for c in st["connections"]] == ["tcp"]
     trio.run(body)
+
+
+def test_a_failing_exposition_is_a_500_and_the_server_serves_on():
+    """A fault while building the exposition (a bug in a collector) answers 500 and the metrics server --
+    a task in the node's nursery -- keeps serving: it must not end the node."""
+    from datanode.metrics import serve_metrics
+
+    class Flaky:
+        calls = 0
+
+        def exposition(self) -> bytes:
+            Flaky.calls += 1
+            if Flaky.calls == 1:
+                raise RuntimeError("a collector broke")
+            return b"ok 1\n"
+
+    maddr = f"127.0.0.1:{free_port()}"
+
+    def get():
+        try:
+            with urllib.request.urlopen(f"http://{maddr}/metrics", timeout=10) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    async def main():
+        async with trio.open_nursery() as n:
+            await n.start(serve_metrics, maddr, Flaky())
+            first = await trio.to_thread.run_sync(get)
+            second = await trio.to_thread.run_sync(get)
+            n.cancel_scope.cancel()
+        assert first[0] == 500 and b"log" in first[1], first
+        assert second == (200, b"ok 1\n"), second
+    trio.run(main)
