@@ -431,6 +431,9 @@ async def add_replica(dc: DataClient, pid: int, addr: str, seeds: list[str], *, 
     if addr in old.replicas:
         raise ClientError(f"{addr} is already a replica of partition {pid} "
                           f"({', '.join(old.replicas)}, epoch {old.epoch})")
+    def copied(h: dict) -> int:       # bytes the leader's repair copied to ``addr``, over all its passes
+        return next((f.get("repaired_bytes") or 0 for f in h.get("followers", []) if f["addr"] == addr), 0)
+    before = copied(await health(dc, old.leader, pid)) if wait else 0
     res = await change_replicas(dc, old, old.replicas + [addr])
     if wait:
         t0 = trio.current_time()
@@ -438,7 +441,8 @@ async def add_replica(dc: DataClient, pid: int, addr: str, seeds: list[str], *, 
         h = await wait_settled(dc, old.leader, pid, only=addr, repair_pass=n, timeout=timeout,
                                on_progress=on_progress)
         last = h["repair"]["last"] or {}
-        res["repair"] = {"seconds": round(trio.current_time() - t0, 2), "bytes_copied": last.get("bytes_copied"),
+        # the fill may span passes (the view change starts one by itself; ours may come after it)
+        res["repair"] = {"seconds": round(trio.current_time() - t0, 2), "bytes_copied": copied(h) - before,
                          "mib_s": last.get("mib_s"),
                          "state": next(f["state"] for f in h["followers"] if f["addr"] == addr)}
     return res

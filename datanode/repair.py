@@ -105,13 +105,14 @@ class ReplicaHealth:
     in_flight_bytes: int = 0        # differences on open extents that are still moving (appends in flight)
     came_back: bool = False         # was unreachable, answered again: wants a full pass
     marks: dict | None = None       # follower sizes at the previous probe (to tell "moving" from "stuck")
+    repaired_bytes: int = 0         # bytes repair copied to it while this node led the partition (all passes)
 
     def to_dict(self) -> dict:
         now = time.time()
         return {"addr": self.addr, "state": self.state, "last_contact": self.last_contact,
                 "contact_age_s": round(now - self.last_contact, 2) if self.last_contact else None,
                 "bytes_behind": self.bytes_behind, "extents_behind": self.extents_behind,
-                "in_flight_bytes": self.in_flight_bytes,
+                "in_flight_bytes": self.in_flight_bytes, "repaired_bytes": self.repaired_bytes,
                 "epoch": self.epoch, "error": self.error}
 
 
@@ -675,6 +676,7 @@ class PartitionWorker:
                     self.rep.pool.free(block)
                 if r.result == Result.OK:
                     self.rep.counters.repair_bytes += n
+                    self.replicas[addr].repaired_bytes += n
                     if self.progress is not None and self.progress["addr"] == addr:
                         self.progress["copied"] += n
                     if resync is not None:

@@ -917,7 +917,7 @@ def replica_add(pid, addr, via, cluster, wait, timeout, quiet, as_json):
     if "repair" in res:
         r = res["repair"]
         text += (f"\n{addr} is {r['state']}: identical to the leader after {fmt_seconds(r['seconds'])} "
-                 f"(last pass copied {fmt_bytes(r['bytes_copied'])} at {r['mib_s']} MiB/s)")
+                 f"({fmt_bytes(r['bytes_copied'])} copied; the last repair pass ran at {r['mib_s']} MiB/s)")
     else:
         text += f"\nnote: {addr} is being filled by repair; see: dnctl partition health --id {pid}"
     emit(res, as_json, text)
