@@ -173,6 +173,8 @@ def _pwrite_all(fd: int, buf, pos: int) -> None:
 
 
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", None)
+_FADV_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
+WILLNEED_MIN = 256 << 10      # blocking reads of at least this many bytes announce their range first
 
 
 def _preadv_all(fd: int, bufs: list[memoryview], pos: int, nowait: bool = False) -> int:
@@ -727,6 +729,15 @@ class ExtentStore:
             dst = out[:length]
             want = head + length + tail
             try:
+                if not nowait and want >= WILLNEED_MIN and _FADV_WILLNEED is not None:
+                    # a read that may go to the disk: ask for the whole range at once (readahead of just
+                    # this range, every page's I/O in flight together) rather than the file's readahead
+                    # window at a time, which reads beside it with other reads of the file interleaved
+                    # (cold 1 MiB reads at depth 8: 0.24-0.8 GiB/s without, 1.3-1.4 GiB/s with, as O_DIRECT)
+                    try:
+                        os.posix_fadvise(ext.dat, bstart, want, _FADV_WILLNEED)
+                    except OSError:
+                        pass            # only advice: the read below is what counts
                 got = _preadv_all(ext.dat, [head_buf[:head], dst, tail_buf[:tail]], bstart, nowait)
             except OSError as e:
                 raise StoreError("disk", f"extent {extent_id}: read: {e}") from e
