@@ -154,6 +154,27 @@ def _fsync_dir(path: pathlib.Path) -> None:
         os.close(fd)
 
 
+def piece_crcs(offset: int, data) -> tuple[list[int], int]:
+    """The CRC32C of each piece of ``data`` cut where an append at ``offset`` crosses a block boundary, and
+    of all of it: one pass over the bytes.  A caller that must check the payload's CRC before it appends
+    (the request path: before it forwards to the followers) passes the pieces on to ``append``, which then
+    does not read the bytes a second time."""
+    mv = _byte_view(data)
+    n = len(mv)
+    out: list[int] = []
+    whole = pos = 0
+    within = offset % BLOCK
+    while pos < n:
+        take = min(BLOCK - within, n - pos)
+        piece = mv[pos:pos + take] if take != n else mv
+        c = crc32c(piece)
+        whole = c if pos == 0 else _cat(whole, piece, c)
+        out.append(c)
+        pos += take
+        within = 0
+    return out, whole
+
+
 def _cat(crc_a: int, piece, crc_piece: int) -> int:
     """crc32c(a + piece) given crc32c(a), the piece and crc32c(piece): combine when that is cheaper."""
     n = len(piece)
@@ -561,12 +582,15 @@ class ExtentStore:
             self.flush([extent_id])
         return end
 
-    def append(self, extent_id: int, offset: int, data, crc: int | None = None, *, blocking: bool = True) -> int:
+    def append(self, extent_id: int, offset: int, data, crc: int | None = None, pieces: list[int] | None = None,
+               *, blocking: bool = True) -> int:
         """The first half of a write: checks, block CRCs, ``pwrite`` of the data; the extent's size moves at
         once (the next append may follow).  Under sync=always nothing is durable yet and the CRC entries stay
         in memory until ``flush`` (group commit: one flush makes every append before it durable); under
         sync=none the entries are written here.  ``blocking=False``: raise ``WouldBlock`` instead of waiting
-        for the extent's mutation lock (the async caller then retries in a thread).  Returns the new size."""
+        for the extent's mutation lock (the async caller then retries in a thread).  ``pieces``: the caller's
+        ``piece_crcs(offset, data)`` (its CRC already checked): used instead of reading the bytes again.
+        Returns the new size."""
         ext = self._get(extent_id)
         mv = _byte_view(data)
         n = len(mv)
@@ -591,10 +615,17 @@ class ExtentStore:
             pos = 0
             blk = first
             within = size % BLOCK
+            if pieces is not None and len(pieces) != (-(-(within + n) // BLOCK) if n else 0):
+                raise ValueError("pieces do not match this append")
+            k = 0
             while pos < n:
                 take = min(BLOCK - within, n - pos)
                 piece = mv[pos:pos + take] if take != n else mv
-                c = crc32c(piece)
+                if pieces is not None:
+                    c = pieces[k]
+                    k += 1
+                else:
+                    c = crc32c(piece)
                 if crc is not None:
                     whole = c if pos == 0 else _cat(whole, piece, c)
                 if within:
