@@ -74,9 +74,10 @@ def node_path_mtus(cluster: str) -> list:
     return found
 
 
-def ingest(cluster: str, size: str, seconds: float, depth: int) -> dict:
+def ingest(cluster: str, size: str, seconds: float, depth: int, clients: int) -> dict:
     out = json.loads(dnctl("bench", "--cluster", cluster, "--replicas", "1", "--mode", "write", "--size", size,
-                           "--depth", str(depth), "--seconds", str(seconds), "--transport", "verbs", "--json"))
+                           "--depth", str(depth), "--clients", str(clients), "--seconds", str(seconds),
+                           "--transport", "verbs", "--json"))
     row = out["results"][0]
     return {"mib_s": row["mib_s"], "mb_s": round(row["mib_s"] * (1 << 20) / 1e6, 1),
             "p50_ms": row["latency_ms"]["p50"], "errors": row["errors"], "transport": out["config"]["transport"]}
@@ -89,9 +90,11 @@ def ingest(cluster: str, size: str, seconds: float, depth: int) -> dict:
 @click.option("--size", default="1MiB", type=click.Choice(sorted(SIZES)), show_default=True)
 @click.option("--seconds", type=float, default=6.0, show_default=True, help="dnctl bench write phase length.")
 @click.option("--depth", type=click.IntRange(1, 64), default=8, show_default=True)
+@click.option("--clients", type=click.IntRange(1, 16), default=1, show_default=True,
+              help="Client processes writing to the leader at once (its ingest, not one client's).")
 @click.option("--ib-iters", type=int, default=500, show_default=True, help="ib_read_bw -n.")
 @click.option("--json", "as_json", is_flag=True, help="Also print every measurement as JSON.")
-def main(mtus, rounds, size, seconds, depth, ib_iters, as_json) -> None:
+def main(mtus, rounds, size, seconds, depth, clients, ib_iters, as_json) -> None:
     """Leader ingest over verbs / ib_read_bw per RoCE MTU, in this Soft-RoCE VM (see the module docstring)."""
     if not os.path.exists(f"/sys/class/infiniband/{DEV}"):
         raise SystemExit(f"no RDMA device {DEV}: run inside the VM: "
@@ -108,7 +111,8 @@ def main(mtus, rounds, size, seconds, depth, ib_iters, as_json) -> None:
     root = tempfile.mkdtemp(prefix="verbsratio-")
     cluster = os.path.join(root, "c")
     runs: list[dict] = []
-    print(f"device {DEV} (GID {GID}, {ADDR}) on {netdev}; {size} writes, depth {depth}, {seconds:g} s; "
+    print(f"device {DEV} (GID {GID}, {ADDR}) on {netdev}; {size} writes, {clients} client(s) x depth {depth}, "
+          f"{seconds:g} s; "
           f"{rounds} round(s) of MTU {', '.join(map(str, wanted))}", flush=True)
     dnctl("cluster", "up", "--nodes", "1", "--cluster", cluster, "--transport", "verbs", "--sync", "always",
           "--pool-mib", "64", "--replica-timeout", "20", "--no-etcd")
@@ -117,7 +121,7 @@ def main(mtus, rounds, size, seconds, depth, ib_iters, as_json) -> None:
             for mtu in wanted:
                 got = set_mtu(netdev, mtu)
                 ib0 = ib_read_bw(SIZES[size], ib_iters)
-                ing = ingest(cluster, size, seconds, depth)
+                ing = ingest(cluster, size, seconds, depth, clients)
                 ib1 = ib_read_bw(SIZES[size], ib_iters)
                 # the device's rate: the better of the runs before and after (a run under a burst of the
                 # host's other work, or one that reports 0, must not flatter the ratio)
