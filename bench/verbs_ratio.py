@@ -52,6 +52,25 @@ def active_mtu() -> int | None:
     return int(m.group(1)) if m else None
 
 
+def hw_counters() -> dict[str, int]:
+    """rxe's port counters (retries, sequence errors, RNR NAKs, duplicates ...): where a slow run loses time."""
+    d = f"/sys/class/infiniband/{DEV}/ports/1/hw_counters"
+    out = {}
+    for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+        try:
+            with open(os.path.join(d, name)) as f:
+                out[name] = int(f.read().strip() or 0)
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def delta(before: dict, after: dict) -> dict:
+    """Counters that moved, leaving out the plain packet counts."""
+    return {k: after[k] - before.get(k, 0) for k in after
+            if after[k] != before.get(k, 0) and k not in ("sent_pkts", "rcvd_pkts")}
+
+
 def set_mtu(netdev: str, roce_mtu: int) -> int | None:
     subprocess.run(["ip", "link", "set", netdev, "mtu", str(NETDEV_MTU[roce_mtu])], check=True)
     for _ in range(50):
@@ -120,20 +139,27 @@ def main(mtus, rounds, size, seconds, depth, clients, ib_iters, as_json) -> None
         for rnd in range(1, rounds + 1):
             for mtu in wanted:
                 got = set_mtu(netdev, mtu)
+                c0 = hw_counters()
                 ib0 = ib_read_bw(SIZES[size], ib_iters)
+                c1 = hw_counters()
                 ing = ingest(cluster, size, seconds, depth, clients)
+                c2 = hw_counters()
                 ib1 = ib_read_bw(SIZES[size], ib_iters)
+                c3 = hw_counters()
                 # the device's rate: the better of the runs before and after (a run under a burst of the
                 # host's other work, or one that reports 0, must not flatter the ratio)
                 ib = max([x for x in (ib0, ib1) if x] or [0.0]) or None
                 path = sorted({m for m in node_path_mtus(cluster) if m})
                 r = {"round": rnd, "roce_mtu": mtu, "active_mtu": got, "netdev_mtu": NETDEV_MTU[mtu],
-                     "ib_read_bw_MBps": ib, "ib_read_bw_runs": [ib0, ib1], "ingest": ing, "node_path_mtus": path,
+                     "ib_read_bw_MBps": ib, "ib_read_bw_runs": [ib0, ib1], "ingest": ing,
+                     "rxe_counters": {"ib_read_bw": [delta(c0, c1), delta(c2, c3)], "ingest": delta(c1, c2)}, "node_path_mtus": path,
                      "ratio": round(ing["mb_s"] / ib, 3) if ib else None}
                 runs.append(r)
                 print(f"round {rnd} MTU {mtu} (active {got}): ib_read_bw {ib or 0:.1f} MB/s, leader ingest "
                       f"{ing['mb_s']:.1f} MB/s ({ing['mib_s']:.1f} MiB/s, p50 {ing['p50_ms']} ms, "
                       f"errors {ing['errors']}), ratio {r['ratio']}", flush=True)
+                print(f"    rxe counters that moved: ib_read_bw {r['rxe_counters']['ib_read_bw']}, ingest "
+                      f"{r['rxe_counters']['ingest']}", flush=True)
     finally:
         dnctl("cluster", "down", "--cluster", cluster)
         shutil.rmtree(root, ignore_errors=True)
