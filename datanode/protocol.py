@@ -47,7 +47,7 @@ VERSION = 4      # 2: BAD_REQUEST split into one result code per condition; 3: a
                  # 4: small WRITE payloads inline (Flag.INLINE)
 HEADER_SIZE = 88
 MAX_PAYLOAD = 64 << 20          # no single request moves more than this
-INLINE_MAX = 64 << 10           # an inline (eager) payload is at most this; larger ones take the READ
+INLINE_MAX = 128 << 10          # an inline (eager) payload is at most this; larger ones take the READ (bench sweep: pays at 4-128 KiB)
 _FMT = struct.Struct(">HBBBBHQQQIIQQQIIQI")  # everything but hcrc
 assert _FMT.size + 4 == HEADER_SIZE
 _U32 = struct.Struct(">I")

@@ -154,6 +154,27 @@ def _fsync_dir(path: pathlib.Path) -> None:
         os.close(fd)
 
 
+def piece_crcs(offset: int, data) -> tuple[list[int], int]:
+    """The CRC32C of each piece of ``data`` cut where an append at ``offset`` crosses a block boundary, and
+    of all of it: one pass over the bytes.  A caller that must check the payload's CRC before it appends
+    (the request path: before it forwards to the followers) passes the pieces on to ``append``, which then
+    does not read the bytes a second time."""
+    mv = _byte_view(data)
+    n = len(mv)
+    out: list[int] = []
+    whole = pos = 0
+    within = offset % BLOCK
+    while pos < n:
+        take = min(BLOCK - within, n - pos)
+        piece = mv[pos:pos + take] if take != n else mv
+        c = crc32c(piece)
+        whole = c if pos == 0 else _cat(whole, piece, c)
+        out.append(c)
+        pos += take
+        within = 0
+    return out, whole
+
+
 def _cat(crc_a: int, piece, crc_piece: int) -> int:
     """crc32c(a + piece) given crc32c(a), the piece and crc32c(piece): combine when that is cheaper."""
     n = len(piece)
@@ -173,6 +194,8 @@ def _pwrite_all(fd: int, buf, pos: int) -> None:
 
 
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", None)
+_FADV_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
+WILLNEED_MIN = 256 << 10      # blocking reads of at least this many bytes announce their range first
 
 
 def _preadv_all(fd: int, bufs: list[memoryview], pos: int, nowait: bool = False) -> int:
@@ -559,12 +582,15 @@ class ExtentStore:
             self.flush([extent_id])
         return end
 
-    def append(self, extent_id: int, offset: int, data, crc: int | None = None, *, blocking: bool = True) -> int:
+    def append(self, extent_id: int, offset: int, data, crc: int | None = None, pieces: list[int] | None = None,
+               *, blocking: bool = True) -> int:
         """The first half of a write: checks, block CRCs, ``pwrite`` of the data; the extent's size moves at
         once (the next append may follow).  Under sync=always nothing is durable yet and the CRC entries stay
         in memory until ``flush`` (group commit: one flush makes every append before it durable); under
         sync=none the entries are written here.  ``blocking=False``: raise ``WouldBlock`` instead of waiting
-        for the extent's mutation lock (the async caller then retries in a thread).  Returns the new size."""
+        for the extent's mutation lock (the async caller then retries in a thread).  ``pieces``: the caller's
+        ``piece_crcs(offset, data)`` (its CRC already checked): used instead of reading the bytes again.
+        Returns the new size."""
         ext = self._get(extent_id)
         mv = _byte_view(data)
         n = len(mv)
@@ -589,10 +615,17 @@ class ExtentStore:
             pos = 0
             blk = first
             within = size % BLOCK
+            if pieces is not None and len(pieces) != (-(-(within + n) // BLOCK) if n else 0):
+                raise ValueError("pieces do not match this append")
+            k = 0
             while pos < n:
                 take = min(BLOCK - within, n - pos)
                 piece = mv[pos:pos + take] if take != n else mv
-                c = crc32c(piece)
+                if pieces is not None:
+                    c = pieces[k]
+                    k += 1
+                else:
+                    c = crc32c(piece)
                 if crc is not None:
                     whole = c if pos == 0 else _cat(whole, piece, c)
                 if within:
@@ -727,6 +760,17 @@ class ExtentStore:
             dst = out[:length]
             want = head + length + tail
             try:
+                if not nowait and want >= WILLNEED_MIN and _FADV_WILLNEED is not None:
+                    # a read that may go to the disk: ask for the whole range at once (readahead of just
+                    # this range, every page's I/O in flight together) rather than the file's readahead
+                    # window at a time, which reads beside it with other reads of the file interleaved
+                    # (1 MiB preads of a cold 512 MiB file by 8 threads: 237-804 MiB/s without, 1278-1382 with,
+                    # O_DIRECT 1270-1329; dnctl bench --cold, 1 MiB x depth 8, 3 replicas, median of 4
+                    # interleaved rounds: 165 -> 254 MiB/s)
+                    try:
+                        os.posix_fadvise(ext.dat, bstart, want, _FADV_WILLNEED)
+                    except OSError:
+                        pass            # only advice: the read below is what counts
                 got = _preadv_all(ext.dat, [head_buf[:head], dst, tail_buf[:tail]], bstart, nowait)
             except OSError as e:
                 raise StoreError("disk", f"extent {extent_id}: read: {e}") from e

@@ -297,6 +297,31 @@ def test_bench_uses_a_scratch_partition_and_leaves_nothing(tmp_path):
         dnctl("cluster", "down", "--cluster", root, "--timeout", 10)
 
 
+@pytest.mark.skipif(not os.access("/proc/sys/vm/drop_caches", os.W_OK), reason="--cold needs root")
+def test_bench_cold_reads_each_written_byte_once_beside_a_cold_dd(tmp_path):
+    """--cold: the read phase starts after the page cache is dropped and reads every written byte exactly once
+    (a second pass would be served by the page cache), next to the same-run cold read of a local file."""
+    root = tmp_path / "c"
+    dnctl("cluster", "up", "--nodes", 1, "--cluster", root, "--no-etcd", *FAST, check=True)
+    try:
+        # --mode read: 64 MiB written first (unmeasured), then one cold pass over it, well inside 60 s
+        p = dnctl("bench", "--cluster", root, "--size", "64KiB", "--mode", "read", "--seconds", 60, "--cold",
+                  "--dd-mib", 8, "--json", timeout=300)
+        assert p.returncode == 0, p.out + p.err
+        res = json.loads(p.out)
+        [read] = res["results"]
+        assert read["cold"] and res["config"]["cold"] and read["errors"] == 0
+        assert read["written"] >= 64 << 20 and read["bytes"] == read["written"], (read["bytes"], read["written"])
+        assert read["seconds"] < 60 and res["cold_read"]["mib_s"] > 0, res["cold_read"]
+        assert not list(root.glob("coldread")), list(root.iterdir())
+        p = dnctl("bench", "--cluster", root, "--size", "64KiB", "--total-mib", 2, "--cold", "--dd-mib", 8,
+                  timeout=300)
+        assert p.returncode == 0 and "cold read baseline (same disk, page cache dropped)" in p.out, p.out + p.err
+        assert "% of it" in p.out and " cold " in p.out, p.out
+    finally:
+        dnctl("cluster", "down", "--cluster", root, "--timeout", 10)
+
+
 def test_bench_says_whether_memory_was_warmed(tmp_path):
     """--warm-memory runs the warmer once before the first phase and the table says so."""
     root = tmp_path / "c"

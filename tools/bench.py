@@ -145,9 +145,12 @@ async def _worker_main(spec: dict) -> None:
                 return lat, ["nothing to read"]
             deadline = trio.current_time() + seconds if seconds else math.inf
             state = {"next": 0, "taken": 0}
+            # a cold read phase reads every written piece at most once: a second pass would hit the page cache
+            limit = len(pieces) if once else math.inf
 
             async def reader():
-                while not errors and trio.current_time() < deadline and (total is None or state["taken"] < total):
+                while (not errors and trio.current_time() < deadline and state["next"] < limit
+                       and (total is None or state["taken"] < total)):
                     extent, off = pieces[state["next"] % len(pieces)]
                     state["next"] += 1
                     state["taken"] += size
@@ -182,6 +185,7 @@ async def _worker_main(spec: dict) -> None:
             if cmd["cmd"] != "prepare":
                 continue
             phase, seconds, total = cmd["phase"], cmd.get("seconds"), cmd.get("bytes")
+            once = bool(cmd.get("once"))
             prepared = {"prepared": phase}
             if phase == "read" and not written:
                 fill = total if total else spec.get("prefill", 64 * MIB)
@@ -203,6 +207,7 @@ async def _worker_main(spec: dict) -> None:
                 t1, cpu1 = time.monotonic(), _cpu_self()
                 stop.set()
             await say({"result": {"phase": phase, "bytes": progress[0], "requests": len(lat), "start": t0,
+                                  "written": sum(n - n % size for _, n in written),
                                   "end": t1, "cpu_s": cpu1 - cpu0, "lat_us": lat, "errors": errors[:5],
                                   "error_count": len(errors)}})
 
@@ -298,8 +303,9 @@ def _collect(workers, q, want: str, timeout: float, on_progress=None) -> dict[in
 def run_config(*, nodes: list[str], pid: int, size: int, clients: int, depth: int, seconds: float | None,
                total: int | None, phases: list[str], node_pids: dict[str, int], read_from: str,
                transport: str, label: str, log_dir: pathlib.Path | None, progress: bool = True,
-               inline_max: int = INLINE_MAX) -> list[dict]:
-    """Run the phases against one partition with ``clients`` worker processes; one result per phase."""
+               inline_max: int = INLINE_MAX, cold: bool = False) -> list[dict]:
+    """Run the phases against one partition with ``clients`` worker processes; one result per phase.
+    ``cold``: before a read phase, drop the page cache (after the data is written) and read each piece once."""
     from tools.cluster import cpu_seconds
     q: queue.Queue = queue.Queue()
     per_client = -(-total // clients) if total else None
@@ -314,11 +320,14 @@ def run_config(*, nodes: list[str], pid: int, size: int, clients: int, depth: in
         _collect(workers, q, "ready", 60)
         for phase in phases:
             for w in workers:
-                w.send({"cmd": "prepare", "phase": phase, "seconds": seconds, "bytes": per_client})
+                w.send({"cmd": "prepare", "phase": phase, "seconds": seconds, "bytes": per_client,
+                        "once": cold and phase == "read"})
             prep = _collect(workers, q, "prepared", 600)
             bad = [f"client {i}: {m['error']}" for i, m in prep.items() if m.get("error")]
             if bad:
                 raise BenchError(f"{phase} phase: preparing failed: {bad[0]}")
+            if cold and phase == "read":
+                drop_caches()
             cpu0 = {a: cpu_seconds(p) for a, p in node_pids.items()}
             done = [0] * clients
             t_start = time.monotonic()
@@ -344,6 +353,7 @@ def run_config(*, nodes: list[str], pid: int, size: int, clients: int, depth: in
             cpu1 = {a: cpu_seconds(p) for a, p in node_pids.items()}
             results.append(_aggregate(phase, [res[i]["result"] for i in range(clients)], cpu0, cpu1,
                                       size=size, clients=clients, depth=depth))
+            results[-1]["cold"] = cold and phase == "read"
     finally:
         for w in workers:
             w.close()
@@ -377,6 +387,7 @@ def _aggregate(phase, rs: list[dict], cpu0, cpu1, *, size, clients, depth) -> di
     def ms(v):
         return round(v / 1000, 3) if v is not None else None
     return {"phase": phase, "size": size, "clients": clients, "depth": depth, "bytes": total,
+            "written": sum(r.get("written", 0) for r in rs),
             "requests": reqs, "seconds": round(elapsed, 3),
             "mib_s": round(total / MIB / elapsed, 1) if elapsed > 0 else 0.0,
             "iops": round(reqs / elapsed, 1) if elapsed > 0 else 0.0,
@@ -409,6 +420,47 @@ def run_dd(directory: pathlib.Path, mib: int) -> dict:
     return {"command": " ".join(cmd), "bytes": mib * MIB, "seconds": round(secs, 3),
             "mb_s": round(mib * MIB / 1e6 / secs, 1), "mib_s": round(mib / secs, 1),
             "dd_says": p.stderr.strip().splitlines()[-1] if p.stderr.strip() else ""}
+
+
+DROP_CACHES = "/proc/sys/vm/drop_caches"
+
+
+def drop_caches() -> None:
+    """Write back dirty pages, then drop the page cache (and dentries, inodes): the next read goes to disk."""
+    os.sync()
+    try:
+        with open(DROP_CACHES, "w") as f:
+            f.write("3\n")
+    except OSError as e:
+        raise BenchError(f"--cold needs to write {DROP_CACHES} (root): {e.strerror or e}") from None
+
+
+def run_cold_read(directory: pathlib.Path, mib: int) -> dict:
+    """The local disk's cold read, for --cold: write DIR/coldread (dd, fdatasync), drop the page cache, then
+    ``dd if=DIR/coldread of=/dev/null bs=1M`` (buffered, with the kernel's readahead, as the nodes read)."""
+    path = directory / "coldread"
+    write = ["dd", "if=/dev/urandom", f"of={path}", "bs=1M", f"count={mib}", "conv=fdatasync"]
+    read = ["dd", f"if={path}", "of=/dev/null", "bs=1M"]
+    try:
+        p = subprocess.run(write, capture_output=True, text=True, timeout=600)
+        if p.returncode != 0:
+            return {"command": " ".join(read), "error": (p.stderr.strip().splitlines() or ["failed"])[-1]}
+        drop_caches()
+        t0 = time.monotonic()
+        p = subprocess.run(read, capture_output=True, text=True, timeout=600)
+        dt = time.monotonic() - t0
+    except (OSError, subprocess.TimeoutExpired, BenchError) as e:
+        return {"command": " ".join(read), "error": str(e)}
+    finally:
+        try:
+            path.unlink()
+        except OSError:
+            pass
+    if p.returncode != 0:
+        return {"command": " ".join(read), "error": (p.stderr.strip().splitlines() or ["failed"])[-1]}
+    m = re.search(r"copied, ([\d.,]+) s,", p.stderr)
+    secs = float(m.group(1).replace(",", ".")) if m else dt
+    return {"command": " ".join(read), "bytes": mib * MIB, "seconds": round(secs, 3), "mib_s": round(mib / secs, 1)}
 
 
 def run_warm(command: str) -> dict:
@@ -477,7 +529,7 @@ def write_plot(out: dict, path: pathlib.Path) -> None:
 
     rows = out["results"]
     cfg = out["config"]
-    labels = [f"{r['replicas']}r {r['phase']}" for r in rows]
+    labels = [f"{r['replicas']}r {r['phase']}{' (cold)' if r.get('cold') else ''}" for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
     xs = range(len(rows))
     bars = ax1.bar(xs, [r["mib_s"] for r in rows], color=["#4c72b0" if r["phase"] == "write" else "#55a868"
@@ -493,6 +545,9 @@ def write_plot(out: dict, path: pathlib.Path) -> None:
     fio = out.get("fio") or {}
     if "read_1m_direct" in fio:
         base.append((fio["read_1m_direct"]["mib_s"], "fio 1M O_DIRECT read (cold)", "#8172b3"))
+    cr = out.get("cold_read") or {}
+    if cr.get("mib_s"):
+        base.append((cr["mib_s"], "dd read of a cold file", "#64b5cd"))
     for y, name, color in base:
         ax1.axhline(y, ls="--", color=color, lw=1, label=f"{name}: {y:.0f} MiB/s")
     if base:
@@ -522,7 +577,7 @@ def write_plot(out: dict, path: pathlib.Path) -> None:
 
 # -- the command ---------------------------------------------------------------------------------------------
 def _table(header: dict, rows: list[dict], dd: dict | None, node_names: dict[str, str], fio: dict | None = None,
-           warm: dict | None = None) -> str:
+           warm: dict | None = None, cold_read: dict | None = None) -> str:
     lines = [f"bench: {fmt_size(header['size'])} requests, {header['clients']} client process(es) x depth "
              f"{header['depth']}, {header['budget']} per phase; nodes: sync {header['sync']}, transport "
              f"{header['transport']}; reads from {header['read_from']}"]
@@ -536,7 +591,7 @@ def _table(header: dict, rows: list[dict], dd: dict | None, node_names: dict[str
                         and r["node_cpu"][a]["s_per_gb"] is not None else "-" for a in node_names)
         cc = r["client_cpu"]["s_per_gb"]
         part = "scratch" if r["partition"] >= SCRATCH_BASE else r["partition"]
-        lines.append(f"{r['replicas']:>8} {part:>10} {r['phase']:5} {r['mib_s']:>8.1f} {r['iops']:>8.0f} "
+        lines.append(f"{r['replicas']:>8} {part:>10} {('cold' if r.get('cold') else r['phase']):5} {r['mib_s']:>8.1f} {r['iops']:>8.0f} "
                      f"{_f(lat['p50'])} {_f(lat['p99'])} {_f(lat['p999'])} {(f'{cc:.1f} s/GB' if cc is not None else '-'):>10}  "
                      f"{ncpu:<{len('node CPU s/GB ()') + len('/'.join(names))}}  {r['errors']}")
         for e in r["first_errors"]:
@@ -556,6 +611,16 @@ def _table(header: dict, rows: list[dict], dd: dict | None, node_names: dict[str
             w4, w1, r1 = fio["write_4k_fdatasync"], fio["write_1m_end_fsync"], fio["read_1m_direct"]
             lines.append(f"fio (same disk): 4KiB write+fdatasync {w4['ms_per_write']:.3f} ms ({w4['iops']:.0f}/s); "
                          f"1MiB write {w1['mib_s']:.1f} MiB/s; 1MiB O_DIRECT read (cold) {r1['mib_s']:.1f} MiB/s")
+    if cold_read:
+        if "error" in cold_read:
+            lines.append(f"cold read baseline: {cold_read['command']}: {cold_read['error']}")
+        else:
+            lines.append(f"cold read baseline (same disk, page cache dropped): {cold_read['mib_s']:.1f} MiB/s  "
+                         f"[{cold_read['command']}]")
+            for r in rows:
+                if r.get("cold") and r["mib_s"]:
+                    lines.append(f"  {r['replicas']} replica(s) cold read {r['mib_s']:.1f} MiB/s = "
+                                 f"{100 * r['mib_s'] / cold_read['mib_s']:.0f}% of it")
     warm = warm or {}
     lines.append(f"memory warmed before this run: yes ({warm['command']}, {warm['seconds']} s)" if warm.get("ran")
                  else f"memory warmed before this run: NO ({warm.get('error') or 'give --warm-memory PATH'}; "
@@ -597,6 +662,10 @@ def _f(v) -> str:
 @click.option("--dd-mib", type=click.IntRange(1, 1 << 16), default=1024, show_default=True)
 @click.option("--fio", "with_fio", is_flag=True,
               help="Also run fio baselines in DIR: 4KiB write+fdatasync, 1MiB write, 1MiB O_DIRECT (cold) read.")
+@click.option("--cold", is_flag=True,
+              help="Read phases from a cold page cache: after the data is written, sync and drop the page cache "
+                   "(echo 3 > /proc/sys/vm/drop_caches: needs root), and read each written byte once.  With "
+                   "--cluster, also the same-run baseline: dd of a cold --dd-mib file in DIR.")
 @click.option("--warm-memory", "warm_cmd", type=click.Path(exists=True, dir_okay=False),
               help="Run this memory warmer (e.g. shared/bench/warm-memory) once before the first phase; the "
                    "output says whether it ran.")
@@ -606,7 +675,7 @@ def _f(v) -> str:
 @click.option("--keep", is_flag=True, help="Keep the scratch partitions (default: deleted at the end).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON (progress stays on stderr).")
 def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, seconds, total_mib, mode, read_from,
-                  transport, inline_max, with_dd, dd_mib, with_fio, warm_cmd, plot_path, keep, as_json):
+                  transport, inline_max, with_dd, dd_mib, with_fio, cold, warm_cmd, plot_path, keep, as_json):
     """Measure write and read throughput, latency percentiles and CPU per GB.
 
     \b
@@ -614,6 +683,7 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
     dnctl bench --cluster /tmp/dn --size 128KiB --clients 2 --seconds 5
     dnctl bench --cluster /tmp/dn --replicas 1,3 --dd           # single node vs 3 replicas, and dd
     dnctl bench --nodes 127.0.0.1:17310 --partition 7 --mode write --total-mib 512 --json
+    dnctl bench --cluster /tmp/dn --replicas 1 --cold --fio  # reads from disk, beside dd's and fio's cold read
     dnctl bench --cluster /tmp/dn --size 4KiB --depth 1 --dd --fio --warm-memory ../shared/bench/warm-memory \\
                 --plot bench.png --json > bench.json    # baselines in the same run, a picture, raw numbers
 
@@ -643,6 +713,8 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
         raise click.UsageError("--dd needs --cluster (dd writes DIR/ddtest)")
     if with_fio and not root:
         raise click.UsageError("--fio needs --cluster (fio writes DIR/fiotest)")
+    if cold and not os.access(DROP_CACHES, os.W_OK):
+        raise click.UsageError(f"--cold drops the page cache through {DROP_CACHES}, which needs root")
     if plot_path:
         try:
             import matplotlib  # noqa: F401  (fail before the run, not after it)
@@ -742,11 +814,11 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
     header = {"size": nbytes, "clients": clients, "depth": depth,
               "budget": f"{seconds:g} s" if seconds else f"{total_mib} MiB", "sync": first.get("sync"),
               "transport": transport_used, "read_from": read_from, "nodes": addrs, "node_pids": node_pids,
-              "inline_max": inline_bytes}
+              "inline_max": inline_bytes, "cold": cold}
     log_tmp = tempfile.TemporaryDirectory(prefix="dnctl-bench-")    # workers' stderr: nothing left behind
     log_dir = pathlib.Path(log_tmp.name)
     rows = []
-    dd = fio = None
+    dd = fio = cold_read = None
     warm = {"ran": False}
     try:
         if warm_cmd:
@@ -758,7 +830,7 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
                 res = run_config(nodes=members, pid=tpid, size=nbytes, clients=clients, depth=depth,
                                  seconds=seconds, total=total, phases=phases, node_pids=node_pids,
                                  read_from=read_from, transport=transport, label=label, log_dir=log_dir,
-                                 inline_max=inline_bytes)
+                                 inline_max=inline_bytes, cold=cold)
             except BenchError as e:
                 raise click.ClickException(str(e)) from None
             for r in res:
@@ -771,6 +843,9 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
         if with_fio:
             click.echo(f"fio: baselines in {root} ...", err=True)
             fio = run_fio(pathlib.Path(root), min(dd_mib, 512))
+        if cold and root and "read" in phases:
+            click.echo(f"cold read baseline: dd of a cold {dd_mib} MiB file in {root} ...", err=True)
+            cold_read = run_cold_read(pathlib.Path(root), dd_mib)
     finally:
         log_tmp.cleanup()
         if scratch and not keep:
@@ -778,14 +853,14 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
                 trio.run(cleanup, scratch)
             except ClientError as e:
                 click.echo(f"warning: could not delete scratch partitions: {e}", err=True)
-    out = {"config": header, "results": rows, "dd": dd, "fio": fio, "warm_memory": warm}
+    out = {"config": header, "results": rows, "dd": dd, "fio": fio, "warm_memory": warm, "cold_read": cold_read}
     if plot_path:
         write_plot(out, pathlib.Path(plot_path))
         out["plot"] = str(plot_path)
     if as_json:
         click.echo(json.dumps(out, indent=2, sort_keys=True))
     else:
-        click.echo(_table(header, rows, dd, node_names, fio, warm))
+        click.echo(_table(header, rows, dd, node_names, fio, warm, cold_read))
         if plot_path:
             click.echo(f"plot: {plot_path}")
     if any(r["errors"] for r in rows):

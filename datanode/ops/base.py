@@ -229,19 +229,19 @@ class Handlers:
         except OSError as e:
             raise store_reply(io_error(getattr(fn, "__name__", "disk"), e)) from None
 
-    async def _append(self, store, extent: int, offset: int, view, crc: int) -> int:
+    async def _append(self, store, extent: int, offset: int, view, crc: int | None, pieces=None) -> int:
         """``store.append`` (no sync): a small one right here (a pwrite into the page cache costs less
         than the hop to a worker thread), a large one -- or one whose extent is busy -- in a thread."""
         if len(view) <= LOOP_IO:
             try:
-                return store.append(extent, offset, view, crc, blocking=False)
+                return store.append(extent, offset, view, crc, pieces, blocking=False)
             except WouldBlock:
                 pass
             except StoreError as e:
                 raise store_reply(e) from None
             except OSError as e:
                 raise store_reply(io_error("append", e)) from None
-        return await self._store(store.append, extent, offset, view, crc)
+        return await self._store(store.append, extent, offset, view, crc, pieces)
 
     async def _read(self, store, extent: int, offset: int, length: int, view) -> int:
         """``store.read_into``: right here when the bytes are in the page cache and the extent is not being

@@ -29,9 +29,9 @@ import dataclasses
 import logging
 import os
 
-from ..crc import crc32c
 from ..protocol import INLINE_MAX, Flag, Header, Result
 from ..replication import replica_names
+from ..store import piece_crcs
 from ..transport.base import Connection
 from .base import Handlers, Reply
 
@@ -63,7 +63,9 @@ class DataOps(Handlers):
                     await self._fetch(conn, h.remote.slice(0, h.length), view)          # one-sided READ
                     if forwarded:
                         self.counters.count_forward_fetch(h.rkey, h.length)
-            if crc32c(view) != h.crc:
+            # one pass over the bytes: the payload's CRC, and the block pieces' CRCs the store needs
+            pieces, whole = piece_crcs(h.offset, view)
+            if whole != h.crc:
                 raise Reply(Result.CRC_MISMATCH, why="payload CRC does not match the header")
             fan = None
             async with lane.turn(t):
@@ -86,7 +88,7 @@ class DataOps(Handlers):
                             fwd = dataclasses.replace(h, flags=(h.flags | Flag.FORWARDED) & ~Flag.INLINE,
                                                       addr=block.addr, rkey=self.region.rkey, rlen=h.length)
                         fan = await self.replication.submit(part, fwd, small)
-                    size = await self._append(part.store, h.extent, h.offset, view, h.crc)
+                    size = await self._append(part.store, h.extent, h.offset, view, None, pieces)
                 except BaseException as e:
                     self.replication.seal(part, h.extent, lane, f"local write failed: {e}")
                     if fan:

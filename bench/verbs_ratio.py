@@ -1,0 +1,181 @@
+"""Leader ingest over verbs as a share of ``ib_read_bw``, at RoCE MTU 1024 and 4096, in one Soft-RoCE VM run.
+
+    tools/softroce-vm run --timeout 1800 -- python bench/verbs_ratio.py [--mtu 1024,4096] [--rounds 2]
+                                                                       [--size 1MiB] [--seconds 6] [--json]
+
+Per round, for each MTU in turn (interleaved, so drift in the VM's speed hits both alike):
+1. raise or lower the netdev under rxe0 (``ip link set DEV mtu``: 1500 gives RoCE active_mtu 1024, 9000
+   gives 4096) and wait until the port reports the wanted active MTU;
+2. ``ib_read_bw -d rxe0 -x GID -F -s SIZE`` between two processes in this VM, before and after step 3 (the
+   better of the two counts): the device's RDMA READ rate, the ceiling for a leader that pulls each payload
+   with one RDMA READ;
+3. ``dnctl bench --replicas 1 --mode write --transport verbs --size SIZE`` against a local one-node cluster
+   with ``transport = verbs`` (node and client open a new queue pair per run, so each run uses the MTU
+   of its moment; the path MTU each connection really got is read back from ``dnctl node status``):
+   the leader's ingest;
+and prints ingest / ib_read_bw per MTU, the median over the rounds, next to the goal (>= 0.60).  Absolute
+numbers are slow (TCG emulation; the host's other work shows up too); read the ratios of the same round.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import click
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.vm_compare import ADDR, DEV, GID, SIZES, dnctl, ib_read_bw  # noqa: E402
+
+NETDEV_MTU = {1024: 1500, 2048: 2500, 4096: 9000}   # netdev MTU that gives this RoCE active MTU on rxe
+GOAL = 0.60
+
+
+def rxe_netdev() -> str:
+    """The netdev rxe0 is bound to (``rdma link show``)."""
+    out = subprocess.run(["rdma", "link", "show", f"{DEV}/1"], capture_output=True, text=True).stdout
+    m = re.search(r"netdev (\S+)", out)
+    if not m:
+        raise SystemExit(f"cannot find the netdev under {DEV}: {out.strip()!r}")
+    return m.group(1)
+
+
+def active_mtu() -> int | None:
+    out = subprocess.run(["ibv_devinfo", "-d", DEV], capture_output=True, text=True).stdout
+    m = re.search(r"active_mtu:\s*(\d+)", out)
+    return int(m.group(1)) if m else None
+
+
+def hw_counters() -> dict[str, int]:
+    """rxe's port counters (retries, sequence errors, RNR NAKs, duplicates ...): where a slow run loses time."""
+    d = f"/sys/class/infiniband/{DEV}/ports/1/hw_counters"
+    out = {}
+    for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+        try:
+            with open(os.path.join(d, name)) as f:
+                out[name] = int(f.read().strip() or 0)
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def delta(before: dict, after: dict) -> dict:
+    """Counters that moved, leaving out the plain packet counts."""
+    return {k: after[k] - before.get(k, 0) for k in after
+            if after[k] != before.get(k, 0) and k not in ("sent_pkts", "rcvd_pkts")}
+
+
+def set_mtu(netdev: str, roce_mtu: int) -> int | None:
+    subprocess.run(["ip", "link", "set", netdev, "mtu", str(NETDEV_MTU[roce_mtu])], check=True)
+    for _ in range(50):
+        got = active_mtu()
+        if got == roce_mtu:
+            return got
+        time.sleep(0.1)
+    return active_mtu()
+
+
+def node_path_mtus(cluster: str) -> list:
+    """The path MTU of every verbs connection the node has now (dnctl node status --json: its own one)."""
+    from tools.clikit import cluster_nodes
+    found = []
+    for a in cluster_nodes(cluster):
+        st = json.loads(dnctl("node", "status", a, "--json"))
+        for c in st.get("connections", []):
+            if c.get("transport") == "verbs":
+                found.append(c.get("path_mtu"))
+    return found
+
+
+def ingest(cluster: str, size: str, seconds: float, depth: int, clients: int) -> dict:
+    out = json.loads(dnctl("bench", "--cluster", cluster, "--replicas", "1", "--mode", "write", "--size", size,
+                           "--depth", str(depth), "--clients", str(clients), "--seconds", str(seconds),
+                           "--transport", "verbs", "--json"))
+    row = out["results"][0]
+    return {"mib_s": row["mib_s"], "mb_s": round(row["mib_s"] * (1 << 20) / 1e6, 1),
+            "p50_ms": row["latency_ms"]["p50"], "errors": row["errors"], "transport": out["config"]["transport"]}
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--mtu", "mtus", default="1024,4096", show_default=True,
+              help="RoCE MTUs to compare (1024, 2048, 4096), in this order every round.")
+@click.option("--rounds", type=click.IntRange(1, 20), default=2, show_default=True)
+@click.option("--size", default="1MiB", type=click.Choice(sorted(SIZES)), show_default=True)
+@click.option("--seconds", type=float, default=6.0, show_default=True, help="dnctl bench write phase length.")
+@click.option("--depth", type=click.IntRange(1, 64), default=8, show_default=True)
+@click.option("--clients", type=click.IntRange(1, 16), default=1, show_default=True,
+              help="Client processes writing to the leader at once (its ingest, not one client's).")
+@click.option("--ib-iters", type=int, default=500, show_default=True, help="ib_read_bw -n.")
+@click.option("--json", "as_json", is_flag=True, help="Also print every measurement as JSON.")
+def main(mtus, rounds, size, seconds, depth, clients, ib_iters, as_json) -> None:
+    """Leader ingest over verbs / ib_read_bw per RoCE MTU, in this Soft-RoCE VM (see the module docstring)."""
+    if not os.path.exists(f"/sys/class/infiniband/{DEV}"):
+        raise SystemExit(f"no RDMA device {DEV}: run inside the VM: "
+                         "tools/softroce-vm run -- python bench/verbs_ratio.py")
+    if not shutil.which("ib_read_bw"):
+        raise SystemExit("ib_read_bw is not installed (apt-get install perftest)")
+    try:
+        wanted = [int(x) for x in mtus.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter("expected MTUs like 1024,4096", param_hint="--mtu") from None
+    if not wanted or any(m not in NETDEV_MTU for m in wanted):
+        raise click.BadParameter(f"each MTU must be one of {sorted(NETDEV_MTU)}", param_hint="--mtu")
+    netdev = rxe_netdev()
+    root = tempfile.mkdtemp(prefix="verbsratio-")
+    cluster = os.path.join(root, "c")
+    runs: list[dict] = []
+    print(f"device {DEV} (GID {GID}, {ADDR}) on {netdev}; {size} writes, {clients} client(s) x depth {depth}, "
+          f"{seconds:g} s; "
+          f"{rounds} round(s) of MTU {', '.join(map(str, wanted))}", flush=True)
+    dnctl("cluster", "up", "--nodes", "1", "--cluster", cluster, "--transport", "verbs", "--sync", "always",
+          "--pool-mib", "64", "--replica-timeout", "20", "--no-etcd")
+    try:
+        for rnd in range(1, rounds + 1):
+            for mtu in wanted:
+                got = set_mtu(netdev, mtu)
+                c0 = hw_counters()
+                ib0 = ib_read_bw(SIZES[size], ib_iters)
+                c1 = hw_counters()
+                ing = ingest(cluster, size, seconds, depth, clients)
+                c2 = hw_counters()
+                ib1 = ib_read_bw(SIZES[size], ib_iters)
+                c3 = hw_counters()
+                # the device's rate: the better of the runs before and after (a run under a burst of the
+                # host's other work, or one that reports 0, must not flatter the ratio)
+                ib = max([x for x in (ib0, ib1) if x] or [0.0]) or None
+                path = sorted({m for m in node_path_mtus(cluster) if m})
+                r = {"round": rnd, "roce_mtu": mtu, "active_mtu": got, "netdev_mtu": NETDEV_MTU[mtu],
+                     "ib_read_bw_MBps": ib, "ib_read_bw_runs": [ib0, ib1], "ingest": ing,
+                     "rxe_counters": {"ib_read_bw": [delta(c0, c1), delta(c2, c3)], "ingest": delta(c1, c2)}, "node_path_mtus": path,
+                     "ratio": round(ing["mb_s"] / ib, 3) if ib else None}
+                runs.append(r)
+                print(f"round {rnd} MTU {mtu} (active {got}): ib_read_bw {ib or 0:.1f} MB/s, leader ingest "
+                      f"{ing['mb_s']:.1f} MB/s ({ing['mib_s']:.1f} MiB/s, p50 {ing['p50_ms']} ms, "
+                      f"errors {ing['errors']}), ratio {r['ratio']}", flush=True)
+                print(f"    rxe counters that moved: ib_read_bw {r['rxe_counters']['ib_read_bw']}, ingest "
+                      f"{r['rxe_counters']['ingest']}", flush=True)
+    finally:
+        dnctl("cluster", "down", "--cluster", cluster)
+        shutil.rmtree(root, ignore_errors=True)
+    if as_json:
+        print(json.dumps(runs, indent=2))
+    print("\nsummary (medians over rounds)")
+    for mtu in wanted:
+        mine = [r for r in runs if r["roce_mtu"] == mtu]
+        ib = [r["ib_read_bw_MBps"] for r in mine if r["ib_read_bw_MBps"]]
+        ing = [r["ingest"]["mb_s"] for r in mine]
+        rat = [r["ratio"] for r in mine if r["ratio"]]
+        med = statistics.median(rat) if rat else None
+        print(f"  MTU {mtu}: ib_read_bw {statistics.median(ib) if ib else 0:.1f} MB/s, leader ingest "
+              f"{statistics.median(ing):.1f} MB/s, ingest / ib_read_bw = {med if med is not None else 'n/a'}"
+              f"  (goal >= {GOAL:.2f}: {'met' if med is not None and med >= GOAL else 'NOT met'})")
+
+
+if __name__ == "__main__":
+    main()
