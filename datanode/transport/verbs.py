@@ -133,7 +133,7 @@ class Device:
             self.windows_state = ("off (%s)" % why_not if why_not else
                                   "off (%s=0)" % WINDOWS_ENV if type2 else "off (device has no type-2 windows)")
             log.warning("%s: memory windows %s: a peer with a queue pair that learns a region's rkey can "
-                        "reach the whole registered region", name, self.windows_state[4:-1])
+                        "reach the whole registered region", name, self.windows_state)
 
     def register(self, region: Region) -> None:
         access = _access(region.access)
@@ -143,6 +143,10 @@ class Device:
             region.windows = True
         mr = MR(self.pd, region.length, access, address=region.addr)
         region.mr, region.rkey, region.lkey = mr, mr.rkey, mr.lkey
+        if region.windows:
+            # an MR without remote rights has no rkey (rxe gives 0 to all of them); the region is named by
+            # its lkey, which gives a peer nothing: headers carry a window's rkey in its place (``grant``)
+            region.rkey = mr.lkey
 
     def deregister(self, region: Region) -> None:
         if region.mr is not None:
