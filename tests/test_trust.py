@@ -521,6 +521,80 @@ def test_verbs_without_windows_keeps_mr_wide_rkeys(nodes, secret, transport, mon
     assert "memory windows off" in log_of(a)
 
 
+@pytest.mark.parametrize("transport", [pytest.param("verbs", marks=pytest.mark.verbs)], indirect=True)
+def test_verbs_windows_scope_one_sided_access_to_a_request_in_flight(transport):
+    """Transport level, the verbs twin of the grants test: a request naming a scoped buffer gives the peer a
+    window rkey (never the region's key) that works for that request, with that right, through that queue
+    pair, until the answer; every bind takes a new key.  Each refused access tears the connection down."""
+    from datanode.rpc import Requester
+    from tests.test_transport import pair
+
+    async def attempt(fn):
+        """fn(cli, srv, region, requester) in a fresh connection pair with a scoped region on the client."""
+        async with pair("verbs") as (cli, srv):
+            pool = BuddyPool(MiB, MiB)
+            region = cli.domain.register(pool.arena, pool.base_addr, Access.LOCAL_WRITE | Access.REMOTE_READ,
+                                         scoped=True)
+            region.view[:256] = bytes(range(256))
+            assert region.windows
+            req = Requester(cli.conn)
+            async with trio.open_nursery() as n:
+                await n.start(req.run)
+                await fn(cli, srv, region, req)
+                n.cancel_scope.cancel()
+        cli.domain.deregister(region)            # after the connection (and its windows) are gone
+
+    async def ask(srv, region, req, off=16, n=64):
+        p = await req.submit(Header(opcode=Op.WRITE, partition=1, addr=region.addr + off, rkey=region.rkey,
+                                    rlen=n, length=n), 5)
+        return p, decode(await srv.conn.recv(), request=True)
+
+    async def answer(srv, p, h):
+        await srv.conn.send(h.reply(Result.OK).encode())
+        await p.result()
+
+    async def own_window_then_stale(cli, srv, region, req):
+        keys = []
+        for i in range(3):                                  # the same window, reused: a new key each time
+            p, h = await ask(srv, region, req)
+            assert h.rkey != region.rkey
+            keys.append(h.rkey)
+            await srv.conn.read(h.remote, srv.dst.view[:64], srv.dst)
+            assert bytes(srv.dst.view[:64]) == bytes(range(16, 80))
+            await answer(srv, p, h)
+        assert len(set(keys)) == 3 and cli.conn.info()["windows_allocated"] == 1
+        with pytest.raises(RemoteAccessError):               # the last window, after its answer
+            await srv.conn.read(h.remote, srv.dst.view[:64], srv.dst)
+        with trio.fail_after(5):
+            while cli.conn.alive:
+                await trio.sleep(0.01)
+
+    async def region_key(cli, srv, region, req):
+        p, h = await ask(srv, region, req)
+        with pytest.raises(RemoteAccessError):               # the region's own key, while a window is live
+            await srv.conn.read(RemoteBufT(region.addr + 16, region.rkey, 64), srv.dst.view[:64], srv.dst)
+
+    async def wrong_right(cli, srv, region, req):
+        p, h = await ask(srv, region, req)
+        with pytest.raises(RemoteAccessError):               # a WRITE through a read window
+            await srv.conn.write(srv.src.view[:64], srv.src, h.remote)
+        assert bytes(region.view[16:80]) == bytes(range(16, 80))
+
+    async def bounds(cli, srv, region, req):
+        """Not asserted: rxe (kernel 6.1) bounds a window's accesses by its MR; recorded for the report."""
+        p, h = await ask(srv, region, req)
+        try:
+            await srv.conn.read(RemoteBufT(h.addr + h.rlen, h.rkey, 64), srv.dst.view[:64], srv.dst)
+            print("device serves bytes past a window's end (bounds by the MR only)")
+        except RemoteAccessError:
+            print("device refuses bytes past a window's end")
+
+    async def body():
+        for fn in (own_window_then_stale, region_key, wrong_right, bounds):
+            await attempt(fn)
+    run(body)
+
+
 # -- per-connection limits -----------------------------------------------------------------------------------------
 def test_hello_deadline_idle_timeout_and_max_connections(nodes, secret):
     [n] = nodes(1, secret_file=str(secret), hello_timeout=1.0, idle_timeout_s=2.0, max_connections=4)

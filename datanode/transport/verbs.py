@@ -14,17 +14,33 @@
   and the next request dials again.  The TCP stream stays open beside the QP: its EOF tells us at once that
   the peer process is gone.
 
-Limits of memory scoping on verbs.  The NIC serves RDMA READ/WRITE from an MR by rkey alone: the TCP
-transport's per-connection grants (``base.Grants``) are not consulted, so any peer with an established QP
-to us that learns the pool's rkey and address can read the whole pool (it is registered REMOTE_READ only,
-never REMOTE_WRITE; ``pool stats`` shows the rkey to admins only, and it is otherwise carried in the forwarded
-write headers that followers -- authenticated nodes -- receive).  A QP exists only after an authenticated
-hello, so strangers and connections refused at the hello get nothing.  ``rdma_rxe`` in our VM (kernel 6.1)
-advertises memory windows (``bench/mw_probe.py``: ``MEM_WINDOW`` and ``TYPE_2B``, max_mw 524287; an MR with
-``MW_BIND`` and type-1/type-2 windows allocate) -- binding per request was not exercised and is not done:
-it needs a bind work request on the requester's QP per request, the window's rkey in the header in place of
-the MR's, a local invalidate when the answer arrives (and on timeout, before the buffer is reused), and a
-fallback for devices without windows; the next step when verbs is used across a trust boundary.
+Memory scoping on verbs: per-request type-2 memory windows.  The NIC serves RDMA READ/WRITE by rkey alone,
+so the TCP transport's table of grants cannot be consulted; the device enforces the scoping instead:
+* A *scoped* region (the datanode's pool and landing regions, the SDK's buffers) is registered, when the
+  device has type-2 windows, with ``MW_BIND`` and NO remote rights on the MR: the MR's keys give a peer
+  nothing (rxe gives such an MR rkey 0; the region is named by its lkey, which is what ``pool stats`` shows).
+* A request naming such a buffer (``rpc._grant``, the one place a header's rkey is filled for the peer)
+  goes through this connection's ``WindowGrants.grant``: a type-2 window from the connection's free list is
+  bound by an ``IBV_WR_BIND_MW`` work request on *this connection's QP*, covering exactly the named range with
+  exactly the right the request needs (REMOTE_READ for a payload or body the peer fetches, REMOTE_WRITE for
+  an answer it pushes), posted ahead of the header's SEND on the same send queue; the header carries the
+  window's rkey.  When the answer arrives, the request times out or fails, ``drop`` posts
+  ``IBV_WR_LOCAL_INV``, and ``Pending.result`` returns only after it completed (``settle``), so the buffer is
+  never reused while the window is live.  Each bind takes the window's next 8-bit key, so a stale rkey (an
+  answered request's) names nothing; a window is usable only through the QP it was bound on, so another
+  connection (another peer, or the same peer's second QP) cannot use it.  A dead connection's QP is in the
+  error state: nothing reaches its windows; they are deallocated with it.
+* A peer's access that breaks these rules fails at the NIC with a remote access error; its QP (and ours to it)
+  moves to the error state: that connection is torn down, everything else keeps going.
+Limits.  ``rdma_rxe`` in our VM (kernel 6.1) checks a window's rkey, QP, state and rights but bounds an
+access by the window's *MR*, not the window: while a peer's own request is in flight, that peer can reach the
+whole region through its window (measured by the VM test, see README "Trust boundaries"); hardware that
+implements the IB window bounds (C10-xx) confines it to the range.  A device without type-2 windows (or
+``DATANODE_RDMA_WINDOWS=0``) keeps the old behaviour: MRs carry REMOTE_READ (the pool; never REMOTE_WRITE)
+and a peer with a QP that learns a region's rkey can read all of it; logged as a warning at start and shown
+as ``rdma_windows`` in node status.  A QP exists only after an authenticated hello in both modes.
+pyverbs (rdma-core 44) never records a bound rkey back into ``ibv_mw.rkey``; ``_mw_struct`` keeps it
+current (a process where that cannot be done runs without windows, logged).
 """
 from __future__ import annotations
 
@@ -150,7 +166,10 @@ class Device:
 
     def deregister(self, region: Region) -> None:
         if region.mr is not None:
-            region.mr.close()
+            try:
+                region.mr.close()
+            except PyverbsError as e:      # a window still bound on a live QP holds it; freed with the PD
+                log.warning("%s: deregistering a region failed: %s", self.name, e)
             region.mr = None
 
 
