@@ -62,7 +62,7 @@ class DataOps(Handlers):
                 else:
                     await self._fetch(conn, h.remote.slice(0, h.length), view)          # one-sided READ
                     if forwarded:
-                        self.counters.count_forward_fetch(h.rkey, h.length)
+                        self.counters.count_forward_fetch(conn.identity or conn.peer, h.length)
             if crc32c(view) != h.crc:
                 raise Reply(Result.CRC_MISMATCH, why="payload CRC does not match the header")
             fan = None
