@@ -46,7 +46,10 @@ def one_round(windows: bool, seconds: float, root: str) -> dict:
                                    str(depth), "--seconds", str(seconds), "--transport", "verbs", "--json"))
             out[f"{size} depth {depth}"] = res
     finally:
-        dnctl(env, "cluster", "down", "--cluster", d)
+        try:
+            dnctl(env, "cluster", "down", "--cluster", d)
+        except SystemExit as e:           # a failed teardown does not void the numbers taken
+            print(f"warning: {e}", file=sys.stderr)
     return out
 
 
