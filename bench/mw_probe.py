@@ -4,7 +4,7 @@
 
 Prints the device's MW capability bits, then tries to register an MR that allows MW binding and to
 allocate a type-1 and a type-2 window on it.  (Binding per request would scope a peer's one-sided access to
-one request's buffer; see README "Trust boundaries" for why the datanode does not do it yet.)
+one request's buffer: the datanode does, see README "Trust boundaries" and datanode/transport/verbs.py.)
 """
 from __future__ import annotations
 

@@ -145,29 +145,33 @@ class DataClient:
     @asynccontextmanager
     async def open(cls, nodes: Iterable[str] = (), **kw) -> AsyncIterator["DataClient"]:
         """A client whose partition map is loaded from ``nodes`` (any datanodes of the cluster)."""
-        async with aio.nursery() as nursery:
-            dc = cls(nursery, **kw)
-            try:
-                if dc.map is not None:
-                    try:
-                        rev = await dc.load_map()
-                    except EtcdError as e:
-                        raise ClientError(f"partition map: {e}") from None
-                    nursery.start_soon(dc._follow_map, rev)
-                errors = []
-                nodes = list(nodes)
-                for addr in nodes:
-                    try:
-                        await dc.discover(addr)
-                    except ClientError as e:       # one node down must not stop the client
-                        errors.append(e)
-                        log.warning("partition map from %s: %s", addr, e)
-                if nodes and len(errors) == len(nodes):
-                    raise ClientError("no datanode answered: " + "; ".join(map(str, errors)))
-                yield dc
-            finally:
-                nursery.cancel_scope.cancel()
-                dc._release()
+        dc = None
+        try:
+            async with aio.nursery() as nursery:
+                dc = cls(nursery, **kw)
+                try:
+                    if dc.map is not None:
+                        try:
+                            rev = await dc.load_map()
+                        except EtcdError as e:
+                            raise ClientError(f"partition map: {e}") from None
+                        nursery.start_soon(dc._follow_map, rev)
+                    errors = []
+                    nodes = list(nodes)
+                    for addr in nodes:
+                        try:
+                            await dc.discover(addr)
+                        except ClientError as e:       # one node down must not stop the client
+                            errors.append(e)
+                            log.warning("partition map from %s: %s", addr, e)
+                    if nodes and len(errors) == len(nodes):
+                        raise ClientError("no datanode answered: " + "; ".join(map(str, errors)))
+                    yield dc
+                finally:
+                    nursery.cancel_scope.cancel()
+        finally:
+            if dc is not None:
+                dc._release()       # once the links are gone (on verbs their windows hold the MRs)
 
     def _release(self) -> None:
         self.domain.deregister(self.wregion)

@@ -13,9 +13,10 @@ and repaired.  With TLS (transport/tls.py) the stream is also encrypted and inte
 checks the node's certificate.  Not protected: without TLS an on-path attacker can read and alter traffic
 after the hello (the HMAC covers the hello only); every datanode holds the cluster secret, so a compromised
 datanode can act as any node or admin; a client key holder can overwrite nothing but can append garbage to,
-delete, or fill (to its share) any partition -- there is no per-tenant authorisation; on verbs the NIC
-serves one-sided reads from the whole registered pool to anyone who learns its rkey on an established queue
-pair (grants do not bind there; transport/verbs.py); a flood of reconnections from many hosts is not rate
+delete, or fill (to its share) any partition -- there is no per-tenant authorisation; on verbs a grant is a
+type-2 memory window bound per request on the peer's queue pair (the MR itself has no remote rights), but
+rdma_rxe bounds a window by its MR, so during its own request a peer can reach the rest of that region, and a
+device without type-2 windows falls back to MR-wide rkeys (transport/verbs.py); a flood of reconnections from many hosts is not rate
 limited (``max_connections`` bounds it, it does not share it fairly).  Cost on the data path (same run,
 bench/trust_cost.py, TCP, sync=none, one writer, noisy 2-core VM): authentication and the checks cost nothing
 measurable (4 KiB appends 472/s off vs 440/s on; 1 MiB 167 vs 182 MiB/s); TLS costs about 40% (4 KiB 251/s,

@@ -198,7 +198,7 @@ class _NodeCollector:
         yield _counter("datanode_forwarded_writes", "Appends forwarded to followers (as leader)", r.forwarded)
         fb = CounterMetricFamily("datanode_forward_fetch_bytes", "Bytes fetched from leaders' pools (as follower)",
                                  labels=[])
-        fb.add_metric([], sum(c.forward_fetch_bytes_by_rkey.values()))
+        fb.add_metric([], sum(c.forward_fetch_bytes_by_leader.values()))
         yield fb
         rf = CounterMetricFamily("datanode_replication_failures", "Forwarded requests a follower failed",
                                  labels=["replica"])

@@ -8,7 +8,10 @@ answer would otherwise land in a slot we no longer account for) so the caller dr
 A request that names a buffer of ours (``addr/rkey/rlen``) grants the connection's peer exactly that range
 (read for a payload or body it fetches, write for an answer it pushes) while the request is in flight: the
 grant is revoked when the answer arrives, the request times out or the connection dies
-(``transport.base.Grants``).  So a follower can READ a leader's pool block only while the leader waits for
+(``transport.base.Grants``), and ``Pending.result`` returns only once the revocation took effect (on verbs
+the window's local invalidation completed), so the caller may reuse the buffer at once.  On verbs the grant
+is a type-2 memory window bound on this connection's queue pair, and the header sent carries the window's
+rkey in place of the region's.  So a follower can READ a leader's pool block only while the leader waits for
 that follower's ack of the forward naming it.
 """
 from __future__ import annotations
@@ -32,11 +35,14 @@ class RequestTimeout(TransportError):
 _PEER_READS = frozenset({Op.WRITE, *BODY_OPS})   # the peer fetches our buffer
 
 
-def _grant(conn: Connection, h: Header) -> int | None:
+async def _grant(conn: Connection, h: Header) -> tuple[int | None, Header]:
+    """The one place a buffer named in a request is exposed to the peer: the grant's token, and the header
+    carrying the rkey the peer must use (on verbs a memory window's, bound for this request alone)."""
     if not h.rlen:
-        return None
-    return conn.grants.add(h.addr, h.rkey, h.rlen,
-                           Access.REMOTE_READ if h.opcode in _PEER_READS else Access.REMOTE_WRITE)
+        return None, h
+    token, rkey = await conn.grants.grant(h.addr, h.rkey, h.rlen,
+                                          Access.REMOTE_READ if h.opcode in _PEER_READS else Access.REMOTE_WRITE)
+    return token, (h if rkey == h.rkey else dataclasses.replace(h, rkey=rkey))
 
 
 class Requester:
@@ -99,7 +105,11 @@ class Requester:
                 await self._timed_out(timeout)
         header = dataclasses.replace(header, req_id=next(self._ids))
         p.req_id = header.req_id
-        p.slot[2] = _grant(self.conn, header)     # before the send: the peer may fetch at once
+        try:
+            p.slot[2], header = await _grant(self.conn, header)    # before the send: the peer may fetch at once
+        except BaseException:
+            self._credits.release()
+            raise
         self._waiting[header.req_id] = p.slot
         try:
             with trio.move_on_after(timeout) as scope:
@@ -108,12 +118,20 @@ class Requester:
             self._waiting.pop(header.req_id, None)
             self.conn.grants.drop(p.slot[2])
             self._credits.release()
+            await self._settle(p.slot[2])
             raise
         if scope.cancelled_caught:
             self.conn.grants.drop(p.slot[2])
             self._credits.release()
+            await self._settle(p.slot[2])
             await self._timed_out(timeout)
         return p
+
+    async def _settle(self, token) -> None:
+        """Wait (shielded: the caller frees the buffer next) until a dropped grant is unusable."""
+        if token is not None:
+            with trio.CancelScope(shield=True):
+                await self.conn.grants.settle(token)
 
     async def call(self, header: Header, timeout: float) -> Header:
         """Send ``header`` and return the matching response."""
@@ -150,6 +168,7 @@ class Pending:
                 r._waiting.pop(self.req_id, None)
                 r.conn.grants.drop(self.slot[2])
                 r._credits.release()
+                await r._settle(self.slot[2])     # the buffer is the caller's again only once revoked
         if not answered.is_set():   # the deadline passed (an answer that came meanwhile is no timeout)
             await r._timed_out(self.timeout)
         resp = self.slot[1]

@@ -22,8 +22,8 @@ from client.sdk import ClientError
 from datanode.auth import Credentials, DialAuth, gen_secret
 from datanode.crc import crc32c
 from datanode.pool import BuddyPool
-from datanode.protocol import Flag, Header, Op, Result, Role
-from datanode.transport.base import Access, RemoteAccessError
+from datanode.protocol import Flag, Header, Op, RemoteBuf as RemoteBufT, Result, Role, decode
+from datanode.transport.base import Access, RemoteAccessError, TransportError
 from datanode.transport.tcp import FRAME, READ_REQ, READ_RESP
 from tests.conftest import SLACK, create_partition, open_client, pattern, run
 from tools import fuzz
@@ -374,6 +374,224 @@ def test_grants_scope_one_sided_access_to_a_request_in_flight():
             with pytest.raises(RemoteAccessError, match="not granted"):
                 await srv.conn.read(scoped.remote(2, 4), local, srv.dst)
             cli.domain.deregister(scoped)
+    run(body)
+
+
+class _FakeFollower:
+    """A follower played by the test over verbs (the product's own ``accept``, with the cluster secret): it
+    answers every forwarded create and write OK (anything else NOT_FOUND) after READing the leader's block as a real follower does, and keeps what it saw
+    (the window rkeys, addresses and bytes) for the hostile reads the test makes with them."""
+
+    def __init__(self, secret, domain):
+        from datanode.transport.connect import ServerAuth
+        self.auth = ServerAuth(Credentials.load(secret))
+        self.domain = domain
+        self.pool = BuddyPool(4 * MiB, 4 * MiB)
+        self.region = domain.register(self.pool.arena, self.pool.base_addr, Access.LOCAL_WRITE, scoped=False)
+        self.seen: list[tuple[object, Header, bytes]] = []      # (connection, forward, bytes READ)
+        self.conns = []
+        self.hook = None              # async (conn, header) -> None, run before the answer of the next forward
+        self.addr = ""
+
+    async def serve(self, nursery):
+        from datanode.transport.connect import accept
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        self.addr = f"127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+
+        async def handler(stream):
+            async with accept(stream.socket, "leader", self.domain, transport="verbs", slots=16,
+                              auth=self.auth) as conn:
+                self.conns.append(conn)
+                while True:
+                    try:
+                        h = decode(await conn.recv(), request=True)
+                    except TransportError:
+                        return
+                    if h.opcode == Op.WRITE and h.rlen:
+                        local = self.region.view[:h.rlen]
+                        await conn.read(h.remote, local, self.region)
+                        self.seen.append((conn, h, bytes(local)))
+                        hook, self.hook = self.hook, None
+                        if hook is not None:
+                            await hook(conn, h)
+                    ok = h.opcode in (Op.WRITE, Op.CREATE_EXTENT)     # heartbeats, repair: "no such partition"
+                    await conn.send(h.reply(Result.OK if ok else Result.NOT_FOUND, crc=h.crc).encode())
+        nursery.start_soon(trio.serve_listeners, handler, listeners)
+
+
+@pytest.mark.parametrize("transport", [pytest.param("verbs", marks=pytest.mark.verbs)], indirect=True)
+def test_verbs_peer_reaches_only_the_window_a_request_bound_for_it(nodes, secret, transport):
+    """The verbs twin of the test above: a peer with an established queue pair to the leader READs the
+    leader's pool with the pool MR's rkey, with a window another connection's request was given, and with a
+    window after its request was answered: each is refused by the NIC (remote access error, the hostile
+    connection torn down), while the window its own request names works; and the node keeps serving."""
+    from tests.conftest import client_domain
+    a, = nodes(1, secret_file=str(secret))
+    domain = client_domain("verbs")
+    fol = _FakeFollower(secret, domain)
+    d1, d2, d3 = pattern(1, 96 * KiB), pattern(2, 80 * KiB), pattern(3, 64 * KiB)
+
+    async def hostile_read(addr, rkey, n=4 * KiB):
+        """A read from the test's own queue pair to the leader, dialed as a node (the follower's identity)."""
+        from datanode.transport.connect import dial
+        host, port = a.addr.rsplit(":", 1)
+        async with dial(host, int(port), domain, transport="verbs",
+                        auth=auth_as(secret, Role.NODE, fol.addr)) as conn:
+            assert conn.transport == "verbs"
+            with pytest.raises(RemoteAccessError):
+                await conn.read(RemoteBufT(addr, rkey, n), fol.region.view[:n], fol.region)
+            assert not conn.alive                   # torn down
+
+    async def body():
+        async with trio.open_nursery() as nursery:
+            await fol.serve(nursery)
+            async with open_client("verbs", [], secret=str(secret)) as dc:
+                st = await dc.admin(a.addr, Op.NODE_STATUS)
+                assert st["rdma_windows"] == "on", st["rdma_windows"]
+                await dc.admin(a.addr, Op.PARTITION_CREATE, partition=PID,
+                               body={"replicas": [a.addr, fol.addr], "epoch": 1})
+                await dc.discover(a.addr)
+                pool = await dc.admin(a.addr, Op.POOL_STATS)        # an admin learns the MR's rkey and base
+
+                locs = await dc.write(PID, d1)
+                assert b"".join(seen for _, _, seen in fol.seen) == d1      # its own window serves it
+                conn1, h1, _ = fol.seen[-1]
+                assert h1.rkey != pool["rkey"]
+
+                async def cross(conn, h):          # the window of this in-flight request, from another QP
+                    await hostile_read(h.addr, h.rkey, h.rlen)
+                fol.hook = cross
+                locs += await dc.write(PID, d2)
+                assert fol.hook is None and fol.seen[-1][2] == d2[-len(fol.seen[-1][2]):]
+                conn2, h2, _ = fol.seen[-1]
+                assert conn2 is conn1 and conn1.alive        # the follower's own link is untouched
+                assert h2.rkey != h1.rkey                    # a fresh key per bind, even for a reused window
+
+                await hostile_read(pool["base_addr"], pool["rkey"])            # the pool MR's own rkey
+                await hostile_read(pool["base_addr"] + pool["arena_bytes"] - 4 * KiB, pool["rkey"])
+
+                # the follower's own window after its request was answered: refused, its link torn down
+                with pytest.raises(RemoteAccessError):
+                    await conn1.read(RemoteBufT(h2.addr, h2.rkey, h2.rlen), fol.region.view[:h2.rlen],
+                                     fol.region)
+                assert not conn1.alive
+
+                # the node keeps serving: a new write (the leader dials the follower again) and every byte back
+                locs += await dc.write(PID, d3)
+                assert fol.seen[-1][0] is not conn1
+                got = b"".join([await dc.read_location(loc) for loc in locs])
+                assert got == d1 + d2 + d3
+            nursery.cancel_scope.cancel()
+    run(body)
+
+
+@pytest.mark.parametrize("transport", [pytest.param("verbs", marks=pytest.mark.verbs)], indirect=True)
+def test_verbs_without_windows_keeps_mr_wide_rkeys(nodes, secret, transport, monkeypatch):
+    """The fallback (a device without type-2 windows; forced here with DATANODE_RDMA_WINDOWS=0): regions are
+    registered with remote rights on the MR, data moves as before, and status says windows are off."""
+    from datanode.transport.connect import dial
+    from tests.conftest import client_domain
+    monkeypatch.setenv("DATANODE_RDMA_WINDOWS", "0")
+    a, b = nodes(2, secret_file=str(secret))
+    domain = client_domain("verbs")
+    monkeypatch.setattr(domain.device, "windows", False)
+    monkeypatch.setattr(domain.device, "windows_state", "off (DATANODE_RDMA_WINDOWS=0)")
+    data = pattern(4, 300 * KiB)
+
+    async def body():
+        async with open_client("verbs", [], secret=str(secret), domain=domain) as dc:
+            await create_partition(dc, PID, [a.addr, b.addr])
+            st = await dc.admin(a.addr, Op.NODE_STATUS)
+            assert st["rdma_windows"] == "off (DATANODE_RDMA_WINDOWS=0)"
+            locs = await dc.write(PID, data)
+            for addr in (a.addr, b.addr):
+                assert b"".join([await dc.read_location(loc, replica=addr) for loc in locs]) == data
+            # the documented limit of this mode: the pool MR's rkey reaches the pool from any node's QP
+            pool = await dc.admin(a.addr, Op.POOL_STATS)
+            host, port = a.addr.rsplit(":", 1)
+            async with dial(host, int(port), domain, transport="verbs",
+                            auth=auth_as(secret, Role.NODE, b.addr)) as conn:
+                pool_local = BuddyPool(MiB, MiB)
+                reg = domain.register(pool_local.arena, pool_local.base_addr, Access.LOCAL_WRITE, scoped=False)
+                try:
+                    await conn.read(RemoteBufT(pool["base_addr"], pool["rkey"], 4 * KiB), reg.view[:4 * KiB], reg)
+                finally:
+                    domain.deregister(reg)
+    run(body)
+    assert "memory windows off" in log_of(a)
+
+
+@pytest.mark.parametrize("transport", [pytest.param("verbs", marks=pytest.mark.verbs)], indirect=True)
+def test_verbs_windows_scope_one_sided_access_to_a_request_in_flight(transport):
+    """Transport level, the verbs twin of the grants test: a request naming a scoped buffer gives the peer a
+    window rkey (never the region's key) that works for that request, with that right, through that queue
+    pair, until the answer; every bind takes a new key.  Each refused access tears the connection down."""
+    from datanode.rpc import Requester
+    from tests.test_transport import pair
+
+    async def attempt(fn):
+        """fn(cli, srv, region, requester) in a fresh connection pair with a scoped region on the client."""
+        async with pair("verbs") as (cli, srv):
+            pool = BuddyPool(MiB, MiB)
+            region = cli.domain.register(pool.arena, pool.base_addr, Access.LOCAL_WRITE | Access.REMOTE_READ,
+                                         scoped=True)
+            region.view[:256] = bytes(range(256))
+            assert region.windows
+            req = Requester(cli.conn)
+            async with trio.open_nursery() as n:
+                await n.start(req.run)
+                await fn(cli, srv, region, req)
+                n.cancel_scope.cancel()
+        cli.domain.deregister(region)            # after the connection (and its windows) are gone
+
+    async def ask(srv, region, req, off=16, n=64):
+        p = await req.submit(Header(opcode=Op.WRITE, partition=1, addr=region.addr + off, rkey=region.rkey,
+                                    rlen=n, length=n), 5)
+        return p, decode(await srv.conn.recv(), request=True)
+
+    async def answer(srv, p, h):
+        await srv.conn.send(h.reply(Result.OK).encode())
+        await p.result()
+
+    async def own_window_then_stale(cli, srv, region, req):
+        keys = []
+        for i in range(3):                                  # the same window, reused: a new key each time
+            p, h = await ask(srv, region, req)
+            assert h.rkey != region.rkey
+            keys.append(h.rkey)
+            await srv.conn.read(h.remote, srv.dst.view[:64], srv.dst)
+            assert bytes(srv.dst.view[:64]) == bytes(range(16, 80))
+            await answer(srv, p, h)
+        assert len(set(keys)) == 3 and cli.conn.info()["windows_allocated"] == 1
+        with pytest.raises(RemoteAccessError):               # the last window, after its answer
+            await srv.conn.read(h.remote, srv.dst.view[:64], srv.dst)
+        with trio.fail_after(5):
+            while cli.conn.alive:
+                await trio.sleep(0.01)
+
+    async def region_key(cli, srv, region, req):
+        p, h = await ask(srv, region, req)
+        with pytest.raises(RemoteAccessError):               # the region's own key, while a window is live
+            await srv.conn.read(RemoteBufT(region.addr + 16, region.rkey, 64), srv.dst.view[:64], srv.dst)
+
+    async def wrong_right(cli, srv, region, req):
+        p, h = await ask(srv, region, req)
+        with pytest.raises(RemoteAccessError):               # a WRITE through a read window
+            await srv.conn.write(srv.src.view[:64], srv.src, h.remote)
+        assert bytes(region.view[16:80]) == bytes(range(16, 80))
+
+    async def bounds(cli, srv, region, req):
+        """Not asserted: rxe (kernel 6.1) bounds a window's accesses by its MR; recorded for the report."""
+        p, h = await ask(srv, region, req)
+        try:
+            await srv.conn.read(RemoteBufT(h.addr + h.rlen, h.rkey, 64), srv.dst.view[:64], srv.dst)
+            print("device serves bytes past a window's end (bounds by the MR only)")
+        except RemoteAccessError:
+            print("device refuses bytes past a window's end")
+
+    async def body():
+        for fn in (own_window_then_stale, region_key, wrong_right, bounds):
+            await attempt(fn)
     run(body)
 
 

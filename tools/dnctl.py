@@ -1107,7 +1107,8 @@ def _status_text(s: dict) -> str:
     lines = [f"node {s['node']} pid {s['pid']} up {fmt_seconds(s['uptime_s'])}"
              + (f", {s['state']}" if s.get("state") else "") + (", DRAINING" if s.get("draining") else "")
              + f"; configured transport {s['transport']}, sync {s['sync']}, rdma device "
-             f"{s.get('rdma_device') or 'none'}",
+             f"{s.get('rdma_device') or 'none'}"
+             + (f" (memory windows {s['rdma_windows']})" if s.get("rdma_device") and s.get("rdma_windows") else ""),
              f"partitions {len(s['partitions']) if isinstance(s['partitions'], list) else s['partitions']}, "
              f"requests in flight {s['inflight']}"]
     o = s.get("opening") or {}

@@ -80,12 +80,14 @@ class RequestCounters:
     write_bytes: int = 0
     reads: int = 0
     read_bytes: int = 0
-    # follower: bytes READ from each leader pool (by its rkey); a bounded table, whatever peers send
-    forward_fetch_bytes_by_rkey: dict = dataclasses.field(default_factory=dict)
+    # follower: bytes READ from leaders' pools, by the leader's connection (its node identity, or its address
+    # when authentication is off; not by rkey: on verbs every forward carries a fresh window rkey); a bounded
+    # table, whatever peers send
+    forward_fetch_bytes_by_leader: dict = dataclasses.field(default_factory=dict)
 
-    def count_forward_fetch(self, rkey: int, n: int, *, keys: int = 16) -> None:
-        t = self.forward_fetch_bytes_by_rkey
-        k = str(rkey) if str(rkey) in t or len(t) < keys else "other"
+    def count_forward_fetch(self, leader: str, n: int, *, keys: int = 16) -> None:
+        t = self.forward_fetch_bytes_by_leader
+        k = leader if leader in t or len(t) < keys else "other"
         t[k] = t.get(k, 0) + n
 
 

@@ -62,7 +62,7 @@ class DataOps(Handlers):
                 else:
                     await self._fetch(conn, h.remote.slice(0, h.length), view)          # one-sided READ
                     if forwarded:
-                        self.counters.count_forward_fetch(h.rkey, h.length)
+                        self.counters.count_forward_fetch(conn.identity or conn.peer, h.length)
             # one pass over the bytes: the payload's CRC, and the block pieces' CRCs the store needs
             pieces, whole = piece_crcs(h.offset, view)
             if whole != h.crc:

@@ -18,7 +18,9 @@ A region registered ``scoped`` (the datanode's pool and landing memory, the SDK'
 only through *grants*: a connection's ``grants`` hold the ranges a request in flight on it named (granted by
 ``rpc.Requester`` when it sends the request, revoked when the answer arrives or the request fails), and a
 peer's one-sided op outside them is refused whatever rkey it names.  On verbs the NIC serves one-sided ops
-from the MR alone, so grants do not bind there (see README "Trust boundaries").
+itself: there a scoped region's MR has no remote rights and each grant binds a type-2 memory window on the
+connection's queue pair (its own rkey, invalidated when the grant is dropped; ``verbs.WindowGrants``), where
+the device has them; see README "Trust boundaries".
 """
 from __future__ import annotations
 
@@ -60,7 +62,8 @@ class Region:
     rkey: int
     lkey: int = 0
     mr: object = None            # the pyverbs MR when registered with a device
-    scoped: bool = False         # peers reach it only through a grant on their connection (TCP)
+    scoped: bool = False         # peers reach it only through a grant on their connection
+    windows: bool = False        # verbs: the MR has no remote rights; grants bind type-2 memory windows
 
     @property
     def length(self) -> int:
@@ -109,6 +112,10 @@ class Domain:
         if region.mr is not None and self.device is not None:
             self.device.deregister(region)
 
+    def region(self, rkey: int) -> Region | None:
+        """Our region registered under ``rkey`` (None: not ours)."""
+        return self._regions.get(rkey)
+
     def find_local(self, view_addr: int, length: int) -> Region:
         """The region holding our own [addr, addr+length) (for lkeys)."""
         for r in self._regions.values():
@@ -148,9 +155,20 @@ class Grants:
         self._g[token] = (addr, addr + length, rkey, access)
         return token
 
+    async def grant(self, addr: int, rkey: int, length: int, access: Access) -> tuple[int, int]:
+        """Expose [addr, addr+length) of the region ``rkey`` names to this connection's peer with ``access``
+        until ``drop``: returns the token and the rkey to send the peer (here the region's own; a verbs
+        connection binds a memory window and returns the window's rkey)."""
+        return self.add(addr, rkey, length, access), rkey
+
     def drop(self, token: int | None) -> None:
+        """Revoke a grant (idempotent); ``settle`` waits until the peer can no longer use it."""
         if token is not None:
             self._g.pop(token, None)
+
+    async def settle(self, token: int | None) -> None:
+        """Returns once the peer can no longer touch a dropped grant's range (here: at once); the owner may
+        then reuse the buffer."""
 
     def covers(self, addr: int, rkey: int, length: int, need: Access) -> bool:
         end = addr + length

@@ -14,25 +14,43 @@
   and the next request dials again.  The TCP stream stays open beside the QP: its EOF tells us at once that
   the peer process is gone.
 
-Limits of memory scoping on verbs.  The NIC serves RDMA READ/WRITE from an MR by rkey alone: the TCP
-transport's per-connection grants (``base.Grants``) are not consulted, so any peer with an established QP
-to us that learns the pool's rkey and address can read the whole pool (it is registered REMOTE_READ only,
-never REMOTE_WRITE; ``pool stats`` shows the rkey to admins only, and it is otherwise carried in the forwarded
-write headers that followers -- authenticated nodes -- receive).  A QP exists only after an authenticated
-hello, so strangers and connections refused at the hello get nothing.  ``rdma_rxe`` in our VM (kernel 6.1)
-advertises memory windows (``bench/mw_probe.py``: ``MEM_WINDOW`` and ``TYPE_2B``, max_mw 524287; an MR with
-``MW_BIND`` and type-1/type-2 windows allocate) -- binding per request was not exercised and is not done:
-it needs a bind work request on the requester's QP per request, the window's rkey in the header in place of
-the MR's, a local invalidate when the answer arrives (and on timeout, before the buffer is reused), and a
-fallback for devices without windows; the next step when verbs is used across a trust boundary.
+Memory scoping on verbs: per-request type-2 memory windows.  The NIC serves RDMA READ/WRITE by rkey alone,
+so the TCP transport's table of grants cannot be consulted; the device enforces the scoping instead:
+* A *scoped* region (the datanode's pool and landing regions, the SDK's buffers) is registered, when the
+  device has type-2 windows, with ``MW_BIND`` and NO remote rights on the MR: the MR's keys give a peer
+  nothing (rxe gives such an MR rkey 0; the region is named by its lkey, which is what ``pool stats`` shows).
+* A request naming such a buffer (``rpc._grant``, the one place a header's rkey is filled for the peer)
+  goes through this connection's ``WindowGrants.grant``: a type-2 window from the connection's free list is
+  bound by an ``IBV_WR_BIND_MW`` work request on *this connection's QP*, covering exactly the named range with
+  exactly the right the request needs (REMOTE_READ for a payload or body the peer fetches, REMOTE_WRITE for
+  an answer it pushes), posted ahead of the header's SEND on the same send queue; the header carries the
+  window's rkey.  When the answer arrives, the request times out or fails, ``drop`` posts
+  ``IBV_WR_LOCAL_INV``, and ``Pending.result`` returns only after it completed (``settle``), so the buffer is
+  never reused while the window is live.  Each bind takes the window's next 8-bit key, so a stale rkey (an
+  answered request's) names nothing; a window is usable only through the QP it was bound on, so another
+  connection (another peer, or the same peer's second QP) cannot use it.  A dead connection's QP is in the
+  error state: nothing reaches its windows; they are deallocated with it.
+* A peer's access that breaks these rules fails at the NIC with a remote access error; its QP (and ours to it)
+  moves to the error state: that connection is torn down, everything else keeps going.
+Limits.  ``rdma_rxe`` in our VM (kernel 6.1) checks a window's rkey, QP, state and rights but bounds an
+access by the window's *MR*, not the window: while a peer's own request is in flight, that peer can reach the
+whole region through its window (measured by the VM test, see README "Trust boundaries"); hardware that
+implements the IB window bounds (C10-xx) confines it to the range.  A device without type-2 windows (or
+``DATANODE_RDMA_WINDOWS=0``) keeps the old behaviour: MRs carry REMOTE_READ (the pool; never REMOTE_WRITE)
+and a peer with a QP that learns a region's rkey can read all of it; logged as a warning at start and shown
+as ``rdma_windows`` in node status.  A QP exists only after an authenticated hello in both modes.
+pyverbs (rdma-core 44) never records a bound rkey back into ``ibv_mw.rkey``; ``_mw_struct`` keeps it
+current (a process where that cannot be done runs without windows, logged).
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import mmap
 import os
 import random
+import struct
 import threading
 
 import cffi
@@ -42,14 +60,14 @@ import pyverbs.enums as E
 from pyverbs.addr import GID, AHAttr, GlobalRoute
 from pyverbs.cq import CQ, CompChannel
 from pyverbs.device import Context, get_device_list
-from pyverbs.mr import MR
+from pyverbs.mr import MR, MW, MWBindInfo
 from pyverbs.pd import PD
 from pyverbs.pyverbs_error import PyverbsError, PyverbsRDMAError
 from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
 from pyverbs.wr import SGE, RecvWR, SendWR
 
 from ..protocol import VerbsEndpoint
-from .base import Access, Connection, ConnectionClosed, Domain, Region, RemoteAccessError
+from .base import Access, Connection, ConnectionClosed, Domain, Grants, Region, RemoteAccessError
 from .tcp import recv_exactly, send_all
 
 log = logging.getLogger(__name__)
@@ -88,6 +106,13 @@ def address_of(buf) -> int:
         return int(ffi.cast("uintptr_t", p))
 
 
+WINDOWS_ENV = "DATANODE_RDMA_WINDOWS"      # "0"/"off": MR-wide rkeys even where the device has type-2 windows
+
+
+def windows_wanted() -> bool:
+    return os.environ.get(WINDOWS_ENV, "1").strip().lower() not in ("0", "off", "no", "false")
+
+
 class Device:
     """The process's device context and protection domain."""
 
@@ -104,6 +129,26 @@ class Device:
             raise RuntimeError(f"{name} has no GID at index {gid_index}")
         dattr = self.ctx.query_device()
         self.rd_atomic = max(1, min(16, dattr.max_qp_init_rd_atom, dattr.max_qp_rd_atom))
+        caps = dattr.device_cap_flags
+        type2 = bool(caps & E.IBV_DEVICE_MEM_WINDOW) and bool(
+            caps & (E.IBV_DEVICE_MEM_WINDOW_TYPE_2A | E.IBV_DEVICE_MEM_WINDOW_TYPE_2B))
+        #: scoped regions are registered without remote rights and exposed per request by type-2 windows
+        self.windows = type2 and windows_wanted()
+        why_not = ""
+        if self.windows:
+            try:
+                _Window(self.pd).mw.close()      # allocates, and finds the struct we keep the rkey in
+            except Exception as e:  # noqa: BLE001 - whatever it is, this process binds no windows
+                self.windows, why_not = False, f"cannot use them: {e}"
+        if self.windows:
+            self.windows_state = "on"
+            log.info("%s: memory windows on (type 2): a peer reaches our memory only through the window a "
+                     "request bound for it on its queue pair", name)
+        else:
+            self.windows_state = ("off (%s)" % why_not if why_not else
+                                  "off (%s=0)" % WINDOWS_ENV if type2 else "off (device has no type-2 windows)")
+            log.warning("%s: memory windows %s: a peer with a queue pair that learns a region's rkey can "
+                        "reach the whole registered region", name, self.windows_state)
 
     @property
     def mtu(self) -> int:
@@ -113,12 +158,24 @@ class Device:
         return int(self.ctx.query_port(PORT).active_mtu)
 
     def register(self, region: Region) -> None:
-        mr = MR(self.pd, region.length, _access(region.access), address=region.addr)
+        access = _access(region.access)
+        if region.scoped and self.windows and region.access & (Access.REMOTE_READ | Access.REMOTE_WRITE):
+            # the MR itself gives a peer nothing: no remote rights, only the right to bind windows on it
+            access = (access & ~(E.IBV_ACCESS_REMOTE_READ | E.IBV_ACCESS_REMOTE_WRITE)) | E.IBV_ACCESS_MW_BIND
+            region.windows = True
+        mr = MR(self.pd, region.length, access, address=region.addr)
         region.mr, region.rkey, region.lkey = mr, mr.rkey, mr.lkey
+        if region.windows:
+            # an MR without remote rights has no rkey (rxe gives 0 to all of them); the region is named by
+            # its lkey, which gives a peer nothing: headers carry a window's rkey in its place (``grant``)
+            region.rkey = mr.lkey
 
     def deregister(self, region: Region) -> None:
         if region.mr is not None:
-            region.mr.close()
+            try:
+                region.mr.close()
+            except PyverbsError as e:      # a window still bound on a live QP holds it; freed with the PD
+                log.warning("%s: deregistering a region failed: %s", self.name, e)
             region.mr = None
 
 
@@ -162,11 +219,152 @@ def _comp_channel(ctx: Context) -> tuple[CompChannel, int]:
 
 
 class _Op:
-    __slots__ = ("event", "status")
+    __slots__ = ("event", "status", "then")
 
-    def __init__(self):
+    def __init__(self, then=None):
         self.event = trio.Event()
         self.status = None
+        self.then = then                 # called with the completion's success (bool), from the pump
+
+
+def _mw_struct(mw: MW) -> int:
+    """Address of the ``struct ibv_mw`` a pyverbs MW wraps.
+
+    pyverbs (rdma-core 44) sets a bind work request's new rkey to ``ibv_inc_rkey(mw->rkey)`` but never
+    stores the bound rkey back in ``mw->rkey``, as a C consumer does after posting the bind: the second bind of
+    the same window would name a stale rkey (the device refuses it) and every bind would give the same key.
+    We keep ``mw->rkey`` current ourselves; this finds the struct (``{context, pd, rkey, handle, type}``)
+    by its rkey and handle among the object's pointer-sized fields, or raises LookupError."""
+    raw = ctypes.string_at(id(mw), type(mw).__basicsize__)
+    want = struct.pack("<II", mw.rkey, mw.handle)
+    for off in range(16, len(raw) - 7, 8):           # past the PyObject head
+        (p,) = struct.unpack_from("<Q", raw, off)
+        if p < 1 << 16 or p % 8:
+            continue
+        if p == id(mw) or p == id(type(mw)):
+            continue
+        try:
+            if ctypes.string_at(p + 16, 8) == want:
+                return p
+        except (OSError, ValueError):
+            continue
+    raise LookupError("cannot find the ibv_mw of a pyverbs MW")
+
+
+class _Window:
+    """One type-2 memory window of a connection, reused: bound per request, invalidated after."""
+    __slots__ = ("mw", "ptr")
+
+    def __init__(self, pd: PD):
+        self.mw = MW(pd, E.IBV_MW_TYPE_2)
+        try:
+            self.ptr = _mw_struct(self.mw)
+        except BaseException:
+            self.mw.close()
+            raise
+
+    @property
+    def rkey(self) -> int:
+        return self.mw.rkey
+
+    def bound(self, rkey: int) -> None:
+        ctypes.c_uint32.from_address(self.ptr + 16).value = rkey
+        if self.mw.rkey != rkey:
+            raise RuntimeError("could not record a memory window's rkey")
+
+
+class WindowGrants(Grants):
+    """A verbs connection's grants: for a region registered with windows (``Region.windows``: its MR has no
+    remote rights), each grant binds a type-2 memory window on this connection's queue pair, covering exactly
+    the granted range with exactly the granted right, and the peer gets the window's rkey.  The bind is
+    posted ahead of the request's SEND on the same send queue, so it is in place when the peer acts on the
+    header.  ``drop`` posts a local invalidate; ``settle`` waits for it to complete.  A window is bound to
+    this QP: no other connection can use it, and once invalidated its rkey is dead (the next bind of the same
+    window gets the next 8-bit key).  Windows are kept in a small free list (allocating one is a system call;
+    binding is a work request).  A region without windows gets a plain grant: its MR-wide rkey."""
+
+    def __init__(self, conn: "VerbsConnection"):
+        super().__init__()
+        self.conn = conn
+        self._free: list[_Window] = []
+        self._all: list[_Window] = []
+        self._bound: dict[int, _Window] = {}
+        self._invalidating: dict[int, _Op] = {}
+        self.binds = 0
+
+    async def grant(self, addr: int, rkey: int, length: int, access: Access) -> tuple[int, int]:
+        conn = self.conn
+        region = conn.domain.region(rkey)
+        if region is None or not region.windows or not (region.access & access) or length <= 0:
+            return await super().grant(addr, rkey, length, access)     # MR-wide (or nothing, for the peer)
+        await conn._reserve(2)                     # the bind, and the invalidate that will follow it
+        try:
+            w = self._free.pop() if self._free else self._new()
+            wr = SendWR(opcode=E.IBV_WR_BIND_MW, send_flags=E.IBV_SEND_SIGNALED)
+            wr.set_bind_wr(w.mw, MWBindInfo(region.mr, addr, length, _access(access)))
+            new = wr.rkey                          # the window's next key: the old one dies with this bind
+        except BaseException:
+            conn._sq.release()
+            conn._sq.release()
+            raise
+        try:
+            conn._post_reserved(wr, "bind")        # ahead of the SEND; its completion needs no waiter
+        except BaseException:
+            conn._sq.release()                     # the invalidate's share
+            if not conn._closed:
+                self._free.append(w)
+            raise
+        w.bound(new)
+        self.binds += 1
+        token = self.add(addr, new, length, access)
+        self._bound[token] = w
+        return token, new
+
+    def _new(self) -> _Window:
+        w = _Window(self.conn.dev.pd)
+        self._all.append(w)
+        return w
+
+    def drop(self, token: int | None) -> None:
+        super().drop(token)
+        w = self._bound.pop(token, None)
+        if w is None:
+            return
+        conn = self.conn
+        if conn._closed:                # the QP is in error: nothing reaches the window; freed at _destroy
+            return
+        wr = SendWR(opcode=E.IBV_WR_LOCAL_INV, send_flags=E.IBV_SEND_SIGNALED)
+        wr.imm_data = w.rkey            # the union member invalidate_rkey
+
+        def then(ok: bool) -> None:
+            self._invalidating.pop(token, None)
+            if ok:
+                self._free.append(w)
+
+        try:
+            self._invalidating[token] = conn._post_reserved(wr, "invalidate", then)
+        except ConnectionClosed:
+            self._invalidating.pop(token, None)
+
+    async def settle(self, token: int | None) -> None:
+        op = self._invalidating.get(token)
+        if op is None or op.event.is_set():
+            return
+        with trio.move_on_after(5):
+            await op.event.wait()
+        if not op.event.is_set():
+            self.conn._shutdown("a memory window's invalidation did not complete")
+
+    def close(self) -> None:
+        """Deallocate every window (the QP is gone or in error)."""
+        for w in self._all:
+            try:
+                w.mw.close()
+            except PyverbsError as e:
+                log.debug("closing a memory window: %s", e)
+        self._all.clear()
+        self._free.clear()
+        self._bound.clear()
 
 
 class VerbsConnection(Connection):
@@ -184,12 +382,14 @@ class VerbsConnection(Connection):
         self._owns_sock = False          # True once established: then closing us closes the stream
         self._ids = 0
         self._ops: dict[int, _Op] = {}
-        self.sq_depth = 2 * peer_slots + 2 * our_slots + 16
+        # each request of ours may hold a window bind and its invalidate besides the SEND
+        self.sq_depth = (4 if dev.windows else 2) * peer_slots + 2 * our_slots + 16
         self._sq = trio.Semaphore(self.sq_depth)
         # resources, released in _destroy (QP, MR, CQ, channel); a partial set is released at once, never
         # left to the garbage collector (which would free them in any order)
         self._destroyed = False
         self.qp = self.ctrl_mr = self.cq = self.cc = self.ctrl = self.ctrl_view = None
+        self.grants = WindowGrants(self)
         try:
             self._create(dev, our_slots)
         except BaseException:
@@ -292,6 +492,38 @@ class VerbsConnection(Connection):
         wr.set_wr_rdma(remote.rkey, remote.addr)
         await self._post(wr, what)
 
+    async def _reserve(self, n: int) -> None:
+        """Take ``n`` send-queue entries for work requests posted later with ``_post_reserved``."""
+        got = 0
+        try:
+            while got < n:
+                await self._sq.acquire()
+                got += 1
+        except BaseException:
+            for _ in range(got):
+                self._sq.release()
+            raise
+        if self._closed:
+            for _ in range(got):
+                self._sq.release()
+            raise ConnectionClosed(f"connection to {self.peer} is closed: {self._closed}")
+
+    def _post_reserved(self, wr: SendWR, what: str, then=None) -> _Op:
+        """Post on an entry ``_reserve`` took, without waiting for the completion (which releases it)."""
+        if self._closed:
+            raise ConnectionClosed(f"connection to {self.peer} is closed: {self._closed}")
+        self._ids += 1
+        wr.wr_id = self._ids
+        op = self._ops[wr.wr_id] = _Op(then)
+        try:
+            self.qp.post_send(wr)
+        except PyverbsError as e:
+            self._ops.pop(wr.wr_id, None)
+            self._sq.release()
+            self._shutdown(f"post_send failed: {e}")
+            raise ConnectionClosed(f"{what} to {self.peer}: {e}") from None
+        return op
+
     async def _post(self, wr: SendWR, what: str, wait: bool = True) -> None:
         if self._closed:
             raise ConnectionClosed(f"connection to {self.peer} is closed: {self._closed}")
@@ -356,6 +588,8 @@ class VerbsConnection(Connection):
         if op is not None:
             op.status = wc.status
             op.event.set()
+            if op.then is not None:
+                op.then(wc.status == E.IBV_WC_SUCCESS)
 
     def _drain_cq(self) -> None:
         while True:
@@ -434,6 +668,7 @@ class VerbsConnection(Connection):
         if self._destroyed:
             return
         self._destroyed = True
+        self.grants.close()             # windows first: they are bound to the QP and hold the MRs
         for res in (self.qp, self.ctrl_mr, self.cq, self.cc):
             if res is None:
                 continue
@@ -448,7 +683,8 @@ class VerbsConnection(Connection):
 
     def info(self) -> dict:
         return {**super().info(), "device": self.dev.name, "qpn": self.qpn,
-                "path_mtu": _MTU_BYTES.get(self.path_mtu, self.path_mtu)}
+                "path_mtu": _MTU_BYTES.get(self.path_mtu, self.path_mtu), "windows": self.dev.windows_state,
+                "window_binds": self.grants.binds, "windows_allocated": len(self.grants._all)}
 
 
 _MTU_BYTES = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}
