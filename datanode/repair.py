@@ -258,7 +258,15 @@ class Repairer:
                 raise NotHosted(f"{addr}: {h.describe()} -> NOT_FOUND")
             if r.result != Result.OK:
                 raise RepairAbort(f"{addr}: {h.describe()} -> {_name(r.result)}")
-            return json.loads(bytes(block.view(r.length)))
+            try:
+                if not 0 < r.length <= JSON_ANSWER:
+                    raise ValueError(f"{r.length} bytes")
+                body = json.loads(bytes(block.view(r.length)))
+                if not isinstance(body, dict):
+                    raise ValueError(f"a JSON {type(body).__name__}, not an object")
+            except ValueError as e:     # a peer's malformed answer fails this step, never the worker
+                raise RepairAbort(f"{addr}: {h.describe()} -> unreadable answer ({e})") from None
+            return body
         finally:
             self.landing.free(block)
 
