@@ -13,22 +13,15 @@ import trio
 
 from client import admin
 from client.sdk import ClientError
-from datanode.auth import Credentials, DialAuth, gen_secret
+from datanode.auth import Credentials, DialAuth
 from datanode.protocol import BODY_REASONS, Header, Op, Result, Role
 from tests.conftest import create_partition, open_client, pattern, run
+from tests.test_trust import secret  # noqa: F401 - the fixture (a cluster secret file, mode 0600)
 from tools import fuzz
 
 KiB = 1 << 10
 PID = 7
 REPO = pathlib.Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture
-def secret(tmp_path) -> pathlib.Path:
-    p = tmp_path / "cluster.secret"
-    p.write_text(gen_secret())
-    p.chmod(0o600)
-    return p
 
 
 def audit_lines(node) -> list[dict]:

@@ -399,6 +399,12 @@ def _aggregate(phase, rs: list[dict], cpu0, cpu1, *, size, clients, depth) -> di
             "errors": sum(r["error_count"] for r in rs), "first_errors": [e for r in rs for e in r["errors"]][:3]}
 
 
+def _dd_seconds(stderr: str, measured: float) -> float:
+    """The seconds dd reports for its copy ("... copied, 1.23 s, ..."; a decimal comma too), else ours."""
+    m = re.search(r"copied, ([\d.,]+) s,", stderr)
+    return float(m.group(1).replace(",", ".")) if m else measured
+
+
 def run_dd(directory: pathlib.Path, mib: int) -> dict:
     path = directory / "ddtest"
     cmd = ["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={mib}", "conv=fdatasync"]
@@ -415,8 +421,7 @@ def run_dd(directory: pathlib.Path, mib: int) -> dict:
             pass
     if p.returncode != 0:
         return {"command": " ".join(cmd), "error": (p.stderr.strip().splitlines() or ["failed"])[-1]}
-    m = re.search(r"copied, ([\d.,]+) s, ([\d.,]+) ([kMG]?B)/s", p.stderr)
-    secs = float(m.group(1).replace(",", ".")) if m else dt
+    secs = _dd_seconds(p.stderr, dt)
     return {"command": " ".join(cmd), "bytes": mib * MIB, "seconds": round(secs, 3),
             "mb_s": round(mib * MIB / 1e6 / secs, 1), "mib_s": round(mib / secs, 1),
             "dd_says": p.stderr.strip().splitlines()[-1] if p.stderr.strip() else ""}
@@ -458,8 +463,7 @@ def run_cold_read(directory: pathlib.Path, mib: int) -> dict:
             pass
     if p.returncode != 0:
         return {"command": " ".join(read), "error": (p.stderr.strip().splitlines() or ["failed"])[-1]}
-    m = re.search(r"copied, ([\d.,]+) s,", p.stderr)
-    secs = float(m.group(1).replace(",", ".")) if m else dt
+    secs = _dd_seconds(p.stderr, dt)
     return {"command": " ".join(read), "bytes": mib * MIB, "seconds": round(secs, 3), "mib_s": round(mib / secs, 1)}
 
 
