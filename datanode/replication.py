@@ -66,7 +66,8 @@ class Replicator:
         out = Fanout(part, fwd, replicas)
         inline = None
         if payload is not None:
-            inline = dataclasses.replace(fwd, flags=fwd.flags | Flag.INLINE, addr=0, rkey=0, rlen=0)
+            inline = fwd if fwd.flags & Flag.INLINE and not fwd.rlen else fwd.but(flags=fwd.flags | Flag.INLINE,
+                                                                                  addr=0, rkey=0, rlen=0)
         for i, addr in enumerate(replicas[1:], start=1):
             try:
                 link = await self.links.get(addr)

@@ -16,7 +16,6 @@ that follower's ack of the forward naming it.
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 
@@ -42,7 +41,7 @@ async def _grant(conn: Connection, h: Header) -> tuple[int | None, Header]:
         return None, h
     token, rkey = await conn.grants.grant(h.addr, h.rkey, h.rlen,
                                           Access.REMOTE_READ if h.opcode in _PEER_READS else Access.REMOTE_WRITE)
-    return token, (h if rkey == h.rkey else dataclasses.replace(h, rkey=rkey))
+    return token, (h if rkey == h.rkey else h.but(rkey=rkey))
 
 
 class Requester:
@@ -58,27 +57,32 @@ class Requester:
         return self._dead is None
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Dispatches responses to their requests until the connection ends."""
+        """Matches responses to their requests until the connection ends: each answer is handled right in
+        the transport's task as it lands (``Connection.deliver_to``: no task switch per answer)."""
+        self.conn.deliver_to(self._answer)
         task_status.started(self)
         try:
             while True:
-                raw = await self.conn.recv()
-                try:
-                    resp = decode(raw, request=False)
-                except ProtocolError as e:
-                    log.warning("bad response from %s: %s", self.conn.peer, e)
-                    continue
-                slot = self._waiting.pop(resp.req_id, None)
-                if slot is None:
-                    log.debug("late response req=%s from %s dropped", resp.req_id, self.conn.peer)
-                    continue
-                self.conn.grants.drop(slot[2])     # answered: the peer is done with our buffer
-                slot[1] = resp
-                slot[0].set()
+                self._answer(await self.conn.recv())      # only what landed before deliver_to
         except TransportError as e:
             self._fail(str(e) or "connection closed")
         finally:
             self._fail("connection closed")
+
+    def _answer(self, raw) -> bool:
+        try:
+            resp = decode(raw, request=False)
+        except ProtocolError as e:
+            log.warning("bad response from %s: %s", self.conn.peer, e)
+            return True
+        slot = self._waiting.pop(resp.req_id, None)
+        if slot is None:
+            log.debug("late response req=%s from %s dropped", resp.req_id, self.conn.peer)
+            return True
+        self.conn.grants.drop(slot[2])     # answered: the peer is done with our buffer
+        slot[1] = resp
+        slot[0].set()
+        return True
 
     def _fail(self, why: str) -> None:
         if self._dead is None:
@@ -103,24 +107,22 @@ class Requester:
                 await self._credits.acquire()
             if scope.cancelled_caught:
                 await self._timed_out(timeout)
-        header = dataclasses.replace(header, req_id=next(self._ids))
-        p.req_id = header.req_id
+        p.req_id = rid = next(self._ids)
         try:
             p.slot[2], header = await _grant(self.conn, header)    # before the send: the peer may fetch at once
         except BaseException:
             self._credits.release()
             raise
-        self._waiting[header.req_id] = p.slot
+        self._waiting[rid] = p.slot
         try:
-            with trio.move_on_after(timeout) as scope:
-                await self.conn.send(header.encode(), payload)
+            sent = await self.conn.send_within(timeout, header.encode(req_id=rid), payload)
         except BaseException:
-            self._waiting.pop(header.req_id, None)
+            self._waiting.pop(rid, None)
             self.conn.grants.drop(p.slot[2])
             self._credits.release()
             await self._settle(p.slot[2])
             raise
-        if scope.cancelled_caught:
+        if not sent:
             self.conn.grants.drop(p.slot[2])
             self._credits.release()
             await self._settle(p.slot[2])

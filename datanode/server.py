@@ -314,32 +314,46 @@ class Node(DataOps, AdminOps, RepairOps):
 
     # -- one connection -------------------------------------------------------------------------------
     async def _connection(self, conn: Connection) -> None:
-        """Reads the connection's requests and starts one task per request, at most ``max_inflight`` at once:
-        a request beyond that is answered BUSY right here, by this reader (so a peer that floods requests
-        and never reads the answers stalls its own connection on TCP backpressure, and is dropped after
-        ``peer_timeout``: neither tasks nor queued answers grow without bound)."""
+        """Starts one task per request of the connection, at most ``max_inflight`` at once: a request beyond
+        that is answered BUSY by this connection's own task (so a peer that floods requests and never reads
+        the answers stalls its own connection on TCP backpressure, and is dropped after ``peer_timeout``:
+        neither tasks nor queued answers grow without bound).  A request within the limit is started right
+        where the transport delivers it (``deliver_to``: no task switch); the others, and whatever arrives
+        behind them, queue for this task."""
         self.conns.add(conn)
         idle = self.cfg.idle_timeout_s or math.inf
         limit = self.cfg.max_inflight or self.cfg.slots
+        last = [trio.current_time()]          # when the last request arrived (the idle timeout counts from it)
         try:
             async with trio.open_nursery() as nursery:
+                def arrived(raw) -> bool:
+                    if conn.busy >= limit:
+                        return False          # queued: answered BUSY below, in order
+                    last[0] = trio.current_time()
+                    self._dispatch(nursery, conn, raw)
+                    return True
+                conn.deliver_to(arrived)
                 while True:
                     try:
-                        with trio.move_on_after(idle) as waiting:
+                        with trio.move_on_at(last[0] + idle) as waiting:
                             raw = await conn.recv()
                     except TransportError:
                         break
                     if waiting.cancelled_caught:
-                        if conn.busy:         # idle means nothing in flight either
+                        if conn.busy or trio.current_time() < last[0] + idle:   # requests came meanwhile
+                            if conn.busy:
+                                last[0] = trio.current_time()
                             continue
                         log.info("closing connection from %s: idle for %ss", conn.peer, idle)
                         await conn.aclose()
                         break
+                    last[0] = trio.current_time()
                     if conn.busy >= limit:
                         if not await self._busy(conn, raw, limit):
                             break
                         continue
                     self._dispatch(nursery, conn, raw)
+                conn.deliver_to(None)         # the nursery is about to close to new arrivals
         finally:
             self.conns.discard(conn)
 
@@ -396,9 +410,7 @@ class Node(DataOps, AdminOps, RepairOps):
             log.error("reply %s to %s does not encode (%s): answering ERROR", resp.describe(), conn.peer, e)
             raw = Header(opcode=resp.opcode, req_id=resp.req_id, result=Result.ERROR).encode()
         try:
-            with trio.move_on_after(self.cfg.peer_timeout) as scope:   # a peer that reads no answers is dropped
-                await conn.send(raw)
-            if scope.cancelled_caught:
+            if not await conn.send_within(self.cfg.peer_timeout, raw):   # a peer that reads no answers is dropped
                 log.warning("dropping connection from %s: it has not read its answers for %ss", conn.peer,
                             self.cfg.peer_timeout)
                 conn.misbehaved = conn.misbehaved or "did not read its answers"

@@ -173,14 +173,22 @@ class Handlers:
         if conn is not None and conn.pool_held and conn.pool_held + length > self._share(conn):
             raise Reply(Result.BUSY, why=f"{conn.peer} holds {conn.pool_held} pool bytes, its share "
                                          f"is {self._share(conn)}")
-        try:
-            block = await self.pool.alloc(length, timeout=self.cfg.pool_wait)
-        except PoolExhausted as e:
-            raise Reply(Result.POOL_BUSY, why=str(e)) from None
-        if conn is not None:
+        if conn is not None:          # counted before the wait: requests of conn started meanwhile see it
             if not conn.pool_held:
                 self.pool_holders += 1
-            conn.pool_held += block.size
+            conn.pool_held += length
+        try:
+            block = await self.pool.alloc(length, timeout=self.cfg.pool_wait)
+        except BaseException as e:
+            if conn is not None:
+                conn.pool_held -= length
+                if not conn.pool_held:
+                    self.pool_holders -= 1
+            if isinstance(e, PoolExhausted):
+                raise Reply(Result.POOL_BUSY, why=str(e)) from None
+            raise
+        if conn is not None:
+            conn.pool_held += block.size - length
         return block
 
     def _free(self, block, conn: Connection | None = None) -> None:

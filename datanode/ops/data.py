@@ -85,8 +85,8 @@ class DataOps(Handlers):
                         if block is None:
                             fwd = h.forwarded()
                         else:
-                            fwd = dataclasses.replace(h, flags=(h.flags | Flag.FORWARDED) & ~Flag.INLINE,
-                                                      addr=block.addr, rkey=self.region.rkey, rlen=h.length)
+                            fwd = h.but(flags=(h.flags | Flag.FORWARDED) & ~Flag.INLINE,
+                                        addr=block.addr, rkey=self.region.rkey, rlen=h.length)
                         fan = await self.replication.submit(part, fwd, small)
                     size = await self._append(part.store, h.extent, h.offset, view, None, pieces)
                 except BaseException as e:

@@ -215,8 +215,10 @@ class Connection(abc.ABC):
         self.busy = 0                        # its requests being handled now (the server's count)
         self._closed: str | None = None     # why the connection ended
         self.misbehaved = ""                 # why we dropped the peer for breaking the rules (server policy)
-        # control messages that landed in our slots, in arrival order; a transport puts them in ``_ctrl_in``
+        # control messages that landed in our slots, in arrival order; a transport hands each to ``_land``
         self._ctrl_in, self._ctrl_out = trio.open_memory_channel(our_slots)
+        self._on_message = None              # deliver_to's callback
+        self._queued = 0                     # messages queued for recv and not yet taken
 
     @property
     def alive(self) -> bool:
@@ -229,12 +231,43 @@ class Connection(abc.ABC):
         """One control message: ``header``, and ``payload`` after it in the same message (an inline
         WRITE, protocol.Flag.INLINE; at most ``max_inline`` bytes)."""
 
+    def deliver_to(self, on_message) -> None:
+        """Offer each control message that lands from now on to ``on_message(msg)``, called right in the
+        transport's own task (reader or completion poller), before queueing it for ``recv``: a requester
+        matching answers, or a server starting a request's handler, saves a task switch per message.
+        ``on_message`` must neither block nor raise; it returns True if it took the message, False to have it
+        queued for ``recv`` (and the ones after it too, while any is queued: arrival order is kept).  ``recv``
+        raises ConnectionClosed at the end as before."""
+        self._on_message = on_message
+
+    def _land(self, msg) -> bool:
+        """A transport's hand-over of one control message (False: more messages than our slots)."""
+        on = self._on_message
+        if on is not None and not self._queued and on(msg):
+            self.stats.recvs += 1
+            return True
+        try:
+            self._ctrl_in.send_nowait(msg)
+        except trio.WouldBlock:
+            return False
+        self._queued += 1
+        return True
+
+    async def send_within(self, timeout: float, header: bytes, payload: memoryview | None = None) -> bool:
+        """``send``, given up after ``timeout`` seconds (False; a message cut half-way ends the connection).
+        A transport whose send usually completes at once overrides this to set the timer only when it must
+        wait (a cancel scope with a deadline costs more than a small send)."""
+        with trio.move_on_after(timeout) as scope:
+            await self.send(header, payload)
+        return not scope.cancelled_caught
+
     async def recv(self) -> bytes:
         """The next control message (raises ConnectionClosed at end)."""
         try:
             msg = await self._ctrl_out.receive()
         except (trio.EndOfChannel, trio.ClosedResourceError):
             raise ConnectionClosed(self._closed or "connection closed") from None
+        self._queued -= 1
         self.stats.recvs += 1
         return msg
 

@@ -16,6 +16,15 @@ straight between the socket and the registered memory (``recv_into`` / ``send`` 
 
 One reader task reads every frame; it never sends (a reader blocked on sending while the peer does the
 same would deadlock both), so answers to one-sided requests go through a small queue to a server task.
+
+The lean path (issue 12: per-request CPU): the socket is driven by ``LeanSocket``, which calls the kernel at
+once and waits for readiness only when it would block -- trio's socket methods yield to the scheduler on every
+call, also one that completes at once (a whole scheduler pass, ~30 Python calls, per send and per receive).
+The reader pulls whatever the kernel has into one buffer (``_FrameReader``) and cuts frames from it, so a
+batch of small messages costs one ``recv`` instead of two per frame; payloads bigger than what is buffered
+land straight in their memory.  Because nothing here yields when the kernel is quick, the reader yields
+explicitly every ``FAIR_FRAMES`` frames it cut without waiting (the other tasks, and cancellation, get their
+turn).
 """
 from __future__ import annotations
 
@@ -34,6 +43,9 @@ from .base import Access, Connection, ConnectionClosed, Domain, Region, RemoteAc
 log = logging.getLogger(__name__)
 
 FRAME = struct.Struct(">BBHIQQII")
+FSIZE = FRAME.size
+READ_BUFFER = 256 << 10  # the reader's buffer: one recv takes every small frame the kernel holds
+FAIR_FRAMES = 32         # frames the reader cuts from its buffer before it lets other tasks run
 CTRL, READ_REQ, READ_RESP, WRITE_REQ, WRITE_RESP = 1, 2, 3, 4, 5
 MAX_CTRL = HEADER_SIZE + INLINE_MAX    # a header, and an inline WRITE's payload after it
 SERVE_QUEUE = 64        # one-sided requests of a peer queued for answering at most
@@ -79,6 +91,136 @@ async def send_all_of(sock, first: bytes, second) -> None:
         await send_all(sock, memoryview(second).cast("B")[sent - len(first):])
 
 
+class LeanSocket:
+    """A connected stream socket for trio tasks without trio's per-call scheduler pass: each call tries the
+    kernel first and parks the task (``wait_readable`` / ``wait_writable``) only when it would block.  So a
+    call that completes at once is not a checkpoint (the caller's loop must yield by itself: ``_FrameReader``
+    does); one that blocks is, and cancellation reaches it there.  One task may receive while another sends
+    (the transport serialises its senders with a lock)."""
+
+    __slots__ = ("sock",)
+
+    def __init__(self, sock: _socket.socket):
+        sock.setblocking(False)
+        self.sock = sock
+
+    @classmethod
+    def take(cls, trio_sock) -> "LeanSocket":
+        """Take over a connected ``trio.socket`` socket (it is detached: closing it afterwards is a no-op)."""
+        return cls(_socket.socket(fileno=trio_sock.detach()))
+
+    async def recv_into(self, view) -> int:
+        while True:
+            try:
+                return self.sock.recv_into(view)
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(self.sock)
+
+    async def send(self, data) -> int:
+        while True:
+            try:
+                return self.sock.send(data)
+            except BlockingIOError:
+                await trio.lowlevel.wait_writable(self.sock)
+
+    async def sendmsg(self, buffers) -> int:
+        while True:
+            try:
+                return self.sock.sendmsg(buffers)
+            except BlockingIOError:
+                await trio.lowlevel.wait_writable(self.sock)
+
+    def getpeername(self):
+        return self.sock.getpeername()
+
+    def close(self) -> None:
+        if self.sock.fileno() >= 0:
+            trio.lowlevel.notify_closing(self.sock)     # wakes a task parked on it (ClosedResourceError)
+            self.sock.close()
+
+
+class _FrameReader:
+    """The reader's side of the stream: frames cut from one buffer (``READ_BUFFER``), refilled with one
+    ``recv_into`` of whatever the kernel holds; a body larger than what is buffered lands straight in the
+    caller's memory (``into``)."""
+
+    def __init__(self, sock):
+        self._sock = sock
+        self._buf = bytearray(READ_BUFFER)
+        self._view = memoryview(self._buf)
+        self._lo = self._hi = 0        # the unread bytes are _buf[_lo:_hi]
+        self._cut = 0                  # frames cut since the reader last waited for the kernel
+
+    async def frame(self) -> tuple:
+        """The next frame header, unpacked."""
+        if self._hi - self._lo < FSIZE:
+            await self._fill(FSIZE)
+        elif self._cut >= FAIR_FRAMES:
+            self._cut = 0
+            await trio.lowlevel.checkpoint()
+        self._cut += 1
+        lo = self._lo
+        self._lo = lo + FSIZE
+        return FRAME.unpack_from(self._buf, lo)
+
+    async def _fill(self, need: int) -> None:
+        left = self._hi - self._lo
+        if left:
+            self._buf[:left] = self._view[self._lo:self._hi]
+        self._lo, self._hi = 0, left
+        self._cut = 0
+        while self._hi < need:
+            k = await self._sock.recv_into(self._view[self._hi:])
+            if k == 0:
+                raise ConnectionClosed("peer closed the connection")
+            self._hi += k
+
+    async def into(self, dest: memoryview) -> None:
+        """Fill ``dest`` with the next ``len(dest)`` bytes of the stream."""
+        n = len(dest)
+        k = min(n, self._hi - self._lo)
+        if k:
+            dest[:k] = self._view[self._lo:self._lo + k]
+            self._lo += k
+        if k < n:
+            await recv_exactly(self._sock, dest[k:])
+
+    async def take(self, n: int) -> bytearray:
+        """The next ``n`` bytes, as a new bytearray."""
+        if self._hi - self._lo >= n:
+            lo = self._lo
+            self._lo = lo + n
+            return self._buf[lo:lo + n]
+        out = bytearray(n)
+        await self.into(memoryview(out))
+        return out
+
+    async def skip(self, n: int) -> None:
+        k = min(n, self._hi - self._lo)
+        self._lo += k
+        n -= k
+        if n:
+            scratch = memoryview(bytearray(min(n, 1 << 16)))
+            while n:
+                step = min(n, len(scratch))
+                await recv_exactly(self._sock, scratch[:step])
+                n -= step
+
+
+class _Held:
+    """``async with`` for a lock already taken (``TcpConnection._sending``): releases it at the end."""
+    __slots__ = ("lock",)
+
+    def __init__(self, lock):
+        self.lock = lock
+
+    async def __aenter__(self):
+        return None
+
+    async def __aexit__(self, *exc):
+        self.lock.release()
+
+
 @dataclass
 class _Pending:
     view: memoryview | None       # READ: where the answer lands; None -> drain (the caller gave up)
@@ -92,6 +234,8 @@ class TcpConnection(Connection):
 
     def __init__(self, sock, domain: Domain, peer: str, peer_slots: int, our_slots: int):
         super().__init__(our_slots)
+        if isinstance(sock, trio.socket.SocketType):
+            sock = LeanSocket.take(sock)     # (a TLS stream, transport/tls.py, keeps its own socket calls)
         self._sock = sock
         self.domain = domain
         self.peer = peer
@@ -112,16 +256,54 @@ class TcpConnection(Connection):
         if len(header) + n > MAX_CTRL:
             raise ValueError("control message larger than MAX_CTRL")
         frame = FRAME.pack(CTRL, 0, 0, len(header) + n, 0, 0, 0, 0) + header
-        async with self._send_lock:
+        async with self._sending():
             await self._guarded(send_all_of(self._sock, frame, payload) if n else send_all(self._sock, frame))
         self.stats.sends += 1
+
+    async def send_within(self, timeout: float, header: bytes, payload=None) -> bool:
+        sock = self._sock
+        if self._send_lock.locked() or not isinstance(sock, LeanSocket):
+            return await super().send_within(timeout, header, payload)
+        self._check_open()
+        n = len(payload) if payload is not None else 0
+        if len(header) + n > MAX_CTRL:
+            raise ValueError("control message larger than MAX_CTRL")
+        frame = FRAME.pack(CTRL, 0, 0, len(header) + n, 0, 0, 0, 0) + header
+        total = len(frame) + n
+        self._send_lock.acquire_nowait()
+        try:
+            try:                               # the common case: the kernel takes it all, no timer needed
+                sent = sock.sock.sendmsg((frame, payload) if n else (frame,))
+            except BlockingIOError:
+                sent = 0
+            except OSError as e:
+                self._shutdown(f"send failed: {e}")
+                raise ConnectionClosed(f"connection to {self.peer} lost: {e}") from None
+            if sent < total:
+                rest = memoryview(frame + bytes(payload) if n else frame)[sent:]
+                with trio.move_on_after(timeout) as scope:
+                    await self._guarded(send_all(sock, rest))
+                if scope.cancelled_caught:
+                    return False
+        finally:
+            self._send_lock.release()
+        self.stats.sends += 1
+        return True
+
+    def _sending(self):
+        """The send lock, taken without a scheduler pass when it is free (the common case)."""
+        lock = self._send_lock
+        if not lock.locked():
+            lock.acquire_nowait()
+            return _Held(lock)
+        return lock
 
     async def read(self, remote: RemoteBuf, local: memoryview, local_region: Region | None = None) -> None:
         if len(local) != remote.length:
             raise ValueError("local and remote lengths differ")
         op, p = self._new_op(local)
         try:
-            async with self._send_lock:
+            async with self._sending():
                 await self._guarded(send_all(self._sock, FRAME.pack(READ_REQ, 0, 0, remote.length, op,
                                                                     remote.addr, remote.rkey, 0)))
             await p.event.wait()
@@ -138,7 +320,7 @@ class TcpConnection(Connection):
         if len(local) != remote.length:
             raise ValueError("local and remote lengths differ")
         op, p = self._new_op(None)
-        async with self._send_lock:
+        async with self._sending():
             await self._guarded(self._send_frame_and(FRAME.pack(WRITE_REQ, 0, 0, remote.length, op,
                                                                 remote.addr, remote.rkey, 0), local))
         await p.event.wait()
@@ -212,22 +394,16 @@ class TcpConnection(Connection):
                 self._shutdown("reader stopped")
 
     async def _read_loop(self) -> None:
-        fbuf = bytearray(FRAME.size)
-        fview = memoryview(fbuf)
-        sock = self._sock
+        reader = _FrameReader(self._sock)
         while True:
-            await recv_exactly(sock, fview)
-            ftype, status, _pad, length, op, addr, rkey, _r = FRAME.unpack(fbuf)
+            ftype, status, _pad, length, op, addr, rkey, _r = await reader.frame()
             if ftype == CTRL:
                 if length > MAX_CTRL:
                     raise TransportError(f"control message of {length} bytes")
-                msg = bytearray(length)
-                await recv_exactly(sock, memoryview(msg))
-                try:
-                    self._ctrl_in.send_nowait(msg)
-                except trio.WouldBlock:
+                msg = await reader.take(length)
+                if not self._land(msg):
                     self.misbehaved = "more control messages than slots"
-                    raise TransportError("peer sent more control messages than we have slots") from None
+                    raise TransportError("peer sent more control messages than we have slots")
             elif ftype == READ_REQ:
                 await self._serve_in.send((READ_REQ, op, addr, rkey, length))
             elif ftype == READ_RESP:
@@ -237,12 +413,12 @@ class TcpConnection(Connection):
                 if status == 0:
                     if p is not None and p.view is not None and len(p.view) == length:
                         p.landing = True
-                        await recv_exactly(sock, p.view)
+                        await reader.into(p.view)
                         p.landing = False
                     else:
                         if p is not None and p.view is not None:
                             status = 4           # an answer of the wrong length is a refusal, not data
-                        await self._drain(length)
+                        await reader.skip(length)
                 if p is not None:
                     del self._pending[op]
                     p.status = status
@@ -256,11 +432,11 @@ class TcpConnection(Connection):
                 except RemoteAccessError as e:
                     target, code = None, _refusal_code(e)
                 if target is not None:
-                    await recv_exactly(sock, target)
+                    await reader.into(target)
                     self.stats.served_writes += 1
                     self.stats.served_write_bytes += length
                 else:
-                    await self._drain(length)
+                    await reader.skip(length)
                     self.stats.refused += 1
                     log.warning("refused one-sided write from %s: %s", self.peer, REFUSALS[code])
                 await self._serve_in.send((WRITE_RESP, op, code, 0, 0))
@@ -271,13 +447,6 @@ class TcpConnection(Connection):
                     p.event.set()
             else:
                 raise TransportError(f"unknown frame type {ftype}")
-
-    async def _drain(self, length: int) -> None:
-        scratch = memoryview(bytearray(min(length, 1 << 16) or 1))
-        while length:
-            k = min(length, len(scratch))
-            await recv_exactly(self._sock, scratch[:k])
-            length -= k
 
     async def _serve_loop(self) -> None:
         """Answers the peer's one-sided requests (the part of the transport that plays the NIC)."""
@@ -292,7 +461,7 @@ class TcpConnection(Connection):
                     self.stats.refused += 1
                     log.warning("refused one-sided read from %s: %s", self.peer, e)
                 frame = FRAME.pack(READ_RESP, code, 0, length if view is not None else 0, op, 0, 0, 0)
-                async with self._send_lock:
+                async with self._sending():
                     try:
                         if view is not None:
                             await self._send_frame_and(frame, view)
@@ -304,7 +473,7 @@ class TcpConnection(Connection):
                         self._shutdown(f"send failed: {e}")
                         return
             else:  # WRITE_RESP
-                async with self._send_lock:
+                async with self._sending():
                     try:
                         await send_all(self._sock, FRAME.pack(WRITE_RESP, a, 0, 0, op, 0, 0, 0))
                     except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:

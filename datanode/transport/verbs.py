@@ -576,8 +576,10 @@ class VerbsConnection(Connection):
                 self._shutdown(f"repost failed: {e}")
                 return
             try:
-                self._ctrl_in.send_nowait(msg)
-            except (trio.WouldBlock, trio.ClosedResourceError):
+                landed = self._land(msg)
+            except trio.ClosedResourceError:
+                landed = False
+            if not landed:
                 self.misbehaved = "more control messages than slots"
                 self._shutdown("peer sent more control messages than we have slots")
             return
