@@ -15,9 +15,8 @@ import pathlib
 import shutil
 import threading
 import time
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import Callable
 
 import trio
 
@@ -71,16 +70,10 @@ class ExtentLane:
         self._issued += 1
         return t
 
-    @asynccontextmanager
-    async def turn(self, ticket: int | None = None) -> AsyncIterator[None]:
-        """Hold the extent's turn for ``ticket`` (taken at arrival), or for a new ticket taken now."""
-        t = self.ticket() if ticket is None else ticket
-        try:
-            if t != self._serving:
-                await self._events.setdefault(t, trio.Event()).wait()
-            yield
-        finally:
-            self.done(t)
+    def turn(self, ticket: int | None = None) -> "_Turn":
+        """Hold the extent's turn for ``ticket`` (taken at arrival), or for a new ticket taken now:
+        ``async with lane.turn(ticket):`` (a plain class, not ``asynccontextmanager``: it runs per append)."""
+        return _Turn(self, self.ticket() if ticket is None else ticket)
 
     def done(self, ticket: int) -> None:
         """Ends this ticket's turn.  Idempotent; a ticket ended before its turn (its request failed early)
@@ -97,6 +90,25 @@ class ExtentLane:
         ev = self._events.pop(self._serving, None)
         if ev is not None:
             ev.set()
+
+
+class _Turn:
+    __slots__ = ("lane", "t")
+
+    def __init__(self, lane: ExtentLane, t: int):
+        self.lane, self.t = lane, t
+
+    async def __aenter__(self) -> None:
+        lane = self.lane
+        if self.t != lane._serving:
+            try:
+                await lane._events.setdefault(self.t, trio.Event()).wait()
+            except BaseException:
+                lane.done(self.t)
+                raise
+
+    async def __aexit__(self, *exc) -> None:
+        self.lane.done(self.t)
 
 
 @dataclass

@@ -658,14 +658,19 @@ class PartitionWorker:
                 log.warning("partition %d: repair: extent %d on %s differs from byte %d: cut %d -> %d",
                             self.pid, e, addr, cut, fsize, cut)
                 fsize = cut
-        # copy what is missing: each chunk read and sent in its own lane turn, REPAIR_DEPTH in flight
+        # copy what is missing, up to our end as it was in the turn above: every append that made our copy
+        # longer since was forwarded to the follower by its own handler (in its turn, before our append), so
+        # chasing our moving end would only race those forwards (WRONG_OFFSET, resync) for as long as a
+        # client keeps appending -- a write stream would keep the pass going, and double its work, forever.
+        # Each chunk is read and sent in its own lane turn, REPAIR_DEPTH in flight.
+        end = lsize
         pos = fsize                 # next offset to send
         resync = None               # the follower's end, when a client append got somewhere first
         q: deque = deque()          # (offset, length, pool block, pending ack), in send order
         try:
             while True:
                 while resync is None and len(q) < REPAIR_DEPTH:
-                    item = await self._send_chunk(part, addr, e, lane, pos)
+                    item = await self._send_chunk(part, addr, e, lane, pos, end)
                     if item is None:
                         break                               # caught up with our end (or deleted)
                     q.append(item)
@@ -705,9 +710,10 @@ class PartitionWorker:
             for _, _, block, _ in q:
                 self.rep.pool.free(block)
 
-    async def _send_chunk(self, part, addr: str, e: int, lane, pos: int):
-        """In the extent's lane turn: read ``[pos, pos+chunk)`` of our copy into a pool block and send the
-        follower a forwarded WRITE naming it.  Returns (pos, length, block, pending) or None at our end."""
+    async def _send_chunk(self, part, addr: str, e: int, lane, pos: int, end: int):
+        """In the extent's lane turn: read ``[pos, pos+chunk)`` of our copy (below ``end``) into a pool block
+        and send the follower a forwarded WRITE naming it.  Returns (pos, length, block, pending) or None at
+        ``end`` (or our end)."""
         await self.rep.limiter.take(self.rep.chunk)         # outside the turn: never hold appends up
         block = pending = None
         try:
@@ -716,6 +722,7 @@ class PartitionWorker:
                     lsize = part.store.size(e)
                 except StoreError:
                     return None                             # deleted meanwhile
+                lsize = min(lsize, end)
                 if pos >= lsize:
                     return None
                 n = min(self.rep.chunk, lsize - pos)
