@@ -381,3 +381,52 @@ def test_set_leader_moves_health_and_repair_to_the_new_leader(nodes, client):
             await assert_identical(dc, [c.addr, a.addr, b.addr])
             await assert_acked(dc, acked, [a.addr, b.addr, c.addr])
     run(body)
+
+
+def test_a_repair_pass_ends_while_a_client_keeps_appending(nodes, client):
+    """A repair pass asked for while a client streams small appends to one extent (4 in flight) finishes
+    while the stream goes on: it copies up to the leader's end as of its compare and leaves the appends after
+    that to their own forwards (a pass that chased the moving end raced every forward and did not end while
+    the stream ran).  Every acknowledged append then reads back from every replica."""
+    a, b, c = nodes(3, **{**FAST, "repair_mib_s": 1.0})     # a capped pass, as in production
+    acked: list = []
+
+    async def writer(dc, stop):
+        part = dc.partition(PID)
+        eid, off, i = await dc.create_extent(PID), 0, 0
+        window = trio.Semaphore(4)
+
+        async def finish(fut, data):
+            try:
+                acked.append(([await fut], data))
+            finally:
+                window.release()
+
+        async with trio.open_nursery() as n:
+            while not stop.is_set():
+                await window.acquire()
+                data = pattern(7000 + i, 4 * KiB + i % 5)
+                i += 1
+                fut = await dc.submit_append(part, eid, off, data)
+                off += len(data)
+                n.start_soon(finish, fut, data)
+
+    async def body():
+        async with client([]) as dc:
+            await create_partition(dc, PID, [a.addr, b.addr, c.addr])
+            stop = trio.Event()
+            async with trio.open_nursery() as n:
+                n.start_soon(writer, dc, stop)
+                await trio.sleep(1.0)
+                n_pass = await dr.request_pass(dc, a.addr, PID, Op.REPAIR)
+                before = len(acked)
+                with trio.fail_after(30):        # the stream goes on all along
+                    while (await dr.health(dc, a.addr, PID))["repair"]["passes"] < n_pass:
+                        await trio.sleep(0.2)
+                during = len(acked) - before
+                stop.set()
+            assert during > 0, "the client's appends should have gone on during the pass"
+            await settle(dc, a.addr)
+            await assert_identical(dc, [a.addr, b.addr, c.addr])
+            await assert_acked(dc, acked, [a.addr, b.addr, c.addr])
+    run(body)
