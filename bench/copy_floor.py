@@ -1,0 +1,106 @@
+"""The floor of a replicated write on this box: what the bytes' own journey costs, with no datanode at all.
+
+One 3-replica write of N bytes moves them, at the least: client -> leader over TCP, leader -> each of two
+followers over TCP (every hop a send and a receive, on loopback both in this kernel), three page-cache
+writes (one per replica), and a CRC32C over the bytes at the client and at every replica (each checks what
+it received).  This runs exactly those system calls and CRCs, in one process, on real loopback TCP sockets
+and real files beside the data directory, and reports the CPU seconds per GB they cost (user + system, this
+process).  Divided into the cores of the box, that is the most any implementation of this design can move
+on one machine -- the baseline for issue 12's "1 MiB buffered, depth 8" row, next to ``dnctl bench``.
+
+    python bench/copy_floor.py [--dir /var/tmp] [--mib 1024] [--size-kib 1024] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from datanode.crc import crc32c  # noqa: E402
+
+BUF = 4 << 20
+
+
+def _pair() -> tuple[socket.socket, socket.socket]:
+    lst = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(lst.getsockname())
+    b, _ = lst.accept()
+    lst.close()
+    for s in (a, b):
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, BUF)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, BUF)
+    return a, b
+
+
+def _hop(tx: socket.socket, rx: socket.socket, data: memoryview, into: memoryview) -> None:
+    """Send ``data`` on tx while receiving it on rx (a thread receives, as the peer process would)."""
+    def recv():
+        got = 0
+        while got < len(into):
+            got += rx.recv_into(into[got:])
+    t = threading.Thread(target=recv)
+    t.start()
+    tx.sendall(data)
+    t.join()
+
+
+def run(directory: str, mib: int, size: int) -> dict:
+    payload = memoryview(bytearray(os.urandom(size)))
+    leader_buf, f1_buf, f2_buf = (memoryview(bytearray(size)) for _ in range(3))
+    hops = [_pair() for _ in range(3)]
+    with tempfile.TemporaryDirectory(dir=directory) as d:
+        fds = [os.open(os.path.join(d, f"r{i}.dat"), os.O_RDWR | os.O_CREAT, 0o600) for i in range(3)]
+        n = (mib << 20) // size
+        # touch the files' page cache once at the start is part of what is measured (as in a bench)
+        t0, c0 = time.monotonic(), os.times()
+        for i in range(n):
+            off = i * size
+            crc32c(payload)                                     # client: the header's CRC
+            _hop(*hops[0], payload, leader_buf)                 # client -> leader
+            crc32c(leader_buf)                                  # leader checks it
+            os.pwrite(fds[0], leader_buf, off)
+            _hop(*hops[1], leader_buf, f1_buf)                  # leader -> follower 1
+            _hop(*hops[2], leader_buf, f2_buf)                  # leader -> follower 2
+            for buf, fd in ((f1_buf, fds[1]), (f2_buf, fds[2])):
+                crc32c(buf)
+                os.pwrite(fd, buf, off)
+        c1, t1 = os.times(), time.monotonic()
+        for fd in fds:
+            os.close(fd)
+    for a, b in hops:
+        a.close()
+        b.close()
+    cpu = (c1.user - c0.user) + (c1.system - c0.system)
+    gb = n * size / 1e9
+    cores = os.cpu_count() or 1
+    return {"bytes": n * size, "size": size, "cpu_s": round(cpu, 3), "user_s": round(c1.user - c0.user, 3),
+            "system_s": round(c1.system - c0.system, 3), "wall_s": round(t1 - t0, 3),
+            "cpu_s_per_gb": round(cpu / gb, 2), "cores": cores,
+            "ceiling_mib_s": round(cores * (n * size / cpu) / (1 << 20), 1) if cpu else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", default="/var/tmp", help="where the three scratch files go (the data disk)")
+    ap.add_argument("--mib", type=int, default=1024, help="MiB per replica to move")
+    ap.add_argument("--size-kib", type=int, default=1024, help="bytes per write, KiB")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    r = run(a.dir, a.mib, a.size_kib << 10)
+    if a.json:
+        print(json.dumps(r))
+    else:
+        print(f"3-replica byte journey, {r['size'] >> 10} KiB writes, {r['bytes'] >> 20} MiB: {r['cpu_s_per_gb']} CPU-s/GB "
+              f"(user {r['user_s']} s, system {r['system_s']} s); on {r['cores']} cores at most "
+              f"{r['ceiling_mib_s']} MiB/s of replicated writes")
+
+
+if __name__ == "__main__":
+    main()
