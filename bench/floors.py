@@ -1,6 +1,7 @@
-"""The floor of a replicated write on this box: what the bytes' own journey costs, with no datanode at all.
+"""The floors of a replicated write on this box, with no datanode at all: what the bytes' journey costs in
+CPU, and how long the replicas' flushes take when they share the one disk.
 
-One 3-replica write of N bytes moves them, at the least: client -> leader over TCP, leader -> each of two
+**CPU** (``journey``).  One 3-replica write of N bytes moves them, at the least: client -> leader over TCP, leader -> each of two
 followers over TCP (every hop a send and a receive, on loopback both in this kernel), three page-cache
 writes (one per replica), and a CRC32C over the bytes at the client and at every replica (each checks what
 it received).  This runs exactly those system calls and CRCs, in one process, on real loopback TCP sockets
@@ -8,7 +9,13 @@ and real files beside the data directory, and reports the CPU seconds per GB the
 process).  Divided into the cores of the box, that is the most any implementation of this design can move
 on one machine -- the baseline for issue 12's "1 MiB buffered, depth 8" row, next to ``dnctl bench``.
 
-    python bench/copy_floor.py [--dir /var/tmp] [--mib 1024] [--size-kib 1024] [--json]
+**Latency** (``flush``).  Under ``sync = always`` each replica makes an append durable the way the store
+does (datanode/store.py): pwrite the data, fdatasync it, pwrite the block's CRC entry, fdatasync that.  Our
+three replicas share one disk, so at depth 1 the three flushes of one write run at once and queue in the
+file system's journal.  This times that sequence for one file alone and for three at once (threads, started
+together per round): the floor under the "4 KiB durable, 3 replicas, depth 1" row's p50.
+
+    python bench/floors.py [--dir /var/tmp] [--mib 1024] [--size-kib 1024] [--rounds 300] [--json]
 """
 from __future__ import annotations
 
@@ -52,6 +59,7 @@ def _hop(tx: socket.socket, rx: socket.socket, data: memoryview, into: memoryvie
 
 
 def run(directory: str, mib: int, size: int) -> dict:
+    """The CPU floor (``journey``)."""
     payload = memoryview(bytearray(os.urandom(size)))
     leader_buf, f1_buf, f2_buf = (memoryview(bytearray(size)) for _ in range(3))
     hops = [_pair() for _ in range(3)]
@@ -86,20 +94,65 @@ def run(directory: str, mib: int, size: int) -> dict:
             "ceiling_mib_s": round(cores * (n * size / cpu) / (1 << 20), 1) if cpu else None}
 
 
+def flush_floor(directory: str, replicas: int, rounds: int) -> dict:
+    """Per round, ``replicas`` threads each append 4 KiB to their own extent-like file as the store does
+    under sync=always; the round's time is the slowest one's (a write waits for every replica)."""
+    buf = os.urandom(4096)
+    lat: list[float] = []
+    with tempfile.TemporaryDirectory(dir=directory) as d:
+        files = [(os.open(os.path.join(d, f"r{i}.dat"), os.O_RDWR | os.O_CREAT, 0o600),
+                  os.open(os.path.join(d, f"r{i}.crc"), os.O_RDWR | os.O_CREAT, 0o600)) for i in range(replicas)]
+        go = threading.Barrier(replicas + 1)
+        done = threading.Barrier(replicas + 1)
+
+        def replica(i: int) -> None:
+            dat, crc = files[i]
+            for j in range(rounds):
+                go.wait()
+                os.pwrite(dat, buf, j * 4096)
+                os.fdatasync(dat)
+                os.pwrite(crc, b"\0" * 8, (j // 32) * 8)   # a 128 KiB block's entry: rewritten in place
+                os.fdatasync(crc)
+                done.wait()
+
+        threads = [threading.Thread(target=replica, args=(i,)) for i in range(replicas)]
+        for t in threads:
+            t.start()
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            go.wait()
+            done.wait()
+            lat.append(time.perf_counter() - t0)
+        for t in threads:
+            t.join()
+        for dat, crc in files:
+            os.close(dat)
+            os.close(crc)
+    lat.sort()
+    return {"replicas": replicas, "rounds": rounds, "p50_ms": round(lat[len(lat) // 2] * 1e3, 3),
+            "p99_ms": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3, 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", default="/var/tmp", help="where the three scratch files go (the data disk)")
     ap.add_argument("--mib", type=int, default=1024, help="MiB per replica to move")
     ap.add_argument("--size-kib", type=int, default=1024, help="bytes per write, KiB")
+    ap.add_argument("--rounds", type=int, default=300, help="flush rounds per measurement")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    r = run(a.dir, a.mib, a.size_kib << 10)
+    r = {"journey": run(a.dir, a.mib, a.size_kib << 10),
+         "flush": [flush_floor(a.dir, k, a.rounds) for k in (1, 3)]}
     if a.json:
         print(json.dumps(r))
-    else:
-        print(f"3-replica byte journey, {r['size'] >> 10} KiB writes, {r['bytes'] >> 20} MiB: {r['cpu_s_per_gb']} CPU-s/GB "
-              f"(user {r['user_s']} s, system {r['system_s']} s); on {r['cores']} cores at most "
-              f"{r['ceiling_mib_s']} MiB/s of replicated writes")
+        return
+    j = r["journey"]
+    print(f"CPU: 3-replica byte journey, {j['size'] >> 10} KiB writes, {j['bytes'] >> 20} MiB: {j['cpu_s_per_gb']} "
+          f"CPU-s/GB (user {j['user_s']} s, system {j['system_s']} s); on {j['cores']} cores at most "
+          f"{j['ceiling_mib_s']} MiB/s of replicated writes")
+    for f in r["flush"]:
+        print(f"flush: 4 KiB append made durable as the store does, {f['replicas']} replica(s) on this disk at "
+              f"once: p50 {f['p50_ms']} ms, p99 {f['p99_ms']} ms ({f['rounds']} rounds)")
 
 
 if __name__ == "__main__":
