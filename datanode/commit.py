@@ -81,13 +81,15 @@ class GroupCommit:
         if self._batch.want:
             self._start()
 
-    async def run(self) -> None:
-        """Owns the flusher thread (one per node): runs in the node's nursery until it ends, and then waits
-        for the flush the thread may be in (it touches the extents' files, which the node closes next)."""
+    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Owns the flusher thread (one per node): runs in the node's nursery until it ends (``nursery.start``:
+        running before any request can wait on it), and then waits for the flush the thread may be in (it
+        touches the extents' files, which the node closes next)."""
         self._token = trio.lowlevel.current_trio_token()
         thread = threading.Thread(target=_flusher_thread, args=(self._jobs, self._token), name="group-commit",
                                   daemon=True)
         thread.start()
+        task_status.started()
         try:
             await trio.sleep_forever()
         finally:

@@ -166,7 +166,7 @@ class Node(DataOps, AdminOps, RepairOps):
                                                connect_timeout=cfg.replica_timeout, on_conn=self._track,
                                                auth=self.dial_auth)
                 nursery.start_soon(self._keep_trash)
-                nursery.start_soon(self.commit.run)
+                await nursery.start(self.commit.run)
                 nursery.start_soon(self.metrics.loop_lag.run)
                 self.metrics.gc.install()
                 tune_gc()
