@@ -659,9 +659,25 @@ class DataClient:
     async def read(self, pid: int, extent: int, offset: int, length: int, *,
                    replica: str | None = None) -> bytes:
         """Read a range; each block's CRC is checked; a failing replica is skipped for the next one."""
+        out = bytearray(length)
+        await self.read_into(pid, extent, offset, out, replica=replica)
+        return bytes(out)
+
+    async def read_into(self, pid: int, extent: int, offset: int, buf, *, replica: str | None = None) -> int:
+        """``read`` into ``buf`` (any writable buffer: its length is the range's length), with no buffer of
+        our own and no copy -- for a caller that reads many ranges into buffers it reuses.  Returns the
+        bytes read.  On an error ``buf`` holds no unverified bytes of the failed piece."""
         part = self.partition(pid)
         order = [replica] if replica else list(part.replicas)
-        out = bytearray(length)
+        view = memoryview(buf).cast("B")
+        length = len(view)
+        if not length:
+            return 0
+        if length <= self.block_size:          # one request: no nursery
+            if not replica and self.read_from == "spread" and len(order) > 1:
+                order = self._spread(part)
+            await self._read_one(part, order, extent, offset, view)
+            return length
         pos = 0
         async with aio.nursery() as n:
             limit = trio.Semaphore(self.depth)
@@ -669,51 +685,60 @@ class DataClient:
                 k = min(self.block_size, length - pos)
                 await limit.acquire()
                 if not replica and self.read_from == "spread" and len(order) > 1:
-                    i = self._next_replica % len(order)
-                    self._next_replica += 1
-                    order = list(part.replicas[i:]) + list(part.replicas[:i])
-                n.start_soon(self._read_piece, part, order, extent, offset + pos, k, out, pos, limit)
+                    order = self._spread(part)
+                n.start_soon(self._read_piece, part, order, extent, offset + pos, view[pos:pos + k], limit)
                 pos += k
-        return bytes(out)
+        return length
 
-    async def _read_piece(self, part, order, extent, offset, length, out, pos, limit):
+    def _spread(self, part) -> list[str]:
+        """The replicas in the order to try for the next read under ``read_from='spread'``."""
+        i = self._next_replica % len(part.replicas)
+        self._next_replica += 1
+        return list(part.replicas[i:]) + list(part.replicas[:i])
+
+    async def _read_piece(self, part, order, extent, offset, dest, limit):
         try:
-            errors = []
-            refreshed = False
-            queue = list(order)
-            while queue:
-                addr = queue.pop(0)
-                flags = Flag.ANY_REPLICA if addr != part.replicas[0] else Flag.NONE
-                h = Header(opcode=Op.READ, partition=part.pid, extent=extent, offset=offset, length=length,
-                           epoch=part.epoch, flags=flags)
-                dest = memoryview(out)[pos:pos + length]
-                try:
-                    resp, _ = await self.request(addr, h, answer=max(length, 1), sink=dest)
-                    check(resp, addr, part)
-                    if resp.length != length or crc32c(dest) != resp.crc:
-                        raise ClientError(f"{addr}: data arrived with a bad CRC", Result.CRC_MISMATCH, addr)
-                except ClientError as e:
-                    if e.result == Result.STALE_EPOCH and not refreshed:   # the map changed: reload, retry
-                        refreshed = True
-                        part = await self.refresh(part.pid)
-                        queue.insert(0, addr)
-                        continue
-                    errors.append(e)     # a replica being repaired may not have the range yet: next one
-                    continue
-                return
-            if len(errors) == 1:
-                raise errors[-1]
-            reasons: dict[str, list[str]] = {}      # one reason, once, with the replicas that gave it
-            for e in errors:
-                text = str(e)
-                node = e.node or ""
-                reasons.setdefault(text[len(node) + 2:] if node and text.startswith(node + ": ") else text,
-                                   []).append(node or "?")
-            raise ClientError("read failed on every replica: " + "; ".join(
-                f"{', '.join(nodes)}: {why}" for why, nodes in reasons.items()), errors[-1].result,
-                errors[-1].node, errors[-1].arg)
+            await self._read_one(part, order, extent, offset, dest)
         finally:
             limit.release()
+
+    async def _read_one(self, part, order, extent, offset, dest):
+        """One READ request of ``len(dest)`` bytes into ``dest``, trying the replicas in ``order``."""
+        length = len(dest)
+        errors = []
+        refreshed = False
+        queue = list(order)
+        while queue:
+            addr = queue.pop(0)
+            flags = Flag.ANY_REPLICA if addr != part.replicas[0] else Flag.NONE
+            h = Header(opcode=Op.READ, partition=part.pid, extent=extent, offset=offset, length=length,
+                       epoch=part.epoch, flags=flags)
+            try:
+                resp, _ = await self.request(addr, h, answer=max(length, 1), sink=dest)
+                check(resp, addr, part)
+                if resp.length != length or crc32c(dest) != resp.crc:
+                    raise ClientError(f"{addr}: data arrived with a bad CRC", Result.CRC_MISMATCH, addr)
+            except ClientError as e:
+                if e.result == Result.STALE_EPOCH and not refreshed:   # the map changed: reload, retry
+                    refreshed = True
+                    part = await self.refresh(part.pid)
+                    queue.insert(0, addr)
+                    continue
+                errors.append(e)     # a replica being repaired may not have the range yet: next one
+                continue
+            return
+        dest[:] = bytes(length)           # never leave unverified bytes in the caller's buffer
+        if len(errors) == 1:
+            raise errors[-1]
+        reasons: dict[str, list[str]] = {}      # one reason, once, with the replicas that gave it
+        for e in errors:
+            text = str(e)
+            node = e.node or ""
+            reasons.setdefault(text[len(node) + 2:] if node and text.startswith(node + ": ") else text,
+                               []).append(node or "?")
+        raise ClientError("read failed on every replica: " + "; ".join(
+            f"{', '.join(nodes)}: {why}" for why, nodes in reasons.items()), errors[-1].result,
+            errors[-1].node, errors[-1].arg)
 
     async def read_location(self, loc: Location, replica: str | None = None) -> bytes:
         return await self.read(loc.partition, loc.extent, loc.offset, loc.length, replica=replica)

@@ -83,9 +83,11 @@ rewritten); truncate/delete wait for in-flight reads to drain and block new ones
 """
 from __future__ import annotations
 
+import ctypes
 import enum
 import errno
 import logging
+import mmap
 import os
 import pathlib
 import struct
@@ -196,6 +198,50 @@ def _pwrite_all(fd: int, buf, pos: int) -> None:
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", None)
 _FADV_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
 WILLNEED_MIN = 256 << 10      # blocking reads of at least this many bytes announce their range first
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+DIRECT_ALIGN = 4096           # O_DIRECT: file offset, buffer address and length all multiples of this
+# A blocking read of at least DIRECT_MIN bytes of which the page cache holds nothing (cachestat(2), Linux >=
+# 6.5: it looks without side effects -- a preadv2 RWF_NOWAIT probe starts readahead of what it misses, and the
+# disk then read most bytes twice) reads with O_DIRECT straight into the caller's buffer (the node's pool
+# block), when offset, length and buffer are DIRECT_ALIGN-aligned: no page-cache pages to allocate and fill,
+# no copy out of them, about a third of the kernel CPU.  A range partly or wholly in the page cache (just
+# written, or read before) is read through it.  DATANODE_DIRECT_READS=0 turns direct reads off (every read
+# then goes through the page cache, announced with WILLNEED).
+DIRECT_MIN = 256 << 10
+DIRECT_READS = os.environ.get("DATANODE_DIRECT_READS", "1") != "0" and bool(_O_DIRECT)
+_NR_CACHESTAT = 451           # the same number on every architecture (after the 2019 unification)
+
+
+class _CachestatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in
+                ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
+
+
+_libc = None
+
+
+def cached_pages(fd: int, pos: int, length: int) -> int | None:
+    """How many pages of ``[pos, pos+length)`` of ``fd`` the page cache holds (cachestat(2)); None where the
+    kernel cannot tell (before Linux 6.5)."""
+    global _libc
+    if _libc is False:
+        return None
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        except OSError:
+            _libc = False
+            return None
+    rng, st = _CachestatRange(pos, length), _Cachestat()
+    if _libc.syscall(_NR_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(st), 0) != 0:
+        if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):      # no such syscall (or a seccomp filter)
+            _libc = False
+        return None
+    return st.nr_cache
 
 
 def _preadv_all(fd: int, bufs: list[memoryview], pos: int, nowait: bool = False) -> int:
@@ -231,6 +277,36 @@ def _preadv_all(fd: int, bufs: list[memoryview], pos: int, nowait: bool = False)
     return total
 
 
+def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:
+    """``bufs`` without their first ``n`` bytes."""
+    out = []
+    for b in bufs:
+        if n >= len(b):
+            n -= len(b)
+            continue
+        out.append(b[n:] if n else b)
+        n = 0
+    return out
+
+
+def _direct_ok(bufs: list[memoryview], pos: int) -> bool:
+    """Can ``bufs`` be read at ``pos`` with O_DIRECT: every offset, length and address aligned?"""
+    if pos % DIRECT_ALIGN:
+        return False
+    for b in bufs:
+        if len(b) % DIRECT_ALIGN:
+            return False
+        if not len(b):
+            continue
+        try:
+            addr = ctypes.addressof(ctypes.c_char.from_buffer(b))
+        except (TypeError, ValueError):
+            return False         # read-only, or not a plain buffer
+        if addr % DIRECT_ALIGN:
+            return False
+    return True
+
+
 def _byte_view(buf) -> memoryview:
     mv = buf if isinstance(buf, memoryview) else memoryview(buf)
     if mv.ndim != 1 or mv.format != "B":
@@ -243,14 +319,14 @@ _scratch = threading.local()
 
 def _scratch_bufs() -> tuple[memoryview, memoryview]:
     s = getattr(_scratch, "bufs", None)
-    if s is None:
-        s = _scratch.bufs = (memoryview(bytearray(BLOCK)), memoryview(bytearray(BLOCK)))
+    if s is None:       # page-aligned (mmap), so a block's head and tail may be read with O_DIRECT too
+        s = _scratch.bufs = (memoryview(mmap.mmap(-1, BLOCK)), memoryview(mmap.mmap(-1, BLOCK)))
     return s
 
 
 class _Extent:
     __slots__ = ("id", "dat", "crc", "size", "entries", "bad", "mu", "cond", "wlock", "readers",
-                 "exclusive", "dead", "broken", "gen", "flock", "dirty_from", "durable")
+                 "exclusive", "dead", "broken", "gen", "flock", "dirty_from", "durable", "direct")
 
     def __init__(self, eid: int, dat_fd: int, crc_fd: int, size: int, entries: list[tuple[int, int]],
                  bad: set[int]):
@@ -275,6 +351,7 @@ class _Extent:
         self.flock = threading.Lock()
         self.dirty_from: int | None = None
         self.durable = size
+        self.direct: int | None = None  # the data file opened O_DIRECT (on the first read that can use it); -1: cannot
 
     # -- reader side ------------------------------------------------------------------------------------
     def begin_read(self, b0: int, b1: int, nowait: bool = False):
@@ -306,13 +383,28 @@ class _Extent:
             self.exclusive = False
             self.cond.notify_all()
 
+    def direct_fd(self) -> int:
+        """The data file opened with O_DIRECT (the same inode as ``dat``), or -1 where the file system
+        refuses O_DIRECT.  Called by a reader (between begin_read and end_read: the fds stay open)."""
+        with self.mu:
+            if self.direct is None:
+                try:
+                    self.direct = os.open(f"/proc/self/fd/{self.dat}", os.O_RDONLY | _O_DIRECT | _O_CLOEXEC)
+                except OSError as e:
+                    log.info("extent %d: no O_DIRECT reads (%s): reading through the page cache", self.id, e)
+                    self.direct = -1
+            return self.direct
+
     def close_fds(self) -> None:
-        for fd in (self.dat, self.crc):
+        for fd in (self.dat, self.crc, self.direct):
+            if fd is None or fd < 0:
+                continue
             try:
                 os.close(fd)
             except OSError:
                 pass
         self.dat = self.crc = -1
+        self.direct = None
 
 
 class ExtentStore:
@@ -760,18 +852,22 @@ class ExtentStore:
             dst = out[:length]
             want = head + length + tail
             try:
-                if not nowait and want >= WILLNEED_MIN and _FADV_WILLNEED is not None:
-                    # a read that may go to the disk: ask for the whole range at once (readahead of just
-                    # this range, every page's I/O in flight together) rather than the file's readahead
-                    # window at a time, which reads beside it with other reads of the file interleaved
-                    # (1 MiB preads of a cold 512 MiB file by 8 threads: 237-804 MiB/s without, 1278-1382 with,
-                    # O_DIRECT 1270-1329; dnctl bench --cold, 1 MiB x depth 8, 3 replicas, median of 4
-                    # interleaved rounds: 165 -> 254 MiB/s)
-                    try:
-                        os.posix_fadvise(ext.dat, bstart, want, _FADV_WILLNEED)
-                    except OSError:
-                        pass            # only advice: the read below is what counts
-                got = _preadv_all(ext.dat, [head_buf[:head], dst, tail_buf[:tail]], bstart, nowait)
+                bufs = [head_buf[:head], dst, tail_buf[:tail]]
+                # a blocking read of a range the page cache does not hold: O_DIRECT into the buffers
+                got = 0 if nowait else self._read_direct(ext, bufs, bstart, want)
+                if got < want:
+                    if not nowait and want - got >= WILLNEED_MIN and _FADV_WILLNEED is not None:
+                        # a read that may go to the disk: ask for the whole range at once (readahead of just
+                        # this range, every page's I/O in flight together) rather than the file's readahead
+                        # window at a time, which reads beside it with other reads of the file interleaved
+                        # (1 MiB preads of a cold 512 MiB file by 8 threads: 237-804 MiB/s without, 1278-1382
+                        # with, O_DIRECT 1270-1329; dnctl bench --cold, 1 MiB x depth 8, 3 replicas, median of
+                        # 4 interleaved rounds: 165 -> 254 MiB/s)
+                        try:
+                            os.posix_fadvise(ext.dat, bstart + got, want - got, _FADV_WILLNEED)
+                        except OSError:
+                            pass            # only advice: the read below is what counts
+                    got += _preadv_all(ext.dat, _advance(bufs, got), bstart + got, nowait)
             except OSError as e:
                 raise StoreError("disk", f"extent {extent_id}: read: {e}") from e
             if got != want:
@@ -800,6 +896,25 @@ class ExtentStore:
             return rc
         finally:
             ext.end_read()
+
+    @staticmethod
+    def _read_direct(ext: _Extent, bufs: list[memoryview], pos: int, want: int) -> int:
+        """A blocking read of ``want`` bytes at ``pos`` into ``bufs`` with O_DIRECT, if the page cache holds
+        none of it and the buffers and range are aligned (see DIRECT_READS).  Returns the bytes read, 0 when
+        it did not read; the caller reads whatever is left through the page cache."""
+        if not DIRECT_READS or want < DIRECT_MIN or not _direct_ok(bufs, pos):
+            return 0
+        if cached_pages(ext.dat, pos, want) != 0:
+            return 0                  # (partly) in the page cache, or we cannot tell: read through it
+        fd = ext.direct_fd()
+        if fd < 0:
+            return 0
+        try:
+            return _preadv_all(fd, bufs, pos)
+        except OSError as e:
+            if e.errno == errno.EINVAL:   # an alignment this file system wants and we did not guess
+                return 0
+            raise
 
     def _fail_read(self, ext: _Extent, dst: memoryview, block: int, why: str):
         dst[:] = bytes(len(dst))     # never hand back unverified bytes

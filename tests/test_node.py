@@ -234,6 +234,64 @@ def test_flipped_byte_on_disk_is_a_crc_error(nodes, client):
     run(check, True)
 
 
+def test_cold_read_through_the_node_returns_the_bytes_and_refuses_a_flipped_bit(nodes, client):
+    """Reads whose bytes are not in the node's page cache (evicted: the node reads them with O_DIRECT into
+    its pool block) return exactly what was written, through ``read`` and ``read_into`` (a caller's buffer,
+    several requests in flight); a bit flipped on the disk is still refused with CRC_MISMATCH and leaves no
+    unverified bytes in the caller's buffer, while the untouched blocks still read."""
+    from tests.test_store import cached, evict
+    [node] = nodes(1)
+    data = pattern(7, 4 * MiB)
+
+    async def write():
+        async with client([]) as dc:
+            await create_partition(dc, PID, [node.addr])
+            eid = await dc.create_extent(PID)
+            for off in range(0, len(data), MiB):
+                await dc.append(PID, eid, off, data[off:off + MiB])
+            return eid
+
+    eid = run(write)
+    path = extent_file(node, PID, eid)
+
+    async def read_cold():
+        async with client([node.addr], block_size=MiB) as dc:
+            evict(path)
+            assert await dc.read(PID, eid, MiB, MiB) == data[MiB:2 * MiB]
+            if cached(path, MiB, MiB) is not None:
+                assert cached(path, MiB, MiB) == 0         # the node read around its page cache
+            evict(path)
+            buf = bytearray(4 * MiB)
+            assert await dc.read_into(PID, eid, 0, buf) == 4 * MiB     # four 1 MiB requests at once
+            assert buf == data
+            assert await dc.read_into(PID, eid, 0, bytearray()) == 0
+
+    run(read_cold)
+    with open(path, "r+b") as f:                    # one bit, in place, on the disk
+        f.seek(2 * MiB + 5)
+        b = f.read(1)
+        f.seek(2 * MiB + 5)
+        f.write(bytes([b[0] ^ 0x01]))
+    evict(path)
+
+    async def read_flipped():
+        async with client([node.addr], block_size=MiB) as dc:
+            buf = bytearray(b"\xaa" * 4 * MiB)
+            with pytest.raises(ClientError) as ei:
+                await dc.read_into(PID, eid, 0, buf)
+            assert ei.value.result == Result.CRC_MISMATCH, ei.value
+            assert buf[2 * MiB:3 * MiB] == bytes(MiB)            # nothing unverified where the bit flipped
+            evict(path)
+            with pytest.raises(ClientError) as ei:
+                await dc.read(PID, eid, 2 * MiB, MiB)
+            assert ei.value.result == Result.CRC_MISMATCH, ei.value
+            evict(path)
+            assert await dc.read(PID, eid, 3 * MiB, MiB) == data[3 * MiB:]
+            assert await dc.read(PID, eid, 0, 2 * MiB) == data[:2 * MiB]
+
+    run(read_flipped)
+
+
 # -------------------------------------------------------------------------------------- hostile peers
 class Raw:
     """A raw protocol connection: crafted headers in, decoded responses out; memory the server may use."""

@@ -15,6 +15,7 @@ import pytest
 from datanode.store import BLOCK, MAX_EXTENT, ExtentStore, StoreError
 
 ORACLE = crcmod.predefined.mkCrcFun("crc-32c")   # independent of datanode.crc
+MiB_ = 1 << 20
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -615,4 +616,100 @@ def test_append_with_the_callers_piece_crcs_stores_the_same_crcs(tmp_path, rng, 
     with pytest.raises(ValueError):
         s.append(stores["pieces"], end, data[3], None, piece_crcs(end + 1, data[3])[0][:-1])
     assert s.size(stores["pieces"]) == end
+    s.close()
+
+
+# ----------------------------------------------------------------------------------- cold reads (O_DIRECT)
+def evict(path):
+    """Drop ``path``'s pages from the page cache (written back first): the next read goes to the disk.  Only
+    this file's pages, so no root is needed and nobody else's cache is touched."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def cached(path, off, n):
+    """Pages of ``path``'s range the page cache holds (cachestat), or None where the kernel cannot say."""
+    from datanode.store import cached_pages
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return cached_pages(fd, off, n)
+    finally:
+        os.close(fd)
+
+
+def aligned(n):
+    import mmap
+    return memoryview(mmap.mmap(-1, n))       # page-aligned, like the node's pool blocks
+
+
+def test_cold_read_returns_the_bytes_whichever_way_it_reads(tmp_path, rng):
+    """A range not in the page cache is read around it (O_DIRECT into the caller's aligned buffer) and comes
+    back byte for byte, CRC-checked; unaligned buffers, unaligned ranges, a partial last block and a range
+    partly in the page cache take the page cache instead and return the same bytes."""
+    s = ExtentStore(tmp_path, sync="none")
+    eid = s.create_extent()
+    data = rng.randbytes(2 * MiB_ + 1000)
+    s.write(eid, 0, data)
+    dat = paths(tmp_path, eid)[0]
+
+    def check(off, n, buf):
+        c = s.read_into(eid, off, n, buf)
+        assert bytes(buf[:n]) == data[off:off + n]
+        assert c == ORACLE(data[off:off + n])
+
+    evict(dat)
+    check(0, 2 * MiB_, aligned(2 * MiB_))                   # aligned: O_DIRECT ...
+    if cached(dat, 0, 2 * MiB_) is not None:
+        assert cached(dat, 0, 2 * MiB_) == 0                  # ... so the page cache still holds none of it
+    check(BLOCK + 4096, 512 * 1024, aligned(512 * 1024))    # a block's head (4 KiB) goes to scratch, aligned too
+    check(MiB_, MiB_ + 1000, aligned(2 * MiB_))             # reaches the partial last block: via the page cache
+    evict(dat)
+    raw = bytearray(MiB_ + 1)
+    check(0, MiB_, memoryview(raw)[1:])                     # an unaligned buffer: via the page cache
+    evict(dat)
+    check(0, 64 * 1024, aligned(64 * 1024))                 # a small read: via the page cache ...
+    check(0, MiB_, aligned(MiB_))                           # ... so this range is partly cached: the same
+    s.close()
+
+
+def test_cold_read_of_a_flipped_bit_is_a_crc_error(tmp_path, rng):
+    """A bit flipped on the disk is refused on the O_DIRECT path as on the page-cache path, and the caller's
+    buffer gets no unverified bytes; the untouched blocks of the same extent still read."""
+    s = ExtentStore(tmp_path, sync="none")
+    eid = s.create_extent()
+    data = rng.randbytes(2 * MiB_)
+    s.write(eid, 0, data)
+    dat = paths(tmp_path, eid)[0]
+    evict(dat)
+    flip(dat, MiB_ + 5)                                     # block 8
+    evict(dat)
+    buf = aligned(MiB_)
+    buf[:] = b"\xaa" * MiB_
+    e = expect("crc", s.read_into, eid, MiB_, MiB_, buf)
+    assert f"block {MiB_ // BLOCK}" in str(e)
+    assert bytes(buf) == bytes(MiB_)
+    evict(dat)
+    assert s.read_into(eid, 0, MiB_, buf) == ORACLE(data[:MiB_]) and bytes(buf) == data[:MiB_]
+    s.close()
+
+
+def test_direct_reads_off_reads_through_the_page_cache(tmp_path, rng, monkeypatch):
+    """DATANODE_DIRECT_READS=0 (DIRECT_READS False): a cold read fills the page cache, as before."""
+    import datanode.store as store_mod
+    monkeypatch.setattr(store_mod, "DIRECT_READS", False)
+    s = ExtentStore(tmp_path, sync="none")
+    eid = s.create_extent()
+    data = rng.randbytes(MiB_)
+    s.write(eid, 0, data)
+    dat = paths(tmp_path, eid)[0]
+    evict(dat)
+    buf = aligned(MiB_)
+    s.read_into(eid, 0, MiB_, buf)
+    assert bytes(buf) == data
+    if cached(dat, 0, MiB_) is not None:
+        assert cached(dat, 0, MiB_) == MiB_ // 4096
     s.close()

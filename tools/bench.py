@@ -149,6 +149,7 @@ async def _worker_main(spec: dict) -> None:
             limit = len(pieces) if once else math.inf
 
             async def reader():
+                buf = bytearray(size)          # each reader's own, reused: reads land in it, no copies
                 while (not errors and trio.current_time() < deadline and state["next"] < limit
                        and (total is None or state["taken"] < total)):
                     extent, off = pieces[state["next"] % len(pieces)]
@@ -156,12 +157,12 @@ async def _worker_main(spec: dict) -> None:
                     state["taken"] += size
                     t0 = time.perf_counter()
                     try:
-                        data = await dc.read(pid, extent, off, size, replica=read_replica)
+                        got = await dc.read_into(pid, extent, off, buf, replica=read_replica)
                     except ClientError as e:
                         errors.append(str(e))
                         return
                     lat.append(int((time.perf_counter() - t0) * 1e6))
-                    progress[0] += len(data)
+                    progress[0] += got
 
             async with trio.open_nursery() as n:
                 for _ in range(depth):
@@ -303,9 +304,12 @@ def _collect(workers, q, want: str, timeout: float, on_progress=None) -> dict[in
 def run_config(*, nodes: list[str], pid: int, size: int, clients: int, depth: int, seconds: float | None,
                total: int | None, phases: list[str], node_pids: dict[str, int], read_from: str,
                transport: str, label: str, log_dir: pathlib.Path | None, progress: bool = True,
-               inline_max: int = INLINE_MAX, cold: bool = False) -> list[dict]:
+               inline_max: int = INLINE_MAX, cold: bool = False, disk: str | None = None,
+               after_cold=None) -> list[dict]:
     """Run the phases against one partition with ``clients`` worker processes; one result per phase.
-    ``cold``: before a read phase, drop the page cache (after the data is written) and read each piece once."""
+    ``cold``: before a read phase, drop the page cache (after the data is written) and read each piece once;
+    the counters of ``disk`` (a /proc/diskstats name) around it go into the result (``disk``), and
+    ``after_cold(result)`` runs right after it (the same round's baselines)."""
     from tools.cluster import cpu_seconds
     q: queue.Queue = queue.Queue()
     per_client = -(-total // clients) if total else None
@@ -326,8 +330,10 @@ def run_config(*, nodes: list[str], pid: int, size: int, clients: int, depth: in
             bad = [f"client {i}: {m['error']}" for i, m in prep.items() if m.get("error")]
             if bad:
                 raise BenchError(f"{phase} phase: preparing failed: {bad[0]}")
-            if cold and phase == "read":
+            cold_read = cold and phase == "read"
+            if cold_read:
                 drop_caches()
+            d0 = disk_sample(disk) if cold_read else None
             cpu0 = {a: cpu_seconds(p) for a, p in node_pids.items()}
             done = [0] * clients
             t_start = time.monotonic()
@@ -350,10 +356,15 @@ def run_config(*, nodes: list[str], pid: int, size: int, clients: int, depth: in
 
                 limit = (seconds + 120) if seconds else 3600
                 res = _collect(workers, q, "result", limit, on_progress)
+            d1 = disk_sample(disk) if cold_read else None
             cpu1 = {a: cpu_seconds(p) for a, p in node_pids.items()}
             results.append(_aggregate(phase, [res[i]["result"] for i in range(clients)], cpu0, cpu1,
                                       size=size, clients=clients, depth=depth))
-            results[-1]["cold"] = cold and phase == "read"
+            results[-1]["cold"] = cold_read
+            if cold_read:
+                results[-1]["disk"] = disk_delta(d0, d1, results[-1]["bytes"])
+                if after_cold is not None:
+                    after_cold(results[-1])
     finally:
         for w in workers:
             w.close()
@@ -440,31 +451,141 @@ def drop_caches() -> None:
         raise BenchError(f"--cold needs to write {DROP_CACHES} (root): {e.strerror or e}") from None
 
 
-def run_cold_read(directory: pathlib.Path, mib: int) -> dict:
-    """The local disk's cold read, for --cold: write DIR/coldread (dd, fdatasync), drop the page cache, then
-    ``dd if=DIR/coldread of=/dev/null bs=1M`` (buffered, with the kernel's readahead, as the nodes read)."""
-    path = directory / "coldread"
-    write = ["dd", "if=/dev/urandom", f"of={path}", "bs=1M", f"count={mib}", "conv=fdatasync"]
-    read = ["dd", f"if={path}", "of=/dev/null", "bs=1M"]
+def disk_of(path: pathlib.Path) -> str | None:
+    """The block device (its /proc/diskstats name) that holds ``path``, or None (a virtual file system)."""
     try:
-        p = subprocess.run(write, capture_output=True, text=True, timeout=600)
-        if p.returncode != 0:
-            return {"command": " ".join(read), "error": (p.stderr.strip().splitlines() or ["failed"])[-1]}
+        st = os.stat(path)
+        dev = pathlib.Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}").resolve()
+    except OSError:
+        return None
+    return dev.name if (dev / "stat").exists() else None
+
+
+def disk_sample(name: str | None) -> tuple | None:
+    """The read counters of ``name`` in /proc/diskstats, with the time: (t, reads, sectors, read_ms, io_ms)."""
+    if not name:
+        return None
+    try:
+        with open("/proc/diskstats") as f:
+            for line in f:
+                x = line.split()
+                if len(x) >= 14 and x[2] == name:
+                    return (time.monotonic(), int(x[3]), int(x[5]), int(x[6]), int(x[12]))
+    except OSError:
+        pass
+    return None
+
+
+def disk_delta(a: tuple | None, b: tuple | None, nbytes: int) -> dict | None:
+    """What the disk did between two samples, as ``iostat -x`` shows it for reads: MiB read (and its share of
+    the ``nbytes`` asked for: >= 1.0 means every byte came from the disk, not the page cache), requests, the
+    average request size, the average read queue depth (aqu-sz: read ms per ms) and utilisation."""
+    if not a or not b or b[0] <= a[0]:
+        return None
+    secs = b[0] - a[0]
+    reads, sectors, read_ms, io_ms = (b[i] - a[i] for i in range(1, 5))
+    rbytes = sectors * 512
+    return {"read_mib": round(rbytes / MIB, 1), "of_asked": round(rbytes / nbytes, 3) if nbytes else None,
+            "requests": reads, "avg_req_kib": round(rbytes / 1024 / reads, 1) if reads else None,
+            "aqu_sz": round(read_ms / 1000 / secs, 2), "util": round(min(1.0, io_ms / 1000 / secs), 3)}
+
+
+def _timed_read(cmd: list[str], path: pathlib.Path, nbytes: int, disk: str | None, parse) -> dict:
+    """Drop the page cache, run ``cmd`` (a read of ``path``), with the disk's counters around it."""
+    try:
         drop_caches()
+        a = disk_sample(disk)
         t0 = time.monotonic()
-        p = subprocess.run(read, capture_output=True, text=True, timeout=600)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         dt = time.monotonic() - t0
+        b = disk_sample(disk)
+    except FileNotFoundError:
+        return {"command": " ".join(cmd), "error": f"{cmd[0]} is not installed"}
     except (OSError, subprocess.TimeoutExpired, BenchError) as e:
-        return {"command": " ".join(read), "error": str(e)}
-    finally:
+        return {"command": " ".join(cmd), "error": str(e)}
+    if p.returncode != 0:
+        return {"command": " ".join(cmd), "error": (p.stderr.strip().splitlines() or ["failed"])[-1]}
+    try:
+        secs = parse(p, dt)
+    except (ValueError, KeyError, IndexError) as e:
+        return {"command": " ".join(cmd), "error": f"unreadable output: {e}"}
+    return {"command": " ".join(cmd), "bytes": nbytes, "seconds": round(secs, 3),
+            "mib_s": round(nbytes / MIB / secs, 1), "disk": disk_delta(a, b, nbytes)}
+
+
+def _fio_seconds(p: subprocess.CompletedProcess, _dt: float) -> float:
+    job = json.loads(p.stdout[p.stdout.index("{"):])["jobs"][0]["read"]
+    return job["io_bytes"] / job["bw_bytes"]
+
+
+COLD_BASELINES = ("dd", "dd_direct", "fio_direct")
+# The headline ratio is ours / dd iflag=direct: it reads the disk as the nodes read a cold range (O_DIRECT,
+# 1 MiB at a time, no page-cache pages to allocate); the buffered dd swings 2-3x between adjacent rounds on
+# these VMs (its speed is how fast the guest gets fresh page-cache pages), and fio at the bench's depth is
+# the disk's ceiling (its ratio is shown too, as is the ratio to the fastest baseline of each round).
+RATIO_USES = "dd_direct"
+
+
+class ColdBaseline:
+    """The local disk's cold read, for --cold, beside each cold read round of ours: a file of the same size as
+    what our round read (DIR/coldread: urandom, fdatasync, written once), then -- each after dropping the page
+    cache, with the disk's counters around it -- ``dd bs=1M`` (buffered, with the kernel's readahead: the
+    path the nodes' reads take), ``dd bs=1M iflag=direct`` (the device, no page cache) and fio 1 MiB O_DIRECT
+    reads at the bench's depth (libaio; the device with as many reads in flight as we ask for)."""
+
+    def __init__(self, directory: pathlib.Path, depth: int):
+        self.path = directory / "coldread"
+        self.depth = depth
+        self.disk = disk_of(directory)
+        self.nbytes = 0
+        self.error: str | None = None
+
+    def prepare(self, nbytes: int) -> None:
+        mib = max(1, -(-nbytes // MIB))
+        write = ["dd", "if=/dev/urandom", f"of={self.path}", "bs=1M", f"count={mib}", "conv=fdatasync"]
         try:
-            path.unlink()
+            p = subprocess.run(write, capture_output=True, text=True, timeout=900)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            self.error = f"{' '.join(write)}: {e}"
+            return
+        if p.returncode != 0:
+            self.error = f"{' '.join(write)}: {(p.stderr.strip().splitlines() or ['failed'])[-1]}"
+            return
+        self.nbytes = mib * MIB
+
+    def run(self) -> dict:
+        """One round of the three baselines: {name: result}."""
+        if self.error:
+            return {k: {"command": "", "error": self.error} for k in COLD_BASELINES}
+        mib = self.nbytes // MIB
+        dd = ["dd", f"if={self.path}", "of=/dev/null", "bs=1M", f"count={mib}"]
+        fio = ["fio", "--name=coldread", f"--filename={self.path}", "--rw=read", "--bs=1M", f"--size={mib}M",
+               "--direct=1", "--ioengine=libaio", f"--iodepth={self.depth}", "--output-format=json"]
+        return {"dd": _timed_read(dd, self.path, self.nbytes, self.disk, lambda p, dt: _dd_seconds(p.stderr, dt)),
+                "dd_direct": _timed_read([*dd, "iflag=direct"], self.path, self.nbytes, self.disk,
+                                         lambda p, dt: _dd_seconds(p.stderr, dt)),
+                "fio_direct": _timed_read(fio, self.path, self.nbytes, self.disk, _fio_seconds)}
+
+    def close(self) -> None:
+        try:
+            self.path.unlink()
         except OSError:
             pass
-    if p.returncode != 0:
-        return {"command": " ".join(read), "error": (p.stderr.strip().splitlines() or ["failed"])[-1]}
-    secs = _dd_seconds(p.stderr, dt)
-    return {"command": " ".join(read), "bytes": mib * MIB, "seconds": round(secs, 3), "mib_s": round(mib / secs, 1)}
+
+
+def cold_summary(rounds: list[dict]) -> dict:
+    """Median over the rounds of each same-round ratio (ours / baseline), and of each side's MiB/s."""
+    import statistics
+    out: dict = {"rounds": len(rounds), "ratio_uses": RATIO_USES, "median_ratio": {}, "median_mib_s": {}}
+    for k in ("ours", *COLD_BASELINES):
+        vals = [r[k]["mib_s"] for r in rounds if r.get(k, {}).get("mib_s")]
+        if vals:
+            out["median_mib_s"][k] = round(statistics.median(vals), 1)
+    for k in (*COLD_BASELINES, "fastest"):
+        vals = [r["ratio"][k] for r in rounds if r["ratio"].get(k) is not None]
+        if vals:
+            out["median_ratio"][k] = round(statistics.median(vals), 3)
+    return out
 
 
 def run_warm(command: str) -> dict:
@@ -551,7 +672,7 @@ def write_plot(out: dict, path: pathlib.Path) -> None:
         base.append((fio["read_1m_direct"]["mib_s"], "fio 1M O_DIRECT read (cold)", "#8172b3"))
     cr = out.get("cold_read") or {}
     if cr.get("mib_s"):
-        base.append((cr["mib_s"], "dd read of a cold file", "#64b5cd"))
+        base.append((cr["mib_s"], "dd iflag=direct read of a cold file (median)", "#64b5cd"))
     for y, name, color in base:
         ax1.axhline(y, ls="--", color=color, lw=1, label=f"{name}: {y:.0f} MiB/s")
     if base:
@@ -580,8 +701,44 @@ def write_plot(out: dict, path: pathlib.Path) -> None:
 
 
 # -- the command ---------------------------------------------------------------------------------------------
+def _disk_text(d: dict | None) -> str:
+    if not d:
+        return "disk: -"
+    return (f"disk read {d['read_mib']:.0f} MiB ({d['of_asked']:.2f}x asked), {d['requests']} req of "
+            f"{d['avg_req_kib'] or 0:.0f} KiB, aqu-sz {d['aqu_sz']:.1f}, util {100 * d['util']:.0f}%")
+
+
+def _cold_lines(cold_read: dict | None, cold_rounds: list[dict]) -> list[str]:
+    """Each cold round (ours, then the baselines, each from a dropped page cache) and the median ratios."""
+    if not cold_rounds:
+        return []
+    lines = [f"cold read rounds (page cache dropped before each read; disk {(cold_read or {}).get('disk') or '?'} "
+             "counters during it, as iostat -x shows them):"]
+    names = {"ours": "ours", "dd": "dd bs=1M", "dd_direct": "dd iflag=direct", "fio_direct": "fio O_DIRECT"}
+    for r in cold_rounds:
+        lines.append(f"  {r['replicas']} replica(s), round {r['round']}:")
+        for k in ("ours", *COLD_BASELINES):
+            x = r.get(k)
+            if not x:
+                continue
+            if "error" in x:
+                lines.append(f"    {names[k]:16} {x['command']}: {x['error']}")
+                continue
+            ratio = f"ours = {r['ratio'][k]:.2f} of it" if k != "ours" and r["ratio"].get(k) else ""
+            lines.append(f"    {names[k]:16} {x['mib_s']:8.1f} MiB/s  {_disk_text(x.get('disk'))}  {ratio}")
+    for k, sm in ((cold_read or {}).get("by_replicas") or {}).items():
+        mr, mm = sm["median_ratio"], sm["median_mib_s"]
+        if not mr:
+            continue
+        order = [sm["ratio_uses"], *(b for b in COLD_BASELINES if b != sm["ratio_uses"])]
+        lines.append(f"  {k} replica(s), median of {sm['rounds']} round(s): ours {mm.get('ours', 0):.1f} MiB/s = "
+                     + ", ".join(f"{mr[b]:.2f} of {names[b]} ({mm.get(b, 0):.0f})" for b in order if b in mr)
+                     + (f"; {mr['fastest']:.2f} of the fastest baseline each round" if "fastest" in mr else ""))
+    return lines
+
+
 def _table(header: dict, rows: list[dict], dd: dict | None, node_names: dict[str, str], fio: dict | None = None,
-           warm: dict | None = None, cold_read: dict | None = None) -> str:
+           warm: dict | None = None, cold_read: dict | None = None, cold_rounds: list[dict] | None = None) -> str:
     lines = [f"bench: {fmt_size(header['size'])} requests, {header['clients']} client process(es) x depth "
              f"{header['depth']}, {header['budget']} per phase; nodes: sync {header['sync']}, transport "
              f"{header['transport']}; reads from {header['read_from']}"]
@@ -615,16 +772,7 @@ def _table(header: dict, rows: list[dict], dd: dict | None, node_names: dict[str
             w4, w1, r1 = fio["write_4k_fdatasync"], fio["write_1m_end_fsync"], fio["read_1m_direct"]
             lines.append(f"fio (same disk): 4KiB write+fdatasync {w4['ms_per_write']:.3f} ms ({w4['iops']:.0f}/s); "
                          f"1MiB write {w1['mib_s']:.1f} MiB/s; 1MiB O_DIRECT read (cold) {r1['mib_s']:.1f} MiB/s")
-    if cold_read:
-        if "error" in cold_read:
-            lines.append(f"cold read baseline: {cold_read['command']}: {cold_read['error']}")
-        else:
-            lines.append(f"cold read baseline (same disk, page cache dropped): {cold_read['mib_s']:.1f} MiB/s  "
-                         f"[{cold_read['command']}]")
-            for r in rows:
-                if r.get("cold") and r["mib_s"]:
-                    lines.append(f"  {r['replicas']} replica(s) cold read {r['mib_s']:.1f} MiB/s = "
-                                 f"{100 * r['mib_s'] / cold_read['mib_s']:.0f}% of it")
+    lines += _cold_lines(cold_read, cold_rounds or [])
     warm = warm or {}
     lines.append(f"memory warmed before this run: yes ({warm['command']}, {warm['seconds']} s)" if warm.get("ran")
                  else f"memory warmed before this run: NO ({warm.get('error') or 'give --warm-memory PATH'}; "
@@ -668,8 +816,13 @@ def _f(v) -> str:
               help="Also run fio baselines in DIR: 4KiB write+fdatasync, 1MiB write, 1MiB O_DIRECT (cold) read.")
 @click.option("--cold", is_flag=True,
               help="Read phases from a cold page cache: after the data is written, sync and drop the page cache "
-                   "(echo 3 > /proc/sys/vm/drop_caches: needs root), and read each written byte once.  With "
-                   "--cluster, also the same-run baseline: dd of a cold --dd-mib file in DIR.")
+                   "(echo 3 > /proc/sys/vm/drop_caches: needs root), and read each written byte once, --rounds "
+                   "times.  With --cluster, each round is followed by the same-run baselines on DIR's disk, "
+                   "each after a drop, reading as many bytes as the round did: dd bs=1M (buffered), dd "
+                   "iflag=direct, fio O_DIRECT at --depth; the table shows each round's ratios, their median, "
+                   "and the disk's counters (MiB read, request size, queue depth) during each read.")
+@click.option("--rounds", type=click.IntRange(1, 20), default=3, show_default=True,
+              help="With --cold: cold read rounds, interleaved with the baselines (ours, dd, ours, dd, ...).")
 @click.option("--warm-memory", "warm_cmd", type=click.Path(exists=True, dir_okay=False),
               help="Run this memory warmer (e.g. shared/bench/warm-memory) once before the first phase; the "
                    "output says whether it ran.")
@@ -679,7 +832,7 @@ def _f(v) -> str:
 @click.option("--keep", is_flag=True, help="Keep the scratch partitions (default: deleted at the end).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON (progress stays on stderr).")
 def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, seconds, total_mib, mode, read_from,
-                  transport, inline_max, with_dd, dd_mib, with_fio, cold, warm_cmd, plot_path, keep, as_json):
+                  transport, inline_max, with_dd, dd_mib, with_fio, cold, rounds, warm_cmd, plot_path, keep, as_json):
     """Measure write and read throughput, latency percentiles and CPU per GB.
 
     \b
@@ -687,7 +840,7 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
     dnctl bench --cluster /tmp/dn --size 128KiB --clients 2 --seconds 5
     dnctl bench --cluster /tmp/dn --replicas 1,3 --dd           # single node vs 3 replicas, and dd
     dnctl bench --nodes 127.0.0.1:17310 --partition 7 --mode write --total-mib 512 --json
-    dnctl bench --cluster /tmp/dn --replicas 1 --cold --fio  # reads from disk, beside dd's and fio's cold read
+    dnctl bench --cluster /tmp/dn --cold --total-mib 2048 --rounds 5   # cold reads vs the disk, interleaved
     dnctl bench --cluster /tmp/dn --size 4KiB --depth 1 --dd --fio --warm-memory ../shared/bench/warm-memory \\
                 --plot bench.png --json > bench.json    # baselines in the same run, a picture, raw numbers
 
@@ -757,6 +910,8 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
     else:
         targets = [(pid, None, False)]
     phases = ["write", "read"] if mode == "both" else [mode]
+    if cold and "read" in phases:
+        phases = [p for p in phases if p != "read"] + ["read"] * rounds
 
     async def setup():
         async with DataClient.open(timeout=10) as dc:
@@ -818,11 +973,12 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
     header = {"size": nbytes, "clients": clients, "depth": depth,
               "budget": f"{seconds:g} s" if seconds else f"{total_mib} MiB", "sync": first.get("sync"),
               "transport": transport_used, "read_from": read_from, "nodes": addrs, "node_pids": node_pids,
-              "inline_max": inline_bytes, "cold": cold}
+              "inline_max": inline_bytes, "cold": cold, "rounds": rounds if cold else None}
     log_tmp = tempfile.TemporaryDirectory(prefix="dnctl-bench-")    # workers' stderr: nothing left behind
     log_dir = pathlib.Path(log_tmp.name)
     rows = []
     dd = fio = cold_read = None
+    cold_rounds: list[dict] = []
     warm = {"ran": False}
     try:
         if warm_cmd:
@@ -830,13 +986,36 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
             warm = run_warm(warm_cmd)
         for tpid, members in infos:
             label = f"{len(members)} replica{'s' if len(members) > 1 else ''}"
+            base = ColdBaseline(pathlib.Path(root), depth * clients) if cold and root else None
+
+            def after_cold(row, base=base, k=len(members)):
+                rnd = {"replicas": k, "round": sum(1 for r in cold_rounds if r["replicas"] == k) + 1,
+                       "ours": {"mib_s": row["mib_s"], "bytes": row["bytes"], "disk": row.get("disk")}}
+                if base is not None:
+                    if not base.nbytes and not base.error:
+                        click.echo(f"cold read baselines: a {-(-row['bytes'] // MIB)} MiB file in {root} ...",
+                                   err=True)
+                        base.prepare(row["bytes"])
+                    rnd.update(base.run())
+                ours = row["mib_s"]
+                ratio = {b: round(ours / rnd[b]["mib_s"], 3) if rnd.get(b, {}).get("mib_s") else None
+                         for b in COLD_BASELINES}
+                best = max((rnd[b]["mib_s"] for b in COLD_BASELINES if rnd.get(b, {}).get("mib_s")), default=0)
+                ratio["fastest"] = round(ours / best, 3) if best else None
+                rnd["ratio"] = ratio
+                cold_rounds.append(rnd)
+
             try:
                 res = run_config(nodes=members, pid=tpid, size=nbytes, clients=clients, depth=depth,
                                  seconds=seconds, total=total, phases=phases, node_pids=node_pids,
                                  read_from=read_from, transport=transport, label=label, log_dir=log_dir,
-                                 inline_max=inline_bytes, cold=cold)
+                                 inline_max=inline_bytes, cold=cold, disk=base.disk if base else None,
+                                 after_cold=after_cold)
             except BenchError as e:
                 raise click.ClickException(str(e)) from None
+            finally:
+                if base is not None:
+                    base.close()
             for r in res:
                 r["partition"], r["replicas"] = tpid, len(members)
                 r["replica_nodes"] = members
@@ -847,9 +1026,13 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
         if with_fio:
             click.echo(f"fio: baselines in {root} ...", err=True)
             fio = run_fio(pathlib.Path(root), min(dd_mib, 512))
-        if cold and root and "read" in phases:
-            click.echo(f"cold read baseline: dd of a cold {dd_mib} MiB file in {root} ...", err=True)
-            cold_read = run_cold_read(pathlib.Path(root), dd_mib)
+        if cold_rounds and root:
+            cold_read = {"disk": disk_of(pathlib.Path(root)), "by_replicas": {
+                str(k): cold_summary([r for r in cold_rounds if r["replicas"] == k])
+                for k in dict.fromkeys(r["replicas"] for r in cold_rounds)}}
+            dds = [r[RATIO_USES]["mib_s"] for r in cold_rounds if r.get(RATIO_USES, {}).get("mib_s")]
+            if dds:
+                cold_read["mib_s"] = sorted(dds)[len(dds) // 2]      # the plot's line: the headline baseline
     finally:
         log_tmp.cleanup()
         if scratch and not keep:
@@ -857,14 +1040,15 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
                 trio.run(cleanup, scratch)
             except ClientError as e:
                 click.echo(f"warning: could not delete scratch partitions: {e}", err=True)
-    out = {"config": header, "results": rows, "dd": dd, "fio": fio, "warm_memory": warm, "cold_read": cold_read}
+    out = {"config": header, "results": rows, "dd": dd, "fio": fio, "warm_memory": warm, "cold_read": cold_read,
+           "cold_rounds": cold_rounds}
     if plot_path:
         write_plot(out, pathlib.Path(plot_path))
         out["plot"] = str(plot_path)
     if as_json:
         click.echo(json.dumps(out, indent=2, sort_keys=True))
     else:
-        click.echo(_table(header, rows, dd, node_names, fio, warm, cold_read))
+        click.echo(_table(header, rows, dd, node_names, fio, warm, cold_read, cold_rounds))
         if plot_path:
             click.echo(f"plot: {plot_path}")
     if any(r["errors"] for r in rows):
