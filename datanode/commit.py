@@ -5,9 +5,10 @@ pwrite, no sync -- for a small payload right in the event loop, no thread hop) a
 ``GroupCommit.durable`` until its end is durable.  When no flush is running, the first waiter hands every
 extent that has a waiter to the node's flusher thread, which runs ``ExtentStore.flush`` for all of them (per
 extent: fdatasync data, write the CRC entries, fdatasync them -- the order of datanode/store.py); its result
-wakes every waiter of that batch at once and starts the next batch, if one gathered meanwhile.  Appends that arrive while a flush runs wait for the next one, so under load each flush covers all
-the appends that queued behind the previous one: concurrent appends to one extent, and to other extents of
-the node, share their fdatasyncs.  ``sync = always`` keeps its meaning: the handler answers only after
+wakes every waiter of that batch at once and starts the next batch, if one gathered meanwhile.  Appends that
+arrive while a flush runs wait for the next one, so under load each flush covers all the appends that queued
+behind the previous one: concurrent appends to one extent, and to other extents of the node, share their
+fdatasyncs.  ``sync = always`` keeps its meaning: the handler answers only after
 ``durable`` returned (and, on the leader, after every follower answered the same).
 
 The flusher is one OS thread of its own, fed through a queue, handing each result back with

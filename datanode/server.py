@@ -333,27 +333,29 @@ class Node(DataOps, AdminOps, RepairOps):
                     self._dispatch(nursery, conn, raw)
                     return True
                 conn.deliver_to(arrived)
-                while True:
-                    try:
-                        with trio.move_on_at(last[0] + idle) as waiting:
-                            raw = await conn.recv()
-                    except TransportError:
-                        break
-                    if waiting.cancelled_caught:
-                        if conn.busy or trio.current_time() < last[0] + idle:   # requests came meanwhile
-                            if conn.busy:
-                                last[0] = trio.current_time()
-                            continue
-                        log.info("closing connection from %s: idle for %ss", conn.peer, idle)
-                        await conn.aclose()
-                        break
-                    last[0] = trio.current_time()
-                    if conn.busy >= limit:
-                        if not await self._busy(conn, raw, limit):
+                try:
+                    while True:
+                        try:
+                            with trio.move_on_at(last[0] + idle) as waiting:
+                                raw = await conn.recv()
+                        except TransportError:
                             break
-                        continue
-                    self._dispatch(nursery, conn, raw)
-                conn.deliver_to(None)         # the nursery is about to close to new arrivals
+                        if waiting.cancelled_caught:
+                            if conn.busy or trio.current_time() < last[0] + idle:   # requests came meanwhile
+                                if conn.busy:
+                                    last[0] = trio.current_time()
+                                continue
+                            log.info("closing connection from %s: idle for %ss", conn.peer, idle)
+                            await conn.aclose()
+                            break
+                        last[0] = trio.current_time()
+                        if conn.busy >= limit:
+                            if not await self._busy(conn, raw, limit):
+                                break
+                            continue
+                        self._dispatch(nursery, conn, raw)
+                finally:
+                    conn.deliver_to(None)     # the nursery is about to close to new arrivals
         finally:
             self.conns.discard(conn)
 
