@@ -52,6 +52,7 @@ import os
 import random
 import struct
 import threading
+import time
 
 import cffi
 import trio
@@ -66,7 +67,7 @@ from pyverbs.pyverbs_error import PyverbsError, PyverbsRDMAError
 from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
 from pyverbs.wr import SGE, RecvWR, SendWR
 
-from ..protocol import VerbsEndpoint
+from ..protocol import HEADER_SIZE, INLINE_MAX, VerbsEndpoint
 from .base import Access, Connection, ConnectionClosed, Domain, Grants, Region, RemoteAccessError
 from .tcp import recv_exactly, send_all
 
@@ -74,9 +75,17 @@ log = logging.getLogger(__name__)
 ffi = cffi.FFI()
 
 PORT = 1
-SLOT = 256                      # bytes per control slot (a header is 88; bigger SENDs are a protocol error)
+SLOT = 256                      # bytes per control slot without inline payloads (a header is 88)
 RECV_TAG = 1 << 62              # wr_id of a receive = RECV_TAG | slot index
 READY, FAILED = b"\x01", b"\x00"
+
+# Tuning (environment, read once per process when the device is opened; shown in node status):
+SPIN_ENV = "DATANODE_VERBS_SPIN_US"        # busy-poll the CQ this long after the last completion (0: off)
+SPIN_US = 200
+UNSIGNALED_ENV = "DATANODE_VERBS_UNSIGNALED"  # "0": every work request signaled (the old behaviour)
+UNSIGNALED_MAX = 16             # unsignaled work requests in a row at most; then one is signaled
+INLINE_ENV = "DATANODE_VERBS_INLINE"       # largest payload a verbs SEND carries after its header (0: off)
+VERBS_INLINE = 16 << 10
 
 
 class SetupFailed(Exception):
@@ -110,7 +119,26 @@ WINDOWS_ENV = "DATANODE_RDMA_WINDOWS"      # "0"/"off": MR-wide rkeys even where
 
 
 def windows_wanted() -> bool:
-    return os.environ.get(WINDOWS_ENV, "1").strip().lower() not in ("0", "off", "no", "false")
+    return _env_flag(WINDOWS_ENV)
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() not in ("0", "off", "no", "false")
+
+
+def _env_int(name: str, default: int, lo: int, hi: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        v = int(raw)
+    except ValueError:
+        log.warning("%s=%r is not an integer: using %d", name, raw, default)
+        return default
+    if not lo <= v <= hi:
+        log.warning("%s=%d is outside %d..%d: using %d", name, v, lo, hi, default)
+        return default
+    return v
 
 
 class Device:
@@ -128,7 +156,11 @@ class Device:
         if not self.gid.gid or self.gid.gid.replace(":", "").strip("0") == "":
             raise RuntimeError(f"{name} has no GID at index {gid_index}")
         dattr = self.ctx.query_device()
+        # RDMA READs one queue pair may have outstanding (ours) and serve at once (the peer's): ib_read_bw's 16
         self.rd_atomic = max(1, min(16, dattr.max_qp_init_rd_atom, dattr.max_qp_rd_atom))
+        self.spin_s = _env_int(SPIN_ENV, SPIN_US, 0, 1_000_000) / 1e6
+        self.unsignaled = _env_flag(UNSIGNALED_ENV)
+        self.inline_max = _env_int(INLINE_ENV, VERBS_INLINE, 0, INLINE_MAX)
         caps = dattr.device_cap_flags
         type2 = bool(caps & E.IBV_DEVICE_MEM_WINDOW) and bool(
             caps & (E.IBV_DEVICE_MEM_WINDOW_TYPE_2A | E.IBV_DEVICE_MEM_WINDOW_TYPE_2B))
@@ -307,13 +339,14 @@ class WindowGrants(Grants):
             conn._sq.release()
             conn._sq.release()
             raise
-        try:
-            conn._post_reserved(wr, "bind")        # ahead of the SEND; its completion needs no waiter
-        except BaseException:
-            conn._sq.release()                     # the invalidate's share
-            if not conn._closed:
-                self._free.append(w)
-            raise
+        if conn._closed:
+            conn._sq.release()
+            conn._sq.release()
+            raise ConnectionClosed(f"connection to {conn.peer} is closed: {conn._closed}")
+        # Not posted yet: it goes out in the same post_send as the next work request of this QP (the
+        # request's SEND, which rpc posts right after the grant), ahead of it on the send queue -- so the
+        # window is in place before the peer can see the header -- and unsignaled (no completion to take).
+        conn._chain_bind(wr)
         w.bound(new)
         self.binds += 1
         token = self.add(addr, new, length, access)
@@ -342,7 +375,7 @@ class WindowGrants(Grants):
                 self._free.append(w)
 
         try:
-            self._invalidating[token] = conn._post_reserved(wr, "invalidate", then)
+            self._invalidating[token] = conn._post_reserved(wr, "invalidate", then, signaled=True)
         except ConnectionClosed:
             self._invalidating.pop(token, None)
 
@@ -370,7 +403,8 @@ class WindowGrants(Grants):
 class VerbsConnection(Connection):
     transport = "verbs"
 
-    def __init__(self, sock, domain: Domain, peer: str, peer_slots: int, our_slots: int):
+    def __init__(self, sock, domain: Domain, peer: str, peer_slots: int, our_slots: int,
+                 peer_slot_size: int = SLOT, our_slot_size: int = SLOT):
         super().__init__(our_slots)
         dev: Device = domain.device
         self.dev = dev
@@ -382,6 +416,20 @@ class VerbsConnection(Connection):
         self._owns_sock = False          # True once established: then closing us closes the stream
         self._ids = 0
         self._ops: dict[int, _Op] = {}
+        # receive slots: ours take ``our_slot_size`` bytes (a header, and an inline payload after it where
+        # we accept them: the server side); the peer's take ``peer_slot_size`` (its hello said so)
+        self.slot = -(-max(SLOT, our_slot_size) // 64) * 64
+        self.peer_slot = max(SLOT, peer_slot_size)
+        #: payload bytes a SEND may carry after its header (protocol.Flag.INLINE): the peer's slots and ours
+        self.max_inline = min(dev.inline_max, max(0, peer_slot_size - HEADER_SIZE)) if dev.inline_max else 0
+        self._eager = None               # (mmap, MR, free buffer indexes, Semaphore), made on first use
+        self.eager_sends = 0
+        self.spins = 0
+        # unsignaled work requests: the send queue entries they hold are retired by the next signaled one's
+        # completion (``_carry``: its wr_id -> how many it retires besides itself)
+        self._unsig = 0
+        self._carry: dict[int, int] = {}
+        self._chain: list[SendWR] = []   # binds waiting to go out ahead of the next post (``_chain_bind``)
         # each request of ours may hold a window bind and its invalidate besides the SEND
         self.sq_depth = (4 if dev.windows else 2) * peer_slots + 2 * our_slots + 16
         self._sq = trio.Semaphore(self.sq_depth)
@@ -404,13 +452,14 @@ class VerbsConnection(Connection):
         os.set_blocking(self.fd, False)
         self.cq = CQ(dev.ctx, self.sq_depth + our_slots + 8, None, self.cc, 0)
         self.cq.req_notify()
-        self.ctrl = mmap.mmap(-1, max(mmap.PAGESIZE, our_slots * SLOT))
+        self.ctrl = mmap.mmap(-1, max(mmap.PAGESIZE, our_slots * self.slot))
         self.ctrl_view = memoryview(self.ctrl)
         self.ctrl_addr = address_of(self.ctrl)
         self.ctrl_mr = MR(dev.pd, len(self.ctrl), E.IBV_ACCESS_LOCAL_WRITE, address=self.ctrl_addr)
         cap = QPCap(max_send_wr=self.sq_depth, max_recv_wr=our_slots, max_send_sge=1, max_recv_sge=1,
                     max_inline_data=SLOT)
-        self.qp = QP(dev.pd, QPInitAttr(qp_type=E.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap, sq_sig_all=1))
+        # sq_sig_all=0: a work request makes a completion only when it asks (IBV_SEND_SIGNALED); failures always do
+        self.qp = QP(dev.pd, QPInitAttr(qp_type=E.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap, sq_sig_all=0))
 
     # -- setup ----------------------------------------------------------------------------------------
     def endpoint(self) -> VerbsEndpoint:
@@ -446,24 +495,73 @@ class VerbsConnection(Connection):
                        | E.IBV_QP_RNR_RETRY | E.IBV_QP_MAX_QP_RD_ATOMIC)
 
     def _post_recv(self, slot: int) -> None:
-        sge = SGE(self.ctrl_addr + slot * SLOT, SLOT, self.ctrl_mr.lkey)
+        sge = SGE(self.ctrl_addr + slot * self.slot, self.slot, self.ctrl_mr.lkey)
         self.qp.post_recv(RecvWR(wr_id=RECV_TAG | slot, num_sge=1, sg=[sge]))
 
     # -- the interface --------------------------------------------------------------------------------
     async def send(self, header: bytes, payload=None) -> None:
-        if payload is not None:              # max_inline is 0: payloads take the one-sided READ here
-            raise ValueError("verbs control messages carry no payload")
-        if len(header) > SLOT:
+        if payload is not None and len(payload):
+            await self._send_eager(header, payload)
+            return
+        if len(header) > self.peer_slot:
             raise ValueError("control message larger than a slot")
         # inline: the bytes are copied into the WQE at post time (``header`` lives until then), no lkey
         wr = SendWR(opcode=E.IBV_WR_SEND, num_sge=1, sg=[SGE(address_of(header), len(header), 0)],
-                    send_flags=E.IBV_SEND_SIGNALED | E.IBV_SEND_INLINE)
+                    send_flags=E.IBV_SEND_INLINE)
         # Lean: an inline SEND's bytes are in the work request once it is posted, so we do not wait for its
         # completion (one trip through the event loop less per message, as TCP returns once the bytes are in
-        # the socket).  The completion still frees its send-queue entry; a failed one ends the connection,
-        # and the request it carried then fails like every other one in flight.
-        await self._post(wr, "send", wait=False)
+        # the socket), nor ask for one (``signaled=False``: a later signaled completion retires its
+        # send-queue entry).  A failed one still completes, and ends the connection: the request it carried
+        # then fails like every other one in flight.
+        await self._post(wr, "send", wait=False, signaled=False)
         self.stats.sends += 1
+
+    async def _send_eager(self, header: bytes, payload) -> None:
+        """A header with a small payload after it in one SEND (an inline WRITE, protocol.Flag.INLINE): the
+        bytes are copied into one of this connection's registered send buffers, which is free again once
+        the SEND completed (the peer's NIC has them).  Costs one copy, as the staging copy a READ needs, and
+        saves the READ's round trip and the memory window."""
+        n = len(payload)
+        if n > self.max_inline:
+            raise ValueError(f"inline payload of {n} bytes: this connection carries at most {self.max_inline}")
+        if self._closed:
+            raise ConnectionClosed(f"connection to {self.peer} is closed: {self._closed}")
+        if self._eager is None:
+            self._make_eager()
+        buf, mr, free, avail, size = self._eager
+        await avail.acquire()
+        i = free.pop()
+        wr = None
+        try:
+            base = i * size
+            end = base + len(header) + n
+            buf[base:base + len(header)] = header
+            buf[base + len(header):end] = payload
+            wr = SendWR(opcode=E.IBV_WR_SEND, num_sge=1,
+                        sg=[SGE(self._eager_addr + base, end - base, mr.lkey)])
+
+            def then(ok: bool, i=i) -> None:
+                free.append(i)
+                avail.release()
+
+            await self._post(wr, "send", wait=False, signaled=True, then=then)
+        except BaseException:
+            if wr is None or wr.wr_id not in self._ops:     # not posted: ``then`` will never run
+                free.append(i)
+                avail.release()
+            raise
+        self.eager_sends += 1
+        self.stats.sends += 1
+
+    def _make_eager(self) -> None:
+        size = -(-(HEADER_SIZE + self.max_inline) // 64) * 64
+        count = max(1, min(self.slots, 16))
+        buf = mmap.mmap(-1, max(mmap.PAGESIZE, count * size))
+        self._eager_view = memoryview(buf)
+        self._eager_addr = address_of(buf)
+        mr = MR(self.dev.pd, len(buf), E.IBV_ACCESS_LOCAL_WRITE, address=self._eager_addr)
+        self._eager_mmap = buf
+        self._eager = (self._eager_view, mr, list(range(count)), trio.Semaphore(count), size)
 
     async def read(self, remote, local: memoryview, local_region: Region | None = None) -> None:
         await self._rdma(E.IBV_WR_RDMA_READ, remote, local, local_region, "read")
@@ -508,23 +606,56 @@ class VerbsConnection(Connection):
                 self._sq.release()
             raise ConnectionClosed(f"connection to {self.peer} is closed: {self._closed}")
 
-    def _post_reserved(self, wr: SendWR, what: str, then=None) -> _Op:
+    def _post_reserved(self, wr: SendWR, what: str, then=None, signaled: bool = True) -> _Op | None:
         """Post on an entry ``_reserve`` took, without waiting for the completion (which releases it)."""
         if self._closed:
             raise ConnectionClosed(f"connection to {self.peer} is closed: {self._closed}")
         self._ids += 1
         wr.wr_id = self._ids
-        op = self._ops[wr.wr_id] = _Op(then)
+        op = self._ops[wr.wr_id] = _Op(then) if signaled else None
+        self._post_send(wr, what, signaled)
+        return op
+
+    def _chain_bind(self, wr: SendWR) -> None:
+        """Queue a bind (on entries ``_reserve`` took) to be posted, unsignaled, ahead of the next work
+        request in the same ``post_send``."""
+        self._ids += 1
+        wr.wr_id = self._ids
+        self._chain.append(wr)
+
+    def _sign(self, wr: SendWR, signaled: bool) -> None:
+        """Ask for a completion or not.  Unsignaled work requests hold their send-queue entries until a
+        later signaled one completes; at most UNSIGNALED_MAX go in a row, so the queue always drains."""
+        if signaled or not self.dev.unsignaled or self._unsig >= UNSIGNALED_MAX - 1:
+            wr.send_flags = wr.send_flags | E.IBV_SEND_SIGNALED
+            if self._unsig:
+                self._carry[wr.wr_id] = self._unsig
+            self._unsig = 0
+        else:
+            wr.send_flags = wr.send_flags & ~E.IBV_SEND_SIGNALED
+            self._unsig += 1
+
+    def _post_send(self, wr: SendWR, what: str, signaled: bool) -> None:
+        """Post ``wr``, after any binds waiting in the chain, in one ``post_send`` (one doorbell)."""
+        first = wr
+        chain = self._chain
+        if chain:
+            self._chain = []
+            for w in chain:
+                self._sign(w, False)
+            for a, b in zip(chain, chain[1:] + [wr]):
+                a.next_wr = b
+            first = chain[0]
+        self._sign(wr, signaled)
         try:
-            self.qp.post_send(wr)
+            self.qp.post_send(first)
         except PyverbsError as e:
             self._ops.pop(wr.wr_id, None)
             self._sq.release()
             self._shutdown(f"post_send failed: {e}")
             raise ConnectionClosed(f"{what} to {self.peer}: {e}") from None
-        return op
 
-    async def _post(self, wr: SendWR, what: str, wait: bool = True) -> None:
+    async def _post(self, wr: SendWR, what: str, wait: bool = True, signaled: bool = True, then=None) -> None:
         if self._closed:
             raise ConnectionClosed(f"connection to {self.peer} is closed: {self._closed}")
         try:
@@ -537,15 +668,11 @@ class VerbsConnection(Connection):
         self._ids += 1
         wr_id = self._ids
         wr.wr_id = wr_id
-        op = self._ops[wr_id] = _Op() if wait else None
-        try:
-            self.qp.post_send(wr)
-        except PyverbsError as e:
-            self._ops.pop(wr_id, None)
-            self._sq.release()
-            self._shutdown(f"post_send failed: {e}")
-            raise ConnectionClosed(f"{what} to {self.peer}: {e}") from None
-        if op is None:
+        if wait:
+            signaled = True
+        op = self._ops[wr_id] = _Op(then) if (wait or then is not None) else None
+        self._post_send(wr, what, signaled)
+        if not wait:
             return
         try:
             await op.event.wait()
@@ -569,7 +696,7 @@ class VerbsConnection(Connection):
                     self._shutdown(f"receive failed: {_wc_name(wc.status)}")
                 return
             slot = wc.wr_id & ~RECV_TAG
-            msg = bytes(self.ctrl_view[slot * SLOT: slot * SLOT + wc.byte_len])
+            msg = bytes(self.ctrl_view[slot * self.slot: slot * self.slot + wc.byte_len])
             try:
                 self._post_recv(slot)
             except PyverbsError as e:
@@ -582,7 +709,8 @@ class VerbsConnection(Connection):
                 self._shutdown("peer sent more control messages than we have slots")
             return
         op = self._ops.pop(wc.wr_id, None)
-        self._sq.release()
+        for _ in range(1 + self._carry.pop(wc.wr_id, 0)):     # its entry, and the unsignaled ones before it
+            self._sq.release()
         if wc.status != E.IBV_WC_SUCCESS and not self._closed:
             self._shutdown(f"{_wc_name(wc.status)}")
         if op is not None:
@@ -591,15 +719,25 @@ class VerbsConnection(Connection):
             if op.then is not None:
                 op.then(wc.status == E.IBV_WC_SUCCESS)
 
-    def _drain_cq(self) -> None:
+    def _drain_cq(self) -> int:
+        got = 0
         while True:
             n, wcs = self.cq.poll(32)
             if n <= 0:
-                return
+                return got
+            got += n
             for wc in wcs[:n]:
                 self._complete(wc)
 
     async def _pump(self) -> None:
+        """Completions to trio.  Asleep, it waits for the completion channel's fd (no CPU while idle);
+        woken, it busy-polls the CQ -- yielding to our other tasks between polls -- for as long as
+        completions keep coming and then ``spin_s`` more (as ib_read_bw polls, bounded), so a stream of
+        completions costs one CQ poll each instead of a wakeup, an event read, an ack and a re-arm (system
+        calls: slow in a VM); then it re-arms the CQ, polls once more (what landed before the arming) and
+        sleeps again."""
+        spin = self.dev.spin_s
+        clock = time.monotonic
         while True:
             await trio.lowlevel.wait_readable(self.fd)
             try:
@@ -609,6 +747,15 @@ class VerbsConnection(Connection):
                     continue
                 raise
             self.cq.ack_events(1)
+            if spin > 0:
+                last = clock()
+                while True:
+                    if self._drain_cq():
+                        last = clock()
+                    elif clock() - last >= spin:
+                        break
+                    await trio.lowlevel.checkpoint()
+                    self.spins += 1
             self.cq.req_notify()
             self._drain_cq()
 
@@ -669,7 +816,8 @@ class VerbsConnection(Connection):
             return
         self._destroyed = True
         self.grants.close()             # windows first: they are bound to the QP and hold the MRs
-        for res in (self.qp, self.ctrl_mr, self.cq, self.cc):
+        eager_mr = self._eager[1] if self._eager is not None else None
+        for res in (self.qp, self.ctrl_mr, eager_mr, self.cq, self.cc):
             if res is None:
                 continue
             try:
@@ -680,11 +828,17 @@ class VerbsConnection(Connection):
             self.ctrl_view.release()
         if self.ctrl is not None:
             self.ctrl.close()
+        if self._eager is not None:
+            self._eager_view.release()
+            self._eager_mmap.close()
 
     def info(self) -> dict:
         return {**super().info(), "device": self.dev.name, "qpn": self.qpn,
                 "path_mtu": _MTU_BYTES.get(self.path_mtu, self.path_mtu), "windows": self.dev.windows_state,
-                "window_binds": self.grants.binds, "windows_allocated": len(self.grants._all)}
+                "window_binds": self.grants.binds, "windows_allocated": len(self.grants._all),
+                "rd_atomic": self.dev.rd_atomic, "spin_us": round(self.dev.spin_s * 1e6),
+                "cq_spins": self.spins, "unsignaled": self.dev.unsignaled, "max_inline": self.max_inline,
+                "slot_bytes": self.slot, "eager_sends": self.eager_sends}
 
 
 _MTU_BYTES = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}
@@ -707,12 +861,12 @@ def _gid_str(raw: bytes) -> str:
 
 
 async def establish(sock, domain: Domain, peer: str, *, is_server: bool, peer_slots: int,
-                    our_slots: int) -> VerbsConnection:
+                    our_slots: int, peer_slot_size: int = SLOT, our_slot_size: int = SLOT) -> VerbsConnection:
     """Create our QP, swap endpoints with the peer on ``sock``, bring the QP to RTS, confirm both ends are
     ready.  On any failure both ends learn it and raise SetupFailed (the caller stays on TCP)."""
     conn = None
     try:
-        conn = VerbsConnection(sock, domain, peer, peer_slots, our_slots)
+        conn = VerbsConnection(sock, domain, peer, peer_slots, our_slots, peer_slot_size, our_slot_size)
         mine = READY + conn.endpoint().encode()
     except Exception as e:  # noqa: BLE001 - report and fall back
         log.warning("cannot create a queue pair for %s: %s", peer, e)
