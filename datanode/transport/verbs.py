@@ -4,9 +4,19 @@
   the process's ``Domain`` becomes one MR on it (the server's whole pool arena: LOCAL_WRITE | REMOTE_READ).
 * Per connection: a completion channel + CQ, an RC QP, and a registered control region of ``our_slots``
   receive slots, all preposted at connect and reposted as each completes.  Headers go by SEND (inline);
-  payloads by RDMA READ / RDMA WRITE straight between registered regions.
+  payloads by RDMA READ / RDMA WRITE straight between registered regions -- except a small WRITE's payload
+  (at most ``DATANODE_VERBS_INLINE`` bytes, default ``VERBS_INLINE``), which goes in the same SEND as its
+  header (protocol.Flag.INLINE, as on TCP): the accepting side's slots are that much larger (its hello's
+  ``slot_size`` says so; a peer whose hello says 88 gets headers only), and the sender copies header and
+  payload into one of its registered send buffers.
 * Completions reach trio without a spinning thread: the channel's fd is awaited with
-  ``trio.lowlevel.wait_readable``; then get_cq_event, ack, re-arm, poll until empty.
+  ``trio.lowlevel.wait_readable``; then get_cq_event, ack, and a bounded busy-poll of the CQ (yielding to
+  trio between polls) while completions keep coming and ``DATANODE_VERBS_SPIN_US`` after the last one; then
+  re-arm and poll once more.  An idle connection costs no CPU.
+* Work requests are unsignaled where nobody waits for them (a header's SEND, a window's bind): no
+  completion to take; the send-queue entries they hold are retired by the next signaled completion (at most
+  UNSIGNALED_MAX in a row).  ``DATANODE_VERBS_UNSIGNALED=0`` signals every one.  A failed work request
+  completes whether signaled or not.
 * Credits: the requester side never has more requests outstanding than the peer has slots (``rpc``), and
   every request gets exactly one response, so SENDs never meet an empty receive queue.
 * Errors: any failed completion (peer gone, retry exceeded, remote access error) moves the QP to the error
@@ -23,8 +33,8 @@ so the TCP transport's table of grants cannot be consulted; the device enforces 
   goes through this connection's ``WindowGrants.grant``: a type-2 window from the connection's free list is
   bound by an ``IBV_WR_BIND_MW`` work request on *this connection's QP*, covering exactly the named range with
   exactly the right the request needs (REMOTE_READ for a payload or body the peer fetches, REMOTE_WRITE for
-  an answer it pushes), posted ahead of the header's SEND on the same send queue; the header carries the
-  window's rkey.  When the answer arrives, the request times out or fails, ``drop`` posts
+  an answer it pushes), posted unsignaled ahead of the header's SEND on the same send queue, in the same
+  ``post_send`` (one doorbell); the header carries the window's rkey.  When the answer arrives, the request times out or fails, ``drop`` posts
   ``IBV_WR_LOCAL_INV``, and ``Pending.result`` returns only after it completed (``settle``), so the buffer is
   never reused while the window is live.  Each bind takes the window's next 8-bit key, so a stale rkey (an
   answered request's) names nothing; a window is usable only through the QP it was bound on, so another
@@ -320,7 +330,7 @@ class WindowGrants(Grants):
         self.conn = conn
         self._free: list[_Window] = []
         self._all: list[_Window] = []
-        self._bound: dict[int, _Window] = {}
+        self._bound: dict[int, tuple[_Window, int]] = {}     # token -> (window, the rkey it was bound with)
         self._invalidating: dict[int, _Op] = {}
         self.binds = 0
 
@@ -346,11 +356,12 @@ class WindowGrants(Grants):
         # Not posted yet: it goes out in the same post_send as the next work request of this QP (the
         # request's SEND, which rpc posts right after the grant), ahead of it on the send queue -- so the
         # window is in place before the peer can see the header -- and unsignaled (no completion to take).
-        conn._chain_bind(wr)
-        w.bound(new)
+        # the provider names the window by its current key (``mw->rkey``) at post time: record the new one
+        # only once the bind is posted
+        conn._chain_bind(wr, lambda: w.bound(new))
         self.binds += 1
         token = self.add(addr, new, length, access)
-        self._bound[token] = w
+        self._bound[token] = (w, new)
         return token, new
 
     def _new(self) -> _Window:
@@ -360,14 +371,14 @@ class WindowGrants(Grants):
 
     def drop(self, token: int | None) -> None:
         super().drop(token)
-        w = self._bound.pop(token, None)
+        w, key = self._bound.pop(token, (None, 0))
         if w is None:
             return
         conn = self.conn
         if conn._closed:                # the QP is in error: nothing reaches the window; freed at _destroy
             return
         wr = SendWR(opcode=E.IBV_WR_LOCAL_INV, send_flags=E.IBV_SEND_SIGNALED)
-        wr.imm_data = w.rkey            # the union member invalidate_rkey
+        wr.imm_data = key               # the union member invalidate_rkey (its bind may still be in the chain)
 
         def then(ok: bool) -> None:
             self._invalidating.pop(token, None)
@@ -616,12 +627,12 @@ class VerbsConnection(Connection):
         self._post_send(wr, what, signaled)
         return op
 
-    def _chain_bind(self, wr: SendWR) -> None:
+    def _chain_bind(self, wr: SendWR, posted) -> None:
         """Queue a bind (on entries ``_reserve`` took) to be posted, unsignaled, ahead of the next work
-        request in the same ``post_send``."""
+        request in the same ``post_send``; ``posted()`` runs once it is."""
         self._ids += 1
         wr.wr_id = self._ids
-        self._chain.append(wr)
+        self._chain.append((wr, posted))
 
     def _sign(self, wr: SendWR, signaled: bool) -> None:
         """Ask for a completion or not.  Unsignaled work requests hold their send-queue entries until a
@@ -641,11 +652,12 @@ class VerbsConnection(Connection):
         chain = self._chain
         if chain:
             self._chain = []
-            for w in chain:
+            wrs = [c[0] for c in chain]
+            for w in wrs:
                 self._sign(w, False)
-            for a, b in zip(chain, chain[1:] + [wr]):
+            for a, b in zip(wrs, wrs[1:] + [wr]):
                 a.next_wr = b
-            first = chain[0]
+            first = wrs[0]
         self._sign(wr, signaled)
         try:
             self.qp.post_send(first)
@@ -654,6 +666,8 @@ class VerbsConnection(Connection):
             self._sq.release()
             self._shutdown(f"post_send failed: {e}")
             raise ConnectionClosed(f"{what} to {self.peer}: {e}") from None
+        for _, posted in chain:
+            posted()
 
     async def _post(self, wr: SendWR, what: str, wait: bool = True, signaled: bool = True, then=None) -> None:
         if self._closed:
