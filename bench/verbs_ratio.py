@@ -228,6 +228,10 @@ def main(mtus, rounds, size, seconds, depth, clients, ib_iters, variants, as_jso
                     ings[name] = ingest(cluster, knobs.get("size", size), seconds,
                                         int(knobs.get("depth", depth)), int(knobs.get("clients", clients)), env)
                     moved[name] = delta(ca, hw_counters())
+                    if len(plan) > 1:
+                        i = ings[name]
+                        print(f"    [{name}] ingest {i['mb_s']:.1f} MB/s, p50 {i['p50_ms']} ms, errors {i['errors']}; "
+                              f"rxe {moved[name]}", flush=True)
                     paths[name] = sorted({m for m in node_path_mtus(cluster) if m})
                 c2 = hw_counters()
                 ib1 = ib_read_bw(SIZES[size], ib_iters)

@@ -10,13 +10,13 @@
   ``slot_size`` says so; a peer whose hello says 88 gets headers only), and the sender copies header and
   payload into one of its registered send buffers.
 * Completions reach trio without a spinning thread: the channel's fd is awaited with
-  ``trio.lowlevel.wait_readable``; then get_cq_event, ack, and a bounded busy-poll of the CQ (yielding to
-  trio between polls) while completions keep coming and ``DATANODE_VERBS_SPIN_US`` after the last one; then
-  re-arm and poll once more.  An idle connection costs no CPU.
-* Work requests are unsignaled where nobody waits for them (a header's SEND, a window's bind): no
-  completion to take; the send-queue entries they hold are retired by the next signaled completion (at most
-  UNSIGNALED_MAX in a row).  ``DATANODE_VERBS_UNSIGNALED=0`` signals every one.  A failed work request
-  completes whether signaled or not.
+  ``trio.lowlevel.wait_readable``; then get_cq_event, ack, re-arm, poll until empty.  With
+  ``DATANODE_VERBS_SPIN_US=N`` (default 0: off) the poller first busy-polls the CQ (yielding to trio between
+  polls) while completions keep coming and N us after the last one; an idle connection costs no CPU either way.
+* With ``DATANODE_VERBS_UNSIGNALED=1`` (default off) work requests nobody waits for (a header's SEND, a
+  window's bind) are unsignaled: no completion to take; the send-queue entries they hold are retired by the
+  next signaled completion (at most UNSIGNALED_MAX in a row).  A failed work request completes either way.
+  Neither paid in the Soft-RoCE VM (see the tuning constants below).
 * Credits: the requester side never has more requests outstanding than the peer has slots (``rpc``), and
   every request gets exactly one response, so SENDs never meet an empty receive queue.
 * Errors: any failed completion (peer gone, retry exceeded, remote access error) moves the QP to the error
@@ -89,10 +89,14 @@ SLOT = 256                      # bytes per control slot without inline payloads
 RECV_TAG = 1 << 62              # wr_id of a receive = RECV_TAG | slot index
 READY, FAILED = b"\x01", b"\x00"
 
-# Tuning (environment, read once per process when the device is opened; shown in node status):
+# Tuning (environment, read once per process when the device is opened; shown in node status).  Defaults
+# from bench/verbs_ratio.py --variant runs in the Soft-RoCE VM (README "How a write travels"): inline pays
+# (4 KiB writes ~3x), busy-polling and unsignaled work requests did not pay there (2 vCPUs shared by client,
+# node and rxe's softirq work: a spinning poller takes CPU rxe needs); they stay available for hardware.
 SPIN_ENV = "DATANODE_VERBS_SPIN_US"        # busy-poll the CQ this long after the last completion (0: off)
-SPIN_US = 200
-UNSIGNALED_ENV = "DATANODE_VERBS_UNSIGNALED"  # "0": every work request signaled (the old behaviour)
+SPIN_US = 0
+UNSIGNALED_ENV = "DATANODE_VERBS_UNSIGNALED"  # "1": headers' SENDs and window binds unsignaled
+UNSIGNALED = False
 UNSIGNALED_MAX = 16             # unsignaled work requests in a row at most; then one is signaled
 INLINE_ENV = "DATANODE_VERBS_INLINE"       # largest payload a verbs SEND carries after its header (0: off)
 VERBS_INLINE = 16 << 10
@@ -132,8 +136,8 @@ def windows_wanted() -> bool:
     return _env_flag(WINDOWS_ENV)
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "1").strip().lower() not in ("0", "off", "no", "false")
+def _env_flag(name: str, default: bool = True) -> bool:
+    return os.environ.get(name, "1" if default else "0").strip().lower() not in ("0", "off", "no", "false")
 
 
 def _env_int(name: str, default: int, lo: int, hi: int) -> int:
@@ -169,7 +173,7 @@ class Device:
         # RDMA READs one queue pair may have outstanding (ours) and serve at once (the peer's): ib_read_bw's 16
         self.rd_atomic = max(1, min(16, dattr.max_qp_init_rd_atom, dattr.max_qp_rd_atom))
         self.spin_s = _env_int(SPIN_ENV, SPIN_US, 0, 1_000_000) / 1e6
-        self.unsignaled = _env_flag(UNSIGNALED_ENV)
+        self.unsignaled = _env_flag(UNSIGNALED_ENV, UNSIGNALED)
         self.inline_max = _env_int(INLINE_ENV, VERBS_INLINE, 0, INLINE_MAX)
         caps = dattr.device_cap_flags
         type2 = bool(caps & E.IBV_DEVICE_MEM_WINDOW) and bool(
@@ -745,12 +749,11 @@ class VerbsConnection(Connection):
 
     async def _pump(self) -> None:
         """Completions to trio.  Asleep, it waits for the completion channel's fd (no CPU while idle);
-        woken, it busy-polls the CQ -- yielding to our other tasks between polls -- for as long as
+        woken, with ``spin_s`` > 0 (default 0: off), it busy-polls the CQ -- yielding to our other tasks between polls -- for as long as
         completions keep coming and then ``spin_s`` more (as ib_read_bw polls, bounded), so a stream of
         completions costs one CQ poll each instead of a wakeup, an event read, an ack and a re-arm (system
         calls: slow in a VM); then it re-arms the CQ, polls once more (what landed before the arming) and
         sleeps again."""
-        spin = self.dev.spin_s
         clock = time.monotonic
         while True:
             await trio.lowlevel.wait_readable(self.fd)
@@ -761,6 +764,7 @@ class VerbsConnection(Connection):
                     continue
                 raise
             self.cq.ack_events(1)
+            spin = self.dev.spin_s
             if spin > 0:
                 last = clock()
                 while True:
