@@ -33,10 +33,10 @@ so the TCP transport's table of grants cannot be consulted; the device enforces 
   goes through this connection's ``WindowGrants.grant``: a type-2 window from the connection's free list is
   bound by an ``IBV_WR_BIND_MW`` work request on *this connection's QP*, covering exactly the named range with
   exactly the right the request needs (REMOTE_READ for a payload or body the peer fetches, REMOTE_WRITE for
-  an answer it pushes), posted unsignaled ahead of the header's SEND on the same send queue, in the same
-  ``post_send`` (one doorbell); the header carries the window's rkey.  When the answer arrives, the request times out or fails, ``drop`` posts
-  ``IBV_WR_LOCAL_INV``, and ``Pending.result`` returns only after it completed (``settle``), so the buffer is
-  never reused while the window is live.  Each bind takes the window's next 8-bit key, so a stale rkey (an
+  an answer it pushes), posted ahead of the header's SEND on the same send queue, in the same ``post_send``
+  (one doorbell); the header carries the window's rkey.  When the answer arrives, the request times out or
+  fails, ``drop`` posts ``IBV_WR_LOCAL_INV``, and ``Pending.result`` returns only after it completed
+  (``settle``), so the buffer is never reused while the window is live.  Each bind takes the window's next 8-bit key, so a stale rkey (an
   answered request's) names nothing; a window is usable only through the QP it was bound on, so another
   connection (another peer, or the same peer's second QP) cannot use it.  A dead connection's QP is in the
   error state: nothing reaches its windows; they are deallocated with it.
@@ -359,7 +359,7 @@ class WindowGrants(Grants):
             raise ConnectionClosed(f"connection to {conn.peer} is closed: {conn._closed}")
         # Not posted yet: it goes out in the same post_send as the next work request of this QP (the
         # request's SEND, which rpc posts right after the grant), ahead of it on the send queue -- so the
-        # window is in place before the peer can see the header -- and unsignaled (no completion to take).
+        # window is in place before the peer can see the header -- unsignaled where DATANODE_VERBS_UNSIGNALED.
         # the provider names the window by its current key (``mw->rkey``) at post time: record the new one
         # only once the bind is posted
         conn._chain_bind(wr, lambda: w.bound(new))
@@ -444,7 +444,7 @@ class VerbsConnection(Connection):
         # completion (``_carry``: its wr_id -> how many it retires besides itself)
         self._unsig = 0
         self._carry: dict[int, int] = {}
-        self._chain: list[SendWR] = []   # binds waiting to go out ahead of the next post (``_chain_bind``)
+        self._chain: list = []           # (bind, posted) waiting to go out ahead of the next post (``_chain_bind``)
         # each request of ours may hold a window bind and its invalidate besides the SEND
         self.sq_depth = (4 if dev.windows else 2) * peer_slots + 2 * our_slots + 16
         self._sq = trio.Semaphore(self.sq_depth)
@@ -627,7 +627,9 @@ class VerbsConnection(Connection):
             raise ConnectionClosed(f"connection to {self.peer} is closed: {self._closed}")
         self._ids += 1
         wr.wr_id = self._ids
-        op = self._ops[wr.wr_id] = _Op(then) if signaled else None
+        op = None
+        if signaled:
+            op = self._ops[wr.wr_id] = _Op(then)
         self._post_send(wr, what, signaled)
         return op
 
@@ -688,7 +690,9 @@ class VerbsConnection(Connection):
         wr.wr_id = wr_id
         if wait:
             signaled = True
-        op = self._ops[wr_id] = _Op(then) if (wait or then is not None) else None
+        op = None
+        if wait or then is not None:     # only what someone waits for is tracked (unsignaled: no completion)
+            op = self._ops[wr_id] = _Op(then)
         self._post_send(wr, what, signaled)
         if not wait:
             return
@@ -749,8 +753,8 @@ class VerbsConnection(Connection):
 
     async def _pump(self) -> None:
         """Completions to trio.  Asleep, it waits for the completion channel's fd (no CPU while idle);
-        woken, with ``spin_s`` > 0 (default 0: off), it busy-polls the CQ -- yielding to our other tasks between polls -- for as long as
-        completions keep coming and then ``spin_s`` more (as ib_read_bw polls, bounded), so a stream of
+        woken, with ``spin_s`` > 0 (default 0: off), it busy-polls the CQ -- yielding to our other tasks
+        between polls -- for as long as completions keep coming and then ``spin_s`` more (as ib_read_bw polls, bounded), so a stream of
         completions costs one CQ poll each instead of a wakeup, an event read, an ack and a re-arm (system
         calls: slow in a VM); then it re-arms the CQ, polls once more (what landed before the arming) and
         sleeps again."""
@@ -822,11 +826,13 @@ class VerbsConnection(Connection):
             self._destroy()
 
     def _fail_all(self) -> None:
-        for op in self._ops.values():
-            if op is not None:
-                op.status = E.IBV_WC_WR_FLUSH_ERR
-                op.event.set()
+        ops = [op for op in self._ops.values() if op is not None]
         self._ops.clear()
+        for op in ops:
+            op.status = E.IBV_WC_WR_FLUSH_ERR
+            op.event.set()
+            if op.then is not None:          # e.g. an eager send buffer: a sender waiting for one goes on
+                op.then(False)
 
     def _destroy(self) -> None:
         """Release the QP, control MR, CQ and channel, in that order (once; the pump is stopped)."""
