@@ -36,8 +36,8 @@ so the TCP transport's table of grants cannot be consulted; the device enforces 
   an answer it pushes), posted ahead of the header's SEND on the same send queue, in the same ``post_send``
   (one doorbell); the header carries the window's rkey.  When the answer arrives, the request times out or
   fails, ``drop`` posts ``IBV_WR_LOCAL_INV``, and ``Pending.result`` returns only after it completed
-  (``settle``), so the buffer is never reused while the window is live.  Each bind takes the window's next 8-bit key, so a stale rkey (an
-  answered request's) names nothing; a window is usable only through the QP it was bound on, so another
+  (``settle``), so the buffer is never reused while the window is live.  Each bind takes the window's next
+  8-bit key, so a stale rkey (an answered request's) names nothing; a window is usable only through the QP it was bound on, so another
   connection (another peer, or the same peer's second QP) cannot use it.  A dead connection's QP is in the
   error state: nothing reaches its windows; they are deallocated with it.
 * A peer's access that breaks these rules fails at the NIC with a remote access error; its QP (and ours to it)
@@ -754,8 +754,8 @@ class VerbsConnection(Connection):
     async def _pump(self) -> None:
         """Completions to trio.  Asleep, it waits for the completion channel's fd (no CPU while idle);
         woken, with ``spin_s`` > 0 (default 0: off), it busy-polls the CQ -- yielding to our other tasks
-        between polls -- for as long as completions keep coming and then ``spin_s`` more (as ib_read_bw polls, bounded), so a stream of
-        completions costs one CQ poll each instead of a wakeup, an event read, an ack and a re-arm (system
+        between polls -- for as long as completions keep coming and then ``spin_s`` more (as ib_read_bw polls,
+        bounded), so a stream of completions costs one CQ poll each instead of a wakeup, an event read, an ack and a re-arm (system
         calls: slow in a VM); then it re-arms the CQ, polls once more (what landed before the arming) and
         sleeps again."""
         clock = time.monotonic
