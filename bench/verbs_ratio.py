@@ -15,6 +15,15 @@ Per round, for each MTU in turn (interleaved, so drift in the VM's speed hits bo
    the leader's ingest;
 and prints ingest / ib_read_bw per MTU, the median over the rounds, next to the goal (>= 0.60).  Absolute
 numbers are slow (TCG emulation; the host's other work shows up too); read the ratios of the same round.
+
+``--variant NAME:KEY=VALUE,...`` (repeatable) compares settings in the same run: each variant's ingest runs
+between the same two ib_read_bw runs, on a cluster started with the variant's environment (e.g.
+``DATANODE_VERBS_SPIN_US=0``, ``DATANODE_VERBS_UNSIGNALED=0``, ``DATANODE_VERBS_INLINE=0``,
+``DATANODE_RDMA_WINDOWS=0``; see datanode/transport/verbs.py), and ``depth=N`` / ``size=S`` / ``clients=N``
+change the bench itself for that variant:
+
+    python bench/verbs_ratio.py --variant old:DATANODE_VERBS_SPIN_US=0,DATANODE_VERBS_UNSIGNALED=0 \
+                                --variant new: --variant new-d16:depth=16
 """
 from __future__ import annotations
 
@@ -93,7 +102,71 @@ def node_path_mtus(cluster: str) -> list:
     return found
 
 
-def ingest(cluster: str, size: str, seconds: float, depth: int, clients: int) -> dict:
+BENCH_KEYS = ("depth", "size", "clients")
+
+
+def parse_variant(text: str) -> tuple[str, dict, dict]:
+    """``NAME:KEY=VALUE,...`` -> (name, environment, bench settings)."""
+    name, _, rest = text.partition(":")
+    if not name.strip():
+        raise click.BadParameter(f"{text!r}: expected NAME:KEY=VALUE,...", param_hint="--variant")
+    env, knobs = {}, {}
+    for item in filter(None, (x.strip() for x in rest.split(","))):
+        k, eq, v = item.partition("=")
+        if not eq:
+            raise click.BadParameter(f"{item!r} in {text!r}: expected KEY=VALUE", param_hint="--variant")
+        if k in BENCH_KEYS:
+            if k == "size" and v not in SIZES:
+                raise click.BadParameter(f"size {v!r}: one of {', '.join(sorted(SIZES))}", param_hint="--variant")
+            knobs[k] = v
+        else:
+            env[k] = v
+    return name.strip(), env, knobs
+
+
+class Cluster:
+    """The one-node verbs cluster, (re)started when the environment a variant wants differs."""
+
+    def __init__(self, path: str):
+        self.path, self.env, self.up = path, None, False
+
+    def ensure(self, env: dict) -> None:
+        if self.up and env == self.env:
+            return
+        self.down()
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            dnctl("cluster", "up", "--nodes", "1", "--cluster", self.path, "--transport", "verbs", "--sync",
+                  "always", "--pool-mib", "64", "--replica-timeout", "20", "--no-etcd")
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        self.env, self.up = dict(env), True
+
+    def down(self) -> None:
+        if self.up:
+            dnctl("cluster", "down", "--cluster", self.path)
+            self.up = False
+
+
+def ingest(cluster: str, size: str, seconds: float, depth: int, clients: int, env: dict | None = None) -> dict:
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        return _ingest(cluster, size, seconds, depth, clients)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _ingest(cluster: str, size: str, seconds: float, depth: int, clients: int) -> dict:
     out = json.loads(dnctl("bench", "--cluster", cluster, "--replicas", "1", "--mode", "write", "--size", size,
                            "--depth", str(depth), "--clients", str(clients), "--seconds", str(seconds),
                            "--transport", "verbs", "--json"))
@@ -112,8 +185,10 @@ def ingest(cluster: str, size: str, seconds: float, depth: int, clients: int) ->
 @click.option("--clients", type=click.IntRange(1, 16), default=1, show_default=True,
               help="Client processes writing to the leader at once (its ingest, not one client's).")
 @click.option("--ib-iters", type=int, default=500, show_default=True, help="ib_read_bw -n.")
+@click.option("--variant", "variants", multiple=True, metavar="NAME:KEY=VALUE,...",
+              help="Settings to compare in the same run (see the module docstring); default: one, as is.")
 @click.option("--json", "as_json", is_flag=True, help="Also print every measurement as JSON.")
-def main(mtus, rounds, size, seconds, depth, clients, ib_iters, as_json) -> None:
+def main(mtus, rounds, size, seconds, depth, clients, ib_iters, variants, as_json) -> None:
     """Leader ingest over verbs / ib_read_bw per RoCE MTU, in this Soft-RoCE VM (see the module docstring)."""
     if not os.path.exists(f"/sys/class/infiniband/{DEV}"):
         raise SystemExit(f"no RDMA device {DEV}: run inside the VM: "
@@ -126,6 +201,9 @@ def main(mtus, rounds, size, seconds, depth, clients, ib_iters, as_json) -> None
         raise click.BadParameter("expected MTUs like 1024,4096", param_hint="--mtu") from None
     if not wanted or any(m not in NETDEV_MTU for m in wanted):
         raise click.BadParameter(f"each MTU must be one of {sorted(NETDEV_MTU)}", param_hint="--mtu")
+    plan = [parse_variant(v) for v in variants] or [("as-is", {}, {})]
+    if len({n for n, _, _ in plan}) != len(plan):
+        raise click.BadParameter("variant names must differ", param_hint="--variant")
     netdev = rxe_netdev()
     root = tempfile.mkdtemp(prefix="verbsratio-")
     cluster = os.path.join(root, "c")
@@ -133,8 +211,7 @@ def main(mtus, rounds, size, seconds, depth, clients, ib_iters, as_json) -> None
     print(f"device {DEV} (GID {GID}, {ADDR}) on {netdev}; {size} writes, {clients} client(s) x depth {depth}, "
           f"{seconds:g} s; "
           f"{rounds} round(s) of MTU {', '.join(map(str, wanted))}", flush=True)
-    dnctl("cluster", "up", "--nodes", "1", "--cluster", cluster, "--transport", "verbs", "--sync", "always",
-          "--pool-mib", "64", "--replica-timeout", "20", "--no-etcd")
+    cl = Cluster(cluster)
     try:
         for rnd in range(1, rounds + 1):
             for mtu in wanted:
@@ -142,32 +219,50 @@ def main(mtus, rounds, size, seconds, depth, clients, ib_iters, as_json) -> None
                 c0 = hw_counters()
                 ib0 = ib_read_bw(SIZES[size], ib_iters)
                 c1 = hw_counters()
-                ing = ingest(cluster, size, seconds, depth, clients)
+                ings, moved, paths = {}, {}, {}
+                # the variants in turn (rotated each round, so none always runs first)
+                k = (rnd - 1) % len(plan)
+                for name, env, knobs in plan[k:] + plan[:k]:
+                    cl.ensure(env)
+                    ca = hw_counters()
+                    ings[name] = ingest(cluster, knobs.get("size", size), seconds,
+                                        int(knobs.get("depth", depth)), int(knobs.get("clients", clients)), env)
+                    moved[name] = delta(ca, hw_counters())
+                    if len(plan) > 1:
+                        i = ings[name]
+                        print(f"    [{name}] ingest {i['mb_s']:.1f} MB/s, p50 {i['p50_ms']} ms, errors {i['errors']}; "
+                              f"rxe {moved[name]}", flush=True)
+                    paths[name] = sorted({m for m in node_path_mtus(cluster) if m})
                 c2 = hw_counters()
                 ib1 = ib_read_bw(SIZES[size], ib_iters)
                 c3 = hw_counters()
                 # the device's rate: the better of the runs before and after (a run under a burst of the
                 # host's other work, or one that reports 0, must not flatter the ratio)
                 ib = max([x for x in (ib0, ib1) if x] or [0.0]) or None
-                path = sorted({m for m in node_path_mtus(cluster) if m})
-                r = {"round": rnd, "roce_mtu": mtu, "active_mtu": got, "netdev_mtu": NETDEV_MTU[mtu],
-                     "ib_read_bw_MBps": ib, "ib_read_bw_runs": [ib0, ib1], "ingest": ing,
-                     "rxe_counters": {"ib_read_bw": [delta(c0, c1), delta(c2, c3)], "ingest": delta(c1, c2)}, "node_path_mtus": path,
-                     "ratio": round(ing["mb_s"] / ib, 3) if ib else None}
-                runs.append(r)
-                print(f"round {rnd} MTU {mtu} (active {got}): ib_read_bw {ib or 0:.1f} MB/s, leader ingest "
-                      f"{ing['mb_s']:.1f} MB/s ({ing['mib_s']:.1f} MiB/s, p50 {ing['p50_ms']} ms, "
-                      f"errors {ing['errors']}), ratio {r['ratio']}", flush=True)
-                print(f"    rxe counters that moved: ib_read_bw {r['rxe_counters']['ib_read_bw']}, ingest "
-                      f"{r['rxe_counters']['ingest']}", flush=True)
+                for name, env, knobs in plan:
+                    ing = ings[name]
+                    r = {"round": rnd, "roce_mtu": mtu, "active_mtu": got, "netdev_mtu": NETDEV_MTU[mtu],
+                         "variant": name, "env": env, "bench": knobs,
+                         "ib_read_bw_MBps": ib, "ib_read_bw_runs": [ib0, ib1], "ingest": ing,
+                         "rxe_counters": {"ib_read_bw": [delta(c0, c1), delta(c2, c3)], "ingest": moved[name]},
+                         "node_path_mtus": paths[name], "ratio": round(ing["mb_s"] / ib, 3) if ib else None}
+                    runs.append(r)
+                    tag = f" [{name}]" if len(plan) > 1 else ""
+                    print(f"round {rnd} MTU {mtu} (active {got}){tag}: ib_read_bw {ib or 0:.1f} MB/s, leader "
+                          f"ingest {ing['mb_s']:.1f} MB/s ({ing['mib_s']:.1f} MiB/s, p50 {ing['p50_ms']} ms, "
+                          f"errors {ing['errors']}), ratio {r['ratio']}", flush=True)
+                    print(f"    rxe counters that moved: ib_read_bw {r['rxe_counters']['ib_read_bw']}, ingest "
+                          f"{r['rxe_counters']['ingest']}", flush=True)
     finally:
-        dnctl("cluster", "down", "--cluster", cluster)
+        cl.down()
         shutil.rmtree(root, ignore_errors=True)
     if as_json:
         print(json.dumps(runs, indent=2))
     print("\nsummary (medians over rounds)")
-    for mtu in wanted:
-        mine = [r for r in runs if r["roce_mtu"] == mtu]
+    for (name, _, _), mtu in ((v, m) for v in plan for m in wanted):
+        mine = [r for r in runs if r["roce_mtu"] == mtu and r["variant"] == name]
+        if len(plan) > 1:
+            print(f"  [{name}]", end="")
         ib = [r["ib_read_bw_MBps"] for r in mine if r["ib_read_bw_MBps"]]
         ing = [r["ingest"]["mb_s"] for r in mine]
         rat = [r["ratio"] for r in mine if r["ratio"]]

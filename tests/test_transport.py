@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from datanode.pool import BuddyPool
-from datanode.protocol import Header, Op, Result, Transport, decode
+from datanode.protocol import Flag, Header, Op, Result, Transport, decode, decode_message
 from datanode.rpc import Requester, RequestTimeout
 from datanode.transport.base import Access, ConnectionClosed, RemoteAccessError, TransportError
 from datanode.transport.connect import NegotiationError, accept, choose, dial
@@ -151,6 +151,96 @@ def test_control_messages_keep_order_and_many_can_be_outstanding(transport):
                 with trio.fail_after(10):
                     answers = [decode(await cli.conn.recv(), request=False) for _ in headers]
                 assert [a.req_id for a in answers] == [decode(h).req_id for h in headers]
+    run(body)
+
+
+@asynccontextmanager
+async def tuned(end, **settings):
+    """Verbs: the process's device with other tuning (``spin_s``, ``unsignaled``) for one test."""
+    dev = getattr(end.domain, "device", None)
+    if dev is None:
+        yield
+        return
+    saved = {k: getattr(dev, k) for k in settings}
+    for k, v in settings.items():
+        setattr(dev, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(dev, k, v)
+
+
+def test_inline_payloads_arrive_with_their_header(transport):
+    """A small WRITE's payload travels in the same control message as its header (TCP: after it on the
+    stream; verbs: in the same SEND, from the sender's registered send buffers, reused many times over);
+    one larger than the connection's limit is refused before anything is sent, and the connection goes on."""
+    async def body():
+        async with pair(transport, slots=16) as (cli, srv):
+            limit = cli.conn.max_inline
+            assert limit >= 4 * KiB
+            sizes = [1, 4095, limit] * 20                  # more messages than any ring of send buffers
+            for rnd in range(0, len(sizes), 16):
+                batch = sizes[rnd:rnd + 16]
+                sent = []
+                for i, n in enumerate(batch):
+                    data = pattern(rnd + i, n)
+                    h = Header(opcode=Op.WRITE, partition=1, extent=1, length=n, req_id=rnd + i,
+                               flags=Flag.INLINE)
+                    await cli.conn.send(h.encode(), memoryview(data))
+                    sent.append((h, data))
+                with trio.fail_after(10 * SLACK):
+                    for h, data in sent:
+                        got, payload = decode_message(await srv.conn.recv())
+                        assert got.req_id == h.req_id and bytes(payload) == data
+            with pytest.raises(ValueError):
+                await cli.conn.send(Header(opcode=Op.WRITE, length=limit + 1, flags=Flag.INLINE).encode(),
+                                    memoryview(bytes(limit + 1)))
+            await cli.conn.send(Header(opcode=Op.PING, req_id=7).encode())
+            with trio.fail_after(10 * SLACK):
+                assert decode(await srv.conn.recv()).req_id == 7
+    run(body)
+
+
+@pytest.mark.parametrize("unsignaled", [False, True])
+def test_many_messages_never_exhaust_the_send_queue(transport, unsignaled):
+    """Far more messages than the send queue has entries (on verbs with unsignaled work requests most are: a
+    later signaled completion must retire their entries, or the sender would wait for room forever)."""
+    if unsignaled and transport != "verbs":
+        pytest.skip("unsignaled work requests are a verbs setting")
+
+    async def body():
+        async with pair(transport, slots=16) as (cli, srv), tuned(cli, unsignaled=unsignaled):
+            with trio.fail_after(120 * SLACK):
+                for rnd in range(40):
+                    headers = [Header(opcode=Op.PING, req_id=rnd * 16 + i).encode() for i in range(16)]
+                    for h in headers:
+                        await cli.conn.send(h)
+                    got = [await srv.conn.recv() for _ in headers]
+                    assert got == headers
+                    for raw in got:
+                        await srv.conn.send(decode(raw).reply(Result.OK).encode())
+                    assert [decode(await cli.conn.recv(), request=False).req_id for _ in headers] == \
+                        [decode(h).req_id for h in headers]
+    run(body)
+
+
+@pytest.mark.parametrize("transport", [pytest.param("verbs", marks=pytest.mark.verbs)], indirect=True)
+def test_idle_verbs_connection_stops_polling(transport):
+    """After traffic the completion poller busy-polls only briefly (DATANODE_VERBS_SPIN_US), then sleeps on
+    the completion channel: an idle connection's poll count stands still."""
+    async def body():
+        async with pair(transport, slots=16) as (cli, srv), tuned(cli, spin_s=200e-6):
+            for i in range(32):
+                await cli.conn.send(Header(opcode=Op.PING, req_id=i).encode())
+                await srv.conn.send(decode(await srv.conn.recv()).reply(Result.OK).encode())
+                await cli.conn.recv()
+            spins = lambda: cli.conn.info()["cq_spins"] + srv.conn.info()["cq_spins"]   # noqa: E731
+            assert spins() > 0                       # it did poll while the messages came
+            await trio.sleep(0.5 + cli.conn.info()["spin_us"] / 1e6)
+            before = spins()
+            await trio.sleep(1.0)
+            assert spins() == before
     run(body)
 
 

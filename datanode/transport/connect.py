@@ -28,8 +28,8 @@ import trio
 from .. import aio
 from ..auth import Credentials, DialAuth, new_nonce, proof, transcript
 from ..config import TransportChoice
-from ..protocol import (HELLO_SIZE, HELLO_STATUS, AuthProof, AuthVerdict, Hello, ProtocolError, Role, Transport,
-                        decode_hello, decode_identity)
+from ..protocol import (HEADER_SIZE, HELLO_SIZE, HELLO_STATUS, AuthProof, AuthVerdict, Hello, ProtocolError,
+                        Role, Transport, decode_hello, decode_identity)
 from .base import Connection, Domain, TransportError
 from . import tls
 from .tcp import TcpConnection, recv_exactly, send_all, tune_socket
@@ -103,12 +103,16 @@ async def _running(conn: Connection) -> AsyncIterator[Connection]:
             nursery.cancel_scope.cancel()
 
 
-async def _upgrade(sock, domain: Domain, peer: str, is_server: bool, peer_slots: int, our_slots: int):
-    """Try to bring up verbs on this stream; None means both ends agreed to stay on TCP."""
+async def _upgrade(sock, domain: Domain, peer: str, is_server: bool, peer_slots: int, our_slots: int,
+                   peer_slot_size: int, our_slot_size: int = HEADER_SIZE):
+    """Try to bring up verbs on this stream; None means both ends agreed to stay on TCP.  Slot sizes: what
+    each end's hello said its receive slots take (a header, and an inline payload after it on the side that
+    takes requests: ``verbs_slot_size``)."""
     from . import verbs  # imported only when a device is in play (pyverbs is optional)
     try:
         return await verbs.establish(sock, domain, peer, is_server=is_server, peer_slots=peer_slots,
-                                     our_slots=our_slots)
+                                     our_slots=our_slots, peer_slot_size=peer_slot_size,
+                                     our_slot_size=our_slot_size)
     except verbs.SetupFailed as e:
         log.warning("verbs setup with %s failed (%s); this connection stays on TCP", peer, e)
         return None
@@ -165,7 +169,7 @@ async def dial(host: str, port: int, domain: Domain, *, transport: str = "auto",
                                        f"(we asked for {transport}, device={device})")
             conn: Connection | None = None
             if answer.transport == Transport.VERBS:
-                conn = await _upgrade(sock, domain, peer, False, answer.slots, slots)
+                conn = await _upgrade(sock, domain, peer, False, answer.slots, slots, answer.slot_size)
             if conn is None:
                 conn = TcpConnection(sock, domain, peer, answer.slots, slots)
             conn.tls = auth.tls is not None
@@ -269,12 +273,14 @@ async def accept(sock, peer: str, domain: Domain, *, transport: str = "auto", sl
         except NegotiationError as e:
             await refuse(sock, domain, slots, 0)
             raise NegotiationError(f"connection from {peer}: {e}") from None
-        answer = Hello(transport=chosen, has_device=device, slots=slots,
+        # on verbs our slots take a small WRITE's payload after its header (the peer SENDs it inline)
+        slot_size = verbs_slot_size(domain) if chosen == Transport.VERBS else HEADER_SIZE
+        answer = Hello(transport=chosen, has_device=device, slots=slots, slot_size=slot_size,
                        nonce=new_nonce() if creds else bytes(32))
         role, identity = await _authenticate(sock, peer, hello, creds, answer, admit)
         conn: Connection | None = None
         if chosen == Transport.VERBS:
-            conn = await _upgrade(sock, domain, peer, True, hello.slots, slots)
+            conn = await _upgrade(sock, domain, peer, True, hello.slots, slots, hello.slot_size, slot_size)
         if conn is None:
             conn = TcpConnection(sock, domain, peer, hello.slots, slots)
         conn.role, conn.identity, conn.tls = role, identity, secure
@@ -288,6 +294,12 @@ async def accept(sock, peer: str, domain: Domain, *, transport: str = "auto", sl
             raise
     async with _running(conn) as c:
         yield c
+
+
+def verbs_slot_size(domain: Domain) -> int:
+    """The receive slot size a verbs server offers: a header, and the device's inline payload limit."""
+    dev = getattr(domain, "device", None)
+    return HEADER_SIZE + (getattr(dev, "inline_max", 0) or 0)
 
 
 def make_domain(transport: str = "auto", device: str | None = None, gid_index: int | None = None) -> Domain:

@@ -4,9 +4,19 @@
   the process's ``Domain`` becomes one MR on it (the server's whole pool arena: LOCAL_WRITE | REMOTE_READ).
 * Per connection: a completion channel + CQ, an RC QP, and a registered control region of ``our_slots``
   receive slots, all preposted at connect and reposted as each completes.  Headers go by SEND (inline);
-  payloads by RDMA READ / RDMA WRITE straight between registered regions.
+  payloads by RDMA READ / RDMA WRITE straight between registered regions -- except a small WRITE's payload
+  (at most ``DATANODE_VERBS_INLINE`` bytes, default ``VERBS_INLINE``), which goes in the same SEND as its
+  header (protocol.Flag.INLINE, as on TCP): the accepting side's slots are that much larger (its hello's
+  ``slot_size`` says so; a peer whose hello says 88 gets headers only), and the sender copies header and
+  payload into one of its registered send buffers.
 * Completions reach trio without a spinning thread: the channel's fd is awaited with
-  ``trio.lowlevel.wait_readable``; then get_cq_event, ack, re-arm, poll until empty.
+  ``trio.lowlevel.wait_readable``; then get_cq_event, ack, re-arm, poll until empty.  With
+  ``DATANODE_VERBS_SPIN_US=N`` (default 0: off) the poller first busy-polls the CQ (yielding to trio between
+  polls) while completions keep coming and N us after the last one; an idle connection costs no CPU either way.
+* With ``DATANODE_VERBS_UNSIGNALED=1`` (default off) work requests nobody waits for (a header's SEND, a
+  window's bind) are unsignaled: no completion to take; the send-queue entries they hold are retired by the
+  next signaled completion (at most UNSIGNALED_MAX in a row).  A failed work request completes either way.
+  Neither paid in the Soft-RoCE VM (see the tuning constants below).
 * Credits: the requester side never has more requests outstanding than the peer has slots (``rpc``), and
   every request gets exactly one response, so SENDs never meet an empty receive queue.
 * Errors: any failed completion (peer gone, retry exceeded, remote access error) moves the QP to the error
@@ -23,11 +33,11 @@ so the TCP transport's table of grants cannot be consulted; the device enforces 
   goes through this connection's ``WindowGrants.grant``: a type-2 window from the connection's free list is
   bound by an ``IBV_WR_BIND_MW`` work request on *this connection's QP*, covering exactly the named range with
   exactly the right the request needs (REMOTE_READ for a payload or body the peer fetches, REMOTE_WRITE for
-  an answer it pushes), posted ahead of the header's SEND on the same send queue; the header carries the
-  window's rkey.  When the answer arrives, the request times out or fails, ``drop`` posts
-  ``IBV_WR_LOCAL_INV``, and ``Pending.result`` returns only after it completed (``settle``), so the buffer is
-  never reused while the window is live.  Each bind takes the window's next 8-bit key, so a stale rkey (an
-  answered request's) names nothing; a window is usable only through the QP it was bound on, so another
+  an answer it pushes), posted ahead of the header's SEND on the same send queue, in the same ``post_send``
+  (one doorbell); the header carries the window's rkey.  When the answer arrives, the request times out or
+  fails, ``drop`` posts ``IBV_WR_LOCAL_INV``, and ``Pending.result`` returns only after it completed
+  (``settle``), so the buffer is never reused while the window is live.  Each bind takes the window's next
+  8-bit key, so a stale rkey (an answered request's) names nothing; a window is usable only through the QP it was bound on, so another
   connection (another peer, or the same peer's second QP) cannot use it.  A dead connection's QP is in the
   error state: nothing reaches its windows; they are deallocated with it.
 * A peer's access that breaks these rules fails at the NIC with a remote access error; its QP (and ours to it)
@@ -52,6 +62,7 @@ import os
 import random
 import struct
 import threading
+import time
 
 import cffi
 import trio
@@ -66,7 +77,7 @@ from pyverbs.pyverbs_error import PyverbsError, PyverbsRDMAError
 from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
 from pyverbs.wr import SGE, RecvWR, SendWR
 
-from ..protocol import VerbsEndpoint
+from ..protocol import HEADER_SIZE, INLINE_MAX, VerbsEndpoint
 from .base import Access, Connection, ConnectionClosed, Domain, Grants, Region, RemoteAccessError
 from .tcp import recv_exactly, send_all
 
@@ -74,9 +85,21 @@ log = logging.getLogger(__name__)
 ffi = cffi.FFI()
 
 PORT = 1
-SLOT = 256                      # bytes per control slot (a header is 88; bigger SENDs are a protocol error)
+SLOT = 256                      # bytes per control slot without inline payloads (a header is 88)
 RECV_TAG = 1 << 62              # wr_id of a receive = RECV_TAG | slot index
 READY, FAILED = b"\x01", b"\x00"
+
+# Tuning (environment, read once per process when the device is opened; shown in node status).  Defaults
+# from bench/verbs_ratio.py --variant runs in the Soft-RoCE VM (README "How a write travels"): inline pays
+# (4 KiB writes ~3x), busy-polling and unsignaled work requests did not pay there (2 vCPUs shared by client,
+# node and rxe's softirq work: a spinning poller takes CPU rxe needs); they stay available for hardware.
+SPIN_ENV = "DATANODE_VERBS_SPIN_US"        # busy-poll the CQ this long after the last completion (0: off)
+SPIN_US = 0
+UNSIGNALED_ENV = "DATANODE_VERBS_UNSIGNALED"  # "1": headers' SENDs and window binds unsignaled
+UNSIGNALED = False
+UNSIGNALED_MAX = 16             # unsignaled work requests in a row at most; then one is signaled
+INLINE_ENV = "DATANODE_VERBS_INLINE"       # largest payload a verbs SEND carries after its header (0: off)
+VERBS_INLINE = 16 << 10
 
 
 class SetupFailed(Exception):
@@ -110,7 +133,26 @@ WINDOWS_ENV = "DATANODE_RDMA_WINDOWS"      # "0"/"off": MR-wide rkeys even where
 
 
 def windows_wanted() -> bool:
-    return os.environ.get(WINDOWS_ENV, "1").strip().lower() not in ("0", "off", "no", "false")
+    return _env_flag(WINDOWS_ENV)
+
+
+def _env_flag(name: str, default: bool = True) -> bool:
+    return os.environ.get(name, "1" if default else "0").strip().lower() not in ("0", "off", "no", "false")
+
+
+def _env_int(name: str, default: int, lo: int, hi: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        v = int(raw)
+    except ValueError:
+        log.warning("%s=%r is not an integer: using %d", name, raw, default)
+        return default
+    if not lo <= v <= hi:
+        log.warning("%s=%d is outside %d..%d: using %d", name, v, lo, hi, default)
+        return default
+    return v
 
 
 class Device:
@@ -128,7 +170,11 @@ class Device:
         if not self.gid.gid or self.gid.gid.replace(":", "").strip("0") == "":
             raise RuntimeError(f"{name} has no GID at index {gid_index}")
         dattr = self.ctx.query_device()
+        # RDMA READs one queue pair may have outstanding (ours) and serve at once (the peer's): ib_read_bw's 16
         self.rd_atomic = max(1, min(16, dattr.max_qp_init_rd_atom, dattr.max_qp_rd_atom))
+        self.spin_s = _env_int(SPIN_ENV, SPIN_US, 0, 1_000_000) / 1e6
+        self.unsignaled = _env_flag(UNSIGNALED_ENV, UNSIGNALED)
+        self.inline_max = _env_int(INLINE_ENV, VERBS_INLINE, 0, INLINE_MAX)
         caps = dattr.device_cap_flags
         type2 = bool(caps & E.IBV_DEVICE_MEM_WINDOW) and bool(
             caps & (E.IBV_DEVICE_MEM_WINDOW_TYPE_2A | E.IBV_DEVICE_MEM_WINDOW_TYPE_2B))
@@ -288,7 +334,7 @@ class WindowGrants(Grants):
         self.conn = conn
         self._free: list[_Window] = []
         self._all: list[_Window] = []
-        self._bound: dict[int, _Window] = {}
+        self._bound: dict[int, tuple[_Window, int]] = {}     # token -> (window, the rkey it was bound with)
         self._invalidating: dict[int, _Op] = {}
         self.binds = 0
 
@@ -307,17 +353,19 @@ class WindowGrants(Grants):
             conn._sq.release()
             conn._sq.release()
             raise
-        try:
-            conn._post_reserved(wr, "bind")        # ahead of the SEND; its completion needs no waiter
-        except BaseException:
-            conn._sq.release()                     # the invalidate's share
-            if not conn._closed:
-                self._free.append(w)
-            raise
-        w.bound(new)
+        if conn._closed:
+            conn._sq.release()
+            conn._sq.release()
+            raise ConnectionClosed(f"connection to {conn.peer} is closed: {conn._closed}")
+        # Not posted yet: it goes out in the same post_send as the next work request of this QP (the
+        # request's SEND, which rpc posts right after the grant), ahead of it on the send queue -- so the
+        # window is in place before the peer can see the header -- unsignaled where DATANODE_VERBS_UNSIGNALED.
+        # the provider names the window by its current key (``mw->rkey``) at post time: record the new one
+        # only once the bind is posted
+        conn._chain_bind(wr, lambda: w.bound(new))
         self.binds += 1
         token = self.add(addr, new, length, access)
-        self._bound[token] = w
+        self._bound[token] = (w, new)
         return token, new
 
     def _new(self) -> _Window:
@@ -327,14 +375,14 @@ class WindowGrants(Grants):
 
     def drop(self, token: int | None) -> None:
         super().drop(token)
-        w = self._bound.pop(token, None)
+        w, key = self._bound.pop(token, (None, 0))
         if w is None:
             return
         conn = self.conn
         if conn._closed:                # the QP is in error: nothing reaches the window; freed at _destroy
             return
         wr = SendWR(opcode=E.IBV_WR_LOCAL_INV, send_flags=E.IBV_SEND_SIGNALED)
-        wr.imm_data = w.rkey            # the union member invalidate_rkey
+        wr.imm_data = key               # the union member invalidate_rkey (its bind may still be in the chain)
 
         def then(ok: bool) -> None:
             self._invalidating.pop(token, None)
@@ -342,7 +390,7 @@ class WindowGrants(Grants):
                 self._free.append(w)
 
         try:
-            self._invalidating[token] = conn._post_reserved(wr, "invalidate", then)
+            self._invalidating[token] = conn._post_reserved(wr, "invalidate", then, signaled=True)
         except ConnectionClosed:
             self._invalidating.pop(token, None)
 
@@ -370,7 +418,8 @@ class WindowGrants(Grants):
 class VerbsConnection(Connection):
     transport = "verbs"
 
-    def __init__(self, sock, domain: Domain, peer: str, peer_slots: int, our_slots: int):
+    def __init__(self, sock, domain: Domain, peer: str, peer_slots: int, our_slots: int,
+                 peer_slot_size: int = SLOT, our_slot_size: int = SLOT):
         super().__init__(our_slots)
         dev: Device = domain.device
         self.dev = dev
@@ -382,6 +431,20 @@ class VerbsConnection(Connection):
         self._owns_sock = False          # True once established: then closing us closes the stream
         self._ids = 0
         self._ops: dict[int, _Op] = {}
+        # receive slots: ours take ``our_slot_size`` bytes (a header, and an inline payload after it where
+        # we accept them: the server side); the peer's take ``peer_slot_size`` (its hello said so)
+        self.slot = -(-max(SLOT, our_slot_size) // 64) * 64
+        self.peer_slot = max(SLOT, peer_slot_size)
+        #: payload bytes a SEND may carry after its header (protocol.Flag.INLINE): the peer's slots and ours
+        self.max_inline = min(dev.inline_max, max(0, peer_slot_size - HEADER_SIZE)) if dev.inline_max else 0
+        self._eager = None               # (mmap, MR, free buffer indexes, Semaphore), made on first use
+        self.eager_sends = 0
+        self.spins = 0
+        # unsignaled work requests: the send queue entries they hold are retired by the next signaled one's
+        # completion (``_carry``: its wr_id -> how many it retires besides itself)
+        self._unsig = 0
+        self._carry: dict[int, int] = {}
+        self._chain: list = []           # (bind, posted) waiting to go out ahead of the next post (``_chain_bind``)
         # each request of ours may hold a window bind and its invalidate besides the SEND
         self.sq_depth = (4 if dev.windows else 2) * peer_slots + 2 * our_slots + 16
         self._sq = trio.Semaphore(self.sq_depth)
@@ -404,13 +467,14 @@ class VerbsConnection(Connection):
         os.set_blocking(self.fd, False)
         self.cq = CQ(dev.ctx, self.sq_depth + our_slots + 8, None, self.cc, 0)
         self.cq.req_notify()
-        self.ctrl = mmap.mmap(-1, max(mmap.PAGESIZE, our_slots * SLOT))
+        self.ctrl = mmap.mmap(-1, max(mmap.PAGESIZE, our_slots * self.slot))
         self.ctrl_view = memoryview(self.ctrl)
         self.ctrl_addr = address_of(self.ctrl)
         self.ctrl_mr = MR(dev.pd, len(self.ctrl), E.IBV_ACCESS_LOCAL_WRITE, address=self.ctrl_addr)
         cap = QPCap(max_send_wr=self.sq_depth, max_recv_wr=our_slots, max_send_sge=1, max_recv_sge=1,
                     max_inline_data=SLOT)
-        self.qp = QP(dev.pd, QPInitAttr(qp_type=E.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap, sq_sig_all=1))
+        # sq_sig_all=0: a work request makes a completion only when it asks (IBV_SEND_SIGNALED); failures always do
+        self.qp = QP(dev.pd, QPInitAttr(qp_type=E.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap, sq_sig_all=0))
 
     # -- setup ----------------------------------------------------------------------------------------
     def endpoint(self) -> VerbsEndpoint:
@@ -446,24 +510,73 @@ class VerbsConnection(Connection):
                        | E.IBV_QP_RNR_RETRY | E.IBV_QP_MAX_QP_RD_ATOMIC)
 
     def _post_recv(self, slot: int) -> None:
-        sge = SGE(self.ctrl_addr + slot * SLOT, SLOT, self.ctrl_mr.lkey)
+        sge = SGE(self.ctrl_addr + slot * self.slot, self.slot, self.ctrl_mr.lkey)
         self.qp.post_recv(RecvWR(wr_id=RECV_TAG | slot, num_sge=1, sg=[sge]))
 
     # -- the interface --------------------------------------------------------------------------------
     async def send(self, header: bytes, payload=None) -> None:
-        if payload is not None:              # max_inline is 0: payloads take the one-sided READ here
-            raise ValueError("verbs control messages carry no payload")
-        if len(header) > SLOT:
+        if payload is not None and len(payload):
+            await self._send_eager(header, payload)
+            return
+        if len(header) > self.peer_slot:
             raise ValueError("control message larger than a slot")
         # inline: the bytes are copied into the WQE at post time (``header`` lives until then), no lkey
         wr = SendWR(opcode=E.IBV_WR_SEND, num_sge=1, sg=[SGE(address_of(header), len(header), 0)],
-                    send_flags=E.IBV_SEND_SIGNALED | E.IBV_SEND_INLINE)
+                    send_flags=E.IBV_SEND_INLINE)
         # Lean: an inline SEND's bytes are in the work request once it is posted, so we do not wait for its
         # completion (one trip through the event loop less per message, as TCP returns once the bytes are in
-        # the socket).  The completion still frees its send-queue entry; a failed one ends the connection,
-        # and the request it carried then fails like every other one in flight.
-        await self._post(wr, "send", wait=False)
+        # the socket), nor ask for one (``signaled=False``: a later signaled completion retires its
+        # send-queue entry).  A failed one still completes, and ends the connection: the request it carried
+        # then fails like every other one in flight.
+        await self._post(wr, "send", wait=False, signaled=False)
         self.stats.sends += 1
+
+    async def _send_eager(self, header: bytes, payload) -> None:
+        """A header with a small payload after it in one SEND (an inline WRITE, protocol.Flag.INLINE): the
+        bytes are copied into one of this connection's registered send buffers, which is free again once
+        the SEND completed (the peer's NIC has them).  Costs one copy, as the staging copy a READ needs, and
+        saves the READ's round trip and the memory window."""
+        n = len(payload)
+        if n > self.max_inline:
+            raise ValueError(f"inline payload of {n} bytes: this connection carries at most {self.max_inline}")
+        if self._closed:
+            raise ConnectionClosed(f"connection to {self.peer} is closed: {self._closed}")
+        if self._eager is None:
+            self._make_eager()
+        buf, mr, free, avail, size = self._eager
+        await avail.acquire()
+        i = free.pop()
+        wr = None
+        try:
+            base = i * size
+            end = base + len(header) + n
+            buf[base:base + len(header)] = header
+            buf[base + len(header):end] = payload
+            wr = SendWR(opcode=E.IBV_WR_SEND, num_sge=1,
+                        sg=[SGE(self._eager_addr + base, end - base, mr.lkey)])
+
+            def then(ok: bool, i=i) -> None:
+                free.append(i)
+                avail.release()
+
+            await self._post(wr, "send", wait=False, signaled=True, then=then)
+        except BaseException:
+            if wr is None or wr.wr_id not in self._ops:     # not posted: ``then`` will never run
+                free.append(i)
+                avail.release()
+            raise
+        self.eager_sends += 1
+        self.stats.sends += 1
+
+    def _make_eager(self) -> None:
+        size = -(-(HEADER_SIZE + self.max_inline) // 64) * 64
+        count = max(1, min(self.slots, 16))
+        buf = mmap.mmap(-1, max(mmap.PAGESIZE, count * size))
+        self._eager_view = memoryview(buf)
+        self._eager_addr = address_of(buf)
+        mr = MR(self.dev.pd, len(buf), E.IBV_ACCESS_LOCAL_WRITE, address=self._eager_addr)
+        self._eager_mmap = buf
+        self._eager = (self._eager_view, mr, list(range(count)), trio.Semaphore(count), size)
 
     async def read(self, remote, local: memoryview, local_region: Region | None = None) -> None:
         await self._rdma(E.IBV_WR_RDMA_READ, remote, local, local_region, "read")
@@ -508,23 +621,61 @@ class VerbsConnection(Connection):
                 self._sq.release()
             raise ConnectionClosed(f"connection to {self.peer} is closed: {self._closed}")
 
-    def _post_reserved(self, wr: SendWR, what: str, then=None) -> _Op:
+    def _post_reserved(self, wr: SendWR, what: str, then=None, signaled: bool = True) -> _Op | None:
         """Post on an entry ``_reserve`` took, without waiting for the completion (which releases it)."""
         if self._closed:
             raise ConnectionClosed(f"connection to {self.peer} is closed: {self._closed}")
         self._ids += 1
         wr.wr_id = self._ids
-        op = self._ops[wr.wr_id] = _Op(then)
+        op = None
+        if signaled:
+            op = self._ops[wr.wr_id] = _Op(then)
+        self._post_send(wr, what, signaled)
+        return op
+
+    def _chain_bind(self, wr: SendWR, posted) -> None:
+        """Queue a bind (on entries ``_reserve`` took) to be posted, unsignaled, ahead of the next work
+        request in the same ``post_send``; ``posted()`` runs once it is."""
+        self._ids += 1
+        wr.wr_id = self._ids
+        self._chain.append((wr, posted))
+
+    def _sign(self, wr: SendWR, signaled: bool) -> None:
+        """Ask for a completion or not.  Unsignaled work requests hold their send-queue entries until a
+        later signaled one completes; at most UNSIGNALED_MAX go in a row, so the queue always drains."""
+        if signaled or not self.dev.unsignaled or self._unsig >= UNSIGNALED_MAX - 1:
+            wr.send_flags = wr.send_flags | E.IBV_SEND_SIGNALED
+            if self._unsig:
+                self._carry[wr.wr_id] = self._unsig
+            self._unsig = 0
+        else:
+            wr.send_flags = wr.send_flags & ~E.IBV_SEND_SIGNALED
+            self._unsig += 1
+
+    def _post_send(self, wr: SendWR, what: str, signaled: bool) -> None:
+        """Post ``wr``, after any binds waiting in the chain, in one ``post_send`` (one doorbell)."""
+        first = wr
+        chain = self._chain
+        if chain:
+            self._chain = []
+            wrs = [c[0] for c in chain]
+            for w in wrs:
+                self._sign(w, False)
+            for a, b in zip(wrs, wrs[1:] + [wr]):
+                a.next_wr = b
+            first = wrs[0]
+        self._sign(wr, signaled)
         try:
-            self.qp.post_send(wr)
+            self.qp.post_send(first)
         except PyverbsError as e:
             self._ops.pop(wr.wr_id, None)
             self._sq.release()
             self._shutdown(f"post_send failed: {e}")
             raise ConnectionClosed(f"{what} to {self.peer}: {e}") from None
-        return op
+        for _, posted in chain:
+            posted()
 
-    async def _post(self, wr: SendWR, what: str, wait: bool = True) -> None:
+    async def _post(self, wr: SendWR, what: str, wait: bool = True, signaled: bool = True, then=None) -> None:
         if self._closed:
             raise ConnectionClosed(f"connection to {self.peer} is closed: {self._closed}")
         try:
@@ -537,15 +688,13 @@ class VerbsConnection(Connection):
         self._ids += 1
         wr_id = self._ids
         wr.wr_id = wr_id
-        op = self._ops[wr_id] = _Op() if wait else None
-        try:
-            self.qp.post_send(wr)
-        except PyverbsError as e:
-            self._ops.pop(wr_id, None)
-            self._sq.release()
-            self._shutdown(f"post_send failed: {e}")
-            raise ConnectionClosed(f"{what} to {self.peer}: {e}") from None
-        if op is None:
+        if wait:
+            signaled = True
+        op = None
+        if wait or then is not None:     # only what someone waits for is tracked (unsignaled: no completion)
+            op = self._ops[wr_id] = _Op(then)
+        self._post_send(wr, what, signaled)
+        if not wait:
             return
         try:
             await op.event.wait()
@@ -569,7 +718,7 @@ class VerbsConnection(Connection):
                     self._shutdown(f"receive failed: {_wc_name(wc.status)}")
                 return
             slot = wc.wr_id & ~RECV_TAG
-            msg = bytes(self.ctrl_view[slot * SLOT: slot * SLOT + wc.byte_len])
+            msg = bytes(self.ctrl_view[slot * self.slot: slot * self.slot + wc.byte_len])
             try:
                 self._post_recv(slot)
             except PyverbsError as e:
@@ -584,7 +733,8 @@ class VerbsConnection(Connection):
                 self._shutdown("peer sent more control messages than we have slots")
             return
         op = self._ops.pop(wc.wr_id, None)
-        self._sq.release()
+        for _ in range(1 + self._carry.pop(wc.wr_id, 0)):     # its entry, and the unsignaled ones before it
+            self._sq.release()
         if wc.status != E.IBV_WC_SUCCESS and not self._closed:
             self._shutdown(f"{_wc_name(wc.status)}")
         if op is not None:
@@ -593,15 +743,24 @@ class VerbsConnection(Connection):
             if op.then is not None:
                 op.then(wc.status == E.IBV_WC_SUCCESS)
 
-    def _drain_cq(self) -> None:
+    def _drain_cq(self) -> int:
+        got = 0
         while True:
             n, wcs = self.cq.poll(32)
             if n <= 0:
-                return
+                return got
+            got += n
             for wc in wcs[:n]:
                 self._complete(wc)
 
     async def _pump(self) -> None:
+        """Completions to trio.  Asleep, it waits for the completion channel's fd (no CPU while idle);
+        woken, with ``spin_s`` > 0 (default 0: off), it busy-polls the CQ -- yielding to our other tasks
+        between polls -- for as long as completions keep coming and then ``spin_s`` more (as ib_read_bw polls,
+        bounded), so a stream of completions costs one CQ poll each instead of a wakeup, an event read, an ack and a re-arm (system
+        calls: slow in a VM); then it re-arms the CQ, polls once more (what landed before the arming) and
+        sleeps again."""
+        clock = time.monotonic
         while True:
             await trio.lowlevel.wait_readable(self.fd)
             try:
@@ -611,6 +770,16 @@ class VerbsConnection(Connection):
                     continue
                 raise
             self.cq.ack_events(1)
+            spin = self.dev.spin_s
+            if spin > 0:
+                last = clock()
+                while True:
+                    if self._drain_cq():
+                        last = clock()
+                    elif clock() - last >= spin:
+                        break
+                    await trio.lowlevel.checkpoint()
+                    self.spins += 1
             self.cq.req_notify()
             self._drain_cq()
 
@@ -659,11 +828,13 @@ class VerbsConnection(Connection):
             self._destroy()
 
     def _fail_all(self) -> None:
-        for op in self._ops.values():
-            if op is not None:
-                op.status = E.IBV_WC_WR_FLUSH_ERR
-                op.event.set()
+        ops = [op for op in self._ops.values() if op is not None]
         self._ops.clear()
+        for op in ops:
+            op.status = E.IBV_WC_WR_FLUSH_ERR
+            op.event.set()
+            if op.then is not None:          # e.g. an eager send buffer: a sender waiting for one goes on
+                op.then(False)
 
     def _destroy(self) -> None:
         """Release the QP, control MR, CQ and channel, in that order (once; the pump is stopped)."""
@@ -671,7 +842,8 @@ class VerbsConnection(Connection):
             return
         self._destroyed = True
         self.grants.close()             # windows first: they are bound to the QP and hold the MRs
-        for res in (self.qp, self.ctrl_mr, self.cq, self.cc):
+        eager_mr = self._eager[1] if self._eager is not None else None
+        for res in (self.qp, self.ctrl_mr, eager_mr, self.cq, self.cc):
             if res is None:
                 continue
             try:
@@ -682,11 +854,17 @@ class VerbsConnection(Connection):
             self.ctrl_view.release()
         if self.ctrl is not None:
             self.ctrl.close()
+        if self._eager is not None:
+            self._eager_view.release()
+            self._eager_mmap.close()
 
     def info(self) -> dict:
         return {**super().info(), "device": self.dev.name, "qpn": self.qpn,
                 "path_mtu": _MTU_BYTES.get(self.path_mtu, self.path_mtu), "windows": self.dev.windows_state,
-                "window_binds": self.grants.binds, "windows_allocated": len(self.grants._all)}
+                "window_binds": self.grants.binds, "windows_allocated": len(self.grants._all),
+                "rd_atomic": self.dev.rd_atomic, "spin_us": round(self.dev.spin_s * 1e6),
+                "cq_spins": self.spins, "unsignaled": self.dev.unsignaled, "max_inline": self.max_inline,
+                "slot_bytes": self.slot, "eager_sends": self.eager_sends}
 
 
 _MTU_BYTES = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}
@@ -709,12 +887,12 @@ def _gid_str(raw: bytes) -> str:
 
 
 async def establish(sock, domain: Domain, peer: str, *, is_server: bool, peer_slots: int,
-                    our_slots: int) -> VerbsConnection:
+                    our_slots: int, peer_slot_size: int = SLOT, our_slot_size: int = SLOT) -> VerbsConnection:
     """Create our QP, swap endpoints with the peer on ``sock``, bring the QP to RTS, confirm both ends are
     ready.  On any failure both ends learn it and raise SetupFailed (the caller stays on TCP)."""
     conn = None
     try:
-        conn = VerbsConnection(sock, domain, peer, peer_slots, our_slots)
+        conn = VerbsConnection(sock, domain, peer, peer_slots, our_slots, peer_slot_size, our_slot_size)
         mine = READY + conn.endpoint().encode()
     except Exception as e:  # noqa: BLE001 - report and fall back
         log.warning("cannot create a queue pair for %s: %s", peer, e)
