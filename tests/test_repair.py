@@ -103,7 +103,10 @@ def test_follower_killed_mid_stream_is_noticed_and_repaired(nodes, client):
             stop = trio.Event()
             async with trio.open_nursery() as n:
                 n.start_soon(writer, dc, stop)
-                await trio.sleep(1.0)
+                with trio.fail_after(30):     # some writes acknowledged first (a loaded VM's first takes a while)
+                    while not acked:
+                        await trio.sleep(0.05)
+                await trio.sleep(0.5)
                 before = len(acked)
                 c.kill()
                 with trio.fail_after(10):
@@ -417,15 +420,17 @@ def test_a_repair_pass_ends_while_a_client_keeps_appending(nodes, client):
             stop = trio.Event()
             async with trio.open_nursery() as n:
                 n.start_soon(writer, dc, stop)
-                await trio.sleep(1.0)
+                with trio.fail_after(30):        # the stream is flowing
+                    while len(acked) < 8:
+                        await trio.sleep(0.05)
                 n_pass = await dr.request_pass(dc, a.addr, PID, Op.REPAIR)
                 before = len(acked)
                 with trio.fail_after(30):        # the stream goes on all along
                     while (await dr.health(dc, a.addr, PID))["repair"]["passes"] < n_pass:
                         await trio.sleep(0.2)
-                during = len(acked) - before
+                    while len(acked) <= before:  # ... and was still flowing when the pass ended
+                        await trio.sleep(0.05)
                 stop.set()
-            assert during > 0, "the client's appends should have gone on during the pass"
             await settle(dc, a.addr)
             await assert_identical(dc, [a.addr, b.addr, c.addr])
             await assert_acked(dc, acked, [a.addr, b.addr, c.addr])
