@@ -251,11 +251,7 @@ class TcpConnection(Connection):
 
     # -- the interface ------------------------------------------------------------------------------
     async def send(self, header: bytes, payload=None) -> None:
-        self._check_open()
-        n = len(payload) if payload is not None else 0
-        if len(header) + n > MAX_CTRL:
-            raise ValueError("control message larger than MAX_CTRL")
-        frame = FRAME.pack(CTRL, 0, 0, len(header) + n, 0, 0, 0, 0) + header
+        frame, n = self._ctrl_frame(header, payload)
         async with self._sending():
             await self._guarded(send_all_of(self._sock, frame, payload) if n else send_all(self._sock, frame))
         self.stats.sends += 1
@@ -264,11 +260,7 @@ class TcpConnection(Connection):
         sock = self._sock
         if self._send_lock.locked() or not isinstance(sock, LeanSocket):
             return await super().send_within(timeout, header, payload)
-        self._check_open()
-        n = len(payload) if payload is not None else 0
-        if len(header) + n > MAX_CTRL:
-            raise ValueError("control message larger than MAX_CTRL")
-        frame = FRAME.pack(CTRL, 0, 0, len(header) + n, 0, 0, 0, 0) + header
+        frame, n = self._ctrl_frame(header, payload)
         total = len(frame) + n
         self._send_lock.acquire_nowait()
         try:
@@ -289,6 +281,14 @@ class TcpConnection(Connection):
             self._send_lock.release()
         self.stats.sends += 1
         return True
+
+    def _ctrl_frame(self, header: bytes, payload) -> tuple[bytes, int]:
+        """A control message's frame header and the header after it; and the payload's length."""
+        self._check_open()
+        n = len(payload) if payload is not None else 0
+        if len(header) + n > MAX_CTRL:
+            raise ValueError("control message larger than MAX_CTRL")
+        return FRAME.pack(CTRL, 0, 0, len(header) + n, 0, 0, 0, 0) + header, n
 
     def _sending(self):
         """The send lock, taken without a scheduler pass when it is free (the common case)."""
