@@ -27,6 +27,7 @@ change the bench itself for that variant:
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -134,17 +135,9 @@ class Cluster:
         if self.up and env == self.env:
             return
         self.down()
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+        with _environ(env):
             dnctl("cluster", "up", "--nodes", "1", "--cluster", self.path, "--transport", "verbs", "--sync",
                   "always", "--pool-mib", "64", "--replica-timeout", "20", "--no-etcd")
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         self.env, self.up = dict(env), True
 
     def down(self) -> None:
@@ -153,17 +146,24 @@ class Cluster:
             self.up = False
 
 
-def ingest(cluster: str, size: str, seconds: float, depth: int, clients: int, env: dict | None = None) -> dict:
+@contextlib.contextmanager
+def _environ(env: dict | None):
+    """``env`` set in os.environ (for the processes started meanwhile), the old values put back after."""
     saved = {k: os.environ.get(k) for k in (env or {})}
     os.environ.update(env or {})
     try:
-        return _ingest(cluster, size, seconds, depth, clients)
+        yield
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def ingest(cluster: str, size: str, seconds: float, depth: int, clients: int, env: dict | None = None) -> dict:
+    with _environ(env):
+        return _ingest(cluster, size, seconds, depth, clients)
 
 
 def _ingest(cluster: str, size: str, seconds: float, depth: int, clients: int) -> dict:
