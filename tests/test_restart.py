@@ -242,7 +242,9 @@ def test_torn_tail_is_cut_when_a_node_opens_with_open_verify_tail(nodes):
             assert await dc.read(PID, eid, 0, len(data) + 4) == data + b"more"
 
     run(check)
-    assert (ext / f"{eid}.dat").stat().st_size == len(data) + 4
+    on_disk = (ext / f"{eid}.dat").read_bytes()      # the cut garbage is gone; past the end only zeros
+    assert on_disk[:len(data) + 4] == data + b"more"  # (zero-fill ahead of the small append: PREFILL)
+    assert not on_disk[len(data) + 4:].strip(b"\0")
 
 
 def test_first_scrub_after_start_finds_and_repairs_a_mid_extent_bad_block(nodes):

@@ -435,6 +435,66 @@ def test_kill9_crash_recovery(tmp_path, sync):
     assert sum(acked.values()) > 0
 
 
+def test_small_durable_appends_overwrite_zeros_written_ahead_and_a_crash_keeps_every_acked_byte(
+        tmp_path, rng, caplog):
+    """sync=always: a small append also writes zeros up to the next PREFILL boundary, so the appends that
+    follow land inside the file and their fdatasync has no size to commit (the file does not grow per
+    write).  A crash (the files as a SIGKILL leaves them) loses no acknowledged byte, the zeros past the
+    end are cut at the next open without a torn-tail warning, and a clean close leaves no zeros behind."""
+    from datanode.store import PREFILL
+    root = tmp_path / "live"
+    s = ExtentStore(root, sync="always")
+    eid = s.create_extent()
+    data = rng.randbytes(40 * 4096 + 123)
+    s.write(eid, 0, data[:4096])
+    dat, crc = paths(root, eid)
+    assert dat.stat().st_size == PREFILL and crc.stat().st_size == 4096
+    for off in range(4096, len(data), 4096):
+        s.write(eid, off, data[off:off + 4096])
+        assert dat.stat().st_size == PREFILL          # overwrote zeros: the file never grew
+    assert read(s, eid, 0, len(data)) == data
+    crashed = tmp_path / "crashed"                    # the files as they are now, the store still open
+    subprocess.run(["cp", "-a", str(root), str(crashed)], check=True)
+    with caplog.at_level(logging.INFO, logger="datanode.store"):
+        s2 = ExtentStore(crashed, sync="always")
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert s2.size(eid) == len(data) and read(s2, eid, 0, len(data)) == data
+    assert paths(crashed, eid)[0].stat().st_size == len(data)
+    s2.write(eid, len(data), b"after")
+    assert read(s2, eid, 0, len(data) + 5) == data + b"after"
+    s2.close()
+    s.close()                                         # a clean close gives the zeros back
+    assert dat.stat().st_size == len(data) and crc.stat().st_size == 8 * (len(data) // BLOCK + 1)
+
+
+def test_a_small_append_that_fits_is_taken_when_the_zeros_ahead_do_not(tmp_path, rng):
+    """On a nearly full disk the zeros written ahead are given up, not the append."""
+    from datanode.store import PREFILL
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        s = ExtentStore(mnt / "store", sync="always")
+        eid = s.create_extent()
+        st = os.statvfs(mnt)
+        free = st.f_bavail * st.f_frsize
+        with open(mnt / "filler", "wb") as f:         # leave 64 KiB: room for the data, not the zeros
+            f.write(bytes(free - 64 * 1024))
+        data = rng.randbytes(8192)
+        assert 64 * 1024 < PREFILL
+        s.write(eid, 0, data)
+        s.write(eid, 8192, data)
+        assert read(s, eid, 0, 16384) == data + data
+        s.close()
+        s = ExtentStore(mnt / "store", sync="always")
+        assert read(s, eid, 0, 16384) == data + data
+        s.close()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
 # ----------------------------------------------------------------------------------------------- lifecycle
 def test_mark_delete(tmp_path, rng):
     s = ExtentStore(tmp_path)
