@@ -13,7 +13,9 @@ on one machine -- the baseline for issue 12's "1 MiB buffered, depth 8" row, nex
 does (datanode/store.py): pwrite the data, fdatasync it, pwrite the block's CRC entry, fdatasync that.  Our
 three replicas share one disk, so at depth 1 the three flushes of one write run at once and queue in the
 file system's journal.  This times that sequence for one file alone and for three at once (threads, started
-together per round): the floor under the "4 KiB durable, 3 replicas, depth 1" row's p50.
+together per round): the floor under the "4 KiB durable, 3 replicas, depth 1" row's p50.  Twice: on files
+that grow with every append (each fdatasync also commits the journal for the new size), and on files
+zero-filled ahead as the store now does for small durable appends (``PREFILL``: data-only fdatasyncs).
 
     python bench/floors.py [--dir /var/tmp] [--mib 1024] [--size-kib 1024] [--rounds 300] [--json]
 """
@@ -94,14 +96,21 @@ def run(directory: str, mib: int, size: int) -> dict:
             "ceiling_mib_s": round(cores * (n * size / cpu) / (1 << 20), 1) if cpu else None}
 
 
-def flush_floor(directory: str, replicas: int, rounds: int) -> dict:
+def flush_floor(directory: str, replicas: int, rounds: int, prefilled: bool) -> dict:
     """Per round, ``replicas`` threads each append 4 KiB to their own extent-like file as the store does
-    under sync=always; the round's time is the slowest one's (a write waits for every replica)."""
+    under sync=always; the round's time is the slowest one's (a write waits for every replica).
+    ``prefilled``: the files hold zeros (synced) where the appends land, so no flush changes their size."""
     buf = os.urandom(4096)
     lat: list[float] = []
     with tempfile.TemporaryDirectory(dir=directory) as d:
         files = [(os.open(os.path.join(d, f"r{i}.dat"), os.O_RDWR | os.O_CREAT, 0o600),
                   os.open(os.path.join(d, f"r{i}.crc"), os.O_RDWR | os.O_CREAT, 0o600)) for i in range(replicas)]
+        if prefilled:
+            for dat, crc in files:
+                os.pwrite(dat, bytes(rounds * 4096), 0)
+                os.pwrite(crc, bytes(4096), 0)
+                os.fsync(dat)
+                os.fsync(crc)
         go = threading.Barrier(replicas + 1)
         done = threading.Barrier(replicas + 1)
 
@@ -129,7 +138,7 @@ def flush_floor(directory: str, replicas: int, rounds: int) -> dict:
             os.close(dat)
             os.close(crc)
     lat.sort()
-    return {"replicas": replicas, "rounds": rounds, "p50_ms": round(lat[len(lat) // 2] * 1e3, 3),
+    return {"replicas": replicas, "prefilled": prefilled, "rounds": rounds, "p50_ms": round(lat[len(lat) // 2] * 1e3, 3),
             "p99_ms": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3, 3)}
 
 
@@ -142,7 +151,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     r = {"journey": run(a.dir, a.mib, a.size_kib << 10),
-         "flush": [flush_floor(a.dir, k, a.rounds) for k in (1, 3)]}
+         "flush": [flush_floor(a.dir, k, a.rounds, p) for p in (False, True) for k in (1, 3)]}
     if a.json:
         print(json.dumps(r))
         return
@@ -151,7 +160,8 @@ def main() -> None:
           f"CPU-s/GB (user {j['user_s']} s, system {j['system_s']} s); on {j['cores']} cores at most "
           f"{j['ceiling_mib_s']} MiB/s of replicated writes")
     for f in r["flush"]:
-        print(f"flush: 4 KiB append made durable as the store does, {f['replicas']} replica(s) on this disk at "
+        how = "into zeros written ahead" if f["prefilled"] else "growing the file"
+        print(f"flush: 4 KiB append made durable as the store does ({how}), {f['replicas']} replica(s) on this disk at "
               f"once: p50 {f['p50_ms']} ms, p99 {f['p99_ms']} ms ({f['rounds']} rounds)")
 
 

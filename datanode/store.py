@@ -205,7 +205,7 @@ def _pwrite_all(fd: int, buf, pos: int) -> None:
 # ends, and recovery cuts everything past the last verified entry as before.  Not under sync=none: no
 # fdatasync to save, and after a power cut zeros would turn a short (cut) tail into a "present" block.
 # DATANODE_PREFILL=0 turns it off.
-PREFILL = int(os.environ.get("DATANODE_PREFILL", 256 << 10))
+PREFILL = int(os.environ.get("DATANODE_PREFILL", str(256 << 10)))
 _CRC_PREFILL = 4096
 _ZEROS = memoryview(bytes(max(PREFILL, _CRC_PREFILL)))
 
