@@ -262,23 +262,25 @@ class TcpConnection(Connection):
             return await super().send_within(timeout, header, payload)
         frame, n = self._ctrl_frame(header, payload)
         total = len(frame) + n
-        self._send_lock.acquire_nowait()
+        # The common case: the kernel takes it all, no timer and no lock needed -- nobody holds the lock
+        # (checked above) and nothing here awaits until the kernel has taken what it takes.
         try:
-            try:                               # the common case: the kernel takes it all, no timer needed
-                sent = sock.sock.sendmsg((frame, payload) if n else (frame,))
-            except BlockingIOError:
-                sent = 0
-            except OSError as e:
-                self._shutdown(f"send failed: {e}")
-                raise ConnectionClosed(f"connection to {self.peer} lost: {e}") from None
-            if sent < total:
+            sent = sock.sock.sendmsg((frame, payload) if n else (frame,))
+        except BlockingIOError:
+            sent = 0
+        except OSError as e:
+            self._shutdown(f"send failed: {e}")
+            raise ConnectionClosed(f"connection to {self.peer} lost: {e}") from None
+        if sent < total:
+            self._send_lock.acquire_nowait()    # the rest must go before any other frame
+            try:
                 rest = memoryview(frame + bytes(payload) if n else frame)[sent:]
                 with trio.move_on_after(timeout) as scope:
                     await self._guarded(send_all(sock, rest))
                 if scope.cancelled_caught:
                     return False
-        finally:
-            self._send_lock.release()
+            finally:
+                self._send_lock.release()
         self.stats.sends += 1
         return True
 
