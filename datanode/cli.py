@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import click
@@ -48,6 +49,7 @@ def serve(config_path, listen, data_dir, sync, transport, pool_mib):
         raise click.ClickException(str(e)) from None
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _cpu_sched(cfg.cpu_sched)          # before Node(): every thread the node starts inherits the policy
     from .server import Node
     try:
         node = Node(cfg)
@@ -61,6 +63,24 @@ def serve(config_path, listen, data_dir, sync, transport, pool_mib):
         trio.run(node.serve)
     except OSError as e:
         raise click.ClickException(f"cannot serve on {cfg.listen}: {e.strerror or e}") from None
+
+
+def _cpu_sched(policy: str) -> None:
+    """Run this process's threads under SCHED_BATCH (``cpu_sched = "batch"``).  Under CFS a thread that
+    wakes up normally preempts the one running if it has had less CPU; a storage node wakes on every
+    message, so with the box busy (2 cores: client, leader, two followers, their flushes) the nodes
+    preempted each other at every hop and ran a request or two per wake-up.  Batch threads never preempt on
+    wake-up: they run when the current one blocks or its slice ends, by when several messages wait, so each
+    pass of the event loop serves more of them.  Measured (4 KiB, 3 replicas, sync=always, depth 16, with
+    ``chrt -b``): CPU per request over client + 3 nodes 0.69 -> 0.50 ms; depth 1 unchanged.  Nothing else
+    changes: same priority (nice), same share of the CPU."""
+    if policy != "batch" or not hasattr(os, "SCHED_BATCH"):
+        return
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except OSError as e:
+        logging.getLogger(__name__).warning("cpu_sched = batch: cannot set SCHED_BATCH (%s): running under the "
+                                            "normal policy", e)
 
 
 @main.command("print-config")

@@ -43,6 +43,7 @@ class Config:
     peer_timeout: float = 10.0     # seconds a peer may take to serve a one-sided op (else its connection is dropped)
     slots: int = 64                # preposted control slots per connection
     log_level: str = "info"
+    cpu_sched: str = "batch"       # the node's Linux CPU scheduling policy: batch (SCHED_BATCH) | normal
     metrics_listen: str = ""       # HOST:PORT serving Prometheus /metrics (empty: off)
     # -- replica health, repair and scrub (datanode/repair.py) --
     heartbeat_s: float = 1.0       # how often a leader probes each follower
@@ -165,6 +166,8 @@ def _check(cfg: Config) -> Config:
         bad("lease_ttl_s", "must be between 2 and 3600 seconds (etcd's smallest lease is about 2 s)")
     if not cfg.zone or "/" in cfg.zone:
         bad("zone", "must be a non-empty label without '/'")
+    if cfg.cpu_sched not in ("batch", "normal"):
+        bad("cpu_sched", "must be 'batch' or 'normal'")
     if cfg.log_level.lower() not in ("debug", "info", "warning", "error"):
         bad("log_level", "must be debug, info, warning or error")
     return cfg
@@ -193,6 +196,9 @@ KEY_HELP: dict[str, tuple[str, str]] = {
                                  "after) or every block before serving"),
     "slots": ("count", "preposted control slots per connection (requests in flight per connection)"),
     "log_level": ("level", "debug, info, warning or error"),
+    "cpu_sched": ("batch|normal", "Linux CPU scheduling policy of the node's threads; batch (SCHED_BATCH): a "
+                                  "woken node does not preempt a running process, so under load each wake-up "
+                                  "serves more requests (at 4 KiB depth 16 a third less CPU per request)"),
     "heartbeat_s": ("seconds", "how often a leader probes each follower"),
     "repair_interval_s": ("seconds", "a full repair pass (sizes and block CRCs) at least this often"),
     "repair_mib_s": ("MiB/s", "repair bandwidth cap per node (0: unlimited)"),

@@ -593,6 +593,26 @@ def test_sigterm_answers_the_request_it_drains(nodes):
 
 
 # ------------------------------------------------------------------------------------------------ config
+def test_every_thread_of_a_node_runs_under_its_cpu_sched_policy(nodes):
+    """cpu_sched = batch (the default): the node and every thread it starts (group commit, workers) run
+    under SCHED_BATCH, and still serve; cpu_sched = normal leaves them all under SCHED_OTHER."""
+    batch, normal = nodes(1)[0], nodes(1, cpu_sched="normal")[0]
+
+    async def work(node):         # a write and a read, so the node's worker threads exist
+        async with open_client("tcp", [node.addr]) as dc:
+            await create_partition(dc, PID, [node.addr])
+            eid = await dc.create_extent(PID)
+            data = pattern(3, 1 << 20)
+            await dc.append(PID, eid, 0, data)
+            assert await dc.read(PID, eid, 0, len(data)) == data
+
+    for node, want in ((batch, os.SCHED_BATCH), (normal, os.SCHED_OTHER)):
+        run(work, node)
+        tids = [int(t) for t in os.listdir(f"/proc/{node.pid}/task")]
+        assert len(tids) > 1
+        assert {os.sched_getscheduler(t) for t in tids} == {want}, node.addr
+
+
 BAD_CONFIGS = [
     ("pool_mib", "pool_mib = 0"),
     ("pool_mib", 'pool_mib = "64"'),
@@ -605,6 +625,7 @@ BAD_CONFIGS = [
     ("slots", "slots = 0"),
     ("slots", "slots = true"),
     ("log_level", 'log_level = "loud"'),
+    ("cpu_sched", 'cpu_sched = "realtime"'),
     ("data_dir", 'data_dir = ""'),
     ("pool_size", "pool_size = 64"),
 ]
