@@ -12,11 +12,19 @@ node's own nursery.  The SDK's client-side families are in ``client/metrics.py``
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
+import math
 
 import trio
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
+from prometheus_client.utils import floatToGoString
 
 from .protocol import Op, Result
 
@@ -32,36 +40,55 @@ _BYTES_OPS = {Op.WRITE, Op.READ}
 class RequestFamilies:
     """Requests and payload bytes by op and result, latency by op: the families the node (answered
     requests) and the SDK (requests as the client sees them, client/metrics.py) both keep.  ``registry``
-    None: not registered, for a program to register the object (it is a collector) where it wants."""
+    None: not registered, for a program to register the object (it is a collector) where it wants.
+
+    Counted in plain ints on the request path (``observe``: a dict lookup, a bisect and three additions) and
+    turned into prometheus-client metric families only when scraped: its Counter and Histogram children
+    take a lock and check their state on every increment, three times per request -- 13 Python calls, ~5%
+    of a follower's per-request calls (issue 12's profile)."""
 
     def __init__(self, prefix: str, what: str, registry: CollectorRegistry | None, *,
                  bytes_name: str = "request_payload_bytes"):
-        self.requests = Counter(f"{prefix}_requests", f"Requests {what}, by op and result", ["op", "result"],
-                                registry=registry)
-        self.bytes = Counter(f"{prefix}_{bytes_name}", f"Payload bytes of OK requests {what}, by op",
-                             ["op"], registry=registry)
-        self.latency = Histogram(f"{prefix}_request_seconds", f"Latency of requests {what}, by op", ["op"],
-                                 buckets=LATENCY_BUCKETS, registry=registry)
-        self._children: dict = {}        # (opcode, result) -> its series: .labels() once, not per request
+        self._names = (f"{prefix}_requests", f"{prefix}_{bytes_name}", f"{prefix}_request_seconds")
+        self._what = what
+        self._series: dict = {}          # (opcode, result) -> [requests, bytes, per-bucket counts, seconds sum]
+        if registry is not None:
+            registry.register(self)
 
     def observe(self, opcode: int, result: int, length: int, seconds: float) -> None:
-        series = self._children.get((opcode, result))
-        if series is None:
-            op = _OP_NAMES.get(opcode, "unknown")
-            series = self._children[(opcode, result)] = (
-                self.requests.labels(op, _RESULT_NAMES.get(result, "unknown")), self.latency.labels(op),
-                self.bytes.labels(op) if result == Result.OK and opcode in _BYTES_OPS else None)
-        series[0].inc()
-        series[1].observe(seconds)
-        if series[2] is not None:
-            series[2].inc(length)
+        s = self._series.get((opcode, result))
+        if s is None:
+            s = self._series[(opcode, result)] = [0, 0, [0] * (len(LATENCY_BUCKETS) + 1), 0.0]
+        s[0] += 1
+        if result == Result.OK and opcode in _BYTES_OPS:
+            s[1] += length
+        s[2][bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1     # bucket i: seconds <= LATENCY_BUCKETS[i]
+        s[3] += seconds
 
     def describe(self):
         return []
 
     def collect(self):
-        for m in (self.requests, self.bytes, self.latency):
-            yield from m.collect()
+        n_req, n_bytes, n_lat = self._names
+        requests = CounterMetricFamily(n_req, f"Requests {self._what}, by op and result", labels=["op", "result"])
+        nbytes = CounterMetricFamily(n_bytes, f"Payload bytes of OK requests {self._what}, by op", labels=["op"])
+        latency = HistogramMetricFamily(n_lat, f"Latency of requests {self._what}, by op", labels=["op"])
+        by_op: dict[str, list] = {}
+        for (opcode, result), (count, length, buckets, total) in sorted(self._series.items()):
+            op = _OP_NAMES.get(opcode, "unknown")
+            requests.add_metric([op, _RESULT_NAMES.get(result, "unknown")], count)
+            agg = by_op.setdefault(op, [0, [0] * len(buckets), 0.0, False])
+            agg[0] += length
+            agg[1] = [a + b for a, b in zip(agg[1], buckets)]
+            agg[2] += total
+            agg[3] = agg[3] or (result == Result.OK and opcode in _BYTES_OPS)
+        for op, (length, buckets, total, has_bytes) in by_op.items():
+            if has_bytes:
+                nbytes.add_metric([op], length)
+            cumulative = list(itertools.accumulate(buckets))
+            latency.add_metric([op], [(floatToGoString(b), c) for b, c in zip((*LATENCY_BUCKETS, math.inf),
+                                                                             cumulative)], total)
+        yield from (requests, nbytes, latency)
 
 
 LAG_BUCKETS_MS = (0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
