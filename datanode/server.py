@@ -114,7 +114,9 @@ class Node(DataOps, AdminOps, RepairOps):
         self.counters = RequestCounters()
         self._nursery: trio.Nursery | None = None
         self.replication = Replicator(cfg.replica_timeout)   # fan-out to followers (links set up in serve)
-        self.commit = GroupCommit()          # sync=always: appends share their fdatasyncs (datanode/commit.py)
+        # sync=always: appends share their fdatasyncs (datanode/commit.py); the only request in flight
+        # flushes right in the event loop
+        self.commit = GroupCommit(quiet=lambda: self.inflight <= 1)
         self.metrics = NodeMetrics(self)     # Prometheus (datanode/metrics.py); served on metrics_listen
         self.repair = Repairer(me=self.me, cfg=cfg, table=self.table, pool=self.pool, region=self.region,
                                domain=self.domain, replication=self.replication, views=self)  # health, repair, scrub

@@ -7,6 +7,7 @@ import random
 import trio
 
 from client.sdk import ClientError
+from datanode.protocol import Op
 from datanode.store import ExtentStore
 from tests.conftest import create_partition, open_client, pattern, run
 
@@ -79,6 +80,45 @@ def test_acknowledged_appends_survive_kill9_of_every_replica(nodes, tmp_path):
                 for extent, off, data in acked:
                     got = await dc.read(PID, extent, off, len(data), replica=addr)
                     assert got == data, f"{addr}: extent {extent} at {off}: {len(data)} acknowledged bytes differ"
+    run(check)
+
+
+def test_lone_writes_flushed_in_the_event_loop_survive_kill9_of_every_replica(nodes):
+    """One writer, one append at a time: each node has a single request in flight, so its flush runs right
+    in the event loop (no thread hand-over; the node's counters say so).  Killed with SIGKILL, every
+    replica still has every acknowledged byte after a restart."""
+    ns = nodes(3, sync="always")
+    addrs = [n.addr for n in ns]
+    rng = random.Random(5)
+    acked: list[tuple[int, bytes]] = []
+
+    async def body():
+        async with open_client("tcp", timeout=10) as dc:
+            await create_partition(dc, PID, addrs)
+            eid = await dc.create_extent(PID)
+            off = 0
+            for k in range(60):
+                data = pattern(k, rng.choice([1, 100, 4 * KiB, 33 * KiB + 5]))
+                await dc.append(PID, eid, off, data)
+                acked.append((off, data))
+                off += len(data)
+            counts = [(await dc.admin(a, Op.NODE_STATUS))["counters"] for a in addrs]
+            return eid, counts
+
+    eid, counts = run(body)
+    for addr, c in zip(addrs, counts):
+        assert c["inline_flushes"] >= 30 and c["slow_inline_flushes"] <= c["inline_flushes"], (addr, c)
+    for node in ns:
+        node.kill()
+        node.proc.wait(timeout=10)
+        node.start()
+
+    async def check():
+        async with open_client("tcp", addrs, timeout=10) as dc:
+            await dc.discover(addrs[0])
+            for addr in addrs:
+                for off, data in acked:
+                    assert await dc.read(PID, eid, off, len(data), replica=addr) == data, (addr, off)
     run(check)
 
 
