@@ -106,8 +106,9 @@ def test_lone_writes_flushed_in_the_event_loop_survive_kill9_of_every_replica(no
             return eid, counts
 
     eid, counts = run(body)
-    for addr, c in zip(addrs, counts):
-        assert c["inline_flushes"] >= 30 and c["slow_inline_flushes"] <= c["inline_flushes"], (addr, c)
+    for addr, c in zip(addrs, counts):   # (a flush slower than INLINE_SLOW on a busy disk sends the next
+        assert 1 <= c["inline_flushes"] <= c["flushes"], (addr, c)     # second's flushes to the thread)
+        assert c["slow_inline_flushes"] <= c["inline_flushes"], (addr, c)
     for node in ns:
         node.kill()
         node.proc.wait(timeout=10)
