@@ -159,8 +159,10 @@ async def node_view(dc: DataClient, addr: str, pid: int) -> View | None:
 
 
 async def create_partition(dc: DataClient, pid: int, addrs: list[str], epoch: int = 1) -> dict:
-    """Create partition ``pid`` on every node of ``addrs`` (leader first).  All or nothing: if one node
-    fails, the partition is deleted again from the nodes this call created it on."""
+    """Create partition ``pid`` on every node of ``addrs`` (the followers first, the leader ``addrs[0]``
+    last: a leader starts checking its followers at once, and one that found them not hosting the
+    partition yet logged it and ran a wasted repair pass).  All or nothing: if one node fails, the
+    partition is deleted again from the nodes this call created it on."""
     existing = {}
     for addr in addrs:
         try:
@@ -178,7 +180,7 @@ async def create_partition(dc: DataClient, pid: int, addrs: list[str], epoch: in
         raise ClientError(f"partition {pid} already exists on {', '.join(existing)} but not on every replica; "
                           f"use `dnctl replica add` to extend it")
     done = []
-    for addr in addrs:
+    for addr in [*addrs[1:], addrs[0]]:
         try:
             await dc.admin(addr, Op.PARTITION_CREATE, partition=pid, body={"replicas": addrs, "epoch": epoch})
         except ClientError as e:
