@@ -15,6 +15,10 @@ Per round, for each MTU in turn (interleaved, so drift in the VM's speed hits bo
    the leader's ingest;
 and prints ingest / ib_read_bw per MTU, the median over the rounds, next to the goal (>= 0.60).  Absolute
 numbers are slow (TCG emulation; the host's other work shows up too); read the ratios of the same round.
+Beside each: where the VM's CPUs went during it (``/proc/stat`` sampled over ib_read_bw's client run and
+over the bench's write phase only: user / kernel / softirq / idle shares, busy vCPU-seconds per GB) and the
+node's and client's own CPU-s/GB -- a leader whose process uses a whole vCPU is CPU-bound, however idle the
+link (rxe moves an RDMA READ's bytes in softirq work on the CPU of whoever posted it).
 
 ``--variant NAME:KEY=VALUE,...`` (repeatable) compares settings in the same run: each variant's ingest runs
 between the same two ib_read_bw runs, on a cluster started with the variant's environment (e.g.

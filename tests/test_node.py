@@ -417,13 +417,11 @@ def test_write_with_bad_descriptor_is_remote_access(nodes, transport):
     assert node.alive()
 
 
-@pytest.mark.parametrize("size", [64 * KiB, MiB], ids=["64KiB-crc-in-loop", "1MiB-crc-in-thread"])
+@pytest.mark.parametrize("size", [64 * KiB, MiB], ids=["64KiB", "1MiB"])
 def test_write_whose_payload_does_not_match_its_crc_is_refused(nodes, transport, size):
-    """A write whose payload's CRC32C differs from the header's is refused with CRC_MISMATCH and appends
-    nothing -- below and above DATANODE_CRC_THREAD_MIN (a large payload's CRCs are cut in a worker thread);
-    the same write with the right CRC then appends, and the bytes read back are the ones written."""
-    from datanode.ops.data import CRC_THREAD_MIN
-    assert 64 * KiB < CRC_THREAD_MIN <= MiB          # one case on each side of the threshold
+    """A write whose payload (fetched with a one-sided READ) does not match the header's CRC32C is refused
+    with CRC_MISMATCH and appends nothing, for a small and a block-sized payload; the same write with the
+    right CRC then appends, and the bytes read back are the ones written."""
     [node] = nodes(1)
     host, port = host_port(node.addr)
     data = pattern(9, size)

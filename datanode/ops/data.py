@@ -29,8 +29,6 @@ import dataclasses
 import logging
 import os
 
-import trio
-
 from ..protocol import INLINE_MAX, Flag, Header, Result
 from ..replication import replica_names
 from ..store import piece_crcs
@@ -38,13 +36,6 @@ from ..transport.base import Connection
 from .base import Handlers, Reply
 
 log = logging.getLogger(__name__)
-
-# A payload at least this large has its CRCs cut in a worker thread (crc32c releases the GIL), so the event
-# loop serves other requests meanwhile -- above all the next payload's transfer, which on verbs runs inside
-# our own post_send (rxe moves a READ's bytes in the poster's system call): measured in the Soft-RoCE VM
-# (bench/verbs_ratio.py), a 1 MiB write cost the leader's one thread ~19 ms in post_send and ~8-10 ms in
-# crc32c, one after the other.  DATANODE_CRC_THREAD_MIN=0 keeps every CRC in the loop.
-CRC_THREAD_MIN = int(os.environ.get("DATANODE_CRC_THREAD_MIN", str(256 << 10)))
 
 
 class DataOps(Handlers):
@@ -73,11 +64,7 @@ class DataOps(Handlers):
                     if forwarded:
                         self.counters.count_forward_fetch(conn.identity or conn.peer, h.length)
             # one pass over the bytes: the payload's CRC, and the block pieces' CRCs the store needs
-            if 0 < CRC_THREAD_MIN <= h.length:
-                # not abandoned on cancel: the thread reads the block, which is freed only after it returns
-                pieces, whole = await trio.to_thread.run_sync(piece_crcs, h.offset, view)
-            else:
-                pieces, whole = piece_crcs(h.offset, view)
+            pieces, whole = piece_crcs(h.offset, view)
             if whole != h.crc:
                 raise Reply(Result.CRC_MISMATCH, why="payload CRC does not match the header")
             fan = None
