@@ -348,7 +348,7 @@ def main(mtus, rounds, size, seconds, depth, clients, ib_iters, variants, as_jso
         ib = [r["ib_read_bw_MBps"] for r in mine if r["ib_read_bw_MBps"]]
         ing = [r["ingest"]["mb_s"] for r in mine]
         rat = [r["ratio"] for r in mine if r["ratio"]]
-        med = statistics.median(rat) if rat else None
+        med = round(statistics.median(rat), 3) if rat else None
         print(f"  MTU {mtu}: ib_read_bw {statistics.median(ib) if ib else 0:.1f} MB/s, leader ingest "
               f"{statistics.median(ing):.1f} MB/s, ingest / ib_read_bw = {med if med is not None else 'n/a'}"
               f"  (goal >= {GOAL:.2f}: {'met' if med is not None and med >= GOAL else 'NOT met'})")
