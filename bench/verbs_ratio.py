@@ -15,6 +15,10 @@ Per round, for each MTU in turn (interleaved, so drift in the VM's speed hits bo
    the leader's ingest;
 and prints ingest / ib_read_bw per MTU, the median over the rounds, next to the goal (>= 0.60).  Absolute
 numbers are slow (TCG emulation; the host's other work shows up too); read the ratios of the same round.
+Beside each: where the VM's CPUs went during it (``/proc/stat`` sampled over ib_read_bw's client run and
+over the bench's write phase only: user / kernel / softirq / idle shares, busy vCPU-seconds per GB) and the
+node's and client's own CPU-s/GB -- a leader whose process uses a whole vCPU is CPU-bound, however idle the
+link (rxe moves an RDMA READ's bytes in softirq work on the CPU of whoever posted it).
 
 ``--variant NAME:KEY=VALUE,...`` (repeatable) compares settings in the same run: each variant's ingest runs
 between the same two ib_read_bw runs, on a cluster started with the variant's environment (e.g.
@@ -36,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import click
@@ -73,6 +78,64 @@ def hw_counters() -> dict[str, int]:
         except (OSError, ValueError):
             pass
     return out
+
+
+def vm_cpu() -> list[int]:
+    """The VM's CPU time so far, all CPUs together (``/proc/stat``'s ``cpu`` line, in ticks): user, nice,
+    system, idle, iowait, irq, softirq, steal."""
+    with open("/proc/stat") as f:
+        return [int(x) for x in f.readline().split()[1:9]]
+
+
+class CpuSampler:
+    """``vm_cpu()`` every ``every`` seconds in a thread, so a phase's window (CLOCK_MONOTONIC, e.g. the
+    bench's write phase) can be cut out afterwards without the processes' start-up and teardown."""
+
+    def __init__(self, every: float = 0.2):
+        self.every, self.samples, self._stop = every, [], threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.samples.append((time.monotonic(), vm_cpu()))
+            self._stop.wait(self.every)
+
+    def window(self, t0: float, t1: float, mbytes: float | None = None) -> dict | None:
+        inside = [s for s in self.samples if t0 <= s[0] <= t1]
+        if len(inside) < 2:
+            return None
+        return cpu_split(inside[0][1], inside[-1][1], mbytes)
+
+
+def cpu_split(before: list[int], after: list[int], mbytes: float | None = None) -> dict:
+    """Where the VM's CPUs went between two ``vm_cpu()`` readings: the share of all CPU time (100 = every
+    vCPU busy) in user space, the kernel (system + irq), softirq (rxe's packet work runs there and in its
+    tasklets) and idle/iowait; with ``mbytes``, the busy vCPU-seconds per GB moved."""
+    d = [b - a for a, b in zip(before, after)]
+    total = sum(d) or 1
+    busy = d[0] + d[1] + d[2] + d[5] + d[6] + d[7]
+    out = {"user_pct": round(100 * (d[0] + d[1]) / total, 1), "kernel_pct": round(100 * (d[2] + d[5]) / total, 1),
+           "softirq_pct": round(100 * d[6] / total, 1), "idle_pct": round(100 * (d[3] + d[4]) / total, 1),
+           "steal_pct": round(100 * d[7] / total, 1)}
+    if mbytes:
+        hz = os.sysconf("SC_CLK_TCK")
+        out["busy_cpu_s_per_gb"] = round(busy / hz / (mbytes / 1000), 2)
+    return out
+
+
+def _cpu_text(c: dict | None) -> str:
+    if not c:
+        return "n/a"
+    return (f"user {c['user_pct']}% kernel {c['kernel_pct']}% softirq {c['softirq_pct']}% idle {c['idle_pct']}%"
+            + (f" ({c['busy_cpu_s_per_gb']} busy CPU-s/GB)" if "busy_cpu_s_per_gb" in c else ""))
 
 
 def delta(before: dict, after: dict) -> dict:
@@ -162,8 +225,20 @@ def _environ(env: dict | None):
 
 
 def ingest(cluster: str, size: str, seconds: float, depth: int, clients: int, env: dict | None = None) -> dict:
-    with _environ(env):
-        return _ingest(cluster, size, seconds, depth, clients)
+    with _environ(env), CpuSampler() as cs:
+        r = _ingest(cluster, size, seconds, depth, clients)
+    t0, t1 = r.pop("monotonic")
+    r["vm_cpu"] = cs.window(t0, t1, r["bytes"] / 1e6)      # the write phase only
+    return r
+
+
+def ib_read_bw_cpu(size: int, iters: int) -> tuple[float | None, dict | None]:
+    """ib_read_bw's MB/s and where the VM's CPUs went while its client ran (after the server's start)."""
+    with CpuSampler() as cs:
+        t0 = time.monotonic() + 1.6          # vm_compare.ib_read_bw sleeps 1.5 s for the server first
+        mbs = ib_read_bw(size, iters)
+        t1 = time.monotonic()
+    return mbs, cs.window(t0, t1, size * iters / 1e6)
 
 
 def _ingest(cluster: str, size: str, seconds: float, depth: int, clients: int) -> dict:
@@ -171,8 +246,11 @@ def _ingest(cluster: str, size: str, seconds: float, depth: int, clients: int) -
                            "--depth", str(depth), "--clients", str(clients), "--seconds", str(seconds),
                            "--transport", "verbs", "--json"))
     row = out["results"][0]
+    node = next(iter(row.get("node_cpu", {}).values()), {})
     return {"mib_s": row["mib_s"], "mb_s": round(row["mib_s"] * (1 << 20) / 1e6, 1),
-            "p50_ms": row["latency_ms"]["p50"], "errors": row["errors"], "transport": out["config"]["transport"]}
+            "p50_ms": row["latency_ms"]["p50"], "p99_ms": row["latency_ms"]["p99"], "errors": row["errors"],
+            "transport": out["config"]["transport"], "bytes": row["bytes"], "monotonic": row["monotonic"],
+            "node_cpu_s_per_gb": node.get("s_per_gb"), "client_cpu_s_per_gb": row["client_cpu"]["s_per_gb"]}
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -217,7 +295,7 @@ def main(mtus, rounds, size, seconds, depth, clients, ib_iters, variants, as_jso
             for mtu in wanted:
                 got = set_mtu(netdev, mtu)
                 c0 = hw_counters()
-                ib0 = ib_read_bw(SIZES[size], ib_iters)
+                ib0, ibcpu0 = ib_read_bw_cpu(SIZES[size], ib_iters)
                 c1 = hw_counters()
                 ings, moved, paths = {}, {}, {}
                 # the variants in turn (rotated each round, so none always runs first)
@@ -234,7 +312,7 @@ def main(mtus, rounds, size, seconds, depth, clients, ib_iters, variants, as_jso
                               f"rxe {moved[name]}", flush=True)
                     paths[name] = sorted({m for m in node_path_mtus(cluster) if m})
                 c2 = hw_counters()
-                ib1 = ib_read_bw(SIZES[size], ib_iters)
+                ib1, ibcpu1 = ib_read_bw_cpu(SIZES[size], ib_iters)
                 c3 = hw_counters()
                 # the device's rate: the better of the runs before and after (a run under a burst of the
                 # host's other work, or one that reports 0, must not flatter the ratio)
@@ -244,6 +322,7 @@ def main(mtus, rounds, size, seconds, depth, clients, ib_iters, variants, as_jso
                     r = {"round": rnd, "roce_mtu": mtu, "active_mtu": got, "netdev_mtu": NETDEV_MTU[mtu],
                          "variant": name, "env": env, "bench": knobs,
                          "ib_read_bw_MBps": ib, "ib_read_bw_runs": [ib0, ib1], "ingest": ing,
+                         "ib_read_bw_vm_cpu": [ibcpu0, ibcpu1],
                          "rxe_counters": {"ib_read_bw": [delta(c0, c1), delta(c2, c3)], "ingest": moved[name]},
                          "node_path_mtus": paths[name], "ratio": round(ing["mb_s"] / ib, 3) if ib else None}
                     runs.append(r)
@@ -253,6 +332,9 @@ def main(mtus, rounds, size, seconds, depth, clients, ib_iters, variants, as_jso
                           f"errors {ing['errors']}), ratio {r['ratio']}", flush=True)
                     print(f"    rxe counters that moved: ib_read_bw {r['rxe_counters']['ib_read_bw']}, ingest "
                           f"{r['rxe_counters']['ingest']}", flush=True)
+                    print(f"    VM CPU: ib_read_bw {[_cpu_text(c) for c in (ibcpu0, ibcpu1)]}; ingest "
+                          f"{_cpu_text(ing.get('vm_cpu'))}, node {ing.get('node_cpu_s_per_gb')} / client "
+                          f"{ing.get('client_cpu_s_per_gb')} CPU-s/GB, p99 {ing.get('p99_ms')} ms", flush=True)
     finally:
         cl.down()
         shutil.rmtree(root, ignore_errors=True)
@@ -266,7 +348,7 @@ def main(mtus, rounds, size, seconds, depth, clients, ib_iters, variants, as_jso
         ib = [r["ib_read_bw_MBps"] for r in mine if r["ib_read_bw_MBps"]]
         ing = [r["ingest"]["mb_s"] for r in mine]
         rat = [r["ratio"] for r in mine if r["ratio"]]
-        med = statistics.median(rat) if rat else None
+        med = round(statistics.median(rat), 3) if rat else None
         print(f"  MTU {mtu}: ib_read_bw {statistics.median(ib) if ib else 0:.1f} MB/s, leader ingest "
               f"{statistics.median(ing):.1f} MB/s, ingest / ib_read_bw = {med if med is not None else 'n/a'}"
               f"  (goal >= {GOAL:.2f}: {'met' if med is not None and med >= GOAL else 'NOT met'})")

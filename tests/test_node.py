@@ -417,6 +417,38 @@ def test_write_with_bad_descriptor_is_remote_access(nodes, transport):
     assert node.alive()
 
 
+@pytest.mark.parametrize("size", [64 * KiB, MiB], ids=["64KiB", "1MiB"])
+def test_write_whose_payload_does_not_match_its_crc_is_refused(nodes, transport, size):
+    """A write whose payload (fetched with a one-sided READ) does not match the header's CRC32C is refused
+    with CRC_MISMATCH and appends nothing, for a small and a block-sized payload; the same write with the
+    right CRC then appends, and the bytes read back are the ones written."""
+    [node] = nodes(1)
+    host, port = host_port(node.addr)
+    data = pattern(9, size)
+
+    async def body():
+        domain = client_domain(transport)
+        async with open_client(transport, [], domain=domain) as dc:
+            await create_partition(dc, PID, [node.addr])
+            eid = await dc.create_extent(PID)
+        async with dial(host, port, domain, transport=transport) as conn:
+            raw = Raw(conn, domain)
+            addr, rkey = raw.payload(data)
+            base = dict(opcode=Op.WRITE, partition=PID, extent=eid, offset=0, length=len(data), epoch=1,
+                        addr=addr, rkey=rkey, rlen=len(data))
+            for bad in (crc32c(data) ^ 1, crc32c(data[:-1])):
+                resp = await raw.call(Header(**base, crc=bad))
+                assert resp.result == Result.CRC_MISMATCH, resp.result_text()
+            resp = await raw.call(Header(**base, crc=crc32c(data)))
+            assert resp.result == Result.OK, resp.result_text()
+            assert resp.arg == len(data)
+        async with open_client(transport, [node.addr], domain=domain) as dc:
+            assert (await dc.watermarks(PID))[eid] == len(data)    # the refused writes left nothing behind
+            assert await dc.read(PID, eid, 0, len(data)) == data
+    run(body)
+    assert node.alive()
+
+
 def test_server_pool_cannot_be_written_by_a_peer(nodes, transport):
     [node] = nodes(1)
     host, port = host_port(node.addr)

@@ -400,6 +400,8 @@ def _aggregate(phase, rs: list[dict], cpu0, cpu1, *, size, clients, depth) -> di
     return {"phase": phase, "size": size, "clients": clients, "depth": depth, "bytes": total,
             "written": sum(r.get("written", 0) for r in rs),
             "requests": reqs, "seconds": round(elapsed, 3),
+            # the phase on this machine's CLOCK_MONOTONIC: scripts line it up with what they sampled meanwhile
+            "monotonic": [min(r["start"] for r in rs), max(r["end"] for r in rs)],
             "mib_s": round(total / MIB / elapsed, 1) if elapsed > 0 else 0.0,
             "iops": round(reqs / elapsed, 1) if elapsed > 0 else 0.0,
             "latency_ms": {"p50": ms(percentile(lat, 50)), "p99": ms(percentile(lat, 99)),
