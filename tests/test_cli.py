@@ -293,6 +293,8 @@ def test_bench_uses_a_scratch_partition_and_leaves_nothing(tmp_path):
                                                                         for q in before]
         assert not list(root.glob("bench-worker*")), list(root.iterdir())
         assert not list(root.glob("*test")), list(root.iterdir())            # ddtest, fiotest removed
+        trash = json.loads(dnctl("trash", "list", "--cluster", root, "--json", check=True).out)
+        assert not trash, trash                       # the scratch data is not kept in the trash either
     finally:
         dnctl("cluster", "down", "--cluster", root, "--timeout", 10)
 

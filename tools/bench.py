@@ -575,6 +575,17 @@ class ColdBaseline:
             pass
 
 
+async def _drop_scratch(dc, pid: int, members: list[str]) -> None:
+    """Delete a scratch partition and purge it from the nodes' trash: a deleted partition is kept there a
+    day (``trash_retention_s``), and a few benches of GiBs each filled this box's disk that way."""
+    from client import admin
+    await admin.delete_partition(dc, pid, members)
+    for addr in members:
+        names = [e["name"] for e in await admin.trash_list(dc, addr) if e["partition"] == pid]
+        if names:
+            await admin.trash_purge(dc, addr, names=names)
+
+
 def cold_summary(rounds: list[dict]) -> dict:
     """Median over the rounds of each same-round ratio (ours / baseline), and of each side's MiB/s."""
     import statistics
@@ -926,7 +937,7 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
             infos = []
             for tpid, members, scratch in targets:
                 if scratch:
-                    await admin.delete_partition(dc, tpid, members)      # leftovers of an interrupted run
+                    await _drop_scratch(dc, tpid, members)           # leftovers of an interrupted run
                     await admin.create_partition(dc, tpid, members)
                     infos.append((tpid, members))
                     continue
@@ -954,7 +965,7 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
     async def cleanup(infos):
         async with DataClient.open(timeout=10) as dc:
             for tpid, members in infos:
-                await admin.delete_partition(dc, tpid, members)
+                await _drop_scratch(dc, tpid, members)
 
     try:
         status, infos = trio.run(setup)
