@@ -354,7 +354,9 @@ def test_a_peer_cannot_read_pool_memory_not_granted_to_it(nodes, secret):
 
 def test_grants_scope_one_sided_access_to_a_request_in_flight():
     """Transport level: a scoped region is reachable only inside a grant on that connection, with that right,
-    and not after the grant is dropped."""
+    through that grant's own rkey (never the region's), and not after the grant is dropped -- not even when
+    a newer grant covers the same range (a late one-sided op of an ended request must not land in the
+    buffer its owner has already given to the next request)."""
     from tests.test_transport import pair
 
     async def body():
@@ -365,14 +367,24 @@ def test_grants_scope_one_sided_access_to_a_request_in_flight():
             local = srv.dst.view[:4]
             with pytest.raises(RemoteAccessError, match="not granted"):
                 await srv.conn.read(scoped.remote(2, 4), local, srv.dst)
-            token = cli.conn.grants.add(scoped.addr + 2, scoped.rkey, 4, Access.REMOTE_READ)
-            await srv.conn.read(scoped.remote(2, 4), local, srv.dst)
+            token, key = await cli.conn.grants.grant(scoped.addr + 2, scoped.rkey, 4, Access.REMOTE_READ)
+            assert key != scoped.rkey
+            with pytest.raises(RemoteAccessError, match="not granted"):  # the region's own rkey: never
+                await srv.conn.read(scoped.remote(2, 4), local, srv.dst)
+            await srv.conn.read(RemoteBufT(scoped.addr + 2, key, 4), local, srv.dst)
             assert bytes(local) == b"2345"
             with pytest.raises(RemoteAccessError):                      # one byte past the grant
-                await srv.conn.read(scoped.remote(2, 5), srv.dst.view[:5], srv.dst)
+                await srv.conn.read(RemoteBufT(scoped.addr + 2, key, 5), srv.dst.view[:5], srv.dst)
             cli.conn.grants.drop(token)
-            with pytest.raises(RemoteAccessError, match="not granted"):
-                await srv.conn.read(scoped.remote(2, 4), local, srv.dst)
+            with pytest.raises(RemoteAccessError):
+                await srv.conn.read(RemoteBufT(scoped.addr + 2, key, 4), local, srv.dst)
+            token2, key2 = await cli.conn.grants.grant(scoped.addr + 2, scoped.rkey, 4, Access.REMOTE_READ)
+            assert key2 != key
+            with pytest.raises(RemoteAccessError):                      # the dead grant's rkey stays dead
+                await srv.conn.read(RemoteBufT(scoped.addr + 2, key, 4), local, srv.dst)
+            await srv.conn.read(RemoteBufT(scoped.addr + 2, key2, 4), local, srv.dst)
+            assert bytes(local) == b"2345"
+            cli.conn.grants.drop(token2)
             cli.domain.deregister(scoped)
     run(body)
 

@@ -129,6 +129,8 @@ class Domain:
         check failed beyond a short reason.  A scoped region also needs a grant in ``grants`` (the peer's
         connection's) covering the range with that right."""
         region = self._regions.get(rkey)
+        if region is None and grants is not None:    # an rkey of one grant (TCP: ``KeyedGrants``)
+            region = self._regions.get(grants.region_rkey(rkey))
         if region is None:
             raise RemoteAccessError("unknown rkey")
         if not (region.access & need):
@@ -177,8 +179,59 @@ class Grants:
                 return True
         return False
 
+    def region_rkey(self, rkey: int) -> int:
+        """The region rkey a grant's own rkey stands for (0: none; here grants use the region's)."""
+        return 0
+
     def __len__(self) -> int:
         return len(self._g)
+
+
+class KeyedGrants(Grants):
+    """Grants that each carry an rkey of their own (random, never a region's), as a verbs memory window does:
+    used where our transport layer checks the peer's one-sided ops itself (TCP).  With the region's rkey a
+    grant was known by its range alone, so when a request ended (say, cancelled) and its buffer went at
+    once to a newer request on the same connection, a late answer to the old one matched the new grant and
+    landed in the new request's buffer.  With one rkey per grant it is refused: that rkey died with its
+    grant.  A scoped region is reachable only through a grant's rkey."""
+
+    def __init__(self, domain: Domain) -> None:
+        super().__init__()
+        self._domain = domain
+        self._keys: dict[int, int] = {}      # a grant's rkey -> its token
+        self._key_of: dict[int, int] = {}    # token -> its rkey
+
+    async def grant(self, addr: int, rkey: int, length: int, access: Access) -> tuple[int, int]:
+        region = self._domain.region(rkey)
+        if region is None or not region.scoped:
+            return await super().grant(addr, rkey, length, access)
+        token = self.add(addr, rkey, length, access)
+        while True:
+            key = secrets.randbits(32) or 1
+            if key not in self._keys and self._domain.region(key) is None:
+                break
+        self._keys[key] = token
+        self._key_of[token] = key
+        return token, key
+
+    def drop(self, token: int | None) -> None:
+        super().drop(token)
+        key = self._key_of.pop(token, None) if token is not None else None
+        if key is not None:
+            self._keys.pop(key, None)
+
+    def covers(self, addr: int, rkey: int, length: int, need: Access) -> bool:
+        token = self._keys.get(rkey)
+        g = self._g.get(token) if token is not None else None
+        if g is None:
+            return False
+        lo, hi, _, acc = g
+        return lo <= addr and addr + length <= hi and bool(acc & need)
+
+    def region_rkey(self, rkey: int) -> int:
+        token = self._keys.get(rkey)
+        g = self._g.get(token) if token is not None else None
+        return g[2] if g is not None else 0
 
 
 @dataclass

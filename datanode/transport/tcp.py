@@ -38,7 +38,8 @@ from dataclasses import dataclass
 import trio
 
 from ..protocol import HEADER_SIZE, INLINE_MAX, MAX_PAYLOAD, RemoteBuf
-from .base import Access, Connection, ConnectionClosed, Domain, Region, RemoteAccessError, TransportError
+from .base import (Access, Connection, ConnectionClosed, Domain, KeyedGrants, Region, RemoteAccessError,
+                   TransportError)
 
 log = logging.getLogger(__name__)
 
@@ -240,6 +241,7 @@ class TcpConnection(Connection):
         self.domain = domain
         self.peer = peer
         self.slots = peer_slots
+        self.grants = KeyedGrants(domain)     # one rkey per grant: a late answer cannot reach a newer one
         self._send_lock = trio.Lock()
         # one-sided requests waiting to be answered: bounded, so a peer that sends them without reading the
         # answers stalls its own connection (the reader waits here) instead of growing our memory
