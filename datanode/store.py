@@ -274,16 +274,17 @@ def cached_pages(fd: int, pos: int, length: int) -> int | None:
     """How many pages of ``[pos, pos+length)`` of ``fd`` the page cache holds (cachestat(2)); None where the
     kernel cannot tell (before Linux 6.5)."""
     global _libc
-    if _libc is False:
+    libc = _libc          # read once: another thread may set it to False (no cachestat) at any time
+    if libc is False:
         return None
-    if _libc is None:
+    if libc is None:
         try:
-            _libc = ctypes.CDLL(None, use_errno=True)
+            libc = _libc = ctypes.CDLL(None, use_errno=True)
         except OSError:
             _libc = False
             return None
     rng, st = _CachestatRange(pos, length), _Cachestat()
-    if _libc.syscall(_NR_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(st), 0) != 0:
+    if libc.syscall(_NR_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(st), 0) != 0:
         if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):      # no such syscall (or a seccomp filter)
             _libc = False
         return None

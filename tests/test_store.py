@@ -774,3 +774,43 @@ def test_direct_reads_off_reads_through_the_page_cache(tmp_path, rng, monkeypatc
     if cached(dat, 0, MiB_) is not None:
         assert cached(dat, 0, MiB_) == MiB_ // 4096
     s.close()
+
+
+def test_page_cache_probe_is_safe_from_many_threads_on_a_kernel_without_cachestat(tmp_path, monkeypatch):
+    """The node's reader threads all probe the page cache; on a kernel without cachestat(2) (before 6.5, as
+    in the Soft-RoCE VM) the first to learn so turns the probe off -- and no other thread, mid-probe, fails
+    for it (a READ once got ERROR so: one thread saw the probe turned off under it)."""
+    import datanode.store as store
+    monkeypatch.setattr(store, "_NR_CACHESTAT", 1023)        # no such syscall: ENOSYS, as on an older kernel
+    real_range = store._CachestatRange
+
+    def slow_range(*a):                  # widen the window between the probe's checks and its syscall
+        time.sleep(0.0005)
+        return real_range(*a)
+    monkeypatch.setattr(store, "_CachestatRange", slow_range)
+    path = tmp_path / "f"
+    path.write_bytes(bytes(65536))
+    fd = os.open(path, os.O_RDONLY)
+    errors = []
+    try:
+        for _ in range(20):
+            monkeypatch.setattr(store, "_libc", None)         # a fresh process: nobody knows yet
+            go = threading.Barrier(8)
+
+            def probe():
+                go.wait()
+                try:
+                    for _ in range(4):
+                        assert store.cached_pages(fd, 0, 65536) is None
+                except Exception as e:               # noqa: BLE001 -- any failure is the test's finding
+                    errors.append(e)
+
+            threads = [threading.Thread(target=probe) for _ in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+    finally:
+        os.close(fd)
+    assert not errors, errors[:3]
+    assert store._libc is False
