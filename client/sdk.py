@@ -43,7 +43,7 @@ from datanode.pool import BuddyPool, PoolExhausted
 from datanode.protocol import INLINE_MAX, Flag, Header, Op, Result, failed_replicas
 from datanode.rpc import Links
 from datanode.store import MAX_EXTENT
-from datanode.transport.base import Access, Domain, TransportError
+from datanode.transport.base import Access, ConnectionClosed, Domain, TransportError
 from datanode.transport.connect import make_domain
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,8 @@ FAILOVER_POLL_S = 1.0     # a failed write waits this long for a new view before
 
 class ClientError(Exception):
     """A request failed.  ``result`` is the protocol Result (or None for a transport failure)."""
+
+    conn_lost = False     # the request failed because an established connection was found closed
 
     def __init__(self, message: str, result: Result | None = None, node: str | None = None, arg: int = 0):
         super().__init__(message)
@@ -194,12 +196,16 @@ class DataClient:
                 rblock = await self.rpool.alloc(answer, timeout=self.timeout)
                 h = dataclasses.replace(h, addr=rblock.addr, rkey=self.rregion.rkey, rlen=answer)
             t0 = trio.current_time()
+            link = None
             try:
                 link = await self.links.get(addr)
                 resp = await link.call(h, timeout or self.timeout)
             except TransportError as e:
                 self.metrics.observe(h.opcode, -1, h.length, trio.current_time() - t0)
-                raise ClientError(f"{addr}: {e}", node=addr) from None
+                err = ClientError(f"{addr}: {e}", node=addr)
+                # a connection we had, found closed (the node restarted, or reset it): a new one may serve
+                err.conn_lost = link is not None and isinstance(e, ConnectionClosed)
+                raise err from None
             self.metrics.observe(h.opcode, resp.result, h.length, trio.current_time() - t0)
             data = b""
             if rblock is not None and resp.result == Result.OK:
@@ -679,15 +685,22 @@ class DataClient:
             await self._read_one(part, order, extent, offset, view)
             return length
         pos = 0
+        failed: list[ClientError] = []
         async with aio.nursery() as n:
             limit = trio.Semaphore(self.depth)
             while pos < length:
                 k = min(self.block_size, length - pos)
                 await limit.acquire()
+                if failed:                # start no more; the pieces in flight finish (see _read_piece)
+                    limit.release()
+                    break
                 if not replica and self.read_from == "spread" and len(order) > 1:
                     order = self._spread(part)
-                n.start_soon(self._read_piece, part, order, extent, offset + pos, view[pos:pos + k], limit)
+                n.start_soon(self._read_piece, part, order, extent, offset + pos, view[pos:pos + k], limit,
+                             failed)
                 pos += k
+        if failed:
+            raise failed[0]
         return length
 
     def _spread(self, part) -> list[str]:
@@ -696,9 +709,14 @@ class DataClient:
         self._next_replica += 1
         return list(part.replicas[i:]) + list(part.replicas[:i])
 
-    async def _read_piece(self, part, order, extent, offset, dest, limit):
+    async def _read_piece(self, part, order, extent, offset, dest, limit, failed):
+        """One piece of a ``read_into``.  A failed piece does not cancel the others: cancelling a READ in
+        flight revokes its landing buffer under the node's answer, and on verbs the node's refused RDMA
+        WRITE resets the whole connection (every other request on it fails too)."""
         try:
             await self._read_one(part, order, extent, offset, dest)
+        except ClientError as e:
+            failed.append(e)
         finally:
             limit.release()
 
@@ -706,7 +724,7 @@ class DataClient:
         """One READ request of ``len(dest)`` bytes into ``dest``, trying the replicas in ``order``."""
         length = len(dest)
         errors = []
-        refreshed = False
+        refreshed = redialed = False
         queue = list(order)
         while queue:
             addr = queue.pop(0)
@@ -722,6 +740,10 @@ class DataClient:
                 if e.result == Result.STALE_EPOCH and not refreshed:   # the map changed: reload, retry
                     refreshed = True
                     part = await self.refresh(part.pid)
+                    queue.insert(0, addr)
+                    continue
+                if e.conn_lost and not redialed:     # a READ is safe to repeat: once, on a new connection
+                    redialed = True
                     queue.insert(0, addr)
                     continue
                 errors.append(e)     # a replica being repaired may not have the range yet: next one

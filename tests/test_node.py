@@ -281,6 +281,11 @@ def test_cold_read_through_the_node_returns_the_bytes_and_refuses_a_flipped_bit(
                 await dc.read_into(PID, eid, 0, buf)
             assert ei.value.result == Result.CRC_MISMATCH, ei.value
             assert buf[2 * MiB:3 * MiB] == bytes(MiB)            # nothing unverified where the bit flipped
+            # the other pieces in flight were let finish, not cancelled under the node's answers (on verbs
+            # a refused RDMA WRITE resets the connection, failing every other request on it)
+            link = dc.links._links[node.addr]
+            await trio.sleep(0.3)
+            assert link.alive and dc.links._links[node.addr] is link
             evict(path)
             with pytest.raises(ClientError) as ei:
                 await dc.read(PID, eid, 2 * MiB, MiB)
@@ -290,6 +295,36 @@ def test_cold_read_through_the_node_returns_the_bytes_and_refuses_a_flipped_bit(
             assert await dc.read(PID, eid, 0, 2 * MiB) == data[:2 * MiB]
 
     run(read_flipped)
+
+
+def test_a_read_in_flight_when_its_connection_dies_is_sent_again_on_a_new_one(nodes, client):
+    """A node dies with a read in flight and is back by the time the client notices: the read is sent
+    again, once, on a new connection -- the caller sees the bytes, not "connection closed".  (A READ is safe
+    to repeat; a write is never sent again this way: it may have been applied.)"""
+    [node] = nodes(1)
+    data = pattern(9, 2 * MiB)
+
+    async def body():
+        async with client([], block_size=MiB) as dc:
+            await create_partition(dc, PID, [node.addr])
+            eid = await dc.create_extent(PID)
+            for off in (0, MiB):
+                await dc.append(PID, eid, off, data[off:off + MiB])
+            old = dc.links._links[node.addr]
+            got = []
+            node.proc.send_signal(signal.SIGSTOP)           # the node takes the request and does not answer
+
+            async def reader():
+                got.append(await dc.read(PID, eid, 0, len(data)))
+            async with trio.open_nursery() as n:
+                n.start_soon(reader)
+                await trio.sleep(0.3)                         # both READs sent, waiting
+                node.kill()              # blocking calls: the client notices the close only after the restart
+                node.start()
+            assert got == [data]
+            assert dc.links._links[node.addr] is not old
+
+    run(body)
 
 
 # -------------------------------------------------------------------------------------- hostile peers
