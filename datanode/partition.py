@@ -8,6 +8,7 @@ up on every replica-list change; a request carrying another epoch is refused (``
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -190,6 +191,17 @@ class OpenProgress:
         return d
 
 
+def _trash_op(fn):
+    """Purges and restores of trash entries run one at a time (in worker threads): a restore must never
+    rename an entry a purge is removing -- ``rmtree`` works through the open directory and would go on
+    deleting the restored partition's files."""
+    @functools.wraps(fn)
+    def locked(self, *args, **kw):
+        with self._trash_lock:
+            return fn(self, *args, **kw)
+    return locked
+
+
 class PartitionTable:
     def __init__(self, data_dir: pathlib.Path, sync: str, verify: str = "full"):
         self.root = data_dir / "partitions"
@@ -197,6 +209,7 @@ class PartitionTable:
         self.sync = sync
         self.verify = verify      # how stores are opened: "tail" or "full" (datanode/store.py)
         self.parts: dict[int, Partition] = {}
+        self._trash_lock = threading.Lock()        # see _trash_op
 
     def load(self, progress: OpenProgress | None = None,
              checkpoint: Callable[[], None] | None = None) -> None:
@@ -305,6 +318,7 @@ class PartitionTable:
             out.append({"name": d.name, "partition": int(pid), "deleted": int(ns) / 1e9, "bytes": size})
         return sorted(out, key=lambda e: e["deleted"])
 
+    @_trash_op
     def purge_trash(self, retention_s: float, now: float | None = None) -> list[str]:
         """Remove trash entries older than ``retention_s``; returns their names."""
         now = time.time() if now is None else now
@@ -316,6 +330,7 @@ class PartitionTable:
                 gone.append(e["name"])
         return gone
 
+    @_trash_op
     def restore(self, name: str) -> int:
         """Put a trash entry back as its partition (offline: the node is not running); returns its id."""
         src = self.trash / name
@@ -330,6 +345,7 @@ class PartitionTable:
             _fsync_dir(d)
         return int(pid)
 
+    @_trash_op
     def restore_live(self, name: str) -> Partition:
         """Put a trash entry back as its partition on a running node and open it (blocking: the node runs it
         in a worker thread, holding its view lock).  FileNotFoundError: no such entry; FileExistsError: the
@@ -363,6 +379,7 @@ class PartitionTable:
                     ",".join(replicas))
         return part
 
+    @_trash_op
     def purge_names(self, names) -> list[dict]:
         """Remove the trash entries named (those that exist); returns the entries removed."""
         want = set(names)

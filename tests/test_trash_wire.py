@@ -170,3 +170,53 @@ def test_dnctl_trash_over_the_wire(nodes, secret, tmp_path):
     assert p.returncode == 0 and json.loads(p.stdout) == [], p.stderr
     p = dnctl("purge", "7.5", "--node", n.addr)
     assert p.returncode == 1 and "no trash entry 7.5" in p.stderr
+
+
+def test_a_restore_waits_for_a_purge_in_progress_and_never_gets_a_half_deleted_partition(tmp_path, monkeypatch):
+    """A purge removes a trash entry file by file; a restore of that entry arriving meanwhile must not rename
+    it back into service half-deleted (rmtree works through the open directory and would go on deleting the
+    restored partition's files): it waits, and then finds the entry gone."""
+    import shutil
+    import threading
+
+    from datanode import partition as partition_mod
+    from datanode.partition import PartitionTable
+
+    table = PartitionTable(tmp_path / "data", "none")
+    part = table.create(7, ["127.0.0.1:1"], 1)
+    eid = part.store.create_extent()
+    part.store.write(eid, 0, b"x" * 65536)
+    name = table.delete(7).name
+    started, go_on = threading.Event(), threading.Event()
+    real_rmtree = shutil.rmtree
+
+    def slow_rmtree(path, *a, **kw):          # a big entry: the purge is still at it when the restore comes
+        started.set()
+        go_on.wait(10)
+        return real_rmtree(path, *a, **kw)
+    monkeypatch.setattr(partition_mod.shutil, "rmtree", slow_rmtree)
+    outcome = {}
+
+    def purge():
+        outcome["purged"] = table.purge_names([name])
+
+    def restore():
+        try:
+            outcome["restored"] = table.restore_live(name)
+        except FileNotFoundError as e:
+            outcome["restore_error"] = e
+
+    t1 = threading.Thread(target=purge)
+    t1.start()
+    assert started.wait(10)
+    t2 = threading.Thread(target=restore)
+    t2.start()
+    t2.join(0.5)
+    assert t2.is_alive(), "the restore went ahead while the purge was removing the entry"
+    go_on.set()
+    t1.join(10)
+    t2.join(10)
+    assert [e["name"] for e in outcome["purged"]] == [name]
+    assert "restore_error" in outcome and "restored" not in outcome
+    assert table.get(7) is None and not (tmp_path / "data" / "partitions" / "7").exists()
+    table.close()
