@@ -210,6 +210,45 @@ def test_a_create_request_half_served_by_a_dead_manager_is_finished_not_repeated
     run(main)
 
 
+def test_a_create_that_died_half_way_leaves_no_copies_behind(nodes, etcd, managers):
+    """A manager killed while creating a partition -- on its followers, not yet on its leader (the leader is
+    created last) -- leaves copies that no map names and nobody adopts.  The next manager removes them, to
+    the nodes' trash, once the leader has been registered without the partition for --unfinished-after-s;
+    a whole partition created by hand beside it is adopted and keeps its bytes."""
+    e = etcd()
+    ns = nodes(3, etcd=e.url, **NODE)
+    addrs = [n.addr for n in ns]
+    et = Etcd(e.url)
+    data = pattern(5, 100_000)
+
+    async def holders(pid):
+        async with open_client("tcp") as dc:
+            return [a for a in addrs if pid in [q["id"] for q in await dc.admin(a, Op.PARTITION_LIST)]]
+
+    async def main():
+        async with open_client("tcp", addrs) as dc:
+            for a in addrs[1:]:                      # what the dead manager left: the followers' copies only
+                await dc.admin(a, Op.PARTITION_CREATE, partition=5, body={"replicas": addrs, "epoch": 1})
+            await admin.create_partition(dc, 6, addrs)        # and a whole one, with data
+            await dc.discover(addrs[0])
+            [loc] = await dc.write(6, data)
+        managers(e.url, unfinished_after_s=2, **MGR)
+        await wait_for("the half-created copies removed", lambda: _none(holders, 5))
+        parts = await et.parts()
+        assert 5 not in parts and 6 in parts, sorted(parts)
+        for n in ns[1:]:                              # in the trash (kept trash_retention_s), not destroyed
+            assert list((pathlib.Path(n.cfg["data_dir"]) / "trash").glob("5.*")), n.addr
+        assert await holders(6) == addrs
+        async with open_client("tcp", addrs) as dc:
+            for a in addrs:
+                assert await dc.read(6, loc.extent, loc.offset, loc.length, replica=a) == data
+    run(main)
+
+
+async def _none(probe, *args):
+    return not await probe(*args)
+
+
 def test_decommission_empties_node_and_data_reads_back(nodes, etcd, managers):
     e = etcd()
     nodes(4, etcd=e.url, **NODE)

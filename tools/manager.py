@@ -63,7 +63,8 @@ MAP_RESYNC_S = 30.0       # full re-read of the map, a safety net under the watc
 class Manager:
     def __init__(self, etcd: str, *, prefix: str = "/datanode", name: str = "manager", lease_ttl_s: int = 3,
                  down_after_s: float = 1.0, tick_s: float = 0.25, transport: str = "tcp",
-                 rpc_timeout: float = 3.0, min_writable: int = 2, replicas: int = 3, min_free_mib: int = 256):
+                 rpc_timeout: float = 3.0, min_writable: int = 2, replicas: int = 3, min_free_mib: int = 256,
+                 unfinished_after_s: float = 30.0):
         self.etcd = Etcd(etcd, prefix, timeout=max(1.0, lease_ttl_s / 2))
         self.ident = f"{name}@{socket.gethostname()}:{os.getpid()}"
         self.lease_ttl_s = lease_ttl_s
@@ -78,7 +79,7 @@ class Manager:
         self.dc: DataClient | None = None
         # placement, min_writable, decommission, admins' requests (tools/manager_tasks.py)
         self.tasks = ManagerTasks(self, min_writable=min_writable, replicas=replicas, min_free_mib=min_free_mib,
-                                  settle_s=max(2.0, 2 * tick_s))
+                                  settle_s=max(2.0, 2 * tick_s), unfinished_after_s=unfinished_after_s)
 
     # -- election ---------------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -325,16 +326,20 @@ def _state(view: PartView, installed: bool | None = None) -> str:
 @click.option("--min-free-mib", type=click.IntRange(0), default=256, show_default=True,
               help="A node with less free disk gets no new replicas; a partition on one does not count as "
                    "writable for --min-writable.")
+@click.option("--unfinished-after-s", type=click.FloatRange(1), default=30.0, show_default=True,
+              help="An empty partition that only followers hold -- no map names it, its leader does not have "
+                   "it: a create that died half-way -- is deleted from them (to their trash) after this long.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info")
 def manager_command(etcd, prefix, name, lease_ttl_s, down_after_s, tick_s, transport, min_writable, replicas,
-                    min_free_mib, log_level):
+                    min_free_mib, unfinished_after_s, log_level):
     """Run a cluster manager on etcd until SIGTERM/SIGINT.
 
     \b
     Start any number of them; exactly one is active (elected through etcd), the
     others take over when its lease lapses.  The active one moves leadership off
     dead leaders, shrinks partitions whose followers died (after --down-after-s),
-    re-replicates them onto spare nodes, adopts partitions datanodes report,
+    re-replicates them onto spare nodes, adopts partitions datanodes report
+    (and removes empty ones a create that died half-way left on followers),
     places new partitions (dnctl partition create --count N; --min-writable)
     and empties decommissioned nodes (dnctl node decommission ADDR).
     Example:  datanode manager --etcd http://10.0.0.1:2379,http://10.0.0.2:2379
@@ -348,7 +353,7 @@ def manager_command(etcd, prefix, name, lease_ttl_s, down_after_s, tick_s, trans
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     m = Manager(etcd, prefix=prefix, name=name, lease_ttl_s=lease_ttl_s, down_after_s=down_after_s,
                 tick_s=tick_s, transport=transport, min_writable=min_writable, replicas=replicas,
-                min_free_mib=min_free_mib)
+                min_free_mib=min_free_mib, unfinished_after_s=unfinished_after_s)
 
     async def main():
         async with trio.open_nursery() as n:

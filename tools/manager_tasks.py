@@ -20,6 +20,7 @@ Keys (under the cluster prefix, next to ``nodes/``, ``parts/`` and ``manager``; 
 
 A new partition is created on its nodes first (``PARTITION_CREATE``, all or nothing) and then published in
 etcd with every replica synced (it is empty) and ``writable``; ids are one above any id etcd or a node knows.
+A create cut short before the leader had it leaves empty copies on followers: ``drop_unfinished`` removes them.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import trio
 from client import admin
 from client.sdk import ClientError
 from datanode.etcdmap import EtcdError, PartView
+from datanode.protocol import Op
 from tools.placement import PlacementError, eligible, pick_spare, place
 
 log = logging.getLogger(__name__)
@@ -44,7 +46,7 @@ class ManagerTasks:
     """The work of ``m`` (a tools.manager.Manager: its etcd handle, DataClient, CAS and ``change``)."""
 
     def __init__(self, m, *, min_writable: int = 2, replicas: int = 3, min_free_mib: int = 256,
-                 settle_s: float = 2.0):
+                 settle_s: float = 2.0, unfinished_after_s: float = 30.0):
         self.m = m
         self.min_writable = min_writable
         self.replicas = replicas
@@ -55,6 +57,9 @@ class ManagerTasks:
         self._warned = ""
         self._missing: dict[int, float] = {}
         self._seen: set[str] = set()     # nodes registered at some point while this manager was active
+        self.unfinished_after_s = unfinished_after_s
+        self._unfinished: dict[tuple[str, int], float] = {}   # (node, partition) -> since when (see below)
+        self._warned_unfinished: set[tuple[str, int]] = set()
 
     # -- keys ---------------------------------------------------------------------------------------
     @property
@@ -76,6 +81,7 @@ class ManagerTasks:
         self.draining = {k[len(self.drain_prefix):] for k, _v in self.m.cache.under(self.drain_prefix)}
         await self.serve_requests(nodes)
         await self.forget_deleted(nodes, now)
+        await self.drop_unfinished(nodes, now)
         await self.decommission(nodes)
         settled = now - self._active_since >= self.settle_s
         if settled:
@@ -197,6 +203,50 @@ class ManagerTasks:
                 log.warning("partition %d: no replica (%s) holds it any more: removed from the map", pid,
                             ",".join(v.replicas))
                 del self._missing[pid]
+
+    async def drop_unfinished(self, nodes: dict, now: float) -> None:
+        """A create that died half-way -- a manager killed after creating a partition on some followers but
+        before its leader (``admin.create_partition`` creates the leader last) -- leaves copies that no map
+        names and nobody adopts (the manager adopts a partition from its leader's report only).  Once the
+        leader has been registered without the partition for ``unfinished_after_s`` (far longer than a
+        create takes), each such copy still at epoch 1 and empty, asked of its node, is deleted there (to
+        the node's trash: kept ``trash_retention_s``).  One holding data is left alone, with a warning."""
+        parts = self.m.cache.parts()
+        current = set()
+        for addr, rec in nodes.items():
+            for pid_s, pv in (rec.get("partitions") or {}).items():
+                pid, reps = int(pid_s), list(pv.get("replicas") or [])
+                if pid in parts or not reps or reps[0] == addr or int(pv.get("epoch", 0)) != 1:
+                    continue
+                leader = nodes.get(reps[0])
+                if leader is None or pid_s in (leader.get("partitions") or {}):
+                    continue           # its leader is down (it may hold it) or holds it (then it is adopted)
+                key = (addr, pid)
+                current.add(key)
+                if now - self._unfinished.setdefault(key, now) >= self.unfinished_after_s:
+                    await self._drop_unfinished_copy(addr, pid, reps[0])
+        for key in list(self._unfinished):
+            if key not in current:
+                del self._unfinished[key]
+
+    async def _drop_unfinished_copy(self, addr: str, pid: int, leader: str) -> None:
+        try:
+            row = next((r for r in await self.m.dc.admin(addr, Op.PARTITION_LIST) if r["id"] == pid), None)
+            if row is None or row["epoch"] != 1 or pid in await self.m.etcd.parts():
+                return                             # gone, changed, or published meanwhile
+            if row.get("extents") or row.get("bytes"):
+                if (addr, pid) not in self._warned_unfinished:
+                    self._warned_unfinished.add((addr, pid))
+                    log.warning("partition %d on %s: no map names it and its leader %s does not hold it, but "
+                                "it holds data (%d extents, %d bytes): left alone", pid, addr, leader,
+                                row.get("extents", 0), row.get("bytes", 0))
+                return
+            await self.m.dc.admin(addr, Op.PARTITION_DELETE, partition=pid)
+        except (ClientError, EtcdError) as e:
+            log.info("partition %d on %s: removing the copy a half-done create left: %s", pid, addr, e)
+            return
+        log.warning("partition %d: removed from %s, an empty copy a create that died half-way left (no map "
+                    "names it, its leader %s does not hold it); it is in that node's trash", pid, addr, leader)
 
     # -- requests from admins -----------------------------------------------------------------------
     async def serve_requests(self, nodes: dict) -> None:
