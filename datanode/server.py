@@ -19,7 +19,7 @@ import time
 
 import trio
 
-from . import config as config_mod
+from . import config as config_mod, crc
 from .audit import NOTE as AUDIT_NOTE, AuditLog
 from .commit import GroupCommit
 from .auth import AuthConfigError, Credentials, DialAuth
@@ -141,6 +141,7 @@ class Node(DataOps, AdminOps, RepairOps):
         log.info("datanode %s listening (pid %d, data_dir %s, pool %d MiB, max block %d KiB, sync=%s, "
                  "transport=%s); opening partitions (open_verify=%s)", self.me, os.getpid(), cfg.data_dir,
                  cfg.pool_mib, cfg.max_block_kib, cfg.sync, cfg.transport, cfg.open_verify)
+        log.info("CRC32C: %s", crc.CHOICE)
 
         failed: list[str] = []
 
