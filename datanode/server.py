@@ -52,6 +52,7 @@ from .transport import tls
 from .transport.connect import NotAdmitted, ServerAuth, accept, make_domain, refuse
 
 log = logging.getLogger(__name__)
+ENDED_WARN_S = 10.0      # "connection from ... ended: WHY" is logged once per host and WHY this often
 
 GC_YOUNG = 20_000            # allocations between two young-generation collections (CPython's default: 700)
 
@@ -97,6 +98,7 @@ class Node(DataOps, AdminOps, RepairOps):
         self.client_conns = 0                # of those, admitted as client role (or unauthenticated)
         self.client_conns_by_host: dict[str, int] = {}     # max_connections_per_host
         self.refused_connections = 0
+        self._ended_warned: dict[tuple[str, str], list] = {}    # _warn_ended: (host, why) -> [last, held back]
         self.penalties: dict[str, tuple[float, float]] = {}   # _penalty_key -> (its connections wait until, since)
         self.domain.scoped = True            # our memory is reachable only through grants (transport/base.py)
         self.pool = BuddyPool(cfg.pool_mib << 20, cfg.max_block_kib << 10)
@@ -197,6 +199,24 @@ class Node(DataOps, AdminOps, RepairOps):
             self.table.close()
             log.info("datanode %s stopped", self.me)
 
+    def _warn_ended(self, host: str, peer: str, e: Exception) -> None:
+        """"connection from PEER ended: WHY" -- at most once per ENDED_WARN_S for one host and the same WHY
+        (any port), then with how many like it were held back: a peer that keeps failing the same way (a
+        manager dialling the wrong transport, a scanner, a misconfigured client in a retry loop) must not
+        fill the log, and so the disk."""
+        now = time.monotonic()
+        key = (host, (str(e) or type(e).__name__).replace(peer, host))     # the same failure, any port
+        seen = self._ended_warned.get(key)
+        if seen is not None and now - seen[0] < ENDED_WARN_S:
+            seen[1] += 1
+            return
+        held = seen[1] if seen is not None else 0
+        if len(self._ended_warned) >= 4096:           # bounded: forget hosts quiet for a while
+            self._ended_warned = {k: v for k, v in self._ended_warned.items() if now - v[0] < ENDED_WARN_S}
+        self._ended_warned[key] = [now, 0]
+        log.warning("connection from %s ended: %s%s", peer, str(e) or type(e).__name__,
+                    f" ({held} more from {host} ended so in the last {now - seen[0]:.0f}s)" if held else "")
+
     async def _accept_loop(self, listeners, scope) -> None:
         with scope:
             await trio.serve_listeners(self._on_stream, listeners, handler_nursery=self._nursery)
@@ -242,7 +262,7 @@ class Node(DataOps, AdminOps, RepairOps):
             log.debug("connection from %s ended: %s", peer, e)
         except (TransportError, ProtocolError, trio.TooSlowError, OSError, trio.BrokenResourceError,
                 trio.ClosedResourceError) as e:
-            log.warning("connection from %s ended: %s", peer, str(e) or type(e).__name__)
+            self._warn_ended(host, peer, e)
         except Exception:     # a bug must cost one connection, never the node
             log.exception("connection from %s ended by an internal error", peer)
         finally:

@@ -351,6 +351,31 @@ def test_garbage_instead_of_a_hello_costs_only_that_connection(nodes):
     assert node.alive()
 
 
+def test_a_peer_failing_the_same_way_again_and_again_does_not_fill_the_log(nodes):
+    """Forty garbage hellos from one host in a row: each costs only its connection, and the node's log says
+    so once (per host and kind of failure, every few seconds), not forty times."""
+    [node] = nodes(1, transport="tcp")
+    host, port = node.addr.rsplit(":", 1)
+    for _ in range(40):
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(os.urandom(200))
+            s.settimeout(10)
+            try:
+                s.shutdown(socket.SHUT_WR)
+                while s.recv(4096):
+                    pass
+            except OSError:
+                pass
+
+    async def body():
+        async with open_client("tcp", [node.addr]) as dc:
+            assert (await dc.admin(node.addr, Op.NODE_STATUS))["pid"] == node.pid
+    run(body)
+    ended = [ln for ln in node.log_path.read_text().splitlines() if f"connection from {host}:" in ln
+             and " ended: " in ln]
+    assert 1 <= len(ended) <= 3, "\n".join(ended)
+
+
 def test_oversized_control_frame_drops_only_that_connection(nodes):
     """A peer that sends a control message bigger than any slot is cut off; everybody else is served."""
     from datanode.protocol import HELLO_SIZE, Hello
