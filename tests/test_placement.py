@@ -249,6 +249,28 @@ async def _none(probe, *args):
     return not await probe(*args)
 
 
+def test_a_manager_without_rdma_says_once_which_verbs_only_nodes_it_cannot_reach(etcd, managers):
+    """A node registered with transport = "verbs" cannot be reached from a manager on a host without an RDMA
+    device (as here): its log says so, naming the node, once -- not a failure per request."""
+    e = etcd()
+    et = Etcd(e.url)
+    addr = "127.0.0.9:7001"
+
+    async def main():
+        await et.put(et.key("nodes", addr), json.dumps({"addr": addr, "transport": "verbs", "partitions": {},
+                                                        "capacity_bytes": 1 << 40, "free_bytes": 1 << 40}))
+        m = managers(e.url, **MGR)
+        text = await wait_for("the warning", lambda: _log_has(m, f"node {addr} takes only RDMA verbs"))
+        await trio.sleep(1.5)                                 # several passes later: still once
+        assert m.log_path.read_text().count(f"node {addr} takes only RDMA verbs") == 1, text
+    run(main)
+
+
+async def _log_has(proc, text):
+    got = proc.log_path.read_text(errors="replace")
+    return got if text in got else None
+
+
 def test_decommission_empties_node_and_data_reads_back(nodes, etcd, managers):
     e = etcd()
     nodes(4, etcd=e.url, **NODE)

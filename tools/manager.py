@@ -62,7 +62,7 @@ MAP_RESYNC_S = 30.0       # full re-read of the map, a safety net under the watc
 
 class Manager:
     def __init__(self, etcd: str, *, prefix: str = "/datanode", name: str = "manager", lease_ttl_s: int = 3,
-                 down_after_s: float = 1.0, tick_s: float = 0.25, transport: str = "tcp",
+                 down_after_s: float = 1.0, tick_s: float = 0.25, transport: str = "auto",
                  rpc_timeout: float = 3.0, min_writable: int = 2, replicas: int = 3, min_free_mib: int = 256,
                  unfinished_after_s: float = 30.0):
         self.etcd = Etcd(etcd, prefix, timeout=max(1.0, lease_ttl_s / 2))
@@ -316,8 +316,10 @@ def _state(view: PartView, installed: bool | None = None) -> str:
 @click.option("--tick-s", type=click.FloatRange(0.05), default=0.25, show_default=True,
               help="How often the active manager looks again while a change is under way (it reacts to "
                    "etcd's watch events at once, and looks at a settled map only every few seconds).")
-@click.option("--transport", type=click.Choice([t.value for t in TransportChoice]), default="tcp", show_default=True,
-              help="How the manager reaches datanodes for admin requests.")
+@click.option("--transport", type=click.Choice([t.value for t in TransportChoice]), default="auto", show_default=True,
+              help="How the manager reaches datanodes for admin requests: auto (verbs where this host has an "
+                   "RDMA device and the node offers it, else TCP) reaches nodes of every transport setting "
+                   "this host can; tcp cannot reach nodes configured transport = \"verbs\".")
 @click.option("--min-writable", type=click.IntRange(0), default=2, show_default=True,
               help="Keep at least this many partitions that take writes (writable, or degraded/recovering "
                    "while they heal) with free space; new ones are placed automatically; 0: never create any.")

@@ -60,6 +60,7 @@ class ManagerTasks:
         self.unfinished_after_s = unfinished_after_s
         self._unfinished: dict[tuple[str, int], float] = {}   # (node, partition) -> since when (see below)
         self._warned_unfinished: set[tuple[str, int]] = set()
+        self._verbs_only_warned: set[str] = set()
 
     # -- keys ---------------------------------------------------------------------------------------
     @property
@@ -79,6 +80,7 @@ class ManagerTasks:
         if self._active_since is None:
             self._active_since = now
         self.draining = {k[len(self.drain_prefix):] for k, _v in self.m.cache.under(self.drain_prefix)}
+        self.warn_unreachable_transport(nodes)
         await self.serve_requests(nodes)
         await self.forget_deleted(nodes, now)
         await self.drop_unfinished(nodes, now)
@@ -181,6 +183,18 @@ class ManagerTasks:
         if text != self._warned:
             log.warning("%s", text)
             self._warned = text
+
+    def warn_unreachable_transport(self, nodes: dict) -> None:
+        """A node that takes only verbs connections cannot be managed from a host without an RDMA device:
+        say so once per node, in the manager's log, rather than let every request to it fail."""
+        if getattr(self.m.dc.domain, "device", None) is not None:
+            return
+        for addr, rec in nodes.items():
+            if rec.get("transport") == "verbs" and addr not in self._verbs_only_warned:
+                self._verbs_only_warned.add(addr)
+                log.warning("node %s takes only RDMA verbs connections (transport = \"verbs\") and this "
+                            "manager has no RDMA device: it cannot reach it; run the manager on a host with "
+                            "one, or set the node's transport to auto", addr)
 
     async def forget_deleted(self, nodes: dict, now: float) -> None:
         """A partition etcd has but none of its replicas holds any more, all of them alive and registered
