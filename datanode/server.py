@@ -480,6 +480,11 @@ class Node(DataOps, AdminOps, RepairOps):
             if ticket is not None:
                 ticket[0].done(ticket[1])
             try:
+                if h.opcode in ADMIN_ACTIONS:   # on file before the answer: whoever got one can find its line
+                    await self.audit.record(peer=conn.peer, role=conn.role, identity=conn.identity,
+                                            op=Op(h.opcode).name, partition=h.partition, epoch=h.epoch,
+                                            result=Result(resp.result).name if resp is not None else "DROPPED",
+                                            detail=why or AUDIT_NOTE.get())
                 if resp is not None:   # still in flight until answered: a drain must not cancel the reply
                     await self._send(conn, resp)
             finally:
@@ -489,11 +494,6 @@ class Node(DataOps, AdminOps, RepairOps):
                 conn.busy -= 1
                 if self.inflight == 0:
                     self._idle.set()
-                if h.opcode in ADMIN_ACTIONS:
-                    await self.audit.record(peer=conn.peer, role=conn.role, identity=conn.identity,
-                                            op=Op(h.opcode).name, partition=h.partition, epoch=h.epoch,
-                                            result=Result(resp.result).name if resp is not None else "DROPPED",
-                                            detail=why or AUDIT_NOTE.get())
 
     async def install_view(self, pid: int, replicas: list[str], epoch: int) -> bool:
         """Adopt a higher epoch and its replica list (False if ``epoch`` is not above ours)."""
