@@ -91,6 +91,63 @@ class RequestFamilies:
         yield from (requests, nbytes, latency)
 
 
+WRITE_STAGES = ("fetch", "queue", "local", "durable", "replicas")
+
+
+class WriteStages:
+    """Where an append's time goes on this node, stage by stage, for the leader's and the followers' part
+    (``DataOps.op_write`` times each one with ``time.perf_counter``):
+
+    * ``fetch``    -- the payload in hand and its CRC checked: the one-sided READ from the client's (leader)
+      or the leader's (follower) buffer; next to nothing for a payload that came inline;
+    * ``queue``    -- waiting for the extent's turn (earlier appends to the same extent);
+    * ``local``    -- in the turn: the forwards sent (leader) and the bytes written to the extent (pwrite);
+    * ``durable``  -- until the append is on disk (group commit; nothing under ``sync = none``);
+    * ``replicas`` -- leader only: after its own flush, until every follower's ack is in.
+
+    So the leader's stages add up to the time it held the request (its answer follows), and a slow write
+    says on which side it was slow: its own disk (``durable``), its followers (``replicas``: their
+    ``fetch`` + ``local`` + ``durable`` + the hops), the extent's other writers (``queue``).  Plain counts
+    on the request path (a bisect and two additions per stage), turned into a histogram family
+    (``datanode_write_stage_seconds``) when scraped; ``to_dict`` for NODE_STATUS (``dnctl bench`` reads it
+    to break each phase down: tools/bench.py ``stage_means_ms``)."""
+
+    def __init__(self) -> None:
+        n = len(LATENCY_BUCKETS) + 1
+        self._s = {role: {st: [0, 0.0, [0] * n] for st in WRITE_STAGES} for role in ("leader", "follower")}
+
+    def observe(self, role: str, marks: tuple[float, ...]) -> None:
+        """``marks``: the times the append started and each stage in ``WRITE_STAGES`` ended (a follower's
+        tuple stops before ``replicas``)."""
+        stages = self._s[role]
+        for i in range(len(marks) - 1):
+            dt = marks[i + 1] - marks[i]
+            s = stages[WRITE_STAGES[i]]
+            s[0] += 1
+            s[1] += dt
+            s[2][bisect.bisect_left(LATENCY_BUCKETS, dt)] += 1
+
+    def to_dict(self) -> dict:
+        """{role: {stage: {"count": n, "sum_s": total}}} since the node started (stages never seen left out)."""
+        return {role: {st: {"count": c, "sum_s": round(t, 6)} for st, (c, t, _) in stages.items() if c}
+                for role, stages in self._s.items()}
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        fam = HistogramMetricFamily("datanode_write_stage_seconds", "Time an append spent in each stage on "
+                                    "this node (fetch, queue, local, durable, replicas), by role",
+                                    labels=["role", "stage"])
+        for role, stages in self._s.items():
+            for st, (count, total, buckets) in stages.items():
+                if count:
+                    cumulative = list(itertools.accumulate(buckets))
+                    fam.add_metric([role, st], [(floatToGoString(b), c) for b, c in
+                                                zip((*LATENCY_BUCKETS, math.inf), cumulative)], total)
+        yield fam
+
+
 LAG_BUCKETS_MS = (0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
 
 
@@ -182,6 +239,8 @@ class NodeMetrics(RequestFamilies):
         self.registry = CollectorRegistry(auto_describe=True)
         super().__init__("datanode", "answered (arrival to answer)", self.registry)
         self.loop_lag = LoopLag(self.registry)
+        self.write_stages = WriteStages()
+        self.registry.register(self.write_stages)
         self.gc = GcPauses()
         self.registry.register(_NodeCollector(node))
 

@@ -575,6 +575,7 @@ class Node(DataOps, AdminOps, RepairOps):
                 "disk": self.disk(),
                 "connections": [c.info() for c in list(self.conns)],
                 "loop_lag": self.metrics.loop_lag.to_dict(), "gc": self.metrics.gc.to_dict(),
+                "write_stages": self.metrics.write_stages.to_dict(),
                 "counters": {**dataclasses.asdict(self.counters), **dataclasses.asdict(self.replication.counters),
                              **dataclasses.asdict(self.commit.counters),
                              **dataclasses.asdict(self.repair.counters)},

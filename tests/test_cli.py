@@ -288,6 +288,23 @@ def test_bench_uses_a_scratch_partition_and_leaves_nothing(tmp_path):
         assert res["fio"]["write_4k_fdatasync"]["ms_per_write"] > 0
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
         assert all(r["bytes"] >= 4 << 20 and r["partition"] != 1 for r in res["results"])
+        # each write phase broken down by stage on every node: the first replica led every append
+        for r in res["results"]:
+            if r["phase"] != "write":
+                assert "write_stages" not in r
+                continue
+            leader, *followers = r["replica_nodes"]
+            st = r["write_stages"]
+            assert set(st) == set(r["replica_nodes"]), st
+            assert st[leader]["leader"]["appends"] == r["requests"], (st, r["requests"])
+            assert set(st[leader]["leader"]) == {"appends", "fetch", "queue", "local", "durable",
+                                                 *(["replicas"] if followers else [])}
+            for f in followers:
+                assert list(st[f]) == ["follower"] and st[f]["follower"]["appends"] == r["requests"]
+                assert "replicas" not in st[f]["follower"]
+            assert sum(v for k, v in st[leader]["leader"].items() if k != "appends") <= r["latency_ms"]["max"]
+        assert "ms per append" in dnctl("bench", "--cluster", root, "--size", "64KiB", "--total-mib", 1,
+                                        "--mode", "write", timeout=120).out
         after = json.loads(dnctl("partition", "list", a, "--json", check=True).out)
         assert [(q["id"], q["extents"], q["bytes"]) for q in after] == [(q["id"], q["extents"], q["bytes"])
                                                                         for q in before]

@@ -57,6 +57,16 @@ def test_metrics_move_when_data_moves(nodes):
     assert value(after, "datanode_request_payload_bytes_total", op="WRITE") == len(data)
     assert value(after, "datanode_request_payload_bytes_total", op="READ") == len(data)
     assert value(after, "datanode_request_seconds_count", op="WRITE") == ok_writes
+    # where each append's time went: every stage counted once per append, by role, and together no
+    # longer than the node held the requests
+    stages = ("fetch", "queue", "local", "durable", "replicas")
+    for st in stages:
+        assert value(after, "datanode_write_stage_seconds_count", role="leader", stage=st) == ok_writes, st
+        assert value(follower, "datanode_write_stage_seconds_count", role="follower", stage=st) == (
+            0 if st == "replicas" else ok_writes), st
+        assert value(after, "datanode_write_stage_seconds_count", role="follower", stage=st) == 0
+    assert 0 < sum(value(after, "datanode_write_stage_seconds_sum", role="leader", stage=st) for st in stages) \
+        <= value(after, "datanode_request_seconds_sum", op="WRITE")
     assert value(after, "datanode_forwarded_writes_total") == ok_writes
     assert value(follower, "datanode_forward_fetch_bytes_total") == len(data)
     assert value(after, "datanode_partitions") == 1

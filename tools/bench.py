@@ -301,6 +301,54 @@ def _collect(workers, q, want: str, timeout: float, on_progress=None) -> dict[in
     return got
 
 
+WRITE_STAGES = ("fetch", "queue", "local", "durable", "replicas")     # datanode/metrics.py WriteStages
+
+
+def stage_snapshot(addrs: list[str]) -> dict:
+    """Each node's write-stage counters (NODE_STATUS ``write_stages``); a node that does not answer, or
+    predates them, is left out."""
+    import trio
+
+    from client import admin
+    from client.sdk import ClientError, DataClient
+
+    async def snap():
+        out = {}
+        async with DataClient.open(timeout=10) as dc:
+            for a in addrs:
+                try:
+                    st = (await admin.node_status(dc, a)).get("write_stages")
+                except ClientError:
+                    continue
+                if st is not None:
+                    out[a] = st
+        return out
+    try:
+        return trio.run(snap)
+    except Exception:       # noqa: BLE001 - a breakdown is extra: the phase's figures stand without it
+        return {}
+
+
+def stage_means_ms(before: dict, after: dict) -> dict:
+    """Per node, the mean milliseconds per append of each write stage between two ``stage_snapshot``s (a
+    phase): {addr: {role: {"appends": n, stage: ms, ...}}}; nodes and roles without appends left out."""
+    out = {}
+    for addr, roles in after.items():
+        for role, stages in roles.items():
+            prev = before.get(addr, {}).get(role, {})
+            row = {}
+            for st in WRITE_STAGES:
+                if st not in stages:
+                    continue
+                n = stages[st]["count"] - prev.get(st, {}).get("count", 0)
+                if n > 0:
+                    row.setdefault("appends", n)
+                    row[st] = round((stages[st]["sum_s"] - prev.get(st, {}).get("sum_s", 0.0)) / n * 1e3, 3)
+            if row:
+                out.setdefault(addr, {})[role] = row
+    return out
+
+
 def run_config(*, nodes: list[str], pid: int, size: int, clients: int, depth: int, seconds: float | None,
                total: int | None, phases: list[str], node_pids: dict[str, int], read_from: str,
                transport: str, label: str, log_dir: pathlib.Path | None, progress: bool = True,
@@ -334,6 +382,7 @@ def run_config(*, nodes: list[str], pid: int, size: int, clients: int, depth: in
             if cold_read:
                 drop_caches()
             d0 = disk_sample(disk) if cold_read else None
+            stages0 = stage_snapshot(nodes) if phase == "write" else {}
             cpu0 = {a: cpu_seconds(p) for a, p in node_pids.items()}
             done = [0] * clients
             t_start = time.monotonic()
@@ -361,6 +410,8 @@ def run_config(*, nodes: list[str], pid: int, size: int, clients: int, depth: in
             results.append(_aggregate(phase, [res[i]["result"] for i in range(clients)], cpu0, cpu1,
                                       size=size, clients=clients, depth=depth))
             results[-1]["cold"] = cold_read
+            if phase == "write":     # where each append's time went on the nodes (mean ms per stage)
+                results[-1]["write_stages"] = stage_means_ms(stages0, stage_snapshot(nodes))
             if cold_read:
                 results[-1]["disk"] = disk_delta(d0, d1, results[-1]["bytes"])
                 if after_cold is not None:
@@ -768,10 +819,19 @@ def _table(header: dict, rows: list[dict], dd: dict | None, node_names: dict[str
         lines.append(f"{r['replicas']:>8} {part:>10} {('cold' if r.get('cold') else r['phase']):5} {r['mib_s']:>8.1f} {r['iops']:>8.0f} "
                      f"{_f(lat['p50'])} {_f(lat['p99'])} {_f(lat['p999'])} {(f'{cc:.1f} s/GB' if cc is not None else '-'):>10}  "
                      f"{ncpu:<{len('node CPU s/GB ()') + len('/'.join(names))}}  {r['errors']}")
+        for addr, roles in (r.get("write_stages") or {}).items():
+            for role, st in roles.items():
+                lines.append(f"{'':>8} {node_names.get(addr, addr)} {role:8} ms per append: " + "  ".join(
+                    f"{k} {st[k]:.3f}" for k in WRITE_STAGES if k in st))
         for e in r["first_errors"]:
             lines.append(f"{'':>8} error: {e}")
     lines.append("CPU is utime+stime per GB (1e9 bytes) of client payload moved; node CPU is each datanode "
                  "process's, client CPU the sum over client processes.")
+    if any(r.get("write_stages") for r in rows):
+        lines.append("ms per append: the mean time a write phase's appends spent in each stage on each node, "
+                     "as leader or follower: fetch (payload READ + CRC), queue (the extent's earlier appends), "
+                     "local (forwards sent, pwrite), durable (flush), replicas (leader: after its flush, until "
+                     "every follower acked).")
     if dd:
         if "error" in dd:
             lines.append(f"dd: {dd['command']}: {dd['error']}")

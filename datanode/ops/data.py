@@ -21,6 +21,8 @@ Follow a write from the client to the disk (``DataOps.op_write``):
      (``Replicator.wait``: matched on request id, partition, extent, offset, CRC) within ``replica_timeout``;
      reply OK to the client only then; free the block.
   Any failure after the turn began seals the extent (DIVERGED): its replicas may differ, so no more appends.
+  Each step's time is counted (``metrics.WriteStages``: fetch = 2, queue = waiting for the turn, local = 3,
+  durable and replicas = 4), so a node says where its appends wait.
   A follower runs the same handler for the forwarded header: steps 2 and 3 without the forwarding.
 """
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from time import perf_counter
 
 from ..protocol import INLINE_MAX, Flag, Header, Result
 from ..replication import replica_names
@@ -43,6 +46,7 @@ class DataOps(Handlers):
         return h.reply(Result.OK, arg=os.getpid())
 
     async def op_write(self, conn: Connection, h: Header, ticket, payload: memoryview | None = None) -> Header:
+        t0 = perf_counter()                      # the stages' marks (metrics.WriteStages)
         forwarded = bool(h.flags & Flag.FORWARDED)
         part = self._partition(h) if forwarded else await self._lead(h)
         if ticket is None:
@@ -68,7 +72,9 @@ class DataOps(Handlers):
             if whole != h.crc:
                 raise Reply(Result.CRC_MISMATCH, why="payload CRC does not match the header")
             fan = None
+            t1 = perf_counter()
             async with lane.turn(t):
+                t2 = perf_counter()
                 if lane.diverged and not (forwarded and h.flags & Flag.REPAIR):  # repair may fill a sealed one
                     raise Reply(Result.DIVERGED, why=f"extent {h.extent} sealed: {lane.diverged}")
                 end = self._size(part, h.extent)     # in our turn, every earlier append has reached the store
@@ -89,6 +95,7 @@ class DataOps(Handlers):
                                         addr=block.addr, rkey=self.region.rkey, rlen=h.length)
                         fan = await self.replication.submit(part, fwd, small)
                     size = await self._append(part.store, h.extent, h.offset, view, None, pieces)
+                    t3 = perf_counter()
                 except BaseException as e:
                     self.replication.seal(part, h.extent, lane, f"local write failed: {e}")
                     if fan:
@@ -98,6 +105,7 @@ class DataOps(Handlers):
             # commit, datanode/commit.py) and the followers answer
             try:
                 await self._durable(part.store, h.extent, size)
+                t4 = perf_counter()
             except BaseException as e:
                 self.replication.seal(part, h.extent, lane, f"local flush failed: {e}")
                 if fan:
@@ -109,6 +117,9 @@ class DataOps(Handlers):
                     names = replica_names(fan.replicas, failed)
                     self.replication.seal(part, h.extent, lane, f"replica {names} failed a write")
                     raise Reply(Result.REPLICATION_FAILED, arg=failed, why=f"replica {names} failed {h.describe()}")
+                self.metrics.write_stages.observe("leader", (t0, t1, t2, t3, t4, perf_counter()))
+            else:
+                self.metrics.write_stages.observe("follower" if forwarded else "leader", (t0, t1, t2, t3, t4))
         finally:
             if block is not None:
                 self._free(block, holder)
