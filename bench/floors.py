@@ -16,6 +16,9 @@ file system's journal.  This times that sequence for one file alone and for thre
 together per round): the floor under the "4 KiB durable, 3 replicas, depth 1" row's p50.  Twice: on files
 that grow with every append (each fdatasync also commits the journal for the new size), and on files
 zero-filled ahead as the store now does for small durable appends (``PREFILL``: data-only fdatasyncs).
+A third time with ONE fdatasync per append (the entry written into the data file itself, zeros ahead): the
+floor of a layout that makes an append durable with a single device flush, which the store's two-file
+layout cannot (its CRC entry may only be written once the data is durable: see the store's write order).
 
     python bench/floors.py [--dir /var/tmp] [--mib 1024] [--size-kib 1024] [--rounds 300] [--json]
 """
@@ -96,10 +99,11 @@ def run(directory: str, mib: int, size: int) -> dict:
             "ceiling_mib_s": round(cores * (n * size / cpu) / (1 << 20), 1) if cpu else None}
 
 
-def flush_floor(directory: str, replicas: int, rounds: int, prefilled: bool) -> dict:
+def flush_floor(directory: str, replicas: int, rounds: int, prefilled: bool, single: bool = False) -> dict:
     """Per round, ``replicas`` threads each append 4 KiB to their own extent-like file as the store does
     under sync=always; the round's time is the slowest one's (a write waits for every replica).
-    ``prefilled``: the files hold zeros (synced) where the appends land, so no flush changes their size."""
+    ``prefilled``: the files hold zeros (synced) where the appends land, so no flush changes their size.
+    ``single``: the entry goes into the data file, past the appends, and one fdatasync covers both."""
     buf = os.urandom(4096)
     lat: list[float] = []
     with tempfile.TemporaryDirectory(dir=directory) as d:
@@ -107,7 +111,7 @@ def flush_floor(directory: str, replicas: int, rounds: int, prefilled: bool) -> 
                   os.open(os.path.join(d, f"r{i}.crc"), os.O_RDWR | os.O_CREAT, 0o600)) for i in range(replicas)]
         if prefilled:
             for dat, crc in files:
-                os.pwrite(dat, bytes(rounds * 4096), 0)
+                os.pwrite(dat, bytes(rounds * 4096 + 4096), 0)
                 os.pwrite(crc, bytes(4096), 0)
                 os.fsync(dat)
                 os.fsync(crc)
@@ -119,6 +123,11 @@ def flush_floor(directory: str, replicas: int, rounds: int, prefilled: bool) -> 
             for j in range(rounds):
                 go.wait()
                 os.pwrite(dat, buf, j * 4096)
+                if single:
+                    os.pwrite(dat, b"\0" * 8, rounds * 4096 + (j // 32) * 8)
+                    os.fdatasync(dat)
+                    done.wait()
+                    continue
                 os.fdatasync(dat)
                 os.pwrite(crc, b"\0" * 8, (j // 32) * 8)   # a 128 KiB block's entry: rewritten in place
                 os.fdatasync(crc)
@@ -138,7 +147,7 @@ def flush_floor(directory: str, replicas: int, rounds: int, prefilled: bool) -> 
             os.close(dat)
             os.close(crc)
     lat.sort()
-    return {"replicas": replicas, "prefilled": prefilled, "rounds": rounds, "p50_ms": round(lat[len(lat) // 2] * 1e3, 3),
+    return {"replicas": replicas, "prefilled": prefilled, "single": single, "rounds": rounds, "p50_ms": round(lat[len(lat) // 2] * 1e3, 3),
             "p99_ms": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3, 3)}
 
 
@@ -151,7 +160,8 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     r = {"journey": run(a.dir, a.mib, a.size_kib << 10),
-         "flush": [flush_floor(a.dir, k, a.rounds, p) for p in (False, True) for k in (1, 3)]}
+         "flush": [flush_floor(a.dir, k, a.rounds, p) for p in (False, True) for k in (1, 3)]
+         + [flush_floor(a.dir, k, a.rounds, True, single=True) for k in (1, 3)]}
     if a.json:
         print(json.dumps(r))
         return
@@ -160,8 +170,10 @@ def main() -> None:
           f"CPU-s/GB (user {j['user_s']} s, system {j['system_s']} s); on {j['cores']} cores at most "
           f"{j['ceiling_mib_s']} MiB/s of replicated writes")
     for f in r["flush"]:
-        how = "into zeros written ahead" if f["prefilled"] else "growing the file"
-        print(f"flush: 4 KiB append made durable as the store does ({how}), {f['replicas']} replica(s) on this disk at "
+        how = ("with ONE fdatasync (data and entry in one file, into zeros written ahead; not the store's layout)"
+               if f["single"] else "as the store does (into zeros written ahead)" if f["prefilled"]
+               else "as the store does (growing the file)")
+        print(f"flush: 4 KiB append made durable {how}, {f['replicas']} replica(s) on this disk at "
               f"once: p50 {f['p50_ms']} ms, p99 {f['p99_ms']} ms ({f['rounds']} rounds)")
 
 
