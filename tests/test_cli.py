@@ -152,6 +152,10 @@ def test_node_status_and_partition_list_present_transport_units_health(live):
     raw = json.loads(dnctl("node", "status", a, "--json", check=True).out)
     assert isinstance(raw["uptime_s"], (int, float)) and all(c["transport"] == "tcp" for c in raw["connections"])
     assert isinstance(raw["pool"]["arena_bytes"], int)
+    # the file put in partition 1 (led by the first node): where its appends spent their time, per stage
+    assert raw["write_stages"]["leader"]["durable"]["count"] >= 1, raw["write_stages"]
+    assert re.search(r"^appends as leader \(\d+\), mean ms per stage: fetch \d+\.\d{3}, queue .*, durable "
+                     r"\d+\.\d{3}, replicas \d+\.\d{3}$", p.out, re.M), p.out
     p = dnctl("partition", "list", a, check=True)
     row = next(ln for ln in p.out.splitlines() if ln.split()[0] == "1")
     assert "leader" in row and "healthy" in row and live["addrs"][1] in row, p.out

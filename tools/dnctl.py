@@ -1130,6 +1130,10 @@ def _status_text(s: dict) -> str:
                  f"({fmt_bytes(_counter(c, 'read_bytes'))}), forwarded {fmt_count(_counter(c, 'forwarded'))}, "
                  f"replication failures {fmt_count(_counter(c, 'replication_failures'))}, protocol errors "
                  f"{fmt_count(_counter(c, 'protocol_errors'))}")
+    for role, stages in (s.get("write_stages") or {}).items():     # since the node started
+        n = max(v["count"] for v in stages.values())
+        lines.append(f"appends as {role} ({fmt_count(n)}), mean ms per stage: " + ", ".join(
+            f"{st} {v['sum_s'] / v['count'] * 1e3:.3f}" for st, v in stages.items() if v["count"]))
     conns = s.get("connections") or []
     lines.append(f"connections ({len(conns)}):" if conns else "connections: none")
     for conn in conns:
