@@ -17,8 +17,10 @@ together per round): the floor under the "4 KiB durable, 3 replicas, depth 1" ro
 that grow with every append (each fdatasync also commits the journal for the new size), and on files
 zero-filled ahead as the store now does for small durable appends (``PREFILL``: data-only fdatasyncs).
 A third time with ONE fdatasync per append (the entry written into the data file itself, zeros ahead): the
-floor of a layout that makes an append durable with a single device flush, which the store's two-file
-layout cannot (its CRC entry may only be written once the data is durable: see the store's write order).
+floor of a layout that makes an append durable with a single device flush.  Then the store itself
+(``ExtentStore.write``, three stores at once, one thread each), with its one-flush path (sync_file_range of
+the data, one fdatasync of the CRC file: the store's "One flush") and without it (two fdatasyncs),
+alternating, ``--store-reps`` times each: what that path buys on this disk, the Python around it included.
 
     python bench/floors.py [--dir /var/tmp] [--mib 1024] [--size-kib 1024] [--rounds 300] [--json]
 """
@@ -151,17 +153,54 @@ def flush_floor(directory: str, replicas: int, rounds: int, prefilled: bool, sin
             "p99_ms": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3, 3)}
 
 
+def store_floor(directory: str, replicas: int, rounds: int, one_flush: bool) -> dict:
+    """Per round, ``replicas`` threads each make a 4 KiB append durable with their own ExtentStore (sync=always),
+    started together; latency per append (each replica's own)."""
+    from datanode.store import ExtentStore
+    data = os.urandom(4096)
+    lat: list[float] = []
+    ones = 0
+    with tempfile.TemporaryDirectory(dir=directory) as d:
+        stores = [ExtentStore(os.path.join(d, f"s{i}"), sync="always", one_flush=one_flush) for i in range(replicas)]
+        try:
+            eids = [s.create_extent() for s in stores]
+            go = threading.Barrier(replicas)
+            mine: list[list[float]] = [[] for _ in range(replicas)]
+
+            def replica(i: int) -> None:
+                for j in range(rounds):
+                    go.wait()
+                    t0 = time.perf_counter()
+                    stores[i].write(eids[i], j * 4096, data)
+                    mine[i].append(time.perf_counter() - t0)
+
+            threads = [threading.Thread(target=replica, args=(i,)) for i in range(replicas)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            lat = sorted(x for m in mine for x in m[5:])        # the first appends create the files' zeros
+            ones = sum(s.one_flushes for s in stores)
+        finally:
+            for s in stores:
+                s.close()
+    return {"replicas": replicas, "one_flush": one_flush, "rounds": rounds, "one_flushes": ones,
+            "p50_ms": round(lat[len(lat) // 2] * 1e3, 3), "p99_ms": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3, 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", default="/var/tmp", help="where the three scratch files go (the data disk)")
     ap.add_argument("--mib", type=int, default=1024, help="MiB per replica to move")
     ap.add_argument("--size-kib", type=int, default=1024, help="bytes per write, KiB")
     ap.add_argument("--rounds", type=int, default=300, help="flush rounds per measurement")
+    ap.add_argument("--store-reps", type=int, default=4, help="alternations of the store's flush with/without one flush")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     r = {"journey": run(a.dir, a.mib, a.size_kib << 10),
          "flush": [flush_floor(a.dir, k, a.rounds, p) for p in (False, True) for k in (1, 3)]
-         + [flush_floor(a.dir, k, a.rounds, True, single=True) for k in (1, 3)]}
+         + [flush_floor(a.dir, k, a.rounds, True, single=True) for k in (1, 3)],
+         "store": [store_floor(a.dir, 3, a.rounds, one) for _ in range(a.store_reps) for one in (False, True)]}
     if a.json:
         print(json.dumps(r))
         return
@@ -175,6 +214,13 @@ def main() -> None:
                else "as the store does (growing the file)")
         print(f"flush: 4 KiB append made durable {how}, {f['replicas']} replica(s) on this disk at "
               f"once: p50 {f['p50_ms']} ms, p99 {f['p99_ms']} ms ({f['rounds']} rounds)")
+    for one in (False, True):
+        runs = [f for f in r["store"] if f["one_flush"] == one]
+        p50s = sorted(f["p50_ms"] for f in runs)
+        p99s = sorted(f["p99_ms"] for f in runs)
+        print(f"store: ExtentStore.write 4 KiB durable, 3 stores at once, {'ONE fdatasync' if one else 'two fdatasyncs'}"
+              f" ({sum(f['one_flushes'] for f in runs)} one-flushes): p50 {' '.join(map(str, p50s))} ms, "
+              f"p99 {' '.join(map(str, p99s))} ms ({len(runs)} runs of {a.rounds}, sorted)")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ Layout (under ``root``)::
 
     next_extent_id          decimal, the next id create_extent(None) hands out (atomic replace)
     extents/<id>.dat        extent data, append-only, at most MAX_EXTENT bytes
-    extents/<id>.crc        one 8-byte entry per 128 KiB block: (crc32c u32, covered_length u32) big-endian
+    extents/<id>.crc        one 8-byte entry per 128 KiB block: (crc32c u32, covered_length u32) big-endian;
+                            at 8 KiB, two tail slots (sync=always: see "One flush")
     extents/<id>.deleted    tombstone of a deleted extent (empty); the id is never handed out again
 
 Entry ``i`` covers ``data[i*BLOCK : i*BLOCK + covered]``.  Every block but the last is full
@@ -34,6 +35,31 @@ fdatasyncs either way.)  Consequences, for sync=always:
 
 With kill -9 (no power loss) the page cache survives, so the same holds for sync=none; after a power cut
 sync=none promises nothing beyond "what is recovered is verified".
+
+One flush (sync=always)
+-----------------------
+Two fdatasyncs are two cache flushes of the device per flush, on every replica.  Where it is safe, a flush
+takes one: ``sync_file_range`` writes the data pages to the device and waits (no metadata, no cache flush),
+the entries are written, and one ``fdatasync`` of the CRC file flushes the device's cache for both files.
+Until that cache flush, a power cut may keep any of the flush's writes and lose any other -- a rewritten
+entry of the last partial block without its bytes would make that block's *acknowledged* start unreadable.
+So the CRC file also holds two **tail slots** past the entries of a full extent (at 8 KiB, 32 bytes each,
+the newest by sequence number)::
+
+    magic "DNT1" | seq u32 | size u64 | CRC of the partial last block u32 | flags u32 | CRC32C of the rest u32
+
+Each flush writes the slot that is *not* the newest: the state before the flush stays on disk, described,
+until the flush is complete.  A flush takes one fdatasync only when a durable slot describes the state
+before it and its bytes overwrite zeros already durable in the data file (zero-fill ahead: the file's
+length is not changing); otherwise data first, as above (the first flush after open, create or truncate,
+and one that grows the file).  Recovery, when there are slots: the newest whose blocks (those its flush
+wrote, and the partial last one by the slot's CRC) verify gives the size; a one-flush slot that does not
+verify, with a sector of its range still reading as the zeros it overwrote, was cut short by a power cut
+(never acknowledged) and the slot before it gives the size; a slot whose bytes are all there yet fail is a
+damaged medium -- those blocks are kept and reported, as by rule 3 below.  Anything else (no slot, or none
+that fits) falls back to the entry rules below.  Slots are dropped by truncate and a clean close (the
+entries then say it all); sync=none appends remove them (their entries would be outvoted by an old slot).
+DATANODE_ONE_FLUSH=0 turns the one-flush path off (slots are still written).
 
 Recovery rule (on open, for every extent)
 -----------------------------------------
@@ -104,6 +130,13 @@ MAX_EXTENT = 128 * 1024 * 1024  # extents are append-only, up to 128 MiB
 
 _ENTRY = struct.Struct(">II")
 _ESZ = _ENTRY.size  # 8
+_ENTRIES_END = MAX_EXTENT // BLOCK * _ESZ   # where the entries of a full extent end (8 KiB): the slots follow
+# A tail slot (see "One flush" in the module docstring): magic, seq, size, CRC of the partial last block,
+# flags, and a CRC32C of the fields before it.  Two of them, SLOT_SIZE apart, the newest by seq.
+_SLOT = struct.Struct(">4sIQII")
+_SLOT_MAGIC = b"DNT1"
+SLOT_SIZE = 32
+_SLOT_ONE_FLUSH = 1          # flags: written by a one-flush (its data was not synced before it)
 _SYNC_MODES = tuple(SyncMode)
 _VERIFY_MODES = ("full", "tail")
 _NEXT_ID = "next_extent_id"
@@ -146,6 +179,59 @@ def io_error(what: str, e: OSError) -> StoreError:
 
 def _fdatasync(fd: int) -> None:
     (os.fdatasync if hasattr(os, "fdatasync") else os.fsync)(fd)
+
+
+# One flush (see the module docstring): sync_file_range(2) writes a range's dirty pages to the device and
+# waits for them, without the file's metadata and without flushing the device's write cache -- the
+# fdatasync of the CRC file right after does that, for both files.  Python's os has no sync_file_range:
+# libc's, through ctypes (which lets go of the GIL for the call).  DATANODE_ONE_FLUSH=0 turns it off.
+ONE_FLUSH = os.environ.get("DATANODE_ONE_FLUSH", "1") != "0"
+_SFR_WAIT_WRITE_WAIT = 1 | 2 | 4    # SYNC_FILE_RANGE_WAIT_BEFORE | _WRITE | _WAIT_AFTER
+
+
+def _libc_sync_file_range():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _libc_sync_file_range()
+
+
+def _write_out(fd: int, pos: int, n: int) -> None:
+    """The dirty pages of ``[pos, +n)`` written to the device and waited for (no metadata, no cache flush)."""
+    if _sync_file_range(fd, pos, n, _SFR_WAIT_WRITE_WAIT) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"sync_file_range: {os.strerror(err)}")
+
+
+def _slot_pos(seq: int) -> int:
+    return _ENTRIES_END + (seq & 1) * SLOT_SIZE
+
+
+def _pack_slot(seq: int, size: int, tail_crc: int, flags: int) -> bytes:
+    body = _SLOT.pack(_SLOT_MAGIC, seq, size, tail_crc, flags)
+    return body + struct.pack(">I", crc32c(body)) + bytes(SLOT_SIZE - _SLOT.size - 4)
+
+
+def _unpack_slots(raw: bytes) -> list[tuple[int, int, int, int]]:
+    """The valid tail slots in a CRC file's bytes, newest first: [(seq, size, tail_crc, flags)]."""
+    out = []
+    for k in range(2):
+        pos = _ENTRIES_END + k * SLOT_SIZE
+        rec = raw[pos:pos + _SLOT.size + 4]
+        if len(rec) < _SLOT.size + 4 or rec[:4] != _SLOT_MAGIC:
+            continue
+        magic, seq, size, tail_crc, flags = _SLOT.unpack_from(rec)
+        if (struct.unpack_from(">I", rec, _SLOT.size)[0] != crc32c(rec[:_SLOT.size]) or (seq & 1) != k
+                or size > MAX_EXTENT):
+            continue
+        out.append((seq, size, tail_crc, flags))
+    return sorted(out, reverse=True)
 
 
 def _fsync_dir(path: pathlib.Path) -> None:
@@ -374,7 +460,7 @@ def _scratch_bufs() -> tuple[memoryview, memoryview]:
 class _Extent:
     __slots__ = ("id", "dat", "crc", "size", "entries", "bad", "mu", "cond", "wlock", "readers",
                  "exclusive", "dead", "broken", "gen", "flock", "dirty_from", "durable", "direct", "filled",
-                 "crc_filled")
+                 "crc_filled", "slot_seq", "synced")
 
     def __init__(self, eid: int, dat_fd: int, crc_fd: int, size: int, entries: list[tuple[int, int]],
                  bad: set[int]):
@@ -401,7 +487,9 @@ class _Extent:
         self.durable = size
         self.direct: int | None = None  # the data file opened O_DIRECT (on the first read that can use it); -1: cannot
         self.filled = size              # bytes the data file has (zero-filled ahead of size: PREFILL)
-        self.crc_filled = len(entries) * _ESZ   # bytes the CRC file has
+        self.crc_filled = len(entries) * _ESZ   # bytes the CRC file has (below the slots)
+        self.slot_seq: int | None = None    # the durable tail slot that describes ``durable`` (None: none does)
+        self.synced = size                  # the data file's length known durable (its last fdatasync)
 
     # -- reader side ------------------------------------------------------------------------------------
     def begin_read(self, b0: int, b1: int, nowait: bool = False):
@@ -459,7 +547,7 @@ class _Extent:
 
 class ExtentStore:
     def __init__(self, root: pathlib.Path, sync: str = SyncMode.ALWAYS, *, verify: str = "full",
-                 on_extent: Callable[[int], None] | None = None):
+                 on_extent: Callable[[int], None] | None = None, one_flush: bool = ONE_FLUSH):
         if sync not in _SYNC_MODES:
             raise ValueError(f"sync must be one of {_SYNC_MODES}, not {sync!r}")
         if verify not in _VERIFY_MODES:
@@ -474,6 +562,8 @@ class ExtentStore:
         self._extents: dict[int, _Extent] = {}
         self._tombstones: set[int] = set()
         self._closed = False
+        self.one_flushes = 0                # flushes that took one fdatasync (see "One flush"; approximate)
+        self._one_flush = one_flush and _sync_file_range is not None
         created = not self._dir.exists()
         self._dir.mkdir(parents=True, exist_ok=True)
         if created and self._durable:
@@ -590,6 +680,12 @@ class ExtentStore:
         def good(i: int) -> bool:
             return valid(i) and present(i) and check(i, entries[i][1])
 
+        slots = _unpack_slots(raw)
+        if slots:
+            ext = self._recover_by_slot(eid, dat, crcfd, data_len, raw, entries, slots, check, buf)
+            if ext is not None:
+                return ext
+
         # 1. the first GOOD partial entry ends the extent
         last = None
         partial_end = False
@@ -632,7 +728,7 @@ class ExtentStore:
             log.warning("extent %d (%s): rewrote covered length of mid-extent entries %s to a full block",
                         eid, self.root, fixed)
         # what zero-fill ahead (PREFILL) leaves past the end is expected: dropped quietly (info)
-        zeros_only = not raw[keep * _ESZ:].strip(b"\0")
+        zeros_only = not raw[keep * _ESZ:_ENTRIES_END].strip(b"\0")
         if crc_len != keep * _ESZ:
             os.ftruncate(crcfd, keep * _ESZ)
             log.log(logging.INFO if zeros_only else logging.WARNING,
@@ -653,6 +749,85 @@ class ExtentStore:
             log.error("extent %d (%s): %d block(s) fail their CRC and are kept (reads of them will fail): %s",
                       eid, self.root, len(bad), sorted(bad))
         return _Extent(eid, dat, crcfd, size, entries, bad), cut
+
+    def _recover_by_slot(self, eid: int, dat: int, crcfd: int, data_len: int, raw: bytes,
+                         entries: list[tuple[int, int]], slots: list, check, buf) -> tuple[_Extent, int] | None:
+        """Recovery by the tail slots (see "One flush"): the extent as the newest slot that verifies describes
+        it, a torn flush after it cut; None when the entry rules must decide."""
+        def older(k: int):
+            return slots[k + 1] if k + 1 < len(slots) and slots[k + 1][0] == slots[k][0] - 1 else None
+
+        def failing(k: int) -> list[int] | None:
+            """The blocks slot k's flush wrote that fail their CRC; None: the slot cannot describe the files."""
+            seq, size, tail_crc, _ = slots[k]
+            nb, part = divmod(size, BLOCK)
+            if data_len < size or len(entries) < nb or any(entries[i][1] != BLOCK for i in range(nb)):
+                return None
+            prev = older(k)
+            lo = min(prev[1] // BLOCK, nb) if prev else max(nb - 1, 0)    # what this slot's flush wrote
+            bad = [i for i in range(lo, nb) if not check(i, BLOCK)]
+            if part and not (_preadv_all(dat, [buf[:part]], nb * BLOCK) == part and crc32c(buf[:part]) == tail_crc):
+                bad.append(nb)
+            return bad
+
+        def zero_sector(start: int, end: int) -> bool:
+            """Some 512-byte sector's part in [start, end) of the data file reads as zeros: a write of the
+            flush that never reached the disk (under one flush those pages held zeros written ahead)."""
+            while start < end:
+                n = min(BLOCK, end - start)
+                got = _preadv_all(dat, [buf[:n]], start)
+                chunk = bytes(buf[:got])
+                edge = -start % 512 or 512
+                pieces = [chunk[:edge]] + [chunk[j:j + 512] for j in range(edge, len(chunk), 512)]
+                if got < n or any(not piece.strip(b"\0") for piece in pieces if piece):
+                    return True
+                start += n
+            return False
+
+        pick, bad = 0, failing(0)
+        if bad and slots[0][3] & _SLOT_ONE_FLUSH and older(0) and zero_sector(older(0)[1], slots[0][1]):
+            bad = None          # a one-flush cut short by a power cut: it was never acknowledged
+        if bad is None and slots[0][3] & _SLOT_ONE_FLUSH and older(0):
+            pick, bad = 1, failing(1)
+        if bad is None or (pick and bad):
+            log.warning("extent %d (%s): no tail slot describes the files: recovering by the CRC entries",
+                        eid, self.root)
+            return None
+        # bad (pick 0): blocks of a flush that completed fail their CRC -- a damaged medium, not a torn
+        # write (all its bytes are there, none of them a sector the write never reached): kept, reported
+        seq, size, tail_crc, _ = slots[pick]
+        nb, part = divmod(size, BLOCK)
+        kept = entries[:nb] + ([(tail_crc, part)] if part else [])
+        bad = set(bad) | {i for i in range(nb) if self.verify == "full" and not check(i, BLOCK)}
+        changed = False
+        if part and (len(entries) <= nb or entries[nb] != (tail_crc, part)):
+            _pwrite_all(crcfd, _ENTRY.pack(tail_crc, part), nb * _ESZ)
+            changed = True
+        beyond = raw[len(kept) * _ESZ:_ENTRIES_END]
+        if beyond.strip(b"\0"):                    # entries a torn flush wrote past the slot's end
+            _pwrite_all(crcfd, bytes(len(beyond)), len(kept) * _ESZ)
+            changed = True
+        if pick:                                    # the unfinished flush's slot must never be read again
+            _pwrite_all(crcfd, bytes(SLOT_SIZE), _slot_pos(slots[0][0]))
+            changed = True
+        if changed:
+            os.fsync(crcfd)
+        cut = data_len - size
+        if cut:
+            os.ftruncate(dat, size)
+            os.fsync(dat)
+        if pick or cut:
+            log.log(logging.WARNING if pick else logging.INFO,
+                    "extent %d (%s): %s: data %d -> %d bytes (%d bytes cut)", eid, self.root,
+                    "an unfinished flush (never acknowledged) cut back to the slot before it" if pick else
+                    "the tail past the last flushed append (zero-filled ahead, or never acknowledged) cut",
+                    data_len, size, cut)
+        if bad:
+            log.error("extent %d (%s): %d block(s) fail their CRC and are kept (reads of them will fail): %s",
+                      eid, self.root, len(bad), sorted(bad))
+        ext = _Extent(eid, dat, crcfd, size, kept, bad)
+        ext.slot_seq = seq
+        return ext, cut
 
     # --------------------------------------------------------------------------------------- lookups
     def _get(self, extent_id: int) -> _Extent:
@@ -797,6 +972,9 @@ class ExtentStore:
                     ext.filled = max(ext.filled, offset + n)
                 if not self._durable:
                     stage = "pwrite crc"
+                    if ext.slot_seq is not None:     # slots of a sync=always past would outvote these entries
+                        _pwrite_all(ext.crc, bytes(2 * SLOT_SIZE), _ENTRIES_END)
+                        ext.slot_seq = None
                     _pwrite_all(ext.crc, b"".join([_ENTRY.pack(*e) for e in new]), first * _ESZ)
             except OSError as e:
                 self._rollback(ext, size, first, stage, e)
@@ -848,21 +1026,36 @@ class ExtentStore:
                 return None
             size = ext.size
             ents = ext.entries[first:]
-        stage = "fdatasync data"
+        # one flush where a durable slot describes the state before it and the data file's length is already
+        # durable (the appends overwrote zeros written ahead): else the data is synced first, as always
+        one = self._one_flush and ext.slot_seq is not None and size <= ext.synced
+        filled = ext.filled
+        seq = (ext.slot_seq or 0) + 1
+        tail = size % BLOCK
+        slot = _pack_slot(seq, size, ents[-1][0] if tail else 0, _SLOT_ONE_FLUSH if one else 0)
+        stage = "sync_file_range data" if one else "fdatasync data"
         try:
-            _fdatasync(ext.dat)        # every byte pwritten before the snapshot above
+            if one:            # every byte pwritten before the snapshot above, on the device (not yet durable)
+                _write_out(ext.dat, first * BLOCK, size - first * BLOCK)
+            else:
+                _fdatasync(ext.dat)        # every byte pwritten before the snapshot above, durable
             stage = "pwrite crc"
             if ents:
                 ext.crc_filled = _pwrite_ahead(ext.crc, memoryview(b"".join([_ENTRY.pack(*e) for e in ents])),
-                                               first * _ESZ, ext.crc_filled, _CRC_PREFILL,
-                                               MAX_EXTENT // BLOCK * _ESZ)
+                                               first * _ESZ, ext.crc_filled, _CRC_PREFILL, _ENTRIES_END)
+            _pwrite_all(ext.crc, slot, _slot_pos(seq))
             stage = "fdatasync crc"
-            _fdatasync(ext.crc)
+            _fdatasync(ext.crc)        # (one flush: its cache flush makes the data durable too)
         except OSError as e:
             # the page cache state is unknown after a failed fsync: refuse writes until recovery
             ext.broken = f"{stage}: {e}"
             log.error("extent %d (%s): %s failed: %s -- extent marked broken", ext.id, self.root, stage, e)
             return io_error(f"extent {ext.id}: {stage}", e)
+        ext.slot_seq = seq
+        if one:
+            self.one_flushes += 1
+        else:
+            ext.synced = max(ext.synced, min(filled, ext.filled))   # (a rollback may have cut it meanwhile)
         with ext.mu:
             if size > ext.durable:
                 ext.durable = size
@@ -873,6 +1066,7 @@ class ExtentStore:
         try:
             os.ftruncate(ext.dat, size)
             ext.filled = size
+            ext.synced = min(ext.synced, size)      # a shorter length, not yet durable
             if not self._durable and first < len(ext.entries):
                 _pwrite_all(ext.crc, _ENTRY.pack(*ext.entries[first]), first * _ESZ)
             if not self._durable:
@@ -1092,14 +1286,16 @@ class ExtentStore:
                         entries[i] = (crc32c(buf[:within]), within)
                         _pwrite_all(ext.crc, _ENTRY.pack(*entries[i]), i * _ESZ)
                     # entries first (crash here: recovery stops at the rewritten entry and cuts the data)
-                    os.ftruncate(ext.crc, keep * _ESZ)
+                    os.ftruncate(ext.crc, keep * _ESZ)      # (the slots go too: the next flush writes one)
                     ext.crc_filled = keep * _ESZ
+                    ext.slot_seq = None
                     if self._durable:
                         _fdatasync(ext.crc)
                     os.ftruncate(ext.dat, size)
                     ext.filled = size
                     if self._durable:
                         _fdatasync(ext.dat)
+                        ext.synced = size
                 except OSError as e:
                     ext.broken = f"truncate: {e}"
                     raise io_error(f"extent {extent_id}: truncate", e) from e
@@ -1157,8 +1353,8 @@ class ExtentStore:
         try:
             if ext.filled > ext.size:
                 os.ftruncate(ext.dat, ext.size)
-            if ext.crc_filled > len(ext.entries) * _ESZ and ext.dirty_from is None:
-                os.ftruncate(ext.crc, len(ext.entries) * _ESZ)
+            if (ext.crc_filled > len(ext.entries) * _ESZ or ext.slot_seq is not None) and ext.dirty_from is None:
+                os.ftruncate(ext.crc, len(ext.entries) * _ESZ)     # the slots too: the entries say it all
         except OSError as e:
             log.info("extent %d (%s): zero-filled tail kept (%s): the next open cuts it", ext.id, self.root, e)
 

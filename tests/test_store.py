@@ -12,10 +12,11 @@ import time
 import crcmod.predefined
 import pytest
 
-from datanode.store import BLOCK, MAX_EXTENT, ExtentStore, StoreError
+from datanode.store import BLOCK, MAX_EXTENT, ONE_FLUSH, SLOT_SIZE, ExtentStore, StoreError
 
 ORACLE = crcmod.predefined.mkCrcFun("crc-32c")   # independent of datanode.crc
 MiB_ = 1 << 20
+SLOTS_END = MAX_EXTENT // BLOCK * 8 + 2 * SLOT_SIZE    # the CRC file's tail slots end here
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -367,6 +368,131 @@ def test_data_without_crc_file_and_orphan_crc(tmp_path, rng):
     s.close()
 
 
+# ----------------------------------------------------------------------------------------------- one flush
+def _snapshot(root, eid) -> tuple[bytes, bytes]:
+    """The extent's two files as they are now (the page cache: what a kill -9 would leave)."""
+    dat, crc = paths(root, eid)
+    return dat.read_bytes(), crc.read_bytes()
+
+
+def _mix(old: bytes, new: bytes, ranges) -> bytes:
+    """``old`` with the pages ``ranges`` [(start, end)] taken from ``new`` (a write that reached the disk)."""
+    out = bytearray(old.ljust(len(new), b"\0"))
+    for a, b in ranges:
+        out[a:b] = new[a:b]
+    return bytes(out)
+
+
+ONE_FLUSH_CASES = {          # (bytes acknowledged before, appends of the flush a power cut interrupts)
+    "within a block": (10_000, [4096]),
+    "into the next block": (BLOCK - 1000, [3000, 4096]),
+    "over whole blocks": (2 * BLOCK + 100, [BLOCK, 5000]),
+}
+
+
+@pytest.mark.parametrize("case", ONE_FLUSH_CASES)
+def test_a_power_cut_during_a_one_flush_never_loses_an_acknowledged_byte(tmp_path, rng, case, caplog):
+    """A flush that takes one fdatasync (sync_file_range of the data, then fdatasync of the CRC file) orders
+    nothing between its writes before the device's cache flush: a power cut may leave any of them on disk
+    and not the others -- data pages, the CRC entries' page, the tail slot's page.  Every such mix recovers
+    to the bytes acknowledged before that flush, or to those and the whole flush; every recovered byte
+    reads back verified; the block the flush extended (acknowledged bytes at its start) is never lost."""
+    acked_len, flush = ONE_FLUSH_CASES[case]
+    live = tmp_path / "live"
+    s = ExtentStore(live, sync="always", one_flush=True)
+    eid = s.create_extent()
+    data = rng.randbytes(acked_len + sum(flush))
+    pos = 0
+    for n in [4096] * (acked_len // 4096) + [acked_len % 4096]:     # acknowledged: small appends, each flushed
+        s.write(eid, pos, data[pos:pos + n])
+        pos += n
+    before = _snapshot(live, eid)
+    ones = s.one_flushes
+    for n in flush:                                 # the interrupted flush: appends, then one flush of them
+        s.append(eid, pos, data[pos:pos + n])
+        pos += n
+    assert s.flush([eid]) == {}
+    assert s.one_flushes == ones + 1, "the flush under test did not take the one-flush path"
+    after = _snapshot(live, eid)
+    s.close()
+    pages = [(a, min(a + 4096, pos)) for a in range(acked_len // 4096 * 4096, pos, 4096)]
+    slot = (MAX_EXTENT // BLOCK * 8, SLOTS_END)
+    entry_pages = [(0, MAX_EXTENT // BLOCK * 8)]
+    outcomes, tries = set(), 0
+    for data_pages in ([], pages[:len(pages) // 2], pages[len(pages) // 2:], pages):
+        for entries_landed in (False, True):
+            for slot_landed in (False, True):
+                tries += 1
+                root = tmp_path / f"cut{tries}"
+                dat, crc = paths(root, eid)
+                dat.parent.mkdir(parents=True)
+                dat.write_bytes(_mix(before[0], after[0], data_pages))
+                crc.write_bytes(_mix(before[1], after[1], (entry_pages if entries_landed else [])
+                                     + ([slot] if slot_landed else [])))
+                with caplog.at_level(logging.INFO, logger="datanode.store"):
+                    r = ExtentStore(root, sync="always")
+                got = r.size(eid)
+                assert got in (acked_len, len(data)), (data_pages, entries_landed, slot_landed, got)
+                assert read(r, eid, 0, got) == data[:got]
+                assert r.stats()["bad_blocks"] == 0
+                if data_pages != pages:
+                    assert got == acked_len     # the flush's bytes are not all there: it never happened
+                r.write(eid, got, b"next")      # writable at once, and the write survives a crash too
+                crashed = tmp_path / f"{root.name}-again"
+                subprocess.run(["cp", "-a", str(root), str(crashed)], check=True)
+                r.close()
+                r2 = ExtentStore(crashed, sync="always")
+                assert read(r2, eid, 0, got + 4) == data[:got] + b"next"
+                r2.close()
+                outcomes.add(got)
+    assert outcomes == {acked_len, len(data)}
+    assert "fail their CRC" not in caplog.text
+
+
+def test_corruption_after_a_completed_flush_is_kept_and_reported_not_cut(tmp_path, rng):
+    """The slots only ever set aside a flush that can have been cut short.  A bad block after a flush that
+    completed (a bit flip on the medium) stays the extent's, reported as bad -- cutting it would drop
+    acknowledged bytes that the other replicas still hold and repair can restore."""
+    s = ExtentStore(tmp_path / "live", sync="always")
+    eid = s.create_extent()
+    data = rng.randbytes(3 * BLOCK + 500)
+    pos = 0
+    while pos < len(data):
+        n = min(4096, len(data) - pos)
+        s.write(eid, pos, data[pos:pos + n])
+        pos += n
+    crashed = tmp_path / "crashed"
+    subprocess.run(["cp", "-a", str(tmp_path / "live"), str(crashed)], check=True)
+    s.close()
+    flip(paths(crashed, eid)[0], 3 * BLOCK + 100)     # in the last flush's block
+    r = ExtentStore(crashed, sync="always")
+    assert r.size(eid) == len(data)
+    assert r.stats()["bad_blocks"] == 1
+    expect("crc", read, r, eid, 3 * BLOCK, 500)
+    assert read(r, eid, 0, 3 * BLOCK) == data[:3 * BLOCK]
+    r.close()
+
+
+def test_sync_none_appends_after_sync_always_are_not_undone_by_its_slots(tmp_path, rng):
+    """A store that ran sync=always leaves tail slots behind; reopened sync=none, its appends write CRC
+    entries only, so the first of them removes the slots -- else the next open would believe the old slot
+    and cut every later append, which a kill -9 under sync=none must keep."""
+    s = ExtentStore(tmp_path / "a", sync="always")
+    eid = s.create_extent()
+    data = rng.randbytes(BLOCK + 9000)
+    s.write(eid, 0, data[:5000])
+    s.write(eid, 5000, data[5000:9000])
+    subprocess.run(["cp", "-a", str(tmp_path / "a"), str(tmp_path / "b")], check=True)     # as kill -9 leaves it
+    s.close()
+    r = ExtentStore(tmp_path / "b", sync="none")
+    r.write(eid, 9000, data[9000:])
+    subprocess.run(["cp", "-a", str(tmp_path / "b"), str(tmp_path / "c")], check=True)
+    r.close()
+    r2 = ExtentStore(tmp_path / "c", sync="always")
+    assert r2.size(eid) == len(data) and read(r2, eid, 0, len(data)) == data
+    r2.close()
+
+
 # ----------------------------------------------------------------------------------------------- real crash
 CHILD = textwrap.dedent("""
     import os, random, sys
@@ -448,10 +574,11 @@ def test_small_durable_appends_overwrite_zeros_written_ahead_and_a_crash_keeps_e
     data = rng.randbytes(40 * 4096 + 123)
     s.write(eid, 0, data[:4096])
     dat, crc = paths(root, eid)
-    assert dat.stat().st_size == PREFILL and crc.stat().st_size == 4096
+    assert dat.stat().st_size == PREFILL and crc.stat().st_size == SLOTS_END   # entries a page ahead, slots
     for off in range(4096, len(data), 4096):
         s.write(eid, off, data[off:off + 4096])
         assert dat.stat().st_size == PREFILL          # overwrote zeros: the file never grew
+    assert s.one_flushes == (40 if ONE_FLUSH else 0)  # 41 flushes, all but the first: one fdatasync
     assert read(s, eid, 0, len(data)) == data
     crashed = tmp_path / "crashed"                    # the files as they are now, the store still open
     subprocess.run(["cp", "-a", str(root), str(crashed)], check=True)
