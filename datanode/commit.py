@@ -47,7 +47,7 @@ class _Batch:
 @dataclasses.dataclass
 class CommitCounters:
     flushes: int = 0            # flusher rounds (each: one worker-thread call)
-    flushed_extents: int = 0    # extent flushes done (each: two fdatasyncs)
+    flushed_extents: int = 0    # extent flushes done (each: two fdatasyncs, or one: NODE_STATUS one_flushes)
     commit_waits: int = 0       # appends that waited for a flush
     inline_flushes: int = 0     # flushes run in the event loop (the only request in flight)
     slow_inline_flushes: int = 0  # of those, longer than INLINE_SLOW (the next INLINE_PAUSE went to the thread)

@@ -578,6 +578,7 @@ class Node(DataOps, AdminOps, RepairOps):
                 "write_stages": self.metrics.write_stages.to_dict(),
                 "counters": {**dataclasses.asdict(self.counters), **dataclasses.asdict(self.replication.counters),
                              **dataclasses.asdict(self.commit.counters),
+                             "one_flushes": sum(p.store.one_flushes for p in list(self.table.parts.values())),
                              **dataclasses.asdict(self.repair.counters)},
                 "pool": self.pool_stats(reveal)}
 

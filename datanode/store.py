@@ -1031,14 +1031,14 @@ class ExtentStore:
         one = self._one_flush and ext.slot_seq is not None and size <= ext.synced
         filled = ext.filled
         seq = (ext.slot_seq or 0) + 1
-        tail = size % BLOCK
-        slot = _pack_slot(seq, size, ents[-1][0] if tail else 0, _SLOT_ONE_FLUSH if one else 0)
         stage = "sync_file_range data" if one else "fdatasync data"
         try:
             if one:            # every byte pwritten before the snapshot above, on the device (not yet durable)
-                _write_out(ext.dat, first * BLOCK, size - first * BLOCK)
-            else:
+                one = self._write_out(ext, first * BLOCK, size - first * BLOCK)
+            if not one:
+                stage = "fdatasync data"
                 _fdatasync(ext.dat)        # every byte pwritten before the snapshot above, durable
+            slot = _pack_slot(seq, size, ents[-1][0] if size % BLOCK else 0, _SLOT_ONE_FLUSH if one else 0)
             stage = "pwrite crc"
             if ents:
                 ext.crc_filled = _pwrite_ahead(ext.crc, memoryview(b"".join([_ENTRY.pack(*e) for e in ents])),
@@ -1060,6 +1060,20 @@ class ExtentStore:
             if size > ext.durable:
                 ext.durable = size
         return None
+
+    def _write_out(self, ext: _Extent, pos: int, n: int) -> bool:
+        """The one-flush path's data step; False where the file system refuses sync_file_range (the caller
+        then syncs the data first, and so does every later flush of this store)."""
+        try:
+            _write_out(ext.dat, pos, n)
+            return True
+        except OSError as e:
+            if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ESPIPE):
+                raise
+            if self._one_flush:
+                self._one_flush = False
+                log.warning("%s: sync_file_range refused (%s): every flush syncs the data first instead", self.root, e)
+            return False
 
     def _rollback(self, ext: _Extent, size: int, first: int, stage: str, err: OSError) -> None:
         """Put the files back to ``size`` after a failed append (best effort)."""

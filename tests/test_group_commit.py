@@ -8,7 +8,7 @@ import trio
 
 from client.sdk import ClientError
 from datanode.protocol import Op
-from datanode.store import ExtentStore
+from datanode.store import ONE_FLUSH, ExtentStore
 from tests.conftest import create_partition, open_client, pattern, run
 
 KiB = 1 << 10
@@ -91,8 +91,9 @@ def restart_and_check_every_replica(ns, acked: list[tuple[int, int, bytes]]) -> 
 
 def test_lone_writes_flushed_in_the_event_loop_survive_kill9_of_every_replica(nodes):
     """One writer, one append at a time: each node has a single request in flight, so its flush runs right
-    in the event loop (no thread hand-over; the node's counters say so).  Killed with SIGKILL, every
-    replica still has every acknowledged byte after a restart."""
+    in the event loop (no thread hand-over; the node's counters say so), most of them with one fdatasync
+    (the store's "One flush").  Killed with SIGKILL, every replica still has every acknowledged byte after a
+    restart (recovered by the CRC files' tail slots)."""
     ns = nodes(3, sync="always")
     addrs = [n.addr for n in ns]
     rng = random.Random(5)
@@ -115,6 +116,7 @@ def test_lone_writes_flushed_in_the_event_loop_survive_kill9_of_every_replica(no
     for addr, c in zip(addrs, counts):   # (a flush slower than INLINE_SLOW on a busy disk sends the next
         assert 1 <= c["inline_flushes"] <= c["flushes"], (addr, c)     # second's flushes to the thread)
         assert c["slow_inline_flushes"] <= c["inline_flushes"], (addr, c)
+        assert (c["one_flushes"] >= 1) == ONE_FLUSH, (addr, c)    # small appends over zeros: one fdatasync
     for node in ns:
         node.kill()
     restart_and_check_every_replica(ns, [(eid, off, data) for off, data in acked])

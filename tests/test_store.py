@@ -449,6 +449,32 @@ def test_a_power_cut_during_a_one_flush_never_loses_an_acknowledged_byte(tmp_pat
     assert "fail their CRC" not in caplog.text
 
 
+def test_a_file_system_without_sync_file_range_gets_two_flushes_not_errors(tmp_path, rng, monkeypatch, caplog):
+    """Where sync_file_range is refused (EINVAL: a file system that does not do it), the flush syncs the
+    data first instead -- this one and every later one -- and says so once; no write fails."""
+    import ctypes
+    import errno as errno_
+    from datanode import store as store_mod
+
+    def refuse(fd, pos, n, flags):
+        ctypes.set_errno(errno_.EINVAL)
+        return -1
+    monkeypatch.setattr(store_mod, "_sync_file_range", refuse)
+    s = ExtentStore(tmp_path / "live", sync="always", one_flush=True)
+    eid = s.create_extent()
+    data = rng.randbytes(20 * 4096)
+    with caplog.at_level(logging.WARNING, logger="datanode.store"):
+        for off in range(0, len(data), 4096):
+            s.write(eid, off, data[off:off + 4096])
+    assert s.one_flushes == 0
+    assert caplog.text.count("sync_file_range refused") == 1
+    subprocess.run(["cp", "-a", str(tmp_path / "live"), str(tmp_path / "crashed")], check=True)
+    s.close()
+    r = ExtentStore(tmp_path / "crashed", sync="always")
+    assert read(r, eid, 0, len(data)) == data
+    r.close()
+
+
 def test_corruption_after_a_completed_flush_is_kept_and_reported_not_cut(tmp_path, rng):
     """The slots only ever set aside a flush that can have been cut short.  A bad block after a flush that
     completed (a bit flip on the medium) stays the extent's, reported as bad -- cutting it would drop
