@@ -8,7 +8,9 @@ answer would otherwise land in a slot we no longer account for) so the caller dr
 A request that names a buffer of ours (``addr/rkey/rlen``) grants the connection's peer exactly that range
 (read for a payload or body it fetches, write for an answer it pushes) while the request is in flight: the
 grant is revoked when the answer arrives, the request times out or the connection dies
-(``transport.base.Grants``), and ``Pending.result`` returns only once the revocation took effect (on verbs
+(``transport.base.Grants``) -- a request its caller cancels first waits up to ``ABANDON_GRACE`` for its
+answer, shielded, so the peer is not cut off in the middle of moving its bytes --, and ``Pending.result``
+returns only once the revocation took effect (on verbs
 the window's local invalidation completed), so the caller may reuse the buffer at once.  On verbs the grant
 is a type-2 memory window bound on this connection's queue pair, and the header sent carries the window's
 rkey in place of the region's.  So a follower can READ a leader's pool block only while the leader waits for
@@ -32,6 +34,7 @@ class RequestTimeout(TransportError):
 
 
 _PEER_READS = frozenset({Op.WRITE, *BODY_OPS})   # the peer fetches our buffer
+ABANDON_GRACE = 1.0     # seconds a cancelled request still waits for its answer before its grant is revoked
 
 
 async def _grant(conn: Connection, h: Header) -> tuple[int | None, Header]:
@@ -162,8 +165,17 @@ class Pending:
             # already answered: no checkpoint (a leader collects its followers' acks after its own flush,
             # when they have mostly come; a scheduler pass per ack was ~10% of its per-request calls)
             if not answered.is_set():
-                with trio.move_on_at(self.deadline):
-                    await answered.wait()
+                try:
+                    with trio.move_on_at(self.deadline):
+                        await answered.wait()
+                except trio.Cancelled:
+                    # the caller gave up on a request the peer may be serving right now: let it finish with
+                    # our buffer for a moment before the grant goes (on verbs a window revoked under the
+                    # peer's RDMA op breaks the whole connection: every other request on it fails too)
+                    with trio.CancelScope(shield=True):
+                        with trio.move_on_at(min(self.deadline, trio.current_time() + ABANDON_GRACE)):
+                            await answered.wait()
+                    raise
         finally:
             if not self._done:
                 self._done = True

@@ -327,6 +327,49 @@ def test_a_read_in_flight_when_its_connection_dies_is_sent_again_on_a_new_one(no
     run(body)
 
 
+def test_reads_their_caller_cancels_leave_the_connection_and_the_buffer_alone(nodes, client):
+    """A caller cancels reads the node is serving: they wait (shielded, up to rpc.ABANDON_GRACE) for the
+    node to finish with the buffer before revoking its grant -- on verbs a window revoked under the node's
+    RDMA WRITE breaks the whole connection, every other request on it with it.  So the connection is still
+    the same and works, and once the cancelled call has returned nothing lands in its buffer any more."""
+    [node] = nodes(1)
+    data = pattern(11, 4 * MiB)
+
+    async def body():
+        async with client([], block_size=MiB) as dc:
+            await create_partition(dc, PID, [node.addr])
+            eid = await dc.create_extent(PID)
+            for off in range(0, len(data), MiB):
+                await dc.append(PID, eid, off, data[off:off + MiB])
+            link = dc.links._links[node.addr]
+            buf = bytearray(2 * MiB)
+            scope = trio.CancelScope()
+
+            async def reader():
+                with scope:
+                    await dc.read_into(PID, eid, MiB, buf)
+
+            node.proc.send_signal(signal.SIGSTOP)           # the node takes the requests and does not answer
+            try:
+                async with trio.open_nursery() as n:
+                    n.start_soon(reader)
+                    await trio.sleep(0.3)                     # both READs sent, waiting
+                    scope.cancel()                            # the caller gives up ...
+                    await trio.sleep(0.1)
+                    node.proc.send_signal(signal.SIGCONT)     # ... and the node goes on serving them
+            finally:
+                node.proc.send_signal(signal.SIGCONT)
+            assert scope.cancelled_caught
+            landed = bytes(buf)
+            await trio.sleep(0.3)
+            assert bytes(buf) == landed                       # nothing after the call returned
+            assert link.alive and dc.links._links[node.addr] is link
+            assert await dc.read(PID, eid, 0, len(data)) == data
+            assert dc.links._links[node.addr] is link
+
+    run(body)
+
+
 # -------------------------------------------------------------------------------------- hostile peers
 class Raw:
     """A raw protocol connection: crafted headers in, decoded responses out; memory the server may use."""
