@@ -297,6 +297,15 @@ def test_cold_read_through_the_node_returns_the_bytes_and_refuses_a_flipped_bit(
     run(read_flipped)
 
 
+async def _one_node_extent(dc, node, data) -> int:
+    """Partition PID on ``node`` alone, one extent holding ``data`` (appended 1 MiB at a time): its id."""
+    await create_partition(dc, PID, [node.addr])
+    eid = await dc.create_extent(PID)
+    for off in range(0, len(data), MiB):
+        await dc.append(PID, eid, off, data[off:off + MiB])
+    return eid
+
+
 def test_a_read_in_flight_when_its_connection_dies_is_sent_again_on_a_new_one(nodes, client):
     """A node dies with a read in flight and is back by the time the client notices: the read is sent
     again, once, on a new connection -- the caller sees the bytes, not "connection closed".  (A READ is safe
@@ -306,10 +315,7 @@ def test_a_read_in_flight_when_its_connection_dies_is_sent_again_on_a_new_one(no
 
     async def body():
         async with client([], block_size=MiB) as dc:
-            await create_partition(dc, PID, [node.addr])
-            eid = await dc.create_extent(PID)
-            for off in (0, MiB):
-                await dc.append(PID, eid, off, data[off:off + MiB])
+            eid = await _one_node_extent(dc, node, data)
             old = dc.links._links[node.addr]
             got = []
             node.proc.send_signal(signal.SIGSTOP)           # the node takes the request and does not answer
@@ -337,10 +343,7 @@ def test_reads_their_caller_cancels_leave_the_connection_and_the_buffer_alone(no
 
     async def body():
         async with client([], block_size=MiB) as dc:
-            await create_partition(dc, PID, [node.addr])
-            eid = await dc.create_extent(PID)
-            for off in range(0, len(data), MiB):
-                await dc.append(PID, eid, off, data[off:off + MiB])
+            eid = await _one_node_extent(dc, node, data)
             link = dc.links._links[node.addr]
             buf = bytearray(2 * MiB)
             scope = trio.CancelScope()
