@@ -101,6 +101,12 @@ def run(directory: str, mib: int, size: int) -> dict:
             "ceiling_mib_s": round(cores * (n * size / cpu) / (1 << 20), 1) if cpu else None}
 
 
+def _p50_p99(lat: list[float]) -> dict:
+    """Median and 99th percentile of sorted latencies (seconds), in ms."""
+    return {"p50_ms": round(lat[len(lat) // 2] * 1e3, 3),
+            "p99_ms": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3, 3)}
+
+
 def flush_floor(directory: str, replicas: int, rounds: int, prefilled: bool, single: bool = False) -> dict:
     """Per round, ``replicas`` threads each append 4 KiB to their own extent-like file as the store does
     under sync=always; the round's time is the slowest one's (a write waits for every replica).
@@ -149,8 +155,7 @@ def flush_floor(directory: str, replicas: int, rounds: int, prefilled: bool, sin
             os.close(dat)
             os.close(crc)
     lat.sort()
-    return {"replicas": replicas, "prefilled": prefilled, "single": single, "rounds": rounds, "p50_ms": round(lat[len(lat) // 2] * 1e3, 3),
-            "p99_ms": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3, 3)}
+    return {"replicas": replicas, "prefilled": prefilled, "single": single, "rounds": rounds, **_p50_p99(lat)}
 
 
 def store_floor(directory: str, replicas: int, rounds: int, one_flush: bool) -> dict:
@@ -184,8 +189,7 @@ def store_floor(directory: str, replicas: int, rounds: int, one_flush: bool) -> 
         finally:
             for s in stores:
                 s.close()
-    return {"replicas": replicas, "one_flush": one_flush, "rounds": rounds, "one_flushes": ones,
-            "p50_ms": round(lat[len(lat) // 2] * 1e3, 3), "p99_ms": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3, 3)}
+    return {"replicas": replicas, "one_flush": one_flush, "rounds": rounds, "one_flushes": ones, **_p50_p99(lat)}
 
 
 def main() -> None:

@@ -202,7 +202,7 @@ def _libc_sync_file_range():
 _sync_file_range = _libc_sync_file_range()
 
 
-def _write_out(fd: int, pos: int, n: int) -> None:
+def _sync_range(fd: int, pos: int, n: int) -> None:
     """The dirty pages of ``[pos, +n)`` written to the device and waited for (no metadata, no cache flush)."""
     if _sync_file_range(fd, pos, n, _SFR_WAIT_WRITE_WAIT) != 0:
         err = ctypes.get_errno()
@@ -1031,7 +1031,7 @@ class ExtentStore:
         one = self._one_flush and ext.slot_seq is not None and size <= ext.synced
         filled = ext.filled
         seq = (ext.slot_seq or 0) + 1
-        stage = "sync_file_range data" if one else "fdatasync data"
+        stage = "sync_file_range data"
         try:
             if one:            # every byte pwritten before the snapshot above, on the device (not yet durable)
                 one = self._write_out(ext, first * BLOCK, size - first * BLOCK)
@@ -1065,7 +1065,7 @@ class ExtentStore:
         """The one-flush path's data step; False where the file system refuses sync_file_range (the caller
         then syncs the data first, and so does every later flush of this store)."""
         try:
-            _write_out(ext.dat, pos, n)
+            _sync_range(ext.dat, pos, n)
             return True
         except OSError as e:
             if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ESPIPE):

@@ -36,6 +36,11 @@ def append_random(store, eid, data, rng, with_crc=True):
     return pos
 
 
+def crash_copy(src, dst):
+    """The store's files as they are now (the page cache: what a kill -9 leaves), copied to ``dst``."""
+    subprocess.run(["cp", "-a", str(src), str(dst)], check=True)
+
+
 def read(store, eid, off, n):
     out = bytearray(n + 3)   # a bigger buffer is fine
     c = store.read_into(eid, off, n, memoryview(out))
@@ -439,7 +444,7 @@ def test_a_power_cut_during_a_one_flush_never_loses_an_acknowledged_byte(tmp_pat
                     assert got == acked_len     # the flush's bytes are not all there: it never happened
                 r.write(eid, got, b"next")      # writable at once, and the write survives a crash too
                 crashed = tmp_path / f"{root.name}-again"
-                subprocess.run(["cp", "-a", str(root), str(crashed)], check=True)
+                crash_copy(root, crashed)
                 r.close()
                 r2 = ExtentStore(crashed, sync="always")
                 assert read(r2, eid, 0, got + 4) == data[:got] + b"next"
@@ -468,7 +473,7 @@ def test_a_file_system_without_sync_file_range_gets_two_flushes_not_errors(tmp_p
             s.write(eid, off, data[off:off + 4096])
     assert s.one_flushes == 0
     assert caplog.text.count("sync_file_range refused") == 1
-    subprocess.run(["cp", "-a", str(tmp_path / "live"), str(tmp_path / "crashed")], check=True)
+    crash_copy(tmp_path / "live", tmp_path / "crashed")
     s.close()
     r = ExtentStore(tmp_path / "crashed", sync="always")
     assert read(r, eid, 0, len(data)) == data
@@ -488,7 +493,7 @@ def test_corruption_after_a_completed_flush_is_kept_and_reported_not_cut(tmp_pat
         s.write(eid, pos, data[pos:pos + n])
         pos += n
     crashed = tmp_path / "crashed"
-    subprocess.run(["cp", "-a", str(tmp_path / "live"), str(crashed)], check=True)
+    crash_copy(tmp_path / "live", crashed)
     s.close()
     flip(paths(crashed, eid)[0], 3 * BLOCK + 100)     # in the last flush's block
     r = ExtentStore(crashed, sync="always")
@@ -508,11 +513,11 @@ def test_sync_none_appends_after_sync_always_are_not_undone_by_its_slots(tmp_pat
     data = rng.randbytes(BLOCK + 9000)
     s.write(eid, 0, data[:5000])
     s.write(eid, 5000, data[5000:9000])
-    subprocess.run(["cp", "-a", str(tmp_path / "a"), str(tmp_path / "b")], check=True)     # as kill -9 leaves it
+    crash_copy(tmp_path / "a", tmp_path / "b")     # as kill -9 leaves it
     s.close()
     r = ExtentStore(tmp_path / "b", sync="none")
     r.write(eid, 9000, data[9000:])
-    subprocess.run(["cp", "-a", str(tmp_path / "b"), str(tmp_path / "c")], check=True)
+    crash_copy(tmp_path / "b", tmp_path / "c")
     r.close()
     r2 = ExtentStore(tmp_path / "c", sync="always")
     assert r2.size(eid) == len(data) and read(r2, eid, 0, len(data)) == data
@@ -607,7 +612,7 @@ def test_small_durable_appends_overwrite_zeros_written_ahead_and_a_crash_keeps_e
     assert s.one_flushes == (40 if ONE_FLUSH else 0)  # 41 flushes, all but the first: one fdatasync
     assert read(s, eid, 0, len(data)) == data
     crashed = tmp_path / "crashed"                    # the files as they are now, the store still open
-    subprocess.run(["cp", "-a", str(root), str(crashed)], check=True)
+    crash_copy(root, crashed)
     with caplog.at_level(logging.INFO, logger="datanode.store"):
         s2 = ExtentStore(crashed, sync="always")
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
