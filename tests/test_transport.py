@@ -16,8 +16,9 @@ import trio
 from datanode.pool import BuddyPool
 from datanode.protocol import Flag, Header, Op, Result, Transport, decode, decode_message
 from datanode.rpc import Requester, RequestTimeout
-from datanode.transport.base import Access, ConnectionClosed, RemoteAccessError, TransportError
+from datanode.transport.base import Access, ConnectionClosed, RemoteAccessError, TransportError, address_of
 from datanode.transport.connect import NegotiationError, accept, choose, dial
+from datanode.transport.tcp import FRAME, WRITE_REQ, send_all
 from tests.conftest import SLACK, client_domain, open_client, pattern, run
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -132,6 +133,68 @@ def test_one_sided_refusals_leave_memory_alone(transport):
                 scratch[:] = b"\x11" * n
             if transport == "tcp":
                 assert refused >= 4 and cli.conn.stats.refused == refused
+    run(body)
+
+
+def test_a_posted_write_has_landed_before_the_next_control_message_and_a_refused_one_breaks_nothing(transport):
+    """``write(posted=True)`` (a READ's answer) returns without waiting for the peer, but the peer lands its
+    bytes before it handles the control message sent after it; a posted write the peer refuses raises
+    nothing, lands nothing and leaves the connection working (TCP)."""
+    async def body():
+        async with pair(transport) as (cli, srv):
+            for i, size in enumerate((1, 4 * KiB, MiB + 5)):
+                data = pattern(i, size)
+                srv.src.view[:size] = data
+                cli.dst.view[:size] = b"\x00" * size
+                await srv.conn.write(srv.src.view[:size], srv.src, cli.dst.remote(0, size), posted=True)
+                await srv.conn.send(Header(opcode=Op.PING, arg=i).encode())
+                with trio.fail_after(SLACK):
+                    msg = decode(await cli.conn.recv())
+                assert msg.arg == i and bytes(cli.dst.view[:size]) == data
+            if transport != "tcp":
+                return                  # verbs: a refused RDMA WRITE puts the queue pair in error
+            cli.src.view[:100] = b"\x22" * 100
+            await srv.conn.write(srv.src.view[:100], srv.src, cli.src.remote(0, 100), posted=True)  # read-only
+            await srv.conn.send(Header(opcode=Op.PING, arg=9).encode())
+            with trio.fail_after(SLACK):
+                assert decode(await cli.conn.recv()).arg == 9
+                while not srv.conn.stats.posted_refused:
+                    await trio.sleep(0.01)
+            assert bytes(cli.src.view[:100]) == b"\x22" * 100 and srv.conn.alive and cli.conn.alive
+            await srv.conn.write(srv.src.view[:10], srv.src, cli.dst.remote(0, 10))     # still serves
+            assert bytes(cli.dst.view[:10]) == bytes(srv.src.view[:10])
+    run(body)
+
+
+def test_a_grant_revoked_while_a_write_lands_under_it_takes_no_more_of_its_bytes():
+    """TCP: the peer's one-sided WRITE into a granted range is half-way in when the grant is revoked (the
+    request that named the range was cancelled or timed out, and its owner takes the memory back -- the
+    SDK's read_into lands answers straight in the caller's buffer).  The rest of the payload must not land:
+    the connection ends instead (half a payload cannot be skipped), and the memory keeps what it had."""
+    async def body():
+        async with pair("tcp") as (cli, srv):
+            n = 256 * KiB
+            buf = bytearray(b"\x5a" * n)
+            mem = memoryview(buf)
+            region = cli.domain.register(mem, address_of(mem), Access.LOCAL_WRITE | Access.REMOTE_WRITE,
+                                         scoped=True)
+            token, key = await cli.conn.grants.grant(region.addr, region.rkey, n, Access.REMOTE_WRITE)
+            data = pattern(7, n)
+            # the node's side of a WRITE, by hand, so that it can stop half-way: frame header, half the bytes
+            await send_all(srv.conn._sock, FRAME.pack(WRITE_REQ, 0, 0, n, 1, region.addr, key, 0) + data[:n // 2])
+            with trio.fail_after(SLACK):
+                while bytes(mem[:n // 2]) != data[:n // 2]:
+                    await trio.sleep(0.01)
+            cli.conn.grants.drop(token)
+            await cli.conn.grants.settle(token)
+            try:
+                await send_all(srv.conn._sock, data[n // 2:])
+            except OSError:
+                pass                          # the client may have closed its end already
+            await trio.sleep(0.3)
+            assert bytes(mem[n // 2:]) == b"\x5a" * (n - n // 2)
+            assert not cli.conn.alive
+            cli.domain.deregister(region)
     run(body)
 
 

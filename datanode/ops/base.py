@@ -214,9 +214,11 @@ class Handlers:
             raise ConnectionClosed(f"{conn.peer}: connection closed")
         return taken
 
-    async def _write_remote(self, conn: Connection, view: memoryview, remote: RemoteBuf) -> None:
-        """One-sided WRITE of ``view`` into the peer's ``remote``, bounded in time."""
-        await self._one_sided(conn.write(view, self.region, remote), "write")
+    async def _write_remote(self, conn: Connection, view: memoryview, remote: RemoteBuf, *,
+                            posted: bool = False) -> None:
+        """One-sided WRITE of ``view`` into the peer's ``remote``, bounded in time (``posted``: see
+        ``Connection.write``)."""
+        await self._one_sided(conn.write(view, self.region, remote, posted=posted), "write")
 
     async def _one_sided(self, op, what: str) -> None:
         try:

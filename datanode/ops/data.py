@@ -148,7 +148,9 @@ class DataOps(Handlers):
                 view = block.view(h.length)
                 crc = await self._read(part.store, h.extent, h.offset, h.length, view)
                 if h.length:
-                    await self._write_remote(conn, view, h.remote.slice(0, h.length))  # one-sided WRITE
+                    # one-sided WRITE, posted: our response follows it on the connection, and the client
+                    # checks the bytes against the CRC in it
+                    await self._write_remote(conn, view, h.remote.slice(0, h.length), posted=True)
             finally:
                 self._free(block, conn)
         finally:

@@ -30,9 +30,25 @@ import itertools
 import secrets
 from dataclasses import dataclass, field
 
+import cffi
 import trio
 
 from ..protocol import RemoteBuf
+
+
+_ffi = cffi.FFI()
+
+
+def address_of(buf) -> int:
+    """Virtual address of a buffer.  Not a pin: the caller keeps the memory alive while it is in use (a
+    registered region, the pool, the connection's control mmap).
+
+    The cffi buffer is released at once on purpose.  A cffi buffer kept beside the memoryview it exports
+    from (say, in a frame held by a refusal's traceback) can reach the cyclic garbage collector together
+    with it; CPython's memoryview tp_clear then drops its buffer while it is still exported and the later
+    release segfaults (seen once at the end of the VM suite; ``test_transport`` reproduces it)."""
+    with _ffi.from_buffer(buf, require_writable=False) as p:
+        return int(_ffi.cast("uintptr_t", p))
 
 
 class Access(enum.IntFlag):
@@ -247,6 +263,7 @@ class ConnStats:
     served_writes: int = 0
     served_write_bytes: int = 0
     refused: int = 0
+    posted_refused: int = 0      # our posted one-sided writes the peer refused (TCP)
     extra: dict = field(default_factory=dict)
 
 
@@ -329,8 +346,15 @@ class Connection(abc.ABC):
         """One-sided: peer's ``remote`` -> our ``local`` (len(local) == remote.length)."""
 
     @abc.abstractmethod
-    async def write(self, local: memoryview, local_region: Region, remote: RemoteBuf) -> None:
-        """One-sided: our ``local`` -> peer's ``remote``."""
+    async def write(self, local: memoryview, local_region: Region, remote: RemoteBuf, *,
+                    posted: bool = False) -> None:
+        """One-sided: our ``local`` -> peer's ``remote``.  Returns once the bytes are in the peer's memory
+        and raises RemoteAccessError if the peer refused them -- or, ``posted``, as soon as ``local`` may be
+        reused and the peer is bound to land the bytes before it handles any later control message of ours
+        (a refusal then is only logged: whoever answers with such a message relies on the peer checking what
+        landed, as a READ's response carries the data's CRC).  A READ's answer is posted: its response
+        follows on the same ordered connection, so waiting for the write's own completion costs a round
+        trip for nothing."""
 
     @abc.abstractmethod
     async def aclose(self) -> None: ...

@@ -222,6 +222,27 @@ class _Held:
         self.lock.release()
 
 
+class _LandingGrants(KeyedGrants):
+    """``KeyedGrants`` whose revocation also stops a one-sided WRITE that is landing under the grant right
+    now.  The reader resolves a WRITE's target once, at its frame header, and then copies the payload in as
+    the bytes arrive; a grant dropped in between (its request cancelled or timed out) would otherwise go on
+    receiving them after the owner took the memory back -- into a block the pool gave to another request,
+    or into a caller's own buffer after the call returned.  Half a payload cannot be skipped in the stream
+    by anyone but the reader, so that drop ends the connection, at once: nothing lands after ``drop``
+    returns (``settle`` has nothing left to wait for)."""
+
+    def __init__(self, conn: "TcpConnection") -> None:
+        super().__init__(conn.domain)
+        self._conn = conn
+        self.landing = 0         # the grant rkey a WRITE is landing under right now (0: none)
+
+    def drop(self, token: int | None) -> None:
+        key = self._key_of.get(token) if token is not None else None
+        super().drop(token)
+        if key is not None and key == self.landing:
+            self._conn._shutdown("a grant was revoked while a one-sided write was landing in it")
+
+
 @dataclass
 class _Pending:
     view: memoryview | None       # READ: where the answer lands; None -> drain (the caller gave up)
@@ -241,7 +262,7 @@ class TcpConnection(Connection):
         self.domain = domain
         self.peer = peer
         self.slots = peer_slots
-        self.grants = KeyedGrants(domain)     # one rkey per grant: a late answer cannot reach a newer one
+        self.grants = _LandingGrants(self)    # one rkey per grant: a late answer cannot reach a newer one
         self._send_lock = trio.Lock()
         # one-sided requests waiting to be answered: bounded, so a peer that sends them without reading the
         # answers stalls its own connection (the reader waits here) instead of growing our memory
@@ -320,9 +341,18 @@ class TcpConnection(Connection):
         self.stats.reads += 1
         self.stats.read_bytes += remote.length
 
-    async def write(self, local: memoryview, local_region: Region | None, remote: RemoteBuf) -> None:
+    async def write(self, local: memoryview, local_region: Region | None, remote: RemoteBuf, *,
+                    posted: bool = False) -> None:
         if len(local) != remote.length:
             raise ValueError("local and remote lengths differ")
+        if posted:       # op 0: the peer answers only a refusal (the stream keeps our later frames behind it)
+            self._check_open()
+            async with self._sending():
+                await self._guarded(self._send_frame_and(FRAME.pack(WRITE_REQ, 0, 0, remote.length, 0,
+                                                                    remote.addr, remote.rkey, 0), local))
+            self.stats.writes += 1
+            self.stats.write_bytes += remote.length
+            return
         op, p = self._new_op(None)
         async with self._sending():
             await self._guarded(self._send_frame_and(FRAME.pack(WRITE_REQ, 0, 0, remote.length, op,
@@ -436,15 +466,25 @@ class TcpConnection(Connection):
                 except RemoteAccessError as e:
                     target, code = None, _refusal_code(e)
                 if target is not None:
-                    await reader.into(target)
+                    self.grants.landing = rkey
+                    try:
+                        await reader.into(target)
+                    finally:
+                        self.grants.landing = 0
                     self.stats.served_writes += 1
                     self.stats.served_write_bytes += length
                 else:
                     await reader.skip(length)
                     self.stats.refused += 1
                     log.warning("refused one-sided write from %s: %s", self.peer, REFUSALS[code])
-                await self._serve_in.send((WRITE_RESP, op, code, 0, 0))
+                if op or code:           # a posted write (op 0) is answered only when refused
+                    await self._serve_in.send((WRITE_RESP, op, code, 0, 0))
             elif ftype == WRITE_RESP:
+                if not op:
+                    self.stats.posted_refused += 1
+                    log.debug("%s refused a posted one-sided write: %s", self.peer,
+                                REFUSALS.get(status, "refused"))
+                    continue
                 p = self._pending.pop(op, None)
                 if p is not None:
                     p.status = status

@@ -64,7 +64,6 @@ import struct
 import threading
 import time
 
-import cffi
 import trio
 
 import pyverbs.enums as E
@@ -78,11 +77,10 @@ from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
 from pyverbs.wr import SGE, RecvWR, SendWR
 
 from ..protocol import HEADER_SIZE, INLINE_MAX, VerbsEndpoint
-from .base import Access, Connection, ConnectionClosed, Domain, Grants, Region, RemoteAccessError
+from .base import Access, Connection, ConnectionClosed, Domain, Grants, Region, RemoteAccessError, address_of
 from .tcp import recv_exactly, send_all
 
 log = logging.getLogger(__name__)
-ffi = cffi.FFI()
 
 PORT = 1
 SLOT = 256                      # bytes per control slot without inline payloads (a header is 88)
@@ -115,18 +113,6 @@ def _access(a: Access) -> int:
     if a & Access.REMOTE_WRITE:
         flags |= E.IBV_ACCESS_REMOTE_WRITE
     return flags
-
-
-def address_of(buf) -> int:
-    """Virtual address of a buffer.  Not a pin: the caller keeps the memory alive while it is in use (a
-    registered region, the pool, the connection's control mmap).
-
-    The cffi buffer is released at once on purpose.  A cffi buffer kept beside the memoryview it exports
-    from (say, in a frame held by a refusal's traceback) can reach the cyclic garbage collector together
-    with it; CPython's memoryview tp_clear then drops its buffer while it is still exported and the later
-    release segfaults (seen once at the end of the VM suite; ``test_transport`` reproduces it)."""
-    with ffi.from_buffer(buf, require_writable=False) as p:
-        return int(ffi.cast("uintptr_t", p))
 
 
 WINDOWS_ENV = "DATANODE_RDMA_WINDOWS"      # "0"/"off": MR-wide rkeys even where the device has type-2 windows
@@ -583,7 +569,8 @@ class VerbsConnection(Connection):
         self.stats.reads += 1
         self.stats.read_bytes += remote.length
 
-    async def write(self, local: memoryview, local_region: Region | None, remote) -> None:
+    async def write(self, local: memoryview, local_region: Region | None, remote, *, posted: bool = False) -> None:
+        # posted or not, we wait for the completion: the NIC reads ``local`` until then
         await self._rdma(E.IBV_WR_RDMA_WRITE, remote, local, local_region, "write")
         self.stats.writes += 1
         self.stats.write_bytes += remote.length
