@@ -579,6 +579,7 @@ class Node(DataOps, AdminOps, RepairOps):
                 "counters": {**dataclasses.asdict(self.counters), **dataclasses.asdict(self.replication.counters),
                              **dataclasses.asdict(self.commit.counters),
                              "one_flushes": sum(p.store.one_flushes for p in list(self.table.parts.values())),
+                             "direct_writes": sum(p.store.direct_writes for p in list(self.table.parts.values())),
                              **dataclasses.asdict(self.repair.counters)},
                 "pool": self.pool_stats(reveal)}
 
