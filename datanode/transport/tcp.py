@@ -8,7 +8,9 @@ leave in one ``sendmsg``):
   CTRL        +length bytes: one control message (a protocol header; for an inline WRITE its payload
               after it, ``max_inline``) for the peer's slots
   READ_REQ    "send me [addr, +length) of region rkey"      -> answered by READ_RESP (+length bytes if ok)
-  WRITE_REQ   +length bytes "put these at [addr, +length)"  -> answered by WRITE_RESP
+  WRITE_REQ   +length bytes "put these at [addr, +length)"  -> answered by WRITE_RESP; with op_id 0 (a
+              *posted* write: ``write(posted=True)``) only when refused -- the writer does not wait, and
+              the stream's order lands the bytes before any control message sent after them
 
 One-sided requests are served here, by the transport layer of the memory's owner, never by request
 handlers: ``Domain.resolve`` checks rkey, right and bounds, and a refusal reveals nothing.  Payload bytes go
@@ -482,8 +484,7 @@ class TcpConnection(Connection):
             elif ftype == WRITE_RESP:
                 if not op:
                     self.stats.posted_refused += 1
-                    log.debug("%s refused a posted one-sided write: %s", self.peer,
-                                REFUSALS.get(status, "refused"))
+                    log.debug("%s refused a posted one-sided write: %s", self.peer, REFUSALS.get(status, "refused"))
                     continue
                 p = self._pending.pop(op, None)
                 if p is not None:
