@@ -77,6 +77,11 @@ def test_round_trip_sizes(nodes, client):
             marks = await dc2.watermarks(PID)
             total = sum(len(d) for d, _ in written)
             assert sum(marks.values()) == total
+            # every pool block the answers used is back (on verbs a READ's block is freed when its posted
+            # RDMA WRITE completes, after the response went out)
+            with trio.fail_after(10):
+                while (await dc2.admin(node.addr, Op.NODE_STATUS))["pool"]["in_use_bytes"]:
+                    await trio.sleep(0.05)
     run(body)
 
 

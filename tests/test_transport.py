@@ -166,6 +166,44 @@ def test_a_posted_write_has_landed_before_the_next_control_message_and_a_refused
     run(body)
 
 
+def test_a_posted_write_hands_its_buffer_back_once_the_transport_is_done_with_it(transport):
+    """``write(posted=True, release=...)``: on verbs the call returns once the RDMA WRITE is posted (a READ's
+    response goes out right behind it, not a completion later), and ``release`` runs once, on its completion
+    -- the bytes are in the peer's memory by then; on TCP before the call returns.  A posted write the peer
+    refuses (verbs: the queue pair fails) still hands its buffer back: a node's pool block is never lost."""
+    async def body():
+        async with pair(transport) as (cli, srv):
+            for i, size in enumerate((4 * KiB, MiB + 5)):
+                data = pattern(20 + i, size)
+                srv.src.view[:size] = data
+                cli.dst.view[:size] = b"\x00" * size
+                seen = []
+
+                def release():                        # verbs: completed, so the peer has the bytes
+                    seen.append(transport == "tcp" or bytes(cli.dst.view[:size]) == data)
+                await srv.conn.write(srv.src.view[:size], srv.src, cli.dst.remote(0, size), posted=True,
+                                     release=release)
+                if transport == "tcp":
+                    assert seen == [True]             # copied into the socket: free at once
+                else:
+                    assert seen == []                 # posted, not waited for
+                with trio.fail_after(SLACK):
+                    while not seen:
+                        await trio.sleep(0.001)
+                await trio.sleep(0.05)
+                assert seen == [True]                 # once, with the bytes already landed
+            if transport == "tcp":
+                return                                # TCP: a refusal is only counted (the test above)
+            seen = []
+            await srv.conn.write(srv.src.view[:100], srv.src, cli.src.remote(0, 100), posted=True,  # read-only
+                                 release=lambda: seen.append("released"))
+            with trio.fail_after(SLACK):
+                while not seen:
+                    await trio.sleep(0.01)
+            assert seen == ["released"] and not srv.conn.alive
+    run(body)
+
+
 def test_a_grant_revoked_while_a_write_lands_under_it_takes_no_more_of_its_bytes():
     """TCP: the peer's one-sided WRITE into a granted range is half-way in when the grant is revoked (the
     request that named the range was cancelled or timed out, and its owner takes the memory back -- the

@@ -215,10 +215,10 @@ class Handlers:
         return taken
 
     async def _write_remote(self, conn: Connection, view: memoryview, remote: RemoteBuf, *,
-                            posted: bool = False) -> None:
-        """One-sided WRITE of ``view`` into the peer's ``remote``, bounded in time (``posted``: see
-        ``Connection.write``)."""
-        await self._one_sided(conn.write(view, self.region, remote, posted=posted), "write")
+                            posted: bool = False, release=None) -> None:
+        """One-sided WRITE of ``view`` into the peer's ``remote``, bounded in time (``posted``, ``release``:
+        see ``Connection.write``)."""
+        await self._one_sided(conn.write(view, self.region, remote, posted=posted, release=release), "write")
 
     async def _one_sided(self, op, what: str) -> None:
         try:

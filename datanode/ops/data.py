@@ -142,19 +142,28 @@ class DataOps(Handlers):
         if not h.flags & Flag.ANY_REPLICA:
             self._leader_of(part)
         taken = await self._answer_budget(conn, h.length)     # before the disk: see ByteBudget
+        block = None
+
+        def release() -> None:          # the answer's block and budget, once the transport is done with them
+            if block is not None:
+                self._free(block, conn)
+            conn.answers.give(taken)
+
+        handed = False
         try:
             block = await self._alloc(h.length, conn)
-            try:
-                view = block.view(h.length)
-                crc = await self._read(part.store, h.extent, h.offset, h.length, view)
-                if h.length:
-                    # one-sided WRITE, posted: our response follows it on the connection, and the client
-                    # checks the bytes against the CRC in it
-                    await self._write_remote(conn, view, h.remote.slice(0, h.length), posted=True)
-            finally:
-                self._free(block, conn)
+            view = block.view(h.length)
+            crc = await self._read(part.store, h.extent, h.offset, h.length, view)
+            if h.length:
+                # one-sided WRITE, posted: our response follows it on the connection, and the client checks
+                # the bytes against the CRC in it.  The transport hands the block back (``release``) once it
+                # no longer reads it: on TCP before the call returns, on verbs when the WRITE completes --
+                # after our response is on its way behind it
+                await self._write_remote(conn, view, h.remote.slice(0, h.length), posted=True, release=release)
+                handed = True
         finally:
-            conn.answers.give(taken)
+            if not handed:
+                release()
         self.counters.reads += 1
         self.counters.read_bytes += h.length
         return h.reply(Result.OK, length=h.length, crc=crc, arg=self._size(part, h.extent))

@@ -29,6 +29,7 @@ import enum
 import itertools
 import secrets
 from dataclasses import dataclass, field
+from typing import Callable
 
 import cffi
 import trio
@@ -347,14 +348,19 @@ class Connection(abc.ABC):
 
     @abc.abstractmethod
     async def write(self, local: memoryview, local_region: Region, remote: RemoteBuf, *,
-                    posted: bool = False) -> None:
+                    posted: bool = False, release: Callable[[], None] | None = None) -> None:
         """One-sided: our ``local`` -> peer's ``remote``.  Returns once the bytes are in the peer's memory
         and raises RemoteAccessError if the peer refused them -- or, ``posted``, as soon as ``local`` may be
         reused and the peer is bound to land the bytes before it handles any later control message of ours
         (a refusal then is only logged: whoever answers with such a message relies on the peer checking what
         landed, as a READ's response carries the data's CRC).  A READ's answer is posted: its response
         follows on the same ordered connection, so waiting for the write's own completion costs a round
-        trip for nothing."""
+        trip for nothing.
+
+        ``posted`` with ``release``: the call may return while the transport still reads ``local`` (verbs:
+        the NIC does until the work request completes); ``release()`` runs in the event loop once it no
+        longer does -- also when the write or the connection fails --, and never if the call raises.  TCP
+        copies ``local`` into the socket before returning and calls ``release`` then."""
 
     @abc.abstractmethod
     async def aclose(self) -> None: ...

@@ -344,7 +344,7 @@ class TcpConnection(Connection):
         self.stats.read_bytes += remote.length
 
     async def write(self, local: memoryview, local_region: Region | None, remote: RemoteBuf, *,
-                    posted: bool = False) -> None:
+                    posted: bool = False, release=None) -> None:
         if len(local) != remote.length:
             raise ValueError("local and remote lengths differ")
         if posted:       # op 0: the peer answers only a refusal (the stream keeps our later frames behind it)
@@ -354,6 +354,8 @@ class TcpConnection(Connection):
                                                                     remote.addr, remote.rkey, 0), local))
             self.stats.writes += 1
             self.stats.write_bytes += remote.length
+            if release is not None:      # the bytes are in the socket: ``local`` is free again
+                release()
             return
         op, p = self._new_op(None)
         async with self._sending():

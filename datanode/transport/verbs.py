@@ -569,9 +569,13 @@ class VerbsConnection(Connection):
         self.stats.reads += 1
         self.stats.read_bytes += remote.length
 
-    async def write(self, local: memoryview, local_region: Region | None, remote, *, posted: bool = False) -> None:
-        # posted or not, we wait for the completion: the NIC reads ``local`` until then
-        await self._rdma(E.IBV_WR_RDMA_WRITE, remote, local, local_region, "write")
+    async def write(self, local: memoryview, local_region: Region | None, remote, *, posted: bool = False,
+                    release=None) -> None:
+        # The NIC reads ``local`` until the work request completes.  Posted with ``release``: return once it
+        # is posted -- RC delivers it ahead of anything we send after it -- and hand ``local`` back on the
+        # completion (a failed or flushed one too; ``_fail_all`` runs every ``then`` left); otherwise wait.
+        then = (lambda ok: release()) if posted and release is not None else None
+        await self._rdma(E.IBV_WR_RDMA_WRITE, remote, local, local_region, "write", then=then)
         self.stats.writes += 1
         self.stats.write_bytes += remote.length
 
@@ -579,10 +583,15 @@ class VerbsConnection(Connection):
         self._shutdown("closed locally")
 
     # -- machinery ------------------------------------------------------------------------------------
-    async def _rdma(self, opcode, remote, local: memoryview, region: Region | None, what: str) -> None:
+    async def _rdma(self, opcode, remote, local: memoryview, region: Region | None, what: str,
+                    then=None) -> None:
+        """Post a one-sided op and wait for its completion -- or, with ``then``, return once it is posted;
+        ``then(ok)`` runs on its completion (never if this raises)."""
         if len(local) != remote.length:
             raise ValueError("local and remote lengths differ")
         if remote.length == 0:
+            if then is not None:
+                then(True)
             return
         addr = address_of(local)          # ``local`` is the caller's, alive until we return
         if region is None or not (region.addr <= addr and addr + len(local) <= region.addr + region.length):
@@ -590,7 +599,10 @@ class VerbsConnection(Connection):
         wr = SendWR(opcode=opcode, num_sge=1, sg=[SGE(addr, len(local), region.lkey)],
                     send_flags=E.IBV_SEND_SIGNALED)
         wr.set_wr_rdma(remote.rkey, remote.addr)
-        await self._post(wr, what)
+        if then is None:
+            await self._post(wr, what)
+        else:
+            await self._post(wr, what, wait=False, then=then)
 
     async def _reserve(self, n: int) -> None:
         """Take ``n`` send-queue entries for work requests posted later with ``_post_reserved``."""
