@@ -279,6 +279,9 @@ class _NodeCollector:
 
         c = n.counters
         yield _counter("datanode_protocol_errors", "Malformed headers received", c.protocol_errors)
+        yield _counter("datanode_answers_refused",
+                       "READ answers (posted one-sided writes) a client refused: it had given up on the read",
+                       n.answers_refused())
         r = n.replication.counters
         yield _counter("datanode_forwarded_writes", "Appends forwarded to followers (as leader)", r.forwarded)
         fb = CounterMetricFamily("datanode_forward_fetch_bytes", "Bytes fetched from leaders' pools (as follower)",

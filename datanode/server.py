@@ -333,7 +333,20 @@ class Node(DataOps, AdminOps, RepairOps):
                         why, step, self.counters.penalties)
 
     def _track(self, conn: Connection, opened: bool) -> None:
-        (self.conns.add if opened else self.conns.discard)(conn)
+        if opened:
+            self.conns.add(conn)
+        else:
+            self._forget(conn)
+
+    def _forget(self, conn: Connection) -> None:
+        """An ended connection leaves the set; what its counters add to the node's totals stays."""
+        if conn in self.conns:
+            self.conns.discard(conn)
+            self.counters.answers_refused += conn.stats.posted_refused
+
+    def answers_refused(self) -> int:
+        """READ answers (posted one-sided writes) clients refused, over every connection there was."""
+        return self.counters.answers_refused + sum(c.stats.posted_refused for c in list(self.conns))
 
     # -- one connection -------------------------------------------------------------------------------
     async def _connection(self, conn: Connection) -> None:
@@ -380,7 +393,7 @@ class Node(DataOps, AdminOps, RepairOps):
                 finally:
                     conn.deliver_to(None)     # the nursery is about to close to new arrivals
         finally:
-            self.conns.discard(conn)
+            self._forget(conn)
 
     async def _busy(self, conn: Connection, raw: bytes, limit: int) -> bool:
         """Answer a request over the connection's in-flight limit BUSY, inline; False: the peer does not
@@ -580,6 +593,7 @@ class Node(DataOps, AdminOps, RepairOps):
                              **dataclasses.asdict(self.commit.counters),
                              "one_flushes": sum(p.store.one_flushes for p in list(self.table.parts.values())),
                              "direct_writes": sum(p.store.direct_writes for p in list(self.table.parts.values())),
+                             "answers_refused": self.answers_refused(),
                              **dataclasses.asdict(self.repair.counters)},
                 "pool": self.pool_stats(reveal)}
 

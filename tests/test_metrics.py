@@ -75,6 +75,7 @@ def test_metrics_move_when_data_moves(nodes):
     assert value(after, "datanode_partition_bytes", partition=str(PID)) == len(data)
     assert value(after, "datanode_pool_high_water_bytes") > 0
     assert value(after, "datanode_pool_in_use_bytes") == 0
+    assert value(after, "datanode_answers_refused_total") == 0      # every read's answer was taken
     # the SDK's families, registered by the embedding program
     client = {(s.name, frozenset(s.labels.items())): s.value
               for fam in text_string_to_metric_families(client_text) for s in fam.samples}

@@ -16,6 +16,7 @@ import pytest
 import trio
 
 from client.sdk import ClientError
+from datanode import rpc
 from datanode.crc import crc32c
 from datanode.pool import BuddyPool
 from datanode.protocol import (HEADER_SIZE, HELLO_SIZE, MAX_PAYLOAD, PROTOCOL_REASONS, Header, Hello, Op, Result,
@@ -376,6 +377,46 @@ def test_reads_their_caller_cancels_leave_the_connection_and_the_buffer_alone(no
             assert link.alive and dc.links._links[node.addr] is link
             assert await dc.read(PID, eid, 0, len(data)) == data
             assert dc.links._links[node.addr] is link
+
+    run(body)
+
+
+def test_a_read_answer_that_comes_after_its_caller_gave_up_lands_nowhere_and_is_counted(nodes, client, transport):
+    """The node answers a read only after the caller cancelled it and its grace (``rpc.ABANDON_GRACE``) is
+    over, so the buffer's grant is revoked: the answer lands nowhere -- the caller has its memory back --,
+    the next reads work, and the node counts the refused answer (NODE_STATUS ``answers_refused``, metric
+    ``datanode_answers_refused_total``).  On verbs the revoked window makes the node's RDMA WRITE fail:
+    that connection ends and the next read dials again; the buffer is untouched there too."""
+    [node] = nodes(1)
+    data = pattern(12, 2 * MiB)
+
+    async def body():
+        async with client([], block_size=MiB) as dc:
+            eid = await _one_node_extent(dc, node, data)
+            buf = bytearray(b"\x77" * MiB)
+            scope = trio.CancelScope()
+
+            async def reader():
+                with scope:
+                    await dc.read_into(PID, eid, 0, buf)
+
+            node.proc.send_signal(signal.SIGSTOP)
+            try:
+                async with trio.open_nursery() as n:
+                    n.start_soon(reader)
+                    await trio.sleep(0.3)
+                    scope.cancel()
+                await trio.sleep(rpc.ABANDON_GRACE + 0.5)       # the grant is gone
+            finally:
+                node.proc.send_signal(signal.SIGCONT)
+            assert scope.cancelled_caught
+            assert await dc.read(PID, eid, MiB, MiB) == data[MiB:]
+            await trio.sleep(0.3)
+            assert bytes(buf) == b"\x77" * MiB
+            if transport == "tcp":
+                with trio.fail_after(10):
+                    while not (await dc.admin(node.addr, Op.NODE_STATUS))["counters"]["answers_refused"]:
+                        await trio.sleep(0.05)
 
     run(body)
 

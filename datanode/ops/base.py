@@ -80,6 +80,7 @@ class RequestCounters:
     write_bytes: int = 0
     reads: int = 0
     read_bytes: int = 0
+    answers_refused: int = 0       # READ answers (posted one-sided writes) the peer refused, of ended connections
     # follower: bytes READ from leaders' pools, by the leader's connection (its node identity, or its address
     # when authentication is off; not by rkey: on verbs every forward carries a fresh window rkey); a bounded
     # table, whatever peers send
