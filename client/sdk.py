@@ -641,6 +641,15 @@ class DataClient:
 
     async def _pipeline(self, part, extent, mv, chunks, on_progress):
         """Send appends in order with up to ``depth`` in flight; returns (acked prefix, first error)."""
+        if len(chunks) == 1:             # one append (a small write, an fsync's): no window, nursery or task
+            pos, offset, length = chunks[0]
+            try:
+                loc = await (await self._submit_append(part, extent, offset, mv[pos:pos + length]))
+            except ClientError as e:
+                return [], e
+            if on_progress:
+                on_progress(loc.length)
+            return [loc], None
         results: list = [None] * len(chunks)
         window = trio.Semaphore(self.depth)
         stop = False

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from client.sdk import DataClient
-from tests.conftest import NODE_DEFAULTS, REPO, create_partition, pattern
+from tests.conftest import NODE_DEFAULTS, REPO, create_partition, dirty_pages, pattern
 from tools.cluster import NodeProc, free_port
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
@@ -338,6 +338,26 @@ def test_second_mount_on_same_metadata_is_refused(mnt, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- crashes
+def test_fsync_returns_with_the_files_metadata_on_the_disk(mnt):
+    """``fsync`` returns only once the file's metadata (its slices and size, in the SQLite WAL) has gone to
+    the device: for a file with bytes to flush (their commit is made durable in the same step) and for one
+    whose bytes an earlier close already committed (nothing to flush: the WAL is synced all the same)."""
+    wal = str(mnt.db) + "-wal"
+    p = mnt.path / "synced"
+    with open(p, "wb") as f:
+        f.write(pattern(3, 4096))
+        f.flush()
+        os.fsync(f.fileno())
+        if dirty_pages(wal) is None:
+            pytest.skip("no cachestat system call on this kernel: the page cache's dirty state is not visible")
+        assert dirty_pages(wal) == 0
+        f.write(pattern(4, 4096))                  # committed by the close, not durable yet
+    with open(p, "rb") as f:
+        os.fsync(f.fileno())                       # nothing to flush here
+        assert dirty_pages(wal) == 0
+    assert p.read_bytes() == pattern(3, 4096) + pattern(4, 4096)
+
+
 def test_kill9_mid_write_then_remount(mnt):
     p = mnt.path / "log"
     synced = pattern(5, 6 << 20)

@@ -10,6 +10,7 @@ import trio
 
 from client.fs.meta import ROOT, MetaBusy, MetaError, Slice
 from client.fs.meta_sqlite import SqliteMeta
+from tests.conftest import dirty_pages
 
 FILE = stat.S_IFREG | 0o644
 DIR = stat.S_IFDIR | 0o755
@@ -100,3 +101,24 @@ def test_second_open_is_refused(tmp_path):
         SqliteMeta(str(tmp_path / "m.db"))
     trio.run(m.close)
     SqliteMeta(str(tmp_path / "m.db"))
+
+
+
+def test_a_durable_commit_is_on_the_disk_when_it_returns(tmp_path):
+    """SQLite: ``commit(durable=True)`` (an fsync's commit) returns only once the WAL holding it has been
+    written out and synced -- in the same trip to the worker thread; a plain commit leaves it in the page
+    cache (``synchronous=NORMAL``) until a later sync."""
+    async def main():
+        m = SqliteMeta(str(tmp_path / "m.db"))
+        wal = str(tmp_path / "m.db-wal")
+        f = await m.create(ROOT, b"f", FILE, 0, 0)
+        await m.commit(f.ino, [sl(0, 4096, 1)], 4096, 1)
+        plain = dirty_pages(wal)
+        if plain is None:
+            pytest.skip("no cachestat system call on this kernel: the page cache's dirty state is not visible")
+        a = await m.commit(f.ino, [sl(4096, 4096, 2)], 8192, 2, durable=True)
+        durable = dirty_pages(wal)
+        assert a.size == 8192 and [s.extent for s in await m.slices(f.ino)] == [1, 2]
+        assert plain > 0 and durable == 0, (plain, durable)
+        await m.close()
+    trio.run(main)

@@ -202,10 +202,12 @@ class DnFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(err)
 
     # -- flushing
-    async def _flush(self, st: FileState) -> None:
+    async def _flush(self, st: FileState, *, durable: bool = False) -> bool:
+        """Write the file's dirty bytes and commit their slices; ``durable`` (an fsync): the commit, and every
+        one before it, durable on return.  Returns whether it committed (errors: ``st.error``)."""
         async with st.flush_lock:
             if not st.dirty:
-                return
+                return False
             m = st.dirty
             st.dirty, st.flushing = DirtyMap(), m
             try:
@@ -231,15 +233,18 @@ class DnFS(pyfuse3.Operations):
                                                 loc.offset + x - q, loc.offset, loc.length, loc.crc))
                             x = y
                         q += loc.length
-                    a = await self.meta.commit(st.ino, slices, m.end, st.mtime_ns or time.time_ns())
+                    a = await self.meta.commit(st.ino, slices, m.end, st.mtime_ns or time.time_ns(),
+                                               durable=durable)
                     st.seen = (a.mtime_ns, a.ctime_ns)
                     st.committed_slices += len(slices)
                 finally:
                     await self.lock.release_shared()
                 st.changed()
+                return True
             except (ClientError, MetaError) as e:
                 st.error = e.errno if isinstance(e, MetaError) else data_errno(e, "flush")
                 log.error("flush of inode %d (%d bytes) failed: %s", st.ino, m.nbytes, e)
+                return False
             finally:
                 st.flushing = None
                 self.dirty_total -= m.nbytes
@@ -627,8 +632,11 @@ class DnFS(pyfuse3.Operations):
 
     @fuse_op
     async def fsync(self, fh, datasync):
-        await self._flush_checked(self.files[self.handles[fh]])
-        await self.meta.sync()
+        st = self.files[self.handles[fh]]
+        committed = await self._flush(st, durable=True)     # its commit made durable in the same step
+        self._raise_error(st)
+        if not committed:      # nothing flushed here: earlier commits (a close's, a background flush's) may not be durable
+            await self.meta.sync()
 
     @fuse_op
     async def release(self, fh):

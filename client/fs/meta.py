@@ -194,6 +194,13 @@ class Meta(abc.ABC):
     async def _run(self, fn: Callable[..., T], *args) -> T:
         """``fn(tx, *args)`` as one transaction (retried as a whole if the engine needs to)."""
 
+    async def _run_durable(self, fn: Callable[..., T], *args) -> T:
+        """``_run``, then ``sync``: this transaction and every one before it are durable when it returns.  An
+        engine that can do both in one step overrides it."""
+        out = await self._run(fn, *args)
+        await self.sync()
+        return out
+
     # -- lifecycle
     @abc.abstractmethod
     async def close(self) -> None: ...
@@ -429,8 +436,10 @@ class Meta(abc.ABC):
         for s in kept:
             tx.add_slice(ino, s)
 
-    async def commit(self, ino: int, new: Sequence[Slice], size: int, mtime_ns: int) -> Attr:
-        """Lay ``new`` (in order) over the file's slices, grow its size to at least ``size``."""
+    async def commit(self, ino: int, new: Sequence[Slice], size: int, mtime_ns: int, *,
+                     durable: bool = False) -> Attr:
+        """Lay ``new`` (in order) over the file's slices, grow its size to at least ``size``.  ``durable``
+        (an fsync): this commit and every one before it are durable when it returns (``_run_durable``)."""
         def go(tx):
             a = self._get(tx, ino)
             for s in new:
@@ -441,7 +450,7 @@ class Meta(abc.ABC):
             a.mtime_ns = a.ctime_ns = mtime_ns
             tx.put_attr(a)
             return a
-        return await self._run(go)
+        return await (self._run_durable(go) if durable else self._run(go))
 
     async def truncate(self, ino: int, size: int, mtime_ns: int) -> Attr:
         def go(tx):

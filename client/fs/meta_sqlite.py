@@ -162,6 +162,15 @@ class SqliteMeta(Meta):
         """``fn(connection, *args)`` as one transaction (the engine's own queries)."""
         return await trio.to_thread.run_sync(functools.partial(self._tx, fn, *args), limiter=self._limiter)
 
+    async def _run_durable(self, fn, *args):
+        """The transaction and the WAL's fsync in one trip to the worker thread (an fsync's commit: one
+        hand-over less than ``_run`` then ``sync``)."""
+        def go():
+            out = self._tx(lambda db: fn(SqliteTx(db, self), *args))
+            self._fsync_wal()
+            return out
+        return await trio.to_thread.run_sync(go, limiter=self._limiter)
+
     def _tx(self, fn, *args):
         db = self.db
         db.execute("BEGIN IMMEDIATE")
@@ -184,16 +193,17 @@ class SqliteMeta(Meta):
         """Make every commit so far durable: fsync the WAL, which holds them (what ``synchronous=FULL`` does
         at each commit).  A checkpoint would also copy the pages into the database file and fsync that too
         -- twice the syncs for the same guarantee; SQLite checkpoints by itself as the WAL grows."""
-        def fsync_wal():
-            try:
-                fd = os.open(self.path + "-wal", os.O_RDONLY)
-            except FileNotFoundError:       # no WAL: every commit is in the database file (closed cleanly)
-                fd = os.open(self.path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        await trio.to_thread.run_sync(fsync_wal, limiter=self._limiter)
+        await trio.to_thread.run_sync(self._fsync_wal, limiter=self._limiter)
+
+    def _fsync_wal(self) -> None:
+        try:
+            fd = os.open(self.path + "-wal", os.O_RDONLY)
+        except FileNotFoundError:       # no WAL: every commit is in the database file (closed cleanly)
+            fd = os.open(self.path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     # -- open-file sessions (this process's own: see the module docstring)
     async def opened(self, ino):
