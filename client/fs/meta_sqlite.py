@@ -4,7 +4,11 @@ A second mount (or ``dnfs fsck`` while mounted) is refused: the engine holds an 
 ``PATH.lock`` for as long as it is open, and the lock file names the holder's pid.  Every change is one
 transaction (``BEGIN IMMEDIATE``); the connection runs with ``synchronous=NORMAL`` (a commit survives a
 killed process at once) and :meth:`sync` fsyncs the WAL (every commit so far) before an ``fsync`` returns.
-All SQLite calls run in a worker thread, one at a time.
+SQLite calls run one at a time.  A transaction runs right in the event loop when no other SQLite call is
+running (a read or a page-cache commit takes 30-80 us here, the hand-over to a worker thread and back
+~100 us more); one that took longer than ``INLINE_SLOW`` (a WAL checkpoint, a slow disk) sends the next
+``INLINE_PAUSE`` seconds' transactions to the worker thread, so the loop stalls at most once per pause.  The
+WAL's fsync (``sync``, a durable commit's) always runs in the worker thread.
 
 Open-file sessions: the lock makes this mount the only one, so the inodes it has open are kept in its
 memory; they end with the process (which also releases the lock), and the next mount removes the inodes
@@ -123,6 +127,9 @@ class SqliteTx(MetaTx):
 
 
 class SqliteMeta(Meta):
+    INLINE_SLOW = 0.005      # seconds: a transaction in the event loop slower than this ...
+    INLINE_PAUSE = 1.0       # ... sends this many seconds' transactions to the worker thread
+
     def __init__(self, path: str):
         self.path = os.path.abspath(path)
         parent = os.path.dirname(self.path)
@@ -150,6 +157,9 @@ class SqliteMeta(Meta):
             self.db.execute(f"INSERT INTO inodes ({COLS}, target) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                             (ROOT, stat.S_IFDIR | 0o755, 2, os.getuid(), os.getgid(), 0, 0, now, now, now, b""))
         self._limiter = trio.CapacityLimiter(1)
+        self._inline_after = 0.0      # monotonic time before which transactions go to the worker thread
+        self.inline_txs = 0           # transactions run in the event loop ...
+        self.thread_txs = 0           # ... and in the worker thread
         self._opens: Counter[int] = Counter()
         self._zero: set[int] = set()      # inodes this mount saw lose their last link (closed() checks only these)
 
@@ -159,7 +169,19 @@ class SqliteMeta(Meta):
         return await self._raw(lambda db: fn(SqliteTx(db, self), *args))
 
     async def _raw(self, fn, *args):
-        """``fn(connection, *args)`` as one transaction (the engine's own queries)."""
+        """``fn(connection, *args)`` as one transaction (the engine's own queries): in the event loop when the
+        connection is free and no slow transaction paused that (the module docstring), else in the worker
+        thread."""
+        t0 = time.monotonic()
+        if self._limiter.borrowed_tokens == 0 and t0 >= self._inline_after:
+            self.inline_txs += 1
+            try:
+                return self._tx(fn, *args)      # no await inside: nothing else can reach the connection
+            finally:
+                if time.monotonic() - t0 > self.INLINE_SLOW:
+                    self._inline_after = time.monotonic() + self.INLINE_PAUSE
+                await trio.lowlevel.cancel_shielded_checkpoint()    # the others' turn (done is done)
+        self.thread_txs += 1
         return await trio.to_thread.run_sync(functools.partial(self._tx, fn, *args), limiter=self._limiter)
 
     async def _run_durable(self, fn, *args):
