@@ -125,10 +125,21 @@ def test_a_durable_commit_is_on_the_disk_when_it_returns(tmp_path):
         plain = dirty_pages(wal)
         if plain is None:
             pytest.skip("no cachestat system call on this kernel: the page cache's dirty state is not visible")
-        a = await m.commit(f.ino, [sl(4096, 4096, 2)], 8192, 2, durable=True)
+        threads = m.thread_txs
+        a = await m.commit(f.ino, [sl(4096, 4096, 2)], 8192, 2, durable=True)   # in the worker thread
         durable = dirty_pages(wal)
         assert a.size == 8192 and [s.extent for s in await m.slices(f.ino)] == [1, 2]
         assert plain > 0 and durable == 0, (plain, durable)
+        assert m.thread_txs == threads + 1
+        # the mount has nothing else in flight: the same, right in the event loop
+        m.quiet = lambda: True
+        await m.commit(f.ino, [sl(8192, 4096, 3)], 12288, 3)
+        assert dirty_pages(wal) > 0
+        await m.commit(f.ino, [sl(12288, 4096, 4)], 16384, 4, durable=True)
+        assert dirty_pages(wal) == 0 and m.thread_txs == threads + 1
+        await m.commit(f.ino, [sl(16384, 4096, 5)], 20480, 5)
+        await m.sync()
+        assert dirty_pages(wal) == 0 and m.thread_txs == threads + 1
         await m.close()
     trio.run(main)
 

@@ -55,11 +55,13 @@ RETRY_PAUSE = 1.0                  # a write that failed on every partition wait
 
 
 def fuse_op(fn):
-    """Turn metadata and cluster failures into the errno the kernel expects; never let a traceback out."""
+    """Turn metadata and cluster failures into the errno the kernel expects; never let a traceback out.
+    Counts the requests in flight (``DnFS.inflight``)."""
     @functools.wraps(fn)
-    async def wrapper(*args, **kw):
+    async def wrapper(self, *args, **kw):
+        self.inflight += 1
         try:
-            return await fn(*args, **kw)
+            return await fn(self, *args, **kw)
         except pyfuse3.FUSEError:
             raise
         except MetaError as e:
@@ -71,6 +73,8 @@ def fuse_op(fn):
         except Exception:
             log.exception("%s failed", fn.__name__)
             raise pyfuse3.FUSEError(errno.EIO) from None
+        finally:
+            self.inflight -= 1
     return wrapper
 
 
@@ -139,6 +143,8 @@ class DnFS(pyfuse3.Operations):
         self.seen: dict[int, tuple[int, int]] = {}   # ino -> (mtime, ctime) at its last close
         self.dirty_total = 0
         self.negative_cache = meta.single_mount    # only this mount changes the tree: cache "no such name"
+        self.inflight = 0                          # FUSE requests being served (``fuse_op``)
+        meta.quiet = lambda: self.inflight <= 1    # the engine may block the loop for an fsync nobody waits behind
         self.timeout = TIMEOUT if meta.single_mount else 0.0   # shared: ask the metadata every time
 
     # -- helpers

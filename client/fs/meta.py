@@ -188,6 +188,7 @@ class Meta(abc.ABC):
     The rules below run inside :meth:`_run`: one transaction of the engine, given its :class:`MetaTx`."""
 
     single_mount = True      # only one mount changes this tree (the kernel may cache negative lookups)
+    quiet = None             # () -> bool, set by the mount: one request in flight, nothing waits behind it
     reclaim_all = False      # fsck: release extents whatever mount session wrote them
 
     @abc.abstractmethod

@@ -8,7 +8,9 @@ SQLite calls run one at a time.  A transaction runs right in the event loop when
 running (a read or a page-cache commit takes 30-80 us here, the hand-over to a worker thread and back
 ~100 us more); one that took longer than ``INLINE_SLOW`` (a WAL checkpoint, a slow disk) sends the next
 ``INLINE_PAUSE`` seconds' transactions to the worker thread, so the loop stalls at most once per pause.  The
-WAL's fsync (``sync``, a durable commit's) always runs in the worker thread.
+WAL's fsync (``sync``, a durable commit's) runs in the worker thread -- but a durable commit (an fsync's)
+or a ``sync`` with nothing else in flight in the mount (``quiet``) runs right in the loop: nobody waits
+behind it, and the two hand-overs would cost more than the loop's pause (the same pause rule applies).
 
 Open-file sessions: the lock makes this mount the only one, so the inodes it has open are kept in its
 memory; they end with the process (which also releases the lock), and the next mount removes the inodes
@@ -172,26 +174,31 @@ class SqliteMeta(Meta):
         """``fn(connection, *args)`` as one transaction (the engine's own queries): in the event loop when the
         connection is free and no slow transaction paused that (the module docstring), else in the worker
         thread."""
+        return await self._call(functools.partial(self._tx, fn, *args), True)
+
+    async def _run_durable(self, fn, *args):
+        """The transaction and the WAL's fsync in one step (an fsync's commit: one hand-over less than
+        ``_run`` then ``sync``; none when the mount is quiet)."""
+        def go():
+            out = self._tx(lambda db: fn(SqliteTx(db, self), *args))
+            self._fsync_wal()
+            return out
+        return await self._call(go, self.quiet is not None and self.quiet())
+
+    async def _call(self, job, inline: bool):
+        """``job()`` on the connection: right here if ``inline`` and the connection is free and no slow call
+        paused that (the module docstring), else in the worker thread."""
         t0 = time.monotonic()
-        if self._limiter.borrowed_tokens == 0 and t0 >= self._inline_after:
+        if inline and self._limiter.borrowed_tokens == 0 and t0 >= self._inline_after:
             self.inline_txs += 1
             try:
-                return self._tx(fn, *args)      # no await inside: nothing else can reach the connection
+                return job()                    # no await inside: nothing else can reach the connection
             finally:
                 if time.monotonic() - t0 > self.INLINE_SLOW:
                     self._inline_after = time.monotonic() + self.INLINE_PAUSE
                 await trio.lowlevel.cancel_shielded_checkpoint()    # the others' turn (done is done)
         self.thread_txs += 1
-        return await trio.to_thread.run_sync(functools.partial(self._tx, fn, *args), limiter=self._limiter)
-
-    async def _run_durable(self, fn, *args):
-        """The transaction and the WAL's fsync in one trip to the worker thread (an fsync's commit: one
-        hand-over less than ``_run`` then ``sync``)."""
-        def go():
-            out = self._tx(lambda db: fn(SqliteTx(db, self), *args))
-            self._fsync_wal()
-            return out
-        return await trio.to_thread.run_sync(go, limiter=self._limiter)
+        return await trio.to_thread.run_sync(job, limiter=self._limiter)
 
     def _tx(self, fn, *args):
         db = self.db
@@ -215,7 +222,7 @@ class SqliteMeta(Meta):
         """Make every commit so far durable: fsync the WAL, which holds them (what ``synchronous=FULL`` does
         at each commit).  A checkpoint would also copy the pages into the database file and fsync that too
         -- twice the syncs for the same guarantee; SQLite checkpoints by itself as the WAL grows."""
-        await trio.to_thread.run_sync(self._fsync_wal, limiter=self._limiter)
+        await self._call(self._fsync_wal, self.quiet is not None and self.quiet())
 
     def _fsync_wal(self) -> None:
         try:
