@@ -194,4 +194,3 @@ def dirty_pages(path: str) -> int | None:
     finally:
         os.close(fd)
     return out[1] + out[2]
-

@@ -112,11 +112,11 @@ def test_second_open_is_refused(tmp_path):
     SqliteMeta(str(tmp_path / "m.db"))
 
 
-
 def test_a_durable_commit_is_on_the_disk_when_it_returns(tmp_path):
     """SQLite: ``commit(durable=True)`` (an fsync's commit) returns only once the WAL holding it has been
-    written out and synced -- in the same trip to the worker thread; a plain commit leaves it in the page
-    cache (``synchronous=NORMAL``) until a later sync."""
+    written out and synced -- in one trip to the worker thread, or right in the event loop when the mount has
+    nothing else in flight (``quiet``); a plain commit leaves it in the page cache (``synchronous=NORMAL``)
+    until a later sync."""
     async def main():
         m = SqliteMeta(str(tmp_path / "m.db"))
         wal = str(tmp_path / "m.db-wal")

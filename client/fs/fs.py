@@ -641,7 +641,8 @@ class DnFS(pyfuse3.Operations):
         st = self.files[self.handles[fh]]
         committed = await self._flush(st, durable=True)     # its commit made durable in the same step
         self._raise_error(st)
-        if not committed:      # nothing flushed here: earlier commits (a close's, a background flush's) may not be durable
+        if not committed:
+            # nothing flushed here: an earlier commit (a close's, a background flush's) may not be durable yet
             await self.meta.sync()
 
     @fuse_op

@@ -599,10 +599,7 @@ class VerbsConnection(Connection):
         wr = SendWR(opcode=opcode, num_sge=1, sg=[SGE(addr, len(local), region.lkey)],
                     send_flags=E.IBV_SEND_SIGNALED)
         wr.set_wr_rdma(remote.rkey, remote.addr)
-        if then is None:
-            await self._post(wr, what)
-        else:
-            await self._post(wr, what, wait=False, then=then)
+        await self._post(wr, what, wait=then is None, then=then)
 
     async def _reserve(self, n: int) -> None:
         """Take ``n`` send-queue entries for work requests posted later with ``_post_reserved``."""
