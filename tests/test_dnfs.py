@@ -11,6 +11,8 @@ import os
 import pathlib
 import signal
 import sqlite3
+import stat as stat_mod
+import struct
 import subprocess
 import sys
 import tarfile
@@ -297,6 +299,91 @@ def test_directories_and_renames(mnt):
     assert "clean" in mnt.fsck().stdout
     mnt.mount()
     assert (m / "hard").read_bytes() == b"three" and os.readlink(m / "sym") == "top"
+
+
+# VFS_CAP_REVISION_2, effective, permitted cap_net_raw: a valid security.capability value
+CAPS = struct.pack("<5I", 0x02000001, 1 << 13, 0, 0, 0)
+
+
+def _caps(path) -> bytes | None:
+    try:
+        return os.getxattr(path, "security.capability")
+    except OSError as e:
+        assert e.errno == errno.ENODATA, e
+        return None
+
+
+def test_a_write_strips_file_capabilities_as_on_a_local_disk(mnt, tmp_path):
+    """A file given capabilities loses them when written (the kernel asks for security.capability before
+    each write and removes it): through the mount as on a local file system -- also when they were given
+    while the file was open and already written, when the mount keeps its answer to that question."""
+    seen = {}
+    for where in (tmp_path / "local", mnt.path):
+        where.mkdir(exist_ok=True)
+        f = where / "tool"
+        fd = os.open(f, os.O_CREAT | os.O_RDWR, 0o755)
+        try:
+            os.pwrite(fd, b"x" * 100, 0)                    # asked, and answered "none", while open
+            os.setxattr(f, "security.capability", CAPS)     # given while open
+            given = _caps(f)
+            os.pwrite(fd, b"y", 1)                          # the write takes them away
+            after_write = _caps(f)
+            os.setxattr(f, "security.capability", CAPS)     # given again ...
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        again = _caps(f)
+        fd = os.open(f, os.O_WRONLY)                        # ... and written at the next open
+        try:
+            os.pwrite(fd, b"z", 2)
+        finally:
+            os.close(fd)
+        seen[where == mnt.path] = (given, after_write, again, _caps(f), f.read_bytes())
+    assert seen[False] == (CAPS, None, CAPS, None, b"xyz" + b"x" * 97)     # what the kernel does, locally
+    assert seen[True] == seen[False]
+
+
+def test_the_capability_question_before_each_write_is_answered_from_memory_while_the_file_is_open(tmp_path):
+    """The kernel's security.capability lookup before every write reaches the metadata engine once per open
+    file, not once per write; this mount's own changes of it (set, removed) are what it answers after."""
+    from client.fs.fs import CAPS as NAME, DnFS
+    from client.fs.meta import ROOT
+    from client.fs.meta_sqlite import SqliteMeta
+    import pyfuse3
+
+    async def main():
+        meta = SqliteMeta(str(tmp_path / "m.db"))
+        asked = []
+        real = meta.getxattr
+
+        async def counted(ino, name):
+            asked.append(name)
+            return await real(ino, name)
+        meta.getxattr = counted
+
+        async def caps(ino):
+            try:
+                return await fs.getxattr(ino, NAME, None)
+            except pyfuse3.FUSEError as e:
+                assert e.errno == errno.ENODATA
+                return None
+
+        async with DataClient.open(timeout=5) as dc, trio.open_nursery() as n:
+            fs = DnFS(meta, dc, [1], n)
+            a = await meta.create(ROOT, b"f", stat_mod.S_IFREG | 0o644, 0, 0)
+            assert await caps(a.ino) is None                 # not open: asked every time
+            assert await caps(a.ino) is None and len(asked) == 2
+            fi = await fs.open(a.ino, os.O_WRONLY, None)
+            assert [await caps(a.ino) for _ in range(5)] == [None] * 5 and len(asked) == 3
+            await fs.setxattr(a.ino, NAME, CAPS, None)
+            assert await caps(a.ino) == CAPS and len(asked) == 3
+            await fs.removexattr(a.ino, NAME, None)
+            assert await caps(a.ino) is None and len(asked) == 3
+            await fs.release(fi.fh)
+            assert await caps(a.ino) is None and len(asked) == 4
+            n.cancel_scope.cancel()
+        await meta.close()
+    trio.run(main)
 
 
 def test_readdir_many_entries(mnt):

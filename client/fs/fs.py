@@ -52,6 +52,8 @@ FULL_BELOW = 2 << 20               # a datanode with less free disk than this co
 ORPHAN_SWEEP_S = 5.0               # shared engines: how often unlinked inodes of dead mounts are looked for
 AVOID_S = 10.0                     # a partition a write just failed on is passed over this long when others can take it
 RETRY_PAUSE = 1.0                  # a write that failed on every partition waits this long before the next try
+CAPS = b"security.capability"      # the kernel asks for it before every write to a file (see ``getxattr``)
+_UNKNOWN = object()
 
 
 def fuse_op(fn):
@@ -108,6 +110,8 @@ class FileState:
         self.last_end = -1
         self.seen: tuple[int, int] = (0, 0)   # (mtime, ctime) of the last attributes we know
         self.committed_slices = 0             # slices committed since the last compaction check
+        self.caps = _UNKNOWN                  # its security.capability (None: it has none), once asked ...
+        self.caps_gen = 0                     # ... and the changes of it begun here (DnFS.getxattr)
 
     @property
     def pending_end(self) -> int:
@@ -753,16 +757,50 @@ class DnFS(pyfuse3.Operations):
     # -- extended attributes
     @fuse_op
     async def setxattr(self, inode, name, value, ctx):
+        change = self._caps_changing(inode, name)
         await self.meta.setxattr(inode, name, value)
+        self._caps_changed(change, value)
 
     @fuse_op
     async def getxattr(self, inode, name, ctx):
-        try:
-            return await self.meta.getxattr(inode, name)
-        except MetaError as e:
-            if e.errno == errno.ENODATA:
-                raise pyfuse3.FUSEError(pyfuse3.ENOATTR) from None
-            raise
+        """Before every write to a file the kernel asks for its ``security.capability`` (a write must strip
+        file capabilities, and FUSE lets the kernel remember no answer), so each write cost a FUSE round trip
+        and a metadata lookup more.  With a single-mount engine only this mount changes xattrs: an open
+        file's answer is kept (``FileState.caps``), and this mount's own setxattr/removexattr of it (the
+        kernel's stripping on write included) replace it.  A shared engine is asked every time: another
+        mount may have set capabilities meanwhile."""
+        st = self.files.get(inode) if name == CAPS and self.meta.single_mount else None
+        if st is not None and st.caps is not _UNKNOWN:
+            value = st.caps
+        else:
+            gen = st.caps_gen if st is not None else 0
+            try:
+                value = await self.meta.getxattr(inode, name)
+            except MetaError as e:
+                if e.errno != errno.ENODATA:
+                    raise
+                value = None
+            if st is not None and st.caps_gen == gen:      # no change of it began meanwhile
+                st.caps = value
+        if value is None:
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        return value
+
+    def _caps_changing(self, inode: int, name: bytes):
+        """An xattr change is about to start: a kept ``security.capability`` answer is forgotten (and one
+        being looked up meanwhile is not kept).  Returns what ``_caps_changed`` needs."""
+        st = self.files.get(inode) if name == CAPS and self.meta.single_mount else None
+        if st is None:
+            return None
+        st.caps = _UNKNOWN
+        st.caps_gen += 1
+        return st, st.caps_gen
+
+    @staticmethod
+    def _caps_changed(change, value: bytes | None) -> None:
+        """The change went through: its value is the kept answer, unless another change began since."""
+        if change is not None and change[0].caps_gen == change[1]:
+            change[0].caps = value
 
     @fuse_op
     async def listxattr(self, inode, ctx):
@@ -770,8 +808,10 @@ class DnFS(pyfuse3.Operations):
 
     @fuse_op
     async def removexattr(self, inode, name, ctx):
+        change = self._caps_changing(inode, name)
         try:
             await self.meta.removexattr(inode, name)
+            self._caps_changed(change, None)
         except MetaError as e:
             if e.errno == errno.ENODATA:
                 raise pyfuse3.FUSEError(pyfuse3.ENOATTR) from None
