@@ -230,7 +230,7 @@ class SqliteMeta(Meta):
         except FileNotFoundError:       # no WAL: every commit is in the database file (closed cleanly)
             fd = os.open(self.path, os.O_RDONLY)
         try:
-            os.fsync(fd)
+            os.fdatasync(fd)            # what SQLite itself does: the bytes and the length that reads them
         finally:
             os.close(fd)
 
