@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tarfile
 import time
+import types
 
 import pytest
 import trio
@@ -345,7 +346,8 @@ def test_a_write_strips_file_capabilities_as_on_a_local_disk(mnt, tmp_path):
 
 def test_the_capability_question_before_each_write_is_answered_from_memory_while_the_file_is_open(tmp_path):
     """The kernel's security.capability lookup before every write reaches the metadata engine once per open
-    file, not once per write; this mount's own changes of it (set, removed) are what it answers after."""
+    file, not once per write (and not at all for a file the mount created); this mount's own changes of it
+    (set, removed) are what it answers after."""
     from client.fs.fs import CAPS as NAME, DnFS
     from client.fs.meta import ROOT
     from client.fs.meta_sqlite import SqliteMeta
@@ -381,6 +383,9 @@ def test_the_capability_question_before_each_write_is_answered_from_memory_while
             assert await caps(a.ino) is None and len(asked) == 3
             await fs.release(fi.fh)
             assert await caps(a.ino) is None and len(asked) == 4
+            fi, e = await fs.create(ROOT, b"new", 0o644, os.O_WRONLY, types.SimpleNamespace(uid=0, gid=0))
+            assert await caps(e.st_ino) is None and len(asked) == 4     # a file it created has none
+            await fs.release(fi.fh)
             n.cancel_scope.cancel()
         await meta.close()
     trio.run(main)

@@ -513,6 +513,8 @@ class DnFS(pyfuse3.Operations):
     async def create(self, parent_inode, name, mode, flags, ctx):
         a = await self.meta.create(parent_inode, name, stat.S_IFREG | (mode & 0o7777), ctx.uid, ctx.gid)
         fi = await self._open(a)
+        if self.meta.single_mount:
+            self.files[a.ino].caps = None       # a new file has no xattrs: its first write need not ask
         return fi, self._looked_up(a)
 
     async def _slices(self, st: FileState) -> list[Slice]:
