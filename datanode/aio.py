@@ -1,6 +1,7 @@
 """Small structured-concurrency helpers."""
 from __future__ import annotations
 
+import time
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
@@ -31,3 +32,32 @@ async def nursery() -> AsyncIterator[trio.Nursery]:
         if not real and found:
             raise found[0] from None
         raise
+
+
+class InlinePause:
+    """The rule for blocking work done right in the event loop instead of in a worker thread (a flush, a
+    SQLite transaction: the thread's hand-over can cost more than the work): allowed unless a call done so
+    took longer than ``slow`` seconds, which sends the next ``pause`` seconds' calls to the thread -- so a
+    slow disk stalls the loop at most once per pause.  It cannot help against a call that hangs."""
+
+    __slots__ = ("slow", "pause", "_until")
+
+    def __init__(self, slow: float = 0.005, pause: float = 1.0) -> None:
+        self.slow, self.pause = slow, pause
+        self._until = 0.0         # monotonic time before which no call runs inline
+
+    def allowed(self, now: float) -> bool:
+        """May a call start inline at ``now`` (``time.monotonic()``)?"""
+        return now >= self._until
+
+    def took(self, started: float) -> bool:
+        """An inline call that started at ``started`` has ended; True if it was slow (the pause began)."""
+        now = time.monotonic()
+        if now - started <= self.slow:
+            return False
+        self._until = now + self.pause
+        return True
+
+    def hold(self) -> None:
+        """No call inline from now on (a test's way to the thread path)."""
+        self._until = float("inf")

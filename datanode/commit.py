@@ -22,8 +22,8 @@ the node) and no flush is running, there is nobody to share a flush with and not
 do meanwhile: the flush runs right in the event loop, without the thread's hand-over (a queue put, the
 thread's wake-up, taking the GIL back, ``run_sync_soon``'s wake-up of the loop).  At depth 1 that was 15%
 of a follower's calls per request.  A flush blocks the loop while it runs, so a flush done this way that
-takes longer than ``INLINE_SLOW`` (a busy or failing disk) sends the next ``INLINE_PAUSE`` seconds' flushes
-back to the thread: the loop stalls at most once per pause for a slow disk.
+takes longer than 5 ms (a busy or failing disk) sends the next second's flushes back to the thread
+(``aio.InlinePause``): the loop stalls at most once per pause for a slow disk.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ import time
 
 import trio
 
+from .aio import InlinePause
 from .store import ExtentStore, StoreError
 
 
@@ -50,20 +51,17 @@ class CommitCounters:
     flushed_extents: int = 0    # extent flushes done (each: two fdatasyncs, or one: NODE_STATUS one_flushes)
     commit_waits: int = 0       # appends that waited for a flush
     inline_flushes: int = 0     # flushes run in the event loop (the only request in flight)
-    slow_inline_flushes: int = 0  # of those, longer than INLINE_SLOW (the next INLINE_PAUSE went to the thread)
+    slow_inline_flushes: int = 0  # of those, slow ones (the next second's went to the thread: InlinePause)
 
 
 class GroupCommit:
-    INLINE_SLOW = 0.005          # seconds: an inline flush slower than this ...
-    INLINE_PAUSE = 1.0           # ... sends this many seconds' flushes to the thread
-
     def __init__(self, quiet=None) -> None:
         self._batch = _Batch()               # the appends waiting for the next flush
         self._flushing = False               # a flush is in the thread now
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._token = None
         self._quiet = quiet                  # () -> bool: this is the only request in flight (None: never)
-        self._inline_after = 0.0             # monotonic time before which no flush runs inline
+        self.inline = InlinePause()          # when a flush may run right in the event loop
         self.counters = CommitCounters()
 
     async def durable(self, store: ExtentStore, extent: int, end: int) -> None:
@@ -75,7 +73,7 @@ class GroupCommit:
         b = self._batch
         if not self._flushing and not b.want and self._quiet is not None and self._quiet():
             t0 = time.monotonic()
-            if t0 >= self._inline_after:
+            if self.inline.allowed(t0):
                 await self._inline(store, extent, t0)
                 return
         b.want.setdefault(store, set()).add(extent)
@@ -94,9 +92,8 @@ class GroupCommit:
         self.counters.flushes += 1
         self.counters.flushed_extents += 1
         err = _flush_all({store: {extent}}).get((store, extent))
-        if time.monotonic() - t0 > self.INLINE_SLOW:
+        if self.inline.took(t0):
             self.counters.slow_inline_flushes += 1
-            self._inline_after = time.monotonic() + self.INLINE_PAUSE
         if err is not None:
             raise err
         await trio.lowlevel.checkpoint()

@@ -21,9 +21,9 @@ def sl(off, length, extent, ext_off=0):
 
 
 def sqlite_in_thread(path: str) -> SqliteMeta:
-    """A SQLite engine whose transactions all go to its worker thread (as after a slow one: INLINE_PAUSE)."""
+    """A SQLite engine whose transactions all go to its worker thread (as during the pause after a slow one)."""
     m = SqliteMeta(path)
-    m._inline_after = float("inf")
+    m.inline.hold()
     return m
 
 
@@ -145,14 +145,14 @@ def test_a_durable_commit_is_on_the_disk_when_it_returns(tmp_path):
 
 
 def test_a_slow_transaction_in_the_event_loop_sends_the_next_ones_to_the_worker_thread(tmp_path):
-    """SQLite runs a transaction right in the event loop while its connection is free; one slower than
-    INLINE_SLOW (a WAL checkpoint, a slow disk) sends the next INLINE_PAUSE seconds' to the worker thread, so a
-    slow disk stalls the loop once per pause, not on every metadata call.  Both ways give the same answers."""
+    """SQLite runs a transaction right in the event loop while its connection is free; a slow one (a WAL
+    checkpoint, a slow disk) sends the next second's to the worker thread (``InlinePause``), so a slow disk
+    stalls the loop once per pause, not on every metadata call.  Both ways give the same answers."""
     async def main():
         m = SqliteMeta(str(tmp_path / "m.db"))
         f = await m.create(ROOT, b"f", FILE, 0, 0)
         assert (m.inline_txs, m.thread_txs) == (1, 0)
-        m.INLINE_SLOW = 0.0                       # every transaction in the loop now counts as slow
+        m.inline.slow = 0.0                       # every transaction in the loop now counts as slow
         await m.commit(f.ino, [sl(0, 10, 1)], 10, 1)
         assert (m.inline_txs, m.thread_txs) == (2, 0)
         for i in range(3):

@@ -113,7 +113,7 @@ def test_lone_writes_flushed_in_the_event_loop_survive_kill9_of_every_replica(no
             return eid, counts
 
     eid, counts = run(body)
-    for addr, c in zip(addrs, counts):   # (a flush slower than INLINE_SLOW on a busy disk sends the next
+    for addr, c in zip(addrs, counts):   # (a slow inline flush on a busy disk sends the next
         assert 1 <= c["inline_flushes"] <= c["flushes"], (addr, c)     # second's flushes to the thread)
         assert c["slow_inline_flushes"] <= c["inline_flushes"], (addr, c)
         assert (c["one_flushes"] >= 1) == ONE_FLUSH, (addr, c)    # small appends over zeros: one fdatasync

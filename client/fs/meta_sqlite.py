@@ -6,8 +6,8 @@ transaction (``BEGIN IMMEDIATE``); the connection runs with ``synchronous=NORMAL
 killed process at once) and :meth:`sync` fsyncs the WAL (every commit so far) before an ``fsync`` returns.
 SQLite calls run one at a time.  A transaction runs right in the event loop when no other SQLite call is
 running (a read or a page-cache commit takes 30-80 us here, the hand-over to a worker thread and back
-~100 us more); one that took longer than ``INLINE_SLOW`` (a WAL checkpoint, a slow disk) sends the next
-``INLINE_PAUSE`` seconds' transactions to the worker thread, so the loop stalls at most once per pause.  The
+~100 us more); one that took longer than 5 ms (a WAL checkpoint, a slow disk) sends the next second's
+transactions to the worker thread, so the loop stalls at most once a second (``aio.InlinePause``).  The
 WAL's fsync (``sync``, a durable commit's) runs in the worker thread -- but a durable commit (an fsync's)
 or a ``sync`` with nothing else in flight in the mount (``quiet``) runs right in the loop: nobody waits
 behind it, and the two hand-overs would cost more than the loop's pause (the same pause rule applies).
@@ -32,6 +32,7 @@ from collections import Counter
 import trio
 
 from client.fs.meta import ROOT, Attr, Meta, MetaBusy, MetaError, MetaTx, Slice
+from datanode.aio import InlinePause
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +130,6 @@ class SqliteTx(MetaTx):
 
 
 class SqliteMeta(Meta):
-    INLINE_SLOW = 0.005      # seconds: a transaction in the event loop slower than this ...
-    INLINE_PAUSE = 1.0       # ... sends this many seconds' transactions to the worker thread
 
     def __init__(self, path: str):
         self.path = os.path.abspath(path)
@@ -159,7 +158,7 @@ class SqliteMeta(Meta):
             self.db.execute(f"INSERT INTO inodes ({COLS}, target) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                             (ROOT, stat.S_IFDIR | 0o755, 2, os.getuid(), os.getgid(), 0, 0, now, now, now, b""))
         self._limiter = trio.CapacityLimiter(1)
-        self._inline_after = 0.0      # monotonic time before which transactions go to the worker thread
+        self.inline = InlinePause()   # when a transaction may run right in the event loop
         self.inline_txs = 0           # transactions run in the event loop ...
         self.thread_txs = 0           # ... and in the worker thread
         self._opens: Counter[int] = Counter()
@@ -189,13 +188,12 @@ class SqliteMeta(Meta):
         """``job()`` on the connection: right here if ``inline`` and the connection is free and no slow call
         paused that (the module docstring), else in the worker thread."""
         t0 = time.monotonic()
-        if inline and self._limiter.borrowed_tokens == 0 and t0 >= self._inline_after:
+        if inline and self._limiter.borrowed_tokens == 0 and self.inline.allowed(t0):
             self.inline_txs += 1
             try:
                 return job()                    # no await inside: nothing else can reach the connection
             finally:
-                if time.monotonic() - t0 > self.INLINE_SLOW:
-                    self._inline_after = time.monotonic() + self.INLINE_PAUSE
+                self.inline.took(t0)
                 await trio.lowlevel.cancel_shielded_checkpoint()    # the others' turn (done is done)
         self.thread_txs += 1
         return await trio.to_thread.run_sync(job, limiter=self._limiter)
