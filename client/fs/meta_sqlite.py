@@ -130,7 +130,6 @@ class SqliteTx(MetaTx):
 
 
 class SqliteMeta(Meta):
-
     def __init__(self, path: str):
         self.path = os.path.abspath(path)
         parent = os.path.dirname(self.path)
