@@ -16,6 +16,7 @@ import struct
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 import types
 
@@ -40,6 +41,11 @@ def dnfs(*args, check=True, timeout=120):
     return r
 
 
+class Addrs(list):
+    """The module cluster's datanode addresses, and (``procs``) their processes."""
+    procs: list[NodeProc]
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("dnfs-cluster")
@@ -47,7 +53,8 @@ def cluster(tmp_path_factory):
     try:
         for p in procs:
             p.start()
-        addrs = [p.addr for p in procs]
+        addrs = Addrs(p.addr for p in procs)
+        addrs.procs = procs
 
         async def mkpart():
             async with DataClient.open(timeout=10) as dc:
@@ -481,6 +488,48 @@ def test_kill9_mid_write_then_remount(mnt):
     r = mnt.fsck()
     assert "clean" in r.stdout, r.stdout
     mnt.mount()
+
+
+def test_with_writeback_a_close_returns_before_the_cluster_has_the_bytes_and_unmount_writes_them(cluster,
+                                                                                                 tmp_path):
+    """``--writeback``: closing a file does not wait for the datanodes (here: all of them stopped) -- the
+    bytes are read back from the mount's buffer meanwhile -- and they are written once the nodes run again;
+    an fsync waits for them; after an unmount every file is whole."""
+    m = Mount(cluster, tmp_path).mount("--writeback")
+    try:
+        files = {f"f{i:02d}": pattern(i, 1000 + 997 * i) for i in range(40)}
+        closed = threading.Event()
+
+        def write_all():
+            for name, data in files.items():
+                (m.path / name).write_bytes(data)
+            closed.set()
+        for p in cluster.procs:
+            p.proc.send_signal(signal.SIGSTOP)
+        try:
+            threading.Thread(target=write_all, daemon=True).start()
+            assert closed.wait(20), "a close waited for the (stopped) datanodes"
+            assert {n: (m.path / n).read_bytes() for n in files} == files
+        finally:
+            for p in cluster.procs:
+                p.proc.send_signal(signal.SIGCONT)
+        fd = os.open(m.path / "f07", os.O_RDONLY)
+        try:
+            os.fsync(fd)                    # waits for its background write, then makes it durable
+        finally:
+            os.close(fd)
+        os.unlink(m.path / "f08")           # closed, maybe not yet written: it need not be
+        del files["f08"]
+        m.umount()
+        m.mount()
+        assert {n: (m.path / n).read_bytes() for n in files} == files
+        assert sorted(os.listdir(m.path)) == sorted(files)
+        m.umount()
+        assert "clean" in m.fsck().stdout
+        assert " ERROR " not in (tmp_path / "mnt.log").read_text()     # no write failed, none was lost
+        m.mount()
+    finally:
+        m.cleanup()
 
 
 def test_fragmented_file_is_compacted_and_stays_intact(mnt):

@@ -127,12 +127,14 @@ class DnFS(pyfuse3.Operations):
     enable_writeback_cache = False
 
     def __init__(self, meta: Meta, dc: DataClient, partitions: list[int], nursery: trio.Nursery, *,
-                 budget: int = 256 << 20, chunk: int = 16 << 20, write_retry_s: float = 30.0):
+                 budget: int = 256 << 20, chunk: int = 16 << 20, write_retry_s: float = 30.0,
+                 writeback: bool = False):
         super().__init__()
         if not partitions:
             raise ValueError("no data partition to write to")
         self.meta, self.dc, self.partitions, self.nursery = meta, dc, partitions, nursery
         self.budget, self.chunk = budget, min(chunk, budget)
+        self.writeback = writeback        # close returns before its bytes are written (``flush``)
         self._cap: tuple[float, tuple[int, int]] | None = None     # (when, (total, free)) for statfs
         self._cap_lock = trio.Lock()
         self.write_retry_s = write_retry_s
@@ -202,9 +204,19 @@ class DnFS(pyfuse3.Operations):
         st = self.files.get(ino)
         if ino in self.unlinked and self.lookups[ino] <= 0 and (st is None or st.opens == 0):
             self.unlinked.discard(ino)
+            if st is not None:
+                self._drop_buffer(st)            # nobody can read them any more
+                async with st.flush_lock:        # a flush under way commits first, then the inode goes
+                    pass
             self.files.pop(ino, None)
             await self.meta.remove(ino)
             self.reclaimer.kick()
+
+    def _drop_buffer(self, st: FileState) -> None:
+        """The bytes of a file that is gone need not be written (write-back keeps closed files' bytes)."""
+        if st.dirty:
+            self.dirty_total -= st.dirty.nbytes
+            st.dirty = DirtyMap()
 
     def _raise_error(self, st: FileState) -> None:
         if st.error is not None:
@@ -335,6 +347,12 @@ class DnFS(pyfuse3.Operations):
                     return True
         return False
 
+    def _flush_soon(self, st: FileState) -> None:
+        """Start a background flush of the file's buffered bytes (unless one is running)."""
+        if st.dirty and not st.background:
+            st.background = True
+            self.nursery.start_soon(self._background_flush, st)
+
     async def _background_flush(self, st: FileState) -> None:
         try:
             await self._flush(st)
@@ -343,6 +361,20 @@ class DnFS(pyfuse3.Operations):
             st.error = errno.EIO
         finally:
             st.background = False
+        if st.opens == 0:        # closed meanwhile (write-back): more to write, or nothing left to keep
+            if st.dirty and st.error is None:
+                self._flush_soon(st)
+            else:
+                self._settle(st)
+
+    def _settle(self, st: FileState) -> None:
+        """Forget a closed file whose bytes are all written (its last failure, if any, is kept for the next
+        open to report)."""
+        if (st.opens == 0 and not st.dirty and not st.flushing and not st.background and st.error is None
+                and self.files.get(st.ino) is st):
+            self.files.pop(st.ino)
+            if st.ino not in self.unlinked:
+                self.seen[st.ino] = st.seen
 
     async def _truncate(self, st: FileState, size: int) -> Attr:
         await self._flush_checked(st)
@@ -640,7 +672,14 @@ class DnFS(pyfuse3.Operations):
 
     @fuse_op
     async def flush(self, fh):
-        await self._flush_checked(self.files[self.handles[fh]])
+        """A close: its bytes are written before it returns -- or, with ``writeback``, right after, in the
+        background (it reports a failure of the file's earlier background writes)."""
+        st = self.files[self.handles[fh]]
+        if self.writeback:
+            self._raise_error(st)
+            self._flush_soon(st)
+            return
+        await self._flush_checked(st)
 
     @fuse_op
     async def fsync(self, fh, datasync):
@@ -658,18 +697,22 @@ class DnFS(pyfuse3.Operations):
         st.opens -= 1
         if st.opens == 0:          # each first open here told the engine (opened), each last close does
             try:
-                await self._flush(st)
+                if self.writeback:
+                    self._flush_soon(st)
+                else:
+                    await self._flush(st)
                 if st.committed_slices >= COMPACT_SLICES and self.meta.single_mount:
                     await self._compact(st)
             finally:
+                if ino in self.unlinked:                 # gone from the tree: its bytes need not be written,
+                    self._drop_buffer(st)
+                    async with st.flush_lock:            # and one being written commits before it goes
+                        pass
                 if await self.meta.closed(ino):          # its last link was gone: removed
                     self.unlinked.discard(ino)
                     self.seen.pop(ino, None)
                     self.reclaimer.kick()
-                if st.opens == 0 and not st.dirty:
-                    self.files.pop(ino, None)
-                    if ino not in self.unlinked:
-                        self.seen[ino] = st.seen
+                self._settle(st)
                 await self._maybe_remove(ino)
 
     async def _compact(self, st: FileState) -> None:
@@ -706,6 +749,14 @@ class DnFS(pyfuse3.Operations):
     async def flush_all(self) -> None:
         for st in list(self.files.values()):
             await self._flush(st)
+            self._settle(st)
+
+    def unwritten(self) -> tuple[int, int] | None:
+        """(bytes, files) buffered and not yet written, if any."""
+        sts = [st for st in self.files.values() if st.dirty or st.flushing]
+        if not sts:
+            return None
+        return sum(st.dirty.nbytes + (st.flushing.nbytes if st.flushing else 0) for st in sts), len(sts)
 
     # -- file system
     async def capacity(self) -> tuple[int, int]:

@@ -66,7 +66,8 @@ def check_mountpoint(mountpoint: str) -> None:
 
 async def serve(mountpoint: str, nodes: list[str], meta_url: str, *, partitions: list[int] | None = None,
                 budget: int = 256 << 20, chunk: int = 16 << 20, timeout: float = 30.0,
-                write_retry_s: float = 30.0, etcd: str | None = None, ready=None) -> None:
+                write_retry_s: float = 30.0, etcd: str | None = None, writeback: bool = False,
+                ready=None) -> None:
     """Mount and serve until unmounted.  ``etcd``: the cluster's etcd (the partition map is read from it and
     followed, so a shrunk replica set or a new leader is known within a watch round-trip)."""
     check_mountpoint(mountpoint)
@@ -81,7 +82,8 @@ async def serve(mountpoint: str, nodes: list[str], meta_url: str, *, partitions:
             if missing:
                 raise MountError(f"partition(s) {missing} unknown to the cluster (known: {sorted(dc.partitions)})")
             async with trio.open_nursery() as n:
-                fs = DnFS(meta, dc, pids, n, budget=budget, chunk=chunk, write_retry_s=write_retry_s)
+                fs = DnFS(meta, dc, pids, n, budget=budget, chunk=chunk, write_retry_s=write_retry_s,
+                          writeback=writeback)
                 await fs.startup()
                 opts = set(pyfuse3.default_options) | {f"fsname=dnfs-{os.getpid()}", "subtype=dnfs"}
                 try:
@@ -103,6 +105,10 @@ async def serve(mountpoint: str, nodes: list[str], meta_url: str, *, partitions:
                         with trio.move_on_after(timeout):
                             await fs.flush_all()
                             await fs.reclaimer.drain()
+                        left = fs.unwritten()
+                        if left:
+                            log.error("unmounting with %d buffered bytes of %d files not written: the cluster did "
+                                      "not take them within %ss", left[0], left[1], timeout)
                     n.cancel_scope.cancel()
                 log.info("unmounted %s", mountpoint)
     except ClientError as e:
