@@ -52,6 +52,7 @@ FULL_BELOW = 2 << 20               # a datanode with less free disk than this co
 ORPHAN_SWEEP_S = 5.0               # shared engines: how often unlinked inodes of dead mounts are looked for
 AVOID_S = 10.0                     # a partition a write just failed on is passed over this long when others can take it
 RETRY_PAUSE = 1.0                  # a write that failed on every partition waits this long before the next try
+BACKGROUND_FLUSHES = 16            # background flushes (a full chunk, a closed file's bytes) running at once
 CAPS = b"security.capability"      # the kernel asks for it before every write to a file (see ``getxattr``)
 _UNKNOWN = object()
 
@@ -135,6 +136,7 @@ class DnFS(pyfuse3.Operations):
         self.meta, self.dc, self.partitions, self.nursery = meta, dc, partitions, nursery
         self.budget, self.chunk = budget, min(chunk, budget)
         self.writeback = writeback        # close returns before its bytes are written (``flush``)
+        self._background = trio.Semaphore(BACKGROUND_FLUSHES)
         self._cap: tuple[float, tuple[int, int]] | None = None     # (when, (total, free)) for statfs
         self._cap_lock = trio.Lock()
         self.write_retry_s = write_retry_s
@@ -355,7 +357,8 @@ class DnFS(pyfuse3.Operations):
 
     async def _background_flush(self, st: FileState) -> None:
         try:
-            await self._flush(st)
+            async with self._background:
+                await self._flush(st)
         except Exception:        # noqa: BLE001 - a task must not take the mount down; the file reports EIO
             log.exception("background flush of inode %d", st.ino)
             st.error = errno.EIO
