@@ -1,4 +1,5 @@
-"""Small structured-concurrency helpers."""
+"""Small helpers for trio code: a nursery whose single failure surfaces as itself, and the rule for when
+blocking work may run right in the event loop."""
 from __future__ import annotations
 
 import time
