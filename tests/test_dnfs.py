@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import io
+import json
 import os
 import pathlib
 import signal
@@ -493,8 +494,9 @@ def test_kill9_mid_write_then_remount(mnt):
 def test_with_writeback_a_close_returns_before_the_cluster_has_the_bytes_and_unmount_writes_them(cluster,
                                                                                                  tmp_path):
     """``--writeback``: closing a file does not wait for the datanodes (here: all of them stopped) -- the
-    bytes are read back from the mount's buffer meanwhile -- and they are written once the nodes run again;
-    an fsync waits for them; after an unmount every file is whole."""
+    bytes are read back from the mount's buffer meanwhile, and ``dnfs stats`` counts them as unwritten --;
+    ``dnfs sync`` returns once they are written (the nodes running again); an fsync waits for them; after an
+    unmount every file is whole."""
     m = Mount(cluster, tmp_path).mount("--writeback")
     try:
         files = {f"f{i:02d}": pattern(i, 1000 + 997 * i) for i in range(40)}
@@ -510,9 +512,27 @@ def test_with_writeback_a_close_returns_before_the_cluster_has_the_bytes_and_unm
             threading.Thread(target=write_all, daemon=True).start()
             assert closed.wait(20), "a close waited for the (stopped) datanodes"
             assert {n: (m.path / n).read_bytes() for n in files} == files
+            held = json.loads(dnfs("stats", m.path, "--json").stdout)      # the mount says what it holds
+            assert (held["unwritten_files"], held["unwritten_bytes"]) == (len(files), sum(map(len, files.values())))
+            syncing = []
+            threading.Thread(target=lambda: syncing.append(dnfs("sync", m.path, "--json", check=False)),
+                             daemon=True).start()
+            time.sleep(2)
+            assert not syncing, "dnfs sync returned while the datanodes were stopped"
         finally:
             for p in cluster.procs:
                 p.proc.send_signal(signal.SIGCONT)
+        for _ in range(600):                                               # it returns once all is written
+            if syncing:
+                break
+            time.sleep(0.1)
+        assert syncing and syncing[0].returncode == 0, syncing
+        synced = json.loads(syncing[0].stdout)
+        assert synced["failed_inodes"] == [] and synced["bytes"] == held["unwritten_bytes"]
+        after = dnfs("stats", m.path).stdout
+        assert "unwritten: 0 B in 0 file(s)" in after and "files with an unreported write failure: 0" in after
+        r = dnfs("stats", tmp_path, check=False)
+        assert r.returncode != 0 and "is not a dnfs mount" in r.stderr and "Traceback" not in r.stderr
         fd = os.open(m.path / "f07", os.O_RDONLY)
         try:
             os.fsync(fd)                    # waits for its background write, then makes it durable

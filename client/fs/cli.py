@@ -2,6 +2,8 @@
 
 \b
   dnfs mount --cluster /tmp/dn /mnt/dn        # metadata in /tmp/dn/dnfs.db (SQLite), returns once mounted
+  dnfs stats /mnt/dn                          # what it buffers, its requests, its metadata engine
+  dnfs sync /mnt/dn                           # write what it buffers, make the metadata durable
   dnfs umount /mnt/dn                         # flushes, waits for the mount process to exit
   dnfs fsck --cluster /tmp/dn [--repair]      # while unmounted
 """
@@ -117,8 +119,9 @@ def with_cluster(fn):
                    "cluster right after, in the background (many small files -- tar, cp -r -- go faster).  "
                    "fsync() still waits for them, and unmounting writes them all first; but bytes of files "
                    "closed in the last moments are lost if the mount process dies (kill -9, out of memory), as "
-                   "a local disk's unsynced writes are on a power cut, and `sync` does not reach them.  A failed "
-                   "background write is logged and reported (EIO) by the file's next close or fsync here.")
+                   "a local disk's unsynced writes are on a power cut, and `sync` does not reach them: `dnfs sync "
+                   "MOUNTPOINT` does (`dnfs stats` shows what is still unwritten).  A failed background write is "
+                   "logged and reported (EIO) by the file's next close or fsync here, and by `dnfs sync`.")
 @click.option("--foreground", "-f", is_flag=True, help="Stay in the foreground (logs to stderr).")
 @click.option("--log", "log_path", type=click.Path(dir_okay=False),
               help="Log file of the background mount (default: META_PATH.log).")
@@ -201,6 +204,84 @@ def umount_cmd(mountpoint, lazy, timeout, as_json):
     except MountError as e:
         raise click.ClickException(str(e)) from None
     click.echo(json.dumps(res) if as_json else f"unmounted {res['mountpoint']}")
+
+
+def _control(mountpoint: str, op: str, timeout: float) -> dict:
+    from client.fs.control import ControlError, ask
+    from client.fs.mount import mount_pid
+    pid = mount_pid(mountpoint)
+    if pid is None:
+        raise click.ClickException(f"{mountpoint} is not a dnfs mount")
+    try:
+        return ask(pid, op, timeout)
+    except ControlError as e:
+        raise click.ClickException(str(e)) from None
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+@main.command("stats")
+@click.argument("mountpoint", type=click.Path(file_okay=False))
+@click.option("--timeout", type=click.FloatRange(0.1, 3600), default=10.0, show_default=True,
+              help="Seconds to wait for the mount's answer.")
+@click.option("--json", "as_json", is_flag=True)
+def stats_cmd(mountpoint, timeout, as_json):
+    """What a running mount holds and has done: bytes buffered and not yet written to the cluster (with
+    --writeback, of closed files too), open files, background writes, files with a write failure not yet
+    reported, FUSE requests by kind (count, answered with an error, seconds spent), and the metadata engine's
+    counters.
+
+    \b
+      dnfs stats /mnt/dn
+      dnfs stats /mnt/dn --json | jq .unwritten_bytes
+    """
+    st = _control(mountpoint, "stats", timeout)
+    if as_json:
+        click.echo(json.dumps(st))
+        return
+    click.echo(f"mount {os.path.abspath(mountpoint)} (pid {st['pid']}, write-back {'on' if st['writeback'] else 'off'})")
+    click.echo(f"unwritten: {_size(st['unwritten_bytes'])} in {st['unwritten_files']} file(s) "
+               f"(buffer budget {_size(st['buffer_budget'])}); background writes running: {st['background_flushes']}")
+    click.echo(f"open files: {st['open_files']} (held: {st['files_held']}); files with an unreported write "
+               f"failure: {st['files_failed']}")
+    reqs = st["requests"]
+    if reqs:
+        click.echo(f"{'request':12} {'count':>10} {'failed':>8} {'ms avg':>8}")
+        for k, r in sorted(reqs.items(), key=lambda kv: -kv[1]["seconds"]):
+            click.echo(f"{k:12} {r['count']:10d} {r['failed']:8d} {1e3 * r['seconds'] / max(1, r['count']):8.3f}")
+    if st["meta"]:
+        click.echo("metadata: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in st["meta"].items()))
+
+
+@main.command("sync")
+@click.argument("mountpoint", type=click.Path(file_okay=False))
+@click.option("--timeout", type=click.FloatRange(0.1, 3600), default=300.0, show_default=True,
+              help="Seconds to wait for the mount to write everything.")
+@click.option("--json", "as_json", is_flag=True)
+def sync_cmd(mountpoint, timeout, as_json):
+    """Write every byte the mount buffers (with --writeback, of closed files too) to the cluster, and make
+    its metadata durable: what `sync` does for a local disk -- the kernel does not pass `sync` to the mount.
+    Exit status 1 if some file's bytes could not be written (its inode is named; the file also reports EIO at
+    its next close or fsync).
+
+    \b
+      tar xf src.tar -C /mnt/dn/ && dnfs sync /mnt/dn
+    """
+    r = _control(mountpoint, "sync", timeout)
+    if as_json:
+        click.echo(json.dumps(r))
+    else:
+        click.echo(f"wrote {_size(r['bytes'])} of {r['files']} file(s) and made the metadata durable in "
+                   f"{r['seconds']:.2f}s" + (f"; NOT written: inode(s) {r['failed_inodes']}"
+                                             if r["failed_inodes"] else ""))
+    if r["failed_inodes"]:
+        sys.exit(1)
 
 
 @main.command("fsck")

@@ -60,12 +60,19 @@ _UNKNOWN = object()
 
 def fuse_op(fn):
     """Turn metadata and cluster failures into the errno the kernel expects; never let a traceback out.
-    Counts the requests in flight (``DnFS.inflight``)."""
+    Counts the requests in flight (``DnFS.inflight``), and each kind's requests, failures and time
+    (``DnFS.ops``, shown by ``dnfs stats``)."""
+    name = fn.__name__
+
     @functools.wraps(fn)
     async def wrapper(self, *args, **kw):
         self.inflight += 1
+        t0 = time.perf_counter()
+        ok = False
         try:
-            return await fn(self, *args, **kw)
+            out = await fn(self, *args, **kw)
+            ok = True
+            return out
         except pyfuse3.FUSEError:
             raise
         except MetaError as e:
@@ -79,6 +86,12 @@ def fuse_op(fn):
             raise pyfuse3.FUSEError(errno.EIO) from None
         finally:
             self.inflight -= 1
+            c = self.ops.get(name)
+            if c is None:
+                c = self.ops[name] = [0, 0, 0.0]
+            c[0] += 1
+            c[1] += not ok
+            c[2] += time.perf_counter() - t0
     return wrapper
 
 
@@ -153,6 +166,7 @@ class DnFS(pyfuse3.Operations):
         self.dirty_total = 0
         self.negative_cache = meta.single_mount    # only this mount changes the tree: cache "no such name"
         self.inflight = 0                          # FUSE requests being served (``fuse_op``)
+        self.ops: dict[str, list] = {}             # FUSE request kind -> [count, answered with an errno, seconds]
         meta.quiet = lambda: self.inflight <= 1    # the engine may block the loop for an fsync nobody waits behind
         self.timeout = TIMEOUT if meta.single_mount else 0.0   # shared: ask the metadata every time
 
@@ -750,10 +764,38 @@ class DnFS(pyfuse3.Operations):
             log.info("compacted inode %d: %d slices -> %d", st.ino, len(slices), len(new))
             self.reclaimer.kick()
 
-    async def flush_all(self) -> None:
+    async def flush_all(self) -> list[int]:
+        """Write every file's buffered bytes; returns the inodes whose bytes could not be (EIO at their next
+        close or fsync here)."""
+        failed = []
         for st in list(self.files.values()):
             await self._flush(st)
+            if st.error is not None:
+                failed.append(st.ino)
             self._settle(st)
+        return failed
+
+    async def sync_all(self) -> dict:
+        """What ``sync`` does for a local disk -- the kernel does not pass it to us (``dnfs sync``): every
+        buffered byte written (write-back: closed files' too), and the metadata durable."""
+        t0 = time.monotonic()
+        before = self.unwritten() or (0, 0)
+        failed = await self.flush_all()
+        await self.meta.sync()
+        return {"bytes": before[0], "files": before[1], "failed_inodes": failed,
+                "seconds": round(time.monotonic() - t0, 3)}
+
+    def stats(self) -> dict:
+        """What the mount holds and has done (``dnfs stats``)."""
+        held = list(self.files.values())
+        left = self.unwritten() or (0, 0)
+        return {"pid": os.getpid(), "writeback": self.writeback, "open_files": sum(1 for st in held if st.opens),
+                "files_held": len(held), "unwritten_bytes": left[0], "unwritten_files": left[1],
+                "buffer_budget": self.budget, "background_flushes": BACKGROUND_FLUSHES - self._background.value,
+                "files_failed": sum(1 for st in held if st.error is not None),
+                "requests": {k: {"count": c, "failed": f, "seconds": round(t, 3)}
+                             for k, (c, f, t) in sorted(self.ops.items())},
+                "meta": self.meta.stats()}
 
     def unwritten(self) -> tuple[int, int] | None:
         """(bytes, files) buffered and not yet written, if any."""

@@ -210,6 +210,10 @@ class Meta(abc.ABC):
     async def sync(self) -> None:
         """Make every committed change durable (fsync returns only after this)."""
 
+    def stats(self) -> dict:
+        """The engine's own counters (``dnfs stats``)."""
+        return {}
+
     # -- open-file sessions
     async def keep_session(self) -> None:
         """Run for as long as the mount lives: keeps this mount's session alive (where it can expire)."""

@@ -231,6 +231,10 @@ class SqliteMeta(Meta):
         except sqlite3.Error as e:          # the WAL only grows meanwhile; the next one tries again
             log.warning("metadata checkpoint of %s failed: %s", self.path, e)
 
+    def stats(self) -> dict:
+        return {"engine": "sqlite", "transactions_in_loop": self.inline_txs,
+                "transactions_in_thread": self.thread_txs, "checkpoints": self.checkpoints}
+
     async def close(self) -> None:
         def shut():
             self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")

@@ -1,8 +1,9 @@
 """Running a mount: one trio loop holding the SDK client, the FUSE session and the deletion-queue worker.
 
 The mount names itself ``dnfs-PID`` (the ``fsname`` in /proc/mounts) so ``dnfs umount`` can find the
-process and wait for it to finish.  SIGTERM/SIGINT end the session like an unmount: buffered data is
-flushed, the deletion queue worked through once more, the metadata closed.
+process and wait for it to finish, and ``dnfs stats`` / ``dnfs sync`` its control socket
+(:mod:`client.fs.control`).  SIGTERM/SIGINT end the session like an unmount: buffered data is flushed, the
+deletion queue worked through once more, the metadata closed.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import time
 import pyfuse3
 import trio
 
+from client.fs import control
 from client.fs.fs import DnFS
 from client.fs.engines import open_meta
 from client.fs.meta import Meta
@@ -95,6 +97,10 @@ async def serve(mountpoint: str, nodes: list[str], meta_url: str, *, partitions:
                 n.start_soon(meta.keep_session)
                 n.start_soon(fs.run_sweeper)
                 n.start_soon(_signals)
+
+                async def stats():
+                    return fs.stats()
+                await n.start(control.serve, {"stats": stats, "sync": fs.sync_all})
                 if ready is not None:
                     ready()
                 try:
