@@ -218,19 +218,28 @@ def _control(mountpoint: str, op: str, timeout: float) -> dict:
         raise click.ClickException(str(e)) from None
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+def _size(n: float) -> str:
+    if n < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
         n /= 1024
-    return str(n)
+        if n < 1024 or unit == "GiB":
+            break
+    return f"{n:.1f} {unit}"
 
 
-@main.command("stats")
-@click.argument("mountpoint", type=click.Path(file_okay=False))
-@click.option("--timeout", type=click.FloatRange(0.1, 3600), default=10.0, show_default=True,
-              help="Seconds to wait for the mount's answer.")
-@click.option("--json", "as_json", is_flag=True)
+def _control_command(name: str, timeout: float, timeout_help: str):
+    """A command that asks a running mount (its MOUNTPOINT) over its control socket."""
+    def deco(fn):
+        fn = click.option("--json", "as_json", is_flag=True)(fn)
+        fn = click.option("--timeout", type=click.FloatRange(0.1, 3600), default=timeout, show_default=True,
+                          help=timeout_help)(fn)
+        fn = click.argument("mountpoint", type=click.Path(file_okay=False))(fn)
+        return main.command(name)(fn)
+    return deco
+
+
+@_control_command("stats", 10.0, "Seconds to wait for the mount's answer.")
 def stats_cmd(mountpoint, timeout, as_json):
     """What a running mount holds and has done: bytes buffered and not yet written to the cluster (with
     --writeback, of closed files too), open files, background writes, files with a write failure not yet
@@ -259,11 +268,7 @@ def stats_cmd(mountpoint, timeout, as_json):
         click.echo("metadata: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in st["meta"].items()))
 
 
-@main.command("sync")
-@click.argument("mountpoint", type=click.Path(file_okay=False))
-@click.option("--timeout", type=click.FloatRange(0.1, 3600), default=300.0, show_default=True,
-              help="Seconds to wait for the mount to write everything.")
-@click.option("--json", "as_json", is_flag=True)
+@_control_command("sync", 300.0, "Seconds to wait for the mount to write everything.")
 def sync_cmd(mountpoint, timeout, as_json):
     """Write every byte the mount buffers (with --writeback, of closed files too) to the cluster, and make
     its metadata durable: what `sync` does for a local disk -- the kernel does not pass `sync` to the mount.
