@@ -254,7 +254,8 @@ def stats_cmd(mountpoint, timeout, as_json):
     if as_json:
         click.echo(json.dumps(st))
         return
-    click.echo(f"mount {os.path.abspath(mountpoint)} (pid {st['pid']}, write-back {'on' if st['writeback'] else 'off'})")
+    wb = "on" if st["writeback"] else "off"
+    click.echo(f"mount {os.path.abspath(mountpoint)} (pid {st['pid']}, write-back {wb})")
     click.echo(f"unwritten: {_size(st['unwritten_bytes'])} in {st['unwritten_files']} file(s) "
                f"(buffer budget {_size(st['buffer_budget'])}); background writes running: {st['background_flushes']}")
     click.echo(f"open files: {st['open_files']} (held: {st['files_held']}); files with an unreported write "

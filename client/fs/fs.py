@@ -4,10 +4,10 @@ Data path.  ``write`` copies into the file's write-back buffer (:mod:`client.fs.
 reaches ``chunk`` bytes is flushed in the background (one at a time per file, a second full chunk waits for
 it), all buffers together are held under ``budget`` bytes, and ``flush`` (close), ``fsync`` and
 ``release`` flush synchronously -- with ``writeback`` (opt-in) a close only starts the flush: the closed
-file's state stays until its bytes are written (``_settle``), unmounting writes what is left.  A flush is one ``DataClient.write`` (pipelined appends, acknowledged by
-every replica) followed by one metadata commit of the new slices (newer wins); ``fsync`` also makes the
-metadata durable.  ``read`` fetches the committed slices' bytes (holes are zeros) with sequential
-readahead, then lays the unflushed bytes over them.
+file's state stays until its bytes are written (``_settle``), unmounting writes what is left.  A flush is
+one ``DataClient.write`` (pipelined appends, acknowledged by every replica) followed by one metadata commit
+of the new slices (newer wins); ``fsync`` also makes the metadata durable.  ``read`` fetches the committed
+slices' bytes (holes are zeros) with sequential readahead, then lays the unflushed bytes over them.
 
 Faults: a flush whose append fails (a replica died, a timeout, a stale epoch) writes the part not yet
 acknowledged again from the buffer -- in a new extent, on another writable partition when there is one,
