@@ -1,0 +1,145 @@
+"""Interleaved A/B of two checkouts through a dnfs mount (a benchmark, not a test).
+
+Each round and variant: a fresh local 3-node cluster (sync=always) and a fresh mount, both run from the
+variant's checkout (PYTHONPATH=DIR), one workload, then unmount and stop.  Variants run interleaved (A, B, A,
+B, ...): on a shared, noisy machine only figures taken side by side compare.  The mount's CPU comes from
+/proc/PID/stat.
+
+    python bench/dnfs_ab.py --variant base=/tmp/main-copy --variant now=. --rounds 3 --workload tar
+    python bench/dnfs_ab.py --variant close-waits=. --variant writeback=.:--writeback --workload tar
+
+A variant is NAME=DIR[:MOUNT-OPTIONS] (`git archive REV | tar -x -C DIR` makes a checkout of REV).
+Workloads:
+  fsync4k   fio 4 KiB write+fdatasync (psync) for --seconds: IOPS, the FUSE write's and the fdatasync's p50
+  seq128k   fio 128 KiB sequential write of --size with end_fsync: MiB/s, mount CPU per GB
+  tar       tar x of 2,000 small files (0-3 KiB), timed until unmounted: files/s, mount CPU per file
+  utime     os.utime in a loop for --seconds: ops/s, mount CPU per op (one FUSE SETATTR each)
+Run ../shared/bench/warm-memory first on a fresh VM.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _cpu(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(") ", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _py(code: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": code}
+    return subprocess.run([sys.executable, *args], env=env, cwd=code, capture_output=True, text=True, check=check)
+
+
+def _fio(mnt: pathlib.Path, *args: str) -> dict:
+    r = subprocess.run(["fio", "--name=ab", f"--directory={mnt}", "--ioengine=psync", "--fallocate=none",
+                        "--output-format=json", *args], capture_output=True, text=True, check=True)
+    return json.loads(r.stdout[r.stdout.index("{"):])["jobs"][0]
+
+
+def _make_tar(path: pathlib.Path) -> None:
+    import io
+    import random
+    import tarfile
+    rnd = random.Random(1)
+    with tarfile.open(path, "w") as t:
+        for i in range(2000):
+            data = rnd.randbytes(i % 3000)
+            ti = tarfile.TarInfo(f"tree/d{i % 40:02d}/f{i:04d}.txt")
+            ti.size = len(data)
+            t.addfile(ti, io.BytesIO(data))
+
+
+def one(code: str, opts: list[str], workload: str, a, work: pathlib.Path) -> str:
+    root = pathlib.Path(tempfile.mkdtemp(prefix="dnfs-ab-", dir=work))
+    mnt = root / "mnt"
+    mnt.mkdir()
+    cl = root / "cluster"
+    _py(code, "-c", f"import pathlib; from tools import cluster as cl; cl.up(pathlib.Path({str(cl)!r}), 3, "
+                    f"sync='always')")
+    mounted = False
+    try:
+        nodes = json.loads((cl / "cluster.json").read_text())["nodes"]
+        _py(code, "-m", "tools.dnctl", "partition", "create", "--id", "1", "--replicas",
+            ",".join(n["addr"] for n in nodes))
+        out = _py(code, "-m", "client.fs.cli", "mount", "--cluster", str(cl), "--json", "--log",
+                  str(root / "mount.log"), *opts, str(mnt)).stdout
+        pid = json.loads(out)["pid"]
+        mounted = True
+        c0 = _cpu(pid)
+        if workload == "fsync4k":
+            j = _fio(mnt, "--filename=f", "--rw=write", "--bs=4k", f"--size={a.size}", "--fdatasync=1",
+                     f"--runtime={a.seconds}", "--time_based")
+            w, n = j["write"], j["write"]["total_ios"]
+            return (f"{w['iops']:7.0f} IOPS  write p50 {w['clat_ns']['percentile']['50.000000'] / 1e6:.3f} ms  "
+                    f"fdatasync p50 {j['sync']['lat_ns']['percentile']['50.000000'] / 1e6:.3f} ms  "
+                    f"mount CPU {(_cpu(pid) - c0) / max(1, n) * 1e3:.3f} ms/op")
+        if workload == "seq128k":
+            j = _fio(mnt, "--filename=f", "--rw=write", "--bs=128k", f"--size={a.size}", "--end_fsync=1")
+            w = j["write"]
+            return (f"{w['bw_bytes'] / 2**20:7.1f} MiB/s  mount CPU {(_cpu(pid) - c0) / (w['io_bytes'] / 1e9):.2f} "
+                    f"s/GB")
+        if workload == "tar":
+            tar = root / "small.tar"
+            _make_tar(tar)
+            (mnt / "u").mkdir()
+            t0 = time.monotonic()
+            subprocess.run(["tar", "xf", str(tar), "-C", str(mnt / "u")], check=True)
+            c1 = _cpu(pid)
+            _py(code, "-m", "client.fs.cli", "umount", str(mnt))     # writes what the mount still buffers
+            mounted = False
+            return (f"{2000 / (time.monotonic() - t0):7.0f} files/s until unmounted  mount CPU "
+                    f"{(c1 - c0) / 2000 * 1e3:.2f} ms/file (to the end of tar)")
+        if workload == "utime":
+            f = mnt / "f"
+            f.write_bytes(b"")
+            n, t0 = 0, time.monotonic()
+            while time.monotonic() - t0 < a.seconds:
+                os.utime(f, ns=(n, n))
+                n += 1
+            dt = time.monotonic() - t0
+            return f"{n / dt:7.0f} ops/s  mount CPU {(_cpu(pid) - c0) / n * 1e6:.0f} us/op"
+        raise SystemExit(f"unknown workload {workload}")
+    finally:
+        if mounted:
+            _py(code, "-m", "client.fs.cli", "umount", str(mnt), check=False)
+        _py(code, "-c", f"import pathlib; from tools import cluster as cl; cl.down(pathlib.Path({str(cl)!r}))",
+            check=False)
+        subprocess.run(["rm", "-rf", str(root)])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variant", action="append", required=True, metavar="NAME=DIR[:MOUNT-OPTIONS]")
+    ap.add_argument("--workload", choices=["fsync4k", "seq128k", "tar", "utime"], required=True)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seconds", type=int, default=10, help="fsync4k and utime: how long")
+    ap.add_argument("--size", default="1G", help="fsync4k, seq128k: fio --size")
+    ap.add_argument("--dir", default="/var/tmp", help="where the clusters and mounts go")
+    a = ap.parse_args()
+    variants = []
+    for v in a.variant:
+        name, sep, rest = v.partition("=")
+        code, _, opts = rest.partition(":")
+        code = str(pathlib.Path(code).resolve())
+        if not sep or not (pathlib.Path(code) / "client" / "fs").is_dir():
+            ap.error(f"--variant {v!r}: expected NAME=DIR[:MOUNT-OPTIONS], DIR a checkout (with client/fs/)")
+        variants.append((name, code, opts.split()))
+    for r in range(a.rounds):
+        for name, code, opts in variants:
+            print(f"{name:12} round {r}  {a.workload:8} {one(code, opts, a.workload, a, pathlib.Path(a.dir))}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
