@@ -28,12 +28,10 @@ import tempfile
 import time
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
 
-
-def _cpu(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(") ", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+from dnfs_fio import make_tar  # noqa: E402  (the same 2,000-file tree as dnfs_fio's untar)
+from tools.cluster import cpu_seconds as _cpu  # noqa: E402  (dnfs_fio put the checkout on sys.path)
 
 
 def _py(code: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -45,19 +43,6 @@ def _fio(mnt: pathlib.Path, *args: str) -> dict:
     r = subprocess.run(["fio", "--name=ab", f"--directory={mnt}", "--ioengine=psync", "--fallocate=none",
                         "--output-format=json", *args], capture_output=True, text=True, check=True)
     return json.loads(r.stdout[r.stdout.index("{"):])["jobs"][0]
-
-
-def _make_tar(path: pathlib.Path) -> None:
-    import io
-    import random
-    import tarfile
-    rnd = random.Random(1)
-    with tarfile.open(path, "w") as t:
-        for i in range(2000):
-            data = rnd.randbytes(i % 3000)
-            ti = tarfile.TarInfo(f"tree/d{i % 40:02d}/f{i:04d}.txt")
-            ti.size = len(data)
-            t.addfile(ti, io.BytesIO(data))
 
 
 def one(code: str, opts: list[str], workload: str, a, work: pathlib.Path) -> str:
@@ -91,7 +76,7 @@ def one(code: str, opts: list[str], workload: str, a, work: pathlib.Path) -> str
                     f"s/GB")
         if workload == "tar":
             tar = root / "small.tar"
-            _make_tar(tar)
+            make_tar(tar)
             (mnt / "u").mkdir()
             t0 = time.monotonic()
             subprocess.run(["tar", "xf", str(tar), "-C", str(mnt / "u")], check=True)
