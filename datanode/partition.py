@@ -71,6 +71,10 @@ class ExtentLane:
         self._issued += 1
         return t
 
+    def newest(self, ticket: int) -> bool:
+        """No ticket was taken after ``ticket``."""
+        return self._issued == ticket + 1
+
     def turn(self, ticket: int | None = None) -> "_Turn":
         """Hold the extent's turn for ``ticket`` (taken at arrival), or for a new ticket taken now:
         ``async with lane.turn(ticket):`` (a plain class, not ``asynccontextmanager``: it runs per append)."""

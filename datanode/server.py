@@ -1,7 +1,8 @@
 """The datanode process: accepts connections, dispatches requests to the handlers, and owns the node's parts.
 
 ``Node`` is the lifecycle (listen, serve, drain on SIGTERM), the connection boundary (``_on_stream``: nothing a
-peer does can end the process), and dispatch (``_dispatch``/``_handle``: one task per request, the extent's
+peer does can end the process), and dispatch (``_dispatch``/``_handle``: one task per request -- a run of
+small appends queued behind each other, one task for the run: ``ops.data.AppendRun`` --, the extent's
 arrival order taken synchronously).  What a request does is in ``datanode/ops/`` -- follow a write from the
 client to the disk in ``datanode/ops/data.py`` -- with replication to the followers in
 ``datanode/replication.py`` and the leader's repair and scrub in ``datanode/repair.py``.
@@ -26,7 +27,7 @@ from .auth import AuthConfigError, Credentials, DialAuth
 from .metrics import NodeMetrics, serve_metrics
 from .ops.admin import AdminOps
 from .ops.base import PeerTimeout, Reply, RequestCounters
-from .ops.data import DataOps
+from .ops.data import AppendRun, DataOps
 from .ops.repair import RepairOps
 from .partition import OpenProgress, PartitionTable
 from .pool import BuddyPool
@@ -360,13 +361,14 @@ class Node(DataOps, AdminOps, RepairOps):
         idle = self.cfg.idle_timeout_s or math.inf
         limit = self.cfg.max_inflight or self.cfg.slots
         last = [trio.current_time()]          # when the last request arrived (the idle timeout counts from it)
+        runs: list[AppendRun | None] = [None]   # the connection's newest run of appends (AppendRun)
         try:
             async with trio.open_nursery() as nursery:
                 def arrived(raw) -> bool:
                     if conn.busy >= limit:
                         return False          # queued: answered BUSY below, in order
-                    last[0] = trio.current_time()
-                    self._dispatch(nursery, conn, raw)
+                    last[0] = now = trio.current_time()
+                    self._dispatch(nursery, conn, raw, runs, now)
                     return True
                 conn.deliver_to(arrived)
                 try:
@@ -389,7 +391,7 @@ class Node(DataOps, AdminOps, RepairOps):
                             if not await self._busy(conn, raw, limit):
                                 break
                             continue
-                        self._dispatch(nursery, conn, raw)
+                        self._dispatch(nursery, conn, raw, runs, last[0])
                 finally:
                     conn.deliver_to(None)     # the nursery is about to close to new arrivals
         finally:
@@ -412,7 +414,10 @@ class Node(DataOps, AdminOps, RepairOps):
         await self._send(conn, resp)          # bounded by peer_timeout: else the connection is dropped
         return conn.alive
 
-    def _dispatch(self, nursery: trio.Nursery, conn: Connection, raw: bytes) -> None:
+    def _dispatch(self, nursery: trio.Nursery, conn: Connection, raw: bytes, runs: list, now: float) -> None:
+        """Start the request's handler -- or, for an inline append that continues the connection's newest
+        run of appends (``AppendRun``), add it to that run: it is handled with it, no task of its own.
+        ``runs``: the connection's one-item list holding that run; ``now``: the request's arrival."""
         self.counters.requests += 1
         try:
             h, payload = decode_message(raw)
@@ -425,15 +430,22 @@ class Node(DataOps, AdminOps, RepairOps):
             conn.busy += 1                        # an answer in flight counts against max_inflight too
             nursery.start_soon(self._send_counted, conn, resp)
             return
-        ticket = None
+        run = runs[0]
+        if payload is not None and run is not None and run.join(h, payload, now):
+            self.inflight += 1
+            conn.busy += 1
+            return
+        ticket = run = None
         if h.opcode in (Op.WRITE, Op.TRUNCATE):   # ordered by arrival: take the ticket now, synchronously
             part = self.table.get(h.partition)
             lane = part.lane(h.extent) if part is not None else None
             if lane is not None:
                 ticket = (lane, lane.ticket())
+                if payload is not None:
+                    run = runs[0] = AppendRun(h, payload, ticket)
         self.inflight += 1
         conn.busy += 1
-        nursery.start_soon(self._handle, conn, h, ticket, trio.current_time(), payload)
+        nursery.start_soon(self._handle, conn, h, ticket, now, payload, run)
 
     async def _send_counted(self, conn: Connection, resp: Header) -> None:
         try:
@@ -441,14 +453,19 @@ class Node(DataOps, AdminOps, RepairOps):
         finally:
             conn.busy -= 1
 
-    async def _send(self, conn: Connection, resp: Header) -> None:
+    async def _send(self, conn: Connection, *resps: Header) -> None:
+        """Answers (a run's several at once: one ``sendmsg`` on TCP)."""
+        raws = []
+        for resp in resps:
+            try:
+                raws.append(resp.encode())
+            except ProtocolError as e:                # a field out of range: a bug, answered as one
+                log.error("reply %s to %s does not encode (%s): answering ERROR", resp.describe(), conn.peer, e)
+                raws.append(Header(opcode=resp.opcode, req_id=resp.req_id, result=Result.ERROR).encode())
         try:
-            raw = resp.encode()
-        except ProtocolError as e:                # a field out of range: a bug, answered as one
-            log.error("reply %s to %s does not encode (%s): answering ERROR", resp.describe(), conn.peer, e)
-            raw = Header(opcode=resp.opcode, req_id=resp.req_id, result=Result.ERROR).encode()
-        try:
-            if not await conn.send_within(self.cfg.peer_timeout, raw):   # a peer that reads no answers is dropped
+            sent = (await conn.send_within(self.cfg.peer_timeout, raws[0]) if len(raws) == 1 else
+                    await conn.send_many_within(self.cfg.peer_timeout, raws))
+            if not sent:      # a peer that reads no answers is dropped
                 log.warning("dropping connection from %s: it has not read its answers for %ss", conn.peer,
                             self.cfg.peer_timeout)
                 conn.misbehaved = conn.misbehaved or "did not read its answers"
@@ -456,9 +473,16 @@ class Node(DataOps, AdminOps, RepairOps):
         except TransportError as e:
             log.debug("reply to %s lost: %s", conn.peer, e)
 
-    async def _handle(self, conn: Connection, h: Header, ticket, t0: float, payload=None) -> None:
+    async def _handle(self, conn: Connection, h: Header, ticket, t0: float, payload=None,
+                      run: AppendRun | None = None) -> None:
         resp = None
         why = ""
+        if run is not None:
+            whole = run.start()          # a run of appends: one append of all its bytes, answered one by one
+            if whole is None:
+                run = None
+            else:
+                h, payload = whole
         try:
             if self.draining and h.opcode not in (Op.PING,):
                 raise Reply(Result.RETRY, why="node is shutting down")
@@ -469,8 +493,10 @@ class Node(DataOps, AdminOps, RepairOps):
             handler = HANDLERS[h.opcode]
             if payload is None:
                 resp = await handler(self, conn, h, ticket)
-            else:                                # an inline WRITE (decode_message allows no other)
+            elif run is None:                    # an inline WRITE (decode_message allows no other)
                 resp = await handler(self, conn, h, ticket, payload)
+            else:                                # a run of them
+                resp = await handler(self, conn, h, ticket, payload, requests=1 + len(run.more))
         except Reply as r:
             why = r.why
             if r.result not in (Result.OK, Result.STALE_EPOCH, Result.NOT_FOUND):
@@ -492,19 +518,22 @@ class Node(DataOps, AdminOps, RepairOps):
         finally:
             if ticket is not None:
                 ticket[0].done(ticket[1])
+            answers = [(h, t0, resp)] if run is None else run.answers(resp, t0)
             try:
                 if h.opcode in ADMIN_ACTIONS:   # on file before the answer: whoever got one can find its line
                     await self.audit.record(peer=conn.peer, role=conn.role, identity=conn.identity,
                                             op=Op(h.opcode).name, partition=h.partition, epoch=h.epoch,
                                             result=Result(resp.result).name if resp is not None else "DROPPED",
                                             detail=why or AUDIT_NOTE.get())
-                if resp is not None:   # still in flight until answered: a drain must not cancel the reply
-                    await self._send(conn, resp)
+                replies = [r for _h, _t, r in answers if r is not None]
+                if replies:     # still in flight until answered: a drain must not cancel the reply
+                    await self._send(conn, *replies)
             finally:
-                self.metrics.observe(h.opcode, resp.result if resp is not None else -1, h.length,
-                                     trio.current_time() - t0)
-                self.inflight -= 1
-                conn.busy -= 1
+                now = trio.current_time()
+                for a_h, a_t0, r in answers:
+                    self.metrics.observe(a_h.opcode, r.result if r is not None else -1, a_h.length, now - a_t0)
+                self.inflight -= len(answers)
+                conn.busy -= len(answers)
                 if self.inflight == 0:
                     self._idle.set()
 

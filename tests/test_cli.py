@@ -303,8 +303,8 @@ def test_bench_uses_a_scratch_partition_and_leaves_nothing(tmp_path):
             assert st[leader]["leader"]["appends"] == r["requests"], (st, r["requests"])
             assert set(st[leader]["leader"]) == {"appends", "fetch", "queue", "local", "durable",
                                                  *(["replicas"] if followers else [])}
-            for f in followers:
-                assert list(st[f]) == ["follower"] and st[f]["follower"]["appends"] == r["requests"]
+            for f in followers:      # a leader forwards a run of appends as one (ops/data.py AppendRun)
+                assert list(st[f]) == ["follower"] and 1 <= st[f]["follower"]["appends"] <= r["requests"]
                 assert "replicas" not in st[f]["follower"]
             assert sum(v for k, v in st[leader]["leader"].items() if k != "appends") <= r["latency_ms"]["max"]
         assert "ms per append" in dnctl("bench", "--cluster", root, "--size", "64KiB", "--total-mib", 1,

@@ -9,7 +9,8 @@ import pytest
 import trio
 
 from client.sdk import ClientError, ReplicationError
-from datanode.protocol import INLINE_MAX, Header, Op, Result
+from datanode.crc import crc32c
+from datanode.protocol import INLINE_MAX, Flag, Header, Op, Result
 from tests.conftest import REPLICA_TIMEOUT, SLACK, create_partition, pattern, run
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -325,6 +326,63 @@ def test_deep_pipeline_keeps_extent_order(nodes, client):
             for addr in (a.addr, b.addr, c.addr):
                 assert (await dc.watermarks(P1, addr)) == {eid: len(data)}
                 assert await dc.read(P1, eid, 0, len(data), replica=addr) == data
+    run(body)
+
+
+def test_appends_that_queue_up_go_as_one_append_and_each_is_answered_as_if_alone(nodes, client):
+    """Inline appends that queue up at the leader (here: sent while it is stopped) are appended as one run
+    (datanode/ops/data.py, AppendRun): one forward to each follower, one append there; yet every request gets
+    its own answer, and the bytes are the same on every replica.  A request whose payload does not match its
+    CRC is refused alone, and the one behind it meets the extent's real end -- the answers each would have
+    had alone."""
+    a, b, c = nodes(3)
+    n = 8
+
+    async def body():
+        async with client([]) as dc:
+            await create_partition(dc, P1, [a.addr, b.addr, c.addr])
+            eid = await dc.create_extent(P1)
+            link = await dc.links.get(a.addr)
+
+            def append(i: int, data: bytes, crc: int | None = None) -> Header:
+                return Header(opcode=Op.WRITE, partition=P1, extent=eid, offset=i * 4 * KiB, length=len(data),
+                              crc=crc32c(data) if crc is None else crc, epoch=1, flags=Flag.INLINE)
+
+            async def queued(requests) -> list[Header]:
+                """Send them all while the leader is stopped: they wait in its socket, one behind the other."""
+                a.proc.send_signal(signal.SIGSTOP)
+                try:
+                    pending = [await link.submit(h, 30, data) for h, data in requests]
+                finally:
+                    a.proc.send_signal(signal.SIGCONT)
+                with trio.fail_after(30):
+                    return [await p.result() for p in pending]
+
+            async def counters() -> list[dict]:
+                return [(await dc.admin(x.addr, Op.NODE_STATUS))["counters"] for x in (a, b, c)]
+
+            data = [pattern(i, 4 * KiB) for i in range(n + 3)]
+            before = await counters()
+            got = await queued([(append(i, data[i]), data[i]) for i in range(n)])
+            assert [(r.result, r.arg, r.crc) for r in got] == \
+                [(Result.OK, (i + 1) * 4 * KiB, crc32c(data[i])) for i in range(n)]
+            after = await counters()
+            assert after[0]["writes"] - before[0]["writes"] == n
+            assert after[0]["joined_writes"] - before[0]["joined_writes"] == n - 1
+            assert after[0]["forwarded"] - before[0]["forwarded"] == 1        # one append went to the followers
+            for f in (1, 2):
+                assert after[f]["replica_writes"] - before[f]["replica_writes"] == 1, after[f]
+
+            # n, n+1 fine; n+2's payload does not match its CRC; n+3 starts where n+2 would have ended
+            bad = append(n + 2, data[n + 2], crc=crc32c(data[n + 2]) ^ 1)
+            got = await queued([(append(n, data[n]), data[n]), (append(n + 1, data[n + 1]), data[n + 1]),
+                                (bad, data[n + 2]), (append(n + 3, data[0]), data[0])])
+            end = (n + 2) * 4 * KiB
+            assert [(r.result, r.arg) for r in got] == [(Result.OK, end - 4 * KiB), (Result.OK, end),
+                                                        (Result.CRC_MISMATCH, 0), (Result.WRONG_OFFSET, end)]
+            for x in (a, b, c):
+                assert await dc.watermarks(P1, x.addr) == {eid: end}
+                assert await dc.read(P1, eid, 0, end, replica=x.addr) == b"".join(data[:n + 2])
     run(body)
 
 

@@ -77,6 +77,7 @@ class RequestCounters:
     penalties: int = 0             # peers dropped for breaking the rules (their host's next connections wait)
     writes: int = 0                # client appends acknowledged (as leader)
     replica_writes: int = 0        # forwarded appends applied (as follower)
+    joined_writes: int = 0         # of both, those that went in the same append as the one before (AppendRun)
     write_bytes: int = 0
     reads: int = 0
     read_bytes: int = 0

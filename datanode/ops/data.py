@@ -4,7 +4,9 @@ Follow a write from the client to the disk (``DataOps.op_write``):
 
   1. the client SENDs a header naming its buffer (addr, rkey, len) into one of our control slots;
      ``Node._dispatch`` (datanode/server.py) decodes it and, for appends, takes a ticket in the extent's lane
-     (arrival order);
+     (arrival order) -- or, for a small inline append that continues the one before it on the connection
+     whose handler has not started yet, adds it to that one's run (``AppendRun``, below): the run is then
+     handled as one append of all its bytes (the steps below, once) and each request answered on its own;
   2. we allocate a block from the registered pool and fetch the payload with a one-sided READ from the
      client's buffer straight into the block (bounded by ``peer_timeout``), then check its CRC32C -- unless
      the payload came inline (a small WRITE on TCP, ``Flag.INLINE``: no READ round trip, and no pool block
@@ -32,6 +34,7 @@ import logging
 import os
 from time import perf_counter
 
+from ..crc import crc32c
 from ..protocol import INLINE_MAX, Flag, Header, Result
 from ..replication import replica_names
 from ..store import piece_crcs
@@ -41,11 +44,78 @@ from .base import Handlers, Reply
 log = logging.getLogger(__name__)
 
 
+class AppendRun:
+    """Inline appends that came back to back on one connection for one extent -- each starting where the one
+    before it ends, all before the first one's handler ran -- handled as ONE append of their bytes: one turn
+    of the extent's lane, one forward to each follower, one local write, one flush, one wait for the acks;
+    each request is then answered as if it had gone alone (``answers``).  Under load, when requests queue in
+    the socket, the per-append work of the leader and of every follower is paid once per run instead of once
+    per request; a lone request is a run of one and goes as it always did.
+
+    The dispatcher (``Node._dispatch``) opens a run for every inline append that takes a lane ticket, and
+    ``join`` adds the requests that follow it, synchronously, as they are cut from the stream: only while
+    the run's handler has not started, only if no other request of the extent took a ticket in between (the
+    extent's arrival order stays what it was), and only requests whose payload matches their CRC (checked
+    here; a request that fails it goes alone and is refused alone, as before).  So every answer is the one
+    the request would have had alone: OK with its own end, or the run's refusal, which the requests after
+    the first would have met too (a WRONG_OFFSET, a DIVERGED extent, a replica that failed their bytes)."""
+
+    MAX = 32                        # requests in one run at most (and at most INLINE_MAX bytes)
+    __slots__ = ("head", "ticket", "more", "payloads", "end", "length", "started", "checked")
+
+    def __init__(self, h: Header, payload, ticket):
+        self.head, self.ticket = h, ticket
+        self.more: list[tuple[Header, float]] = []     # the requests that joined, with their arrival times
+        self.payloads = [payload]   # every request's bytes, until the handler starts
+        self.end = h.offset + h.length
+        self.length = h.length
+        self.started = False        # the handler runs: nothing joins any more
+        self.checked = False        # the head's payload matched its CRC (checked when the first one joins)
+
+    def join(self, h: Header, payload, t0: float) -> bool:
+        head = self.head
+        if (self.started or h.offset != self.end or h.extent != head.extent or h.partition != head.partition
+                or h.epoch != head.epoch or h.flags != head.flags or self.length + h.length > INLINE_MAX
+                or len(self.more) >= self.MAX - 1 or not self.ticket[0].newest(self.ticket[1])
+                or crc32c(payload) != h.crc):
+            return False
+        if not self.checked:
+            if crc32c(self.payloads[0]) != head.crc:
+                return False
+            self.checked = True
+        self.more.append((h, t0))
+        self.payloads.append(payload)
+        self.end += h.length
+        self.length += h.length
+        return True
+
+    def start(self) -> tuple[Header, memoryview] | None:
+        """Called as the handler starts (nothing joins from now on, and the run lets go of the bytes): the
+        one append of the run's bytes -- the first request's header grown to cover them all --, or None for
+        a lone request (it goes as it came)."""
+        self.started = True
+        payloads, self.payloads = self.payloads, None
+        if not self.more:
+            return None
+        joined = b"".join(payloads)
+        return self.head.but(length=self.length, crc=crc32c(joined)), memoryview(joined)
+
+    def answers(self, resp: Header | None, t0: float) -> list[tuple[Header, float, Header | None]]:
+        """Each request of the run with its arrival time and its answer, given the whole append's."""
+        return [(h, t, None if resp is None else
+                 h.reply(Result.OK, arg=h.offset + h.length, crc=h.crc) if resp.result == Result.OK else
+                 h.reply(resp.result, arg=resp.arg))
+                for h, t in [(self.head, t0), *self.more]]
+
+
 class DataOps(Handlers):
     async def op_ping(self, conn, h: Header, _t) -> Header:
         return h.reply(Result.OK, arg=os.getpid())
 
-    async def op_write(self, conn: Connection, h: Header, ticket, payload: memoryview | None = None) -> Header:
+    async def op_write(self, conn: Connection, h: Header, ticket, payload: memoryview | None = None, *,
+                       requests: int = 1) -> Header:
+        """``requests``: how many requests this append answers (a run of them: ``AppendRun``); they count
+        in the node's counters and stage times (each waited that long) as that many writes."""
         t0 = perf_counter()                      # the stages' marks (metrics.WriteStages)
         forwarded = bool(h.flags & Flag.FORWARDED)
         part = self._partition(h) if forwarded else await self._lead(h)
@@ -118,22 +188,23 @@ class DataOps(Handlers):
                     self.replication.seal(part, h.extent, lane, f"replica {names} failed a write")
                     raise Reply(Result.REPLICATION_FAILED, arg=failed, why=f"replica {names} failed {h.describe()}")
                 acc = self.metrics.write_stages.leader
-                acc[5] += 1
-                acc[6] += perf_counter() - t4
+                acc[5] += requests
+                acc[6] += (perf_counter() - t4) * requests
             else:
                 acc = self.metrics.write_stages.follower if forwarded else self.metrics.write_stages.leader
-            acc[0] += 1                   # the stages' times (metrics.WriteStages: plain sums, no call)
-            acc[1] += t1 - t0
-            acc[2] += t2 - t1
-            acc[3] += t3 - t2
-            acc[4] += t4 - t3
+            acc[0] += requests            # the stages' times (metrics.WriteStages: plain sums, no call)
+            acc[1] += (t1 - t0) * requests
+            acc[2] += (t2 - t1) * requests
+            acc[3] += (t3 - t2) * requests
+            acc[4] += (t4 - t3) * requests
         finally:
             if block is not None:
                 self._free(block, holder)
         if forwarded:
-            self.counters.replica_writes += 1
+            self.counters.replica_writes += requests
         else:
-            self.counters.writes += 1
+            self.counters.writes += requests
+        self.counters.joined_writes += requests - 1
         self.counters.write_bytes += h.length
         return h.reply(Result.OK, arg=size, crc=h.crc)
 

@@ -332,6 +332,15 @@ class Connection(abc.ABC):
             await self.send(header, payload)
         return not scope.cancelled_caught
 
+    async def send_many_within(self, timeout: float, headers: list[bytes]) -> bool:
+        """Control messages without payloads (answers), in order, given up after ``timeout`` seconds for all
+        of them (False, as ``send_within``).  A transport that can hand them to the kernel at once (TCP: one
+        ``sendmsg``) overrides this."""
+        with trio.move_on_after(timeout) as scope:
+            for h in headers:
+                await self.send(h)
+        return not scope.cancelled_caught
+
     async def recv(self) -> bytes:
         """The next control message (raises ConnectionClosed at end)."""
         try:

@@ -282,15 +282,31 @@ class TcpConnection(Connection):
         self.stats.sends += 1
 
     async def send_within(self, timeout: float, header: bytes, payload=None) -> bool:
-        sock = self._sock
-        if self._send_lock.locked() or not isinstance(sock, LeanSocket):
+        if self._send_lock.locked() or not isinstance(self._sock, LeanSocket):
             return await super().send_within(timeout, header, payload)
         frame, n = self._ctrl_frame(header, payload)
-        total = len(frame) + n
-        # The common case: the kernel takes it all, no timer and no lock needed -- nobody holds the lock
-        # (checked above) and nothing here awaits until the kernel has taken what it takes.
+        if not await self._send_now(timeout, (frame, payload) if n else (frame,), len(frame) + n):
+            return False
+        self.stats.sends += 1
+        return True
+
+    async def send_many_within(self, timeout: float, headers: list[bytes]) -> bool:
+        if self._send_lock.locked() or not isinstance(self._sock, LeanSocket):
+            return await super().send_many_within(timeout, headers)
+        frames = [self._ctrl_frame(h, None)[0] for h in headers]
+        if not await self._send_now(timeout, frames, sum(map(len, frames))):
+            return False
+        self.stats.sends += len(headers)
+        return True
+
+    async def _send_now(self, timeout: float, parts, total: int) -> bool:
+        """``parts`` (frames, and a payload after its frame) with one ``sendmsg``, the rest -- if the kernel
+        did not take it all -- within ``timeout`` (False: not sent in time; the connection is then cut).
+        The caller checked that nobody holds the send lock: the common case, where the kernel takes it all,
+        needs no timer and no lock -- nothing here awaits until the kernel has taken what it takes."""
+        sock = self._sock
         try:
-            sent = sock.sock.sendmsg((frame, payload) if n else (frame,))
+            sent = sock.sock.sendmsg(parts)
         except BlockingIOError:
             sent = 0
         except OSError as e:
@@ -299,14 +315,13 @@ class TcpConnection(Connection):
         if sent < total:
             self._send_lock.acquire_nowait()    # the rest must go before any other frame
             try:
-                rest = memoryview(frame + bytes(payload) if n else frame)[sent:]
+                rest = memoryview(b"".join(parts))[sent:]
                 with trio.move_on_after(timeout) as scope:
                     await self._guarded(send_all(sock, rest))
                 if scope.cancelled_caught:
                     return False
             finally:
                 self._send_lock.release()
-        self.stats.sends += 1
         return True
 
     def _ctrl_frame(self, header: bytes, payload) -> tuple[bytes, int]:
