@@ -23,8 +23,10 @@ import tempfile
 
 def dnctl(code: str, *args: str, check: bool = False) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(pathlib.Path(code).resolve())}
+    # cwd too: ``python -c`` puts the working directory first on sys.path, ahead of PYTHONPATH -- run from a
+    # checkout, every variant would otherwise import that checkout (and the nodes it starts the same)
     p = subprocess.run([sys.executable, "-c", "from tools.dnctl import main; main()", *args], env=env,
-                       capture_output=True, text=True)
+                       cwd=code, capture_output=True, text=True)
     if check and p.returncode != 0:
         raise SystemExit(f"dnctl {' '.join(args[:2])} ({code}) failed: {p.stderr.strip()[-500:]}")
     return p
@@ -59,6 +61,11 @@ def main() -> None:
         if not sep or not (pathlib.Path(code) / "datanode").is_dir():
             ap.error(f"--variant {v!r}: expected NAME=DIR, DIR a checkout (with datanode/)")
         variants.append((name, code))
+        where = subprocess.run([sys.executable, "-c", "import datanode; print(datanode.__file__)"], cwd=code,
+                               env={**os.environ, "PYTHONPATH": str(pathlib.Path(code).resolve())},
+                               capture_output=True, text=True).stdout.strip()
+        if not pathlib.Path(where).resolve().is_relative_to(pathlib.Path(code).resolve()):
+            ap.error(f"--variant {v!r} imports {where or 'no datanode'}, not its own checkout")
     for r in range(a.rounds):
         for name, code in variants:
             out = one(code, a.sync, bench, a.nodes)
