@@ -382,6 +382,29 @@ def test_request_timeout_poisons_the_link(transport):
     run(body)
 
 
+def test_a_short_timeout_sent_after_a_long_one_still_fires_on_time(transport):
+    """Requests keep no timer of their own -- the requester's task waits until the earliest deadline
+    (rpc.Requester.run) --: a request with a short timeout sent after one with a long timeout still times out
+    on time, and the long one fails with the link at once."""
+    async def body():
+        async with pair(transport) as (cli, srv):
+            req = Requester(cli.conn)
+            async with trio.open_nursery() as n:
+                await n.start(req.run)
+                slow = await req.submit(Header(opcode=Op.PING, req_id=1), timeout=60)
+                t0 = trio.current_time()
+                with trio.fail_after(0.5 + SLACK):
+                    with pytest.raises(RequestTimeout):
+                        await req.call(Header(opcode=Op.PING, req_id=2), timeout=0.5)
+                assert trio.current_time() - t0 >= 0.5
+                with trio.fail_after(SLACK):
+                    with pytest.raises(TransportError):
+                        await slow.result()
+                assert not req.alive
+                n.cancel_scope.cancel()
+    run(body)
+
+
 def test_answer_already_in_is_not_a_timeout(transport):
     """An answer that arrived before its deadline is delivered even if the caller looks late (a leader
     collects its followers' acks one after another)."""
