@@ -345,40 +345,44 @@ def test_idle_verbs_connection_stops_polling(transport):
     run(body)
 
 
+@asynccontextmanager
+async def requester(transport: str):
+    """A Requester (its task running) on a fresh connection pair: ``(req, cli, srv)``; nothing answers it but
+    the test, through ``srv``."""
+    async with pair(transport) as (cli, srv):
+        req = Requester(cli.conn)
+        async with trio.open_nursery() as n:
+            await n.start(req.run)
+            yield req, cli, srv
+            n.cancel_scope.cancel()
+
+
 def test_peer_closing_fails_in_flight_operations_promptly(transport):
     async def body():
-        async with pair(transport) as (cli, srv):
-            req = Requester(cli.conn)
-            async with trio.open_nursery() as n:
-                await n.start(req.run)
-                pending = await req.submit(Header(opcode=Op.PING), timeout=30)   # never answered
-                with trio.fail_after(SLACK):
-                    await srv.conn.aclose()
-                    with pytest.raises(TransportError):
-                        await pending.result()
-                    with pytest.raises(TransportError):
-                        await cli.conn.read(srv.src.remote(0, 10), cli.dst.view[:10], cli.dst)
-                assert not req.alive
+        async with requester(transport) as (req, cli, srv):
+            pending = await req.submit(Header(opcode=Op.PING), timeout=30)   # never answered
+            with trio.fail_after(SLACK):
+                await srv.conn.aclose()
                 with pytest.raises(TransportError):
-                    await req.submit(Header(opcode=Op.PING), timeout=30)
-                n.cancel_scope.cancel()
+                    await pending.result()
+                with pytest.raises(TransportError):
+                    await cli.conn.read(srv.src.remote(0, 10), cli.dst.view[:10], cli.dst)
+            assert not req.alive
+            with pytest.raises(TransportError):
+                await req.submit(Header(opcode=Op.PING), timeout=30)
     run(body)
 
 
 def test_request_timeout_poisons_the_link(transport):
     async def body():
-        async with pair(transport) as (cli, srv):
-            req = Requester(cli.conn)
-            async with trio.open_nursery() as n:
-                await n.start(req.run)
-                with trio.fail_after(0.5 + SLACK):
-                    with pytest.raises(RequestTimeout):
-                        await req.call(Header(opcode=Op.PING), timeout=0.5)
-                # its late answer could land in a slot nobody accounts for: the link is dead for good
-                assert not req.alive
-                with pytest.raises(TransportError):
+        async with requester(transport) as (req, cli, srv):
+            with trio.fail_after(0.5 + SLACK):
+                with pytest.raises(RequestTimeout):
                     await req.call(Header(opcode=Op.PING), timeout=0.5)
-                n.cancel_scope.cancel()
+            # its late answer could land in a slot nobody accounts for: the link is dead for good
+            assert not req.alive
+            with pytest.raises(TransportError):
+                await req.call(Header(opcode=Op.PING), timeout=0.5)
     run(body)
 
 
@@ -387,21 +391,17 @@ def test_a_short_timeout_sent_after_a_long_one_still_fires_on_time(transport):
     (rpc.Requester.run) --: a request with a short timeout sent after one with a long timeout still times out
     on time, and the long one fails with the link at once."""
     async def body():
-        async with pair(transport) as (cli, srv):
-            req = Requester(cli.conn)
-            async with trio.open_nursery() as n:
-                await n.start(req.run)
-                slow = await req.submit(Header(opcode=Op.PING, req_id=1), timeout=60)
-                t0 = trio.current_time()
-                with trio.fail_after(0.5 + SLACK):
-                    with pytest.raises(RequestTimeout):
-                        await req.call(Header(opcode=Op.PING, req_id=2), timeout=0.5)
-                assert trio.current_time() - t0 >= 0.5
-                with trio.fail_after(SLACK):
-                    with pytest.raises(TransportError):
-                        await slow.result()
-                assert not req.alive
-                n.cancel_scope.cancel()
+        async with requester(transport) as (req, cli, srv):
+            slow = await req.submit(Header(opcode=Op.PING, req_id=1), timeout=60)
+            t0 = trio.current_time()
+            with trio.fail_after(0.5 + SLACK):
+                with pytest.raises(RequestTimeout):
+                    await req.call(Header(opcode=Op.PING, req_id=2), timeout=0.5)
+            assert trio.current_time() - t0 >= 0.5
+            with trio.fail_after(SLACK):
+                with pytest.raises(TransportError):
+                    await slow.result()
+            assert not req.alive
     run(body)
 
 
@@ -409,18 +409,14 @@ def test_answer_already_in_is_not_a_timeout(transport):
     """An answer that arrived before its deadline is delivered even if the caller looks late (a leader
     collects its followers' acks one after another)."""
     async def body():
-        async with pair(transport) as (cli, srv):
-            req = Requester(cli.conn)
-            async with trio.open_nursery() as n:
-                await n.start(req.run)
-                pending = await req.submit(Header(opcode=Op.PING, partition=5), timeout=0.5)
-                raw = await srv.conn.recv()
-                await srv.conn.send(decode(raw).reply(Result.OK, arg=42).encode())
-                await trio.sleep(1.0)                   # past the deadline, answer long since in
-                resp = await pending.result()
-                assert (resp.result, resp.arg, resp.partition) == (Result.OK, 42, 5)
-                assert req.alive
-                n.cancel_scope.cancel()
+        async with requester(transport) as (req, cli, srv):
+            pending = await req.submit(Header(opcode=Op.PING, partition=5), timeout=0.5)
+            raw = await srv.conn.recv()
+            await srv.conn.send(decode(raw).reply(Result.OK, arg=42).encode())
+            await trio.sleep(1.0)                   # past the deadline, answer long since in
+            resp = await pending.result()
+            assert (resp.result, resp.arg, resp.partition) == (Result.OK, 42, 5)
+            assert req.alive
     run(body)
 
 
