@@ -11,6 +11,7 @@ import trio
 from client.sdk import ClientError, ReplicationError
 from datanode.crc import crc32c
 from datanode.protocol import INLINE_MAX, Flag, Header, Op, Result
+from datanode.store import MAX_EXTENT
 from tests.conftest import REPLICA_TIMEOUT, SLACK, create_partition, pattern, run
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -337,8 +338,10 @@ def test_appends_that_queue_up_go_as_one_append_and_each_is_answered_as_if_alone
     had alone."""
     a, b, c = nodes(3)
     n = 8
+    eid = 0
 
     async def body():
+        nonlocal eid
         async with client([]) as dc:
             await create_partition(dc, P1, [a.addr, b.addr, c.addr])
             eid = await dc.create_extent(P1)
@@ -383,6 +386,19 @@ def test_appends_that_queue_up_go_as_one_append_and_each_is_answered_as_if_alone
             for x in (a, b, c):
                 assert await dc.watermarks(P1, x.addr) == {eid: end}
                 assert await dc.read(P1, eid, 0, end, replica=x.addr) == b"".join(data[:n + 2])
+
+            # a run never crosses the extent's size limit: the two that fit are written, the next is refused
+            # (and, refused in its turn, seals the extent: the last meets DIVERGED), as each would alone
+            eid = await dc.create_extent(P1)
+            filler = bytes(MiB)
+            for i in range(MAX_EXTENT // MiB - 1):
+                await dc.append(P1, eid, i * MiB, filler)
+            await dc.append(P1, eid, MAX_EXTENT - MiB, filler[:MiB - 8 * KiB])
+            first = (MAX_EXTENT - 8 * KiB) // (4 * KiB)
+            got = await queued([(append(first + i, data[i]), data[i]) for i in range(4)])
+            assert [(r.result, r.arg) for r in got] == [(Result.OK, MAX_EXTENT - 4 * KiB), (Result.OK, MAX_EXTENT),
+                                                        (Result.TOO_LARGE, MAX_EXTENT),
+                                                        (Result.DIVERGED, 0)]
     run(body)
 
 

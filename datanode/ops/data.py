@@ -37,7 +37,7 @@ from time import perf_counter
 from ..crc import crc32c
 from ..protocol import INLINE_MAX, Flag, Header, Result
 from ..replication import replica_names
-from ..store import piece_crcs
+from ..store import MAX_EXTENT, piece_crcs
 from ..transport.base import Connection
 from .base import Handlers, Reply
 
@@ -56,9 +56,11 @@ class AppendRun:
     ``join`` adds the requests that follow it, synchronously, as they are cut from the stream: only while
     the run's handler has not started, only if no other request of the extent took a ticket in between (the
     extent's arrival order stays what it was), and only requests whose payload matches their CRC (checked
-    here; a request that fails it goes alone and is refused alone, as before).  So every answer is the one
-    the request would have had alone: OK with its own end, or the run's refusal, which the requests after
-    the first would have met too (a WRONG_OFFSET, a DIVERGED extent, a replica that failed their bytes)."""
+    here; a request that fails it goes alone and is refused alone, as before), and never past the extent's
+    size limit.  So every answer is the one the request would have had alone: OK with its own end, or the
+    run's refusal, which the requests after the first would have met too (a WRONG_OFFSET, a DIVERGED extent,
+    a replica that failed their bytes).  One exception: a disk with less room than the run's bytes (at most
+    ``INLINE_MAX``) but enough for the first request's answers NO_SPACE to all of them."""
 
     MAX = 32                        # requests in one run at most (and at most INLINE_MAX bytes)
     __slots__ = ("head", "ticket", "more", "payloads", "end", "length", "started", "checked")
@@ -76,8 +78,8 @@ class AppendRun:
         head = self.head
         if (self.started or h.offset != self.end or h.extent != head.extent or h.partition != head.partition
                 or h.epoch != head.epoch or h.flags != head.flags or self.length + h.length > INLINE_MAX
-                or len(self.more) >= self.MAX - 1 or not self.ticket[0].newest(self.ticket[1])
-                or crc32c(payload) != h.crc):
+                or self.end + h.length > MAX_EXTENT or len(self.more) >= self.MAX - 1
+                or not self.ticket[0].newest(self.ticket[1]) or crc32c(payload) != h.crc):
             return False
         if not self.checked:
             if crc32c(self.payloads[0]) != head.crc:
