@@ -652,22 +652,24 @@ class DataClient:
             return [loc], None
         results: list = [None] * len(chunks)
         window = trio.Semaphore(self.depth)
-        stop = False
+        failed = False                   # an append already answered with an error: send no more
 
         async def wait_one(i, fut):
+            nonlocal failed
             try:
                 results[i] = await fut
                 if on_progress:
                     on_progress(results[i].length)
             except ClientError as e:
                 results[i] = e
+                failed = True
             finally:
                 window.release()
 
         async with aio.nursery() as n:
             for i, (pos, offset, length) in enumerate(chunks):
                 await window.acquire()
-                if stop or any(isinstance(r, ClientError) for r in results[:i]):
+                if failed:
                     window.release()
                     break
                 try:
