@@ -39,8 +39,9 @@ sync=none promises nothing beyond "what is recovered is verified".
 One flush (sync=always)
 -----------------------
 Two fdatasyncs are two cache flushes of the device per flush, on every replica.  Where it is safe, a flush
-takes one: ``sync_file_range`` writes the data pages to the device and waits (no metadata, no cache flush),
-the entries are written, and one ``fdatasync`` of the CRC file flushes the device's cache for both files.
+takes one: ``sync_file_range`` sends the data pages to the device (no metadata, no cache flush), the entries
+and the slot are written and sent after them while they are on their way, and once the data has landed one
+``fdatasync`` of the CRC file flushes the device's cache for both files.
 Until that cache flush, a power cut may keep any of the flush's writes and lose any other -- a rewritten
 entry of the last partial block without its bytes would make that block's *acknowledged* start unreadable.
 So the CRC file also holds two **tail slots** past the entries of a full extent (at 8 KiB, 32 bytes each,
@@ -181,12 +182,14 @@ def _fdatasync(fd: int) -> None:
     (os.fdatasync if hasattr(os, "fdatasync") else os.fsync)(fd)
 
 
-# One flush (see the module docstring): sync_file_range(2) writes a range's dirty pages to the device and
-# waits for them, without the file's metadata and without flushing the device's write cache -- the
-# fdatasync of the CRC file right after does that, for both files.  Python's os has no sync_file_range:
-# libc's, through ctypes (which lets go of the GIL for the call).  DATANODE_ONE_FLUSH=0 turns it off.
+# One flush (see the module docstring): sync_file_range(2) starts writing a range's dirty pages to the
+# device (and later waits for them), without the file's metadata and without flushing the device's write
+# cache -- the fdatasync of the CRC file after it does that, for both files.  Python's os has no
+# sync_file_range: libc's, through ctypes (which lets go of the GIL for the call).  DATANODE_ONE_FLUSH=0
+# turns it off.
 ONE_FLUSH = os.environ.get("DATANODE_ONE_FLUSH", "1") != "0"
-_SFR_WAIT_WRITE_WAIT = 1 | 2 | 4    # SYNC_FILE_RANGE_WAIT_BEFORE | _WRITE | _WAIT_AFTER
+SFR_START = 1 | 2        # SYNC_FILE_RANGE_WAIT_BEFORE | _WRITE: the range's dirty pages on their way
+SFR_WAIT = 4             # SYNC_FILE_RANGE_WAIT_AFTER: until every page of the range on its way has landed
 
 
 def _libc_sync_file_range():
@@ -202,9 +205,10 @@ def _libc_sync_file_range():
 _sync_file_range = _libc_sync_file_range()
 
 
-def _sync_range(fd: int, pos: int, n: int) -> None:
-    """The dirty pages of ``[pos, +n)`` written to the device and waited for (no metadata, no cache flush)."""
-    if _sync_file_range(fd, pos, n, _SFR_WAIT_WRITE_WAIT) != 0:
+def _sync_range(fd: int, pos: int, n: int, flags: int) -> None:
+    """``sync_file_range`` of ``[pos, +n)`` (n = 0: to the end of the file): ``SFR_START`` sends its dirty
+    pages to the device, ``SFR_WAIT`` waits for them (no metadata, no cache flush)."""
+    if _sync_file_range(fd, pos, n, flags) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"sync_file_range: {os.strerror(err)}")
 
@@ -1049,9 +1053,10 @@ class ExtentStore:
         filled = ext.filled
         seq = (ext.slot_seq or 0) + 1
         stage = "sync_file_range data"
+        pos, n = first * BLOCK, size - first * BLOCK
         try:
-            if one:            # every byte pwritten before the snapshot above, on the device (not yet durable)
-                one = self._write_out(ext, first * BLOCK, size - first * BLOCK)
+            if one:            # every byte pwritten before the snapshot above on its way to the device
+                one = self._write_out(ext, pos, n)
             if not one:
                 stage = "fdatasync data"
                 _fdatasync(ext.dat)        # every byte pwritten before the snapshot above, durable
@@ -1061,6 +1066,13 @@ class ExtentStore:
                 ext.crc_filled = _pwrite_ahead(ext.crc, memoryview(b"".join([_ENTRY.pack(*e) for e in ents])),
                                                first * _ESZ, ext.crc_filled, _CRC_PREFILL, _ENTRIES_END)
             _pwrite_all(ext.crc, slot, _slot_pos(seq))
+            if one:
+                # the entries and the slot go to the device while the data is still on its way (both
+                # writes in flight together); the cache flush below must come after the data has landed
+                stage = "sync_file_range crc"
+                _sync_range(ext.crc, 0, 0, SFR_START)
+                stage = "sync_file_range data (wait)"
+                _sync_range(ext.dat, pos, n, SFR_WAIT)
             stage = "fdatasync crc"
             _fdatasync(ext.crc)        # (one flush: its cache flush makes the data durable too)
         except OSError as e:
@@ -1079,10 +1091,11 @@ class ExtentStore:
         return None
 
     def _write_out(self, ext: _Extent, pos: int, n: int) -> bool:
-        """The one-flush path's data step; False where the file system refuses sync_file_range (the caller
-        then syncs the data first, and so does every later flush of this store)."""
+        """The one-flush path's first step (the data on its way to the device); False where the file system
+        refuses sync_file_range (the caller then syncs the data first, and so does every later flush of this
+        store)."""
         try:
-            _sync_range(ext.dat, pos, n)
+            _sync_range(ext.dat, pos, n, SFR_START)
             return True
         except OSError as e:
             if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ESPIPE):

@@ -1,0 +1,94 @@
+"""The store's one-flush sequence at the syscall level, two orders side by side (no datanode, no store).
+
+Three "replicas" (threads, each a data file and a CRC file on the one disk) make a 4 KiB append durable at
+once, as the store's one-flush path does (datanode/store.py, "One flush"), in one of two orders:
+
+  serial   sync_file_range(data, WAIT_BEFORE|WRITE|WAIT_AFTER), then fdatasync(crc) -- the data lands before
+           the CRC file's write is even sent (the store before stop 26)
+  overlap  sync_file_range(data, WAIT_BEFORE|WRITE), sync_file_range(crc, WAIT_BEFORE|WRITE),
+           sync_file_range(data, WAIT_AFTER), fdatasync(crc) -- both writes in flight together (the store now)
+
+Rounds alternate (serial, overlap, overlap, serial, ...), 50 flushes each; the figure is the slowest of the
+three per flush (what a 3-replica write waits for): p50/p90/p99.
+
+    python bench/flush_ab.py --dir /path/on/the/data/disk --rounds 20
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import threading
+import time
+
+ORDERS = {"serial": ((1 | 2 | 4, "data"),), "overlap": ((1 | 2, "data"), (1 | 2, "crc"), (4, "data"))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default=".", help="where the six scratch files go (the data disk)")
+    ap.add_argument("--rounds", type=int, default=20, help="rounds of 50 flushes per order")
+    a = ap.parse_args()
+    libc = ctypes.CDLL(None, use_errno=True)
+    sfr = libc.sync_file_range
+    sfr.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+
+    def sync_range(fd: int, pos: int, n: int, flags: int) -> None:
+        if sfr(fd, pos, n, flags) != 0:
+            raise OSError(ctypes.get_errno(), "sync_file_range")
+
+    span = 64 << 20
+    paths, replicas = [], []
+    for i in range(3):
+        fds = []
+        for kind, size in (("data", span), ("crc", 1 << 20)):
+            path = os.path.join(a.dir, f".flush_ab.{kind}{i}")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.pwrite(fd, bytes(size), 0)        # zeros written ahead and durable, as the store's prefill
+            os.fsync(fd)
+            paths.append(path)
+            fds.append(fd)
+        replicas.append({"data": fds[0], "crc": fds[1], "off": 0})
+    payload = os.urandom(4096)
+
+    def flush(r: dict, order) -> None:
+        off = r["off"]
+        os.pwrite(r["data"], payload, off)
+        os.pwrite(r["crc"], payload[:8], (off // 4096 * 8) % (1 << 20))
+        for flags, kind in order:
+            sync_range(r[kind], off if kind == "data" else 0, 4096 if kind == "data" else 0, flags)
+        os.fdatasync(r["crc"])
+        r["off"] = (off + 4096) % span
+
+    took: dict[str, list[float]] = {name: [] for name in ORDERS}
+    try:
+        for rnd in range(a.rounds):
+            for name in (list(ORDERS) if rnd % 2 == 0 else list(ORDERS)[::-1]):
+                for _ in range(50):
+                    start, times = threading.Barrier(3), []
+
+                    def one(r):
+                        start.wait()
+                        t = time.perf_counter()
+                        flush(r, ORDERS[name])
+                        times.append(time.perf_counter() - t)
+                    threads = [threading.Thread(target=one, args=(r,)) for r in replicas]
+                    for t in threads:
+                        t.start()
+                    for t in threads:
+                        t.join()
+                    took[name].append(max(times) * 1e3)
+    finally:
+        for r in replicas:
+            os.close(r["data"])
+            os.close(r["crc"])
+        for p in paths:
+            os.unlink(p)
+    for name, v in took.items():
+        v.sort()
+        print(f"{name:8} 3 replicas at once, slowest per flush: p50 {v[len(v) // 2]:.3f} p90 {v[int(len(v) * .9)]:.3f} "
+              f"p99 {v[int(len(v) * .99)]:.3f} ms ({len(v)} flushes)")
+
+
+if __name__ == "__main__":
+    main()
