@@ -34,7 +34,7 @@ from typing import AsyncIterator, Awaitable, Iterable
 import trio
 
 from client.metrics import ClientMetrics
-from datanode import aio
+from datanode import aio, trace
 from datanode.auth import AuthConfigError, Credentials, DialAuth, ROLE_NAMES, from_env_or
 from datanode.transport.tls import TlsConfigError, client_context_from_env
 from datanode.crc import crc32c
@@ -348,6 +348,8 @@ class DataClient:
         leader = part.replicas[0]
         n = len(data)
         block = None
+        if trace.ON:
+            trace.mark("submit", extent, offset)
         try:
             link = await self.links.get(leader)
             if n <= self.inline_max and n <= link.conn.max_inline:
@@ -385,6 +387,8 @@ class DataClient:
                     self.wpool.free(block)
                 self.metrics.observe(Op.WRITE, resp.result if resp is not None else -1, len(data),
                                      trio.current_time() - t0)
+            if trace.ON:
+                trace.mark("answered", extent, offset)
             check(resp, leader, part)
             return Location(part.pid, extent, offset, len(data), crc)
 

@@ -20,7 +20,7 @@ import time
 
 import trio
 
-from . import config as config_mod, crc
+from . import config as config_mod, crc, trace
 from .audit import NOTE as AUDIT_NOTE, AuditLog
 from .commit import GroupCommit
 from .auth import AuthConfigError, Credentials, DialAuth
@@ -430,6 +430,8 @@ class Node(DataOps, AdminOps, RepairOps):
             conn.busy += 1                        # an answer in flight counts against max_inflight too
             nursery.start_soon(self._send_counted, conn, resp)
             return
+        if trace.ON and h.opcode == Op.WRITE:
+            trace.mark("arrived.F" if h.flags & Flag.FORWARDED else "arrived.L", h.extent, h.offset)
         run = runs[0]
         if payload is not None and run is not None and run.join(h, payload, now):
             self.inflight += 1
@@ -528,6 +530,10 @@ class Node(DataOps, AdminOps, RepairOps):
                 replies = [r for _h, _t, r in answers if r is not None]
                 if replies:     # still in flight until answered: a drain must not cancel the reply
                     await self._send(conn, *replies)
+                    if trace.ON and h.opcode == Op.WRITE:
+                        for a_h, _t, _r in answers:
+                            trace.mark("replied.F" if h.flags & Flag.FORWARDED else "replied.L", a_h.extent,
+                                       a_h.offset)
             finally:
                 now = trio.current_time()
                 for a_h, a_t0, r in answers:

@@ -139,3 +139,26 @@ def test_a_failing_exposition_is_a_500_and_the_server_serves_on():
         assert first[0] == 500 and b"log" in first[1], first
         assert second == (200, b"ok 1\n"), second
     trio.run(main)
+
+
+def test_a_traced_cluster_gives_every_append_its_steps_in_causal_order():
+    """bench/write_timeline.py (DATANODE_TRACE, datanode/trace.py): a real cluster and bench, each append's steps
+    on the client, the leader and both followers -- and each median after the step that causes it (true of every
+    append, so of the medians: times are CLOCK_MONOTONIC on one machine)."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+    root = pathlib.Path(__file__).resolve().parent.parent
+    p = subprocess.run([sys.executable, str(root / "bench" / "write_timeline.py"), "--seconds", "1", "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout)
+    assert out["appends"] > 20
+    t = {r["step"]: r["p50"] for r in out["steps"]}
+    chain = ["submit", "arrived.L", "started.L", "forwarded.L"]
+    for f in ("F1", "F2"):
+        follower = [f"arrived.{f}", f"started.{f}", f"written.{f}", f"durable.{f}", f"replied.{f}"]
+        steps = chain + follower + ["acked.L", "replied.L", "answered"]
+        assert [t[s] for s in steps] == sorted(t[s] for s in steps), (f, t)
+    assert t["started.L"] < t["written.L"] < t["durable.L"] < t["acked.L"]

@@ -34,6 +34,7 @@ import logging
 import os
 from time import perf_counter
 
+from .. import trace
 from ..crc import crc32c
 from ..protocol import INLINE_MAX, Flag, Header, Result
 from ..replication import replica_names
@@ -120,6 +121,8 @@ class DataOps(Handlers):
         in the node's counters and stage times (each waited that long) as that many writes."""
         t0 = perf_counter()                      # the stages' marks (metrics.WriteStages)
         forwarded = bool(h.flags & Flag.FORWARDED)
+        if trace.ON:
+            trace.mark("started.F" if forwarded else "started.L", h.extent, h.offset)
         part = self._partition(h) if forwarded else await self._lead(h)
         if ticket is None:
             raise Reply(Result.NOT_FOUND, why=f"extent {h.extent} does not exist")
@@ -166,8 +169,12 @@ class DataOps(Handlers):
                             fwd = h.but(flags=(h.flags | Flag.FORWARDED) & ~Flag.INLINE,
                                         addr=block.addr, rkey=self.region.rkey, rlen=h.length)
                         fan = await self.replication.submit(part, fwd, small)
+                        if trace.ON:
+                            trace.mark("forwarded.L", h.extent, h.offset)
                     size = await self._append(part.store, h.extent, h.offset, view, None, pieces)
                     t3 = perf_counter()
+                    if trace.ON:
+                        trace.mark("written.F" if forwarded else "written.L", h.extent, h.offset)
                 except BaseException as e:
                     self.replication.seal(part, h.extent, lane, f"local write failed: {e}")
                     if fan:
@@ -178,6 +185,8 @@ class DataOps(Handlers):
             try:
                 await self._durable(part.store, h.extent, size)
                 t4 = perf_counter()
+                if trace.ON:
+                    trace.mark("durable.F" if forwarded else "durable.L", h.extent, h.offset)
             except BaseException as e:
                 self.replication.seal(part, h.extent, lane, f"local flush failed: {e}")
                 if fan:
@@ -185,6 +194,8 @@ class DataOps(Handlers):
                 raise
             if fan:
                 failed = await self.replication.wait(fan)
+                if trace.ON:
+                    trace.mark("acked.L", h.extent, h.offset)
                 if failed:
                     names = replica_names(fan.replicas, failed)
                     self.replication.seal(part, h.extent, lane, f"replica {names} failed a write")

@@ -1,0 +1,41 @@
+"""Where a write's time goes across processes: timestamps of each append's steps, opt-in.
+
+With ``DATANODE_TRACE=DIR`` in its environment a process (a datanode, a client using the SDK) notes, for every
+append, when it reached each step -- ``(step, extent, offset, time.perf_counter())``, CLOCK_MONOTONIC, so
+the times of processes on one machine compare -- and writes them to ``DIR/trace-PID.json`` when it exits.
+``bench/write_timeline.py`` runs a local cluster and a bench that way and prints the median time from the
+client's submit to every step on every process: the hops between processes, each node's own work and its
+flush, side by side.  Without the variable nothing is noted (``ON`` is False; call sites test it first).
+
+Steps: the client's ``submit`` and ``answered``; on each node, as leader (``L``) or follower (``F``),
+``arrived`` (the request was cut from the stream), ``started`` (its handler runs), ``forwarded`` (the
+forwards are sent: leader), ``written`` (in the page cache), ``durable``, ``acked`` (every follower
+answered: leader), ``replied`` (its answer is sent).
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import time
+
+DIR = os.environ.get("DATANODE_TRACE") or None
+ON = DIR is not None
+LIMIT = 1_000_000                      # steps kept at most (a long run keeps its first ones)
+
+_steps: list[tuple[str, int, int, float]] = []
+
+
+def mark(step: str, extent: int, offset: int) -> None:
+    if len(_steps) < LIMIT:
+        _steps.append((step, extent, offset, time.perf_counter()))
+
+
+def _dump() -> None:
+    if _steps:
+        with open(os.path.join(DIR, f"trace-{os.getpid()}.json"), "w") as f:
+            json.dump(_steps, f)
+
+
+if ON:
+    atexit.register(_dump)
