@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import sys
 import time
 
 DIR = os.environ.get("DATANODE_TRACE") or None
@@ -32,9 +33,15 @@ def mark(step: str, extent: int, offset: int) -> None:
 
 
 def _dump() -> None:
-    if _steps:
-        with open(os.path.join(DIR, f"trace-{os.getpid()}.json"), "w") as f:
+    if not _steps:
+        return
+    path = os.path.join(DIR, f"trace-{os.getpid()}.json")
+    try:
+        os.makedirs(DIR, exist_ok=True)
+        with open(path, "w") as f:
             json.dump(_steps, f)
+    except OSError as e:               # at exit: one line, not a traceback
+        sys.stderr.write(f"DATANODE_TRACE: cannot write {path}: {e}\n")
 
 
 if ON:
