@@ -48,15 +48,11 @@ def timeline(trace_dir: pathlib.Path) -> tuple[int, list[dict]]:
                 step = f"{step[:-2]}.F{pid}"
             per[(extent, offset)].setdefault(step, t)
     names = {f".F{pid}": f".F{i + 1}" for i, pid in enumerate(followers)}
-    want = None
+    want = max((len(steps) for steps in per.values()), default=0)     # every step on every process
     rows: dict[str, list[float]] = collections.defaultdict(list)
     complete = 0
     for steps in per.values():
-        if "submit" not in steps or "answered" not in steps:
-            continue
-        keys = set(steps)
-        want = want if want is not None else max((len(s) for s in per.values()), default=0)
-        if len(keys) < want:
+        if len(steps) < want or "submit" not in steps:
             continue                 # a run's joined request, or a step not seen
         complete += 1
         t0 = steps["submit"]
