@@ -362,7 +362,8 @@ def test_bench_cold_reads_each_written_byte_once_beside_a_cold_dd(tmp_path):
 
 
 def test_bench_says_whether_memory_was_warmed(tmp_path):
-    """--warm-memory runs the warmer once before the first phase and the table says so."""
+    """--warm-memory runs the warmer once before the first phase and the table says so; and how fast fresh
+    memory was at the run's start and end (text and --json)."""
     root = tmp_path / "c"
     warmer = tmp_path / "warm"
     warmer.write_text("#!/bin/sh\necho warm-memory: touched 0.1 GiB\n")
@@ -373,8 +374,12 @@ def test_bench_says_whether_memory_was_warmed(tmp_path):
                   "--warm-memory", warmer, timeout=300)
         assert p.returncode == 0, p.out + p.err
         assert f"memory warmed before this run: yes ({warmer}" in p.out, p.out
-        p = dnctl("bench", "--cluster", root, "--size", "4KiB", "--total-mib", 1, "--mode", "write", timeout=300)
-        assert "memory warmed before this run: NO" in p.out, p.out
+        assert "fresh memory at the run's start / end: " in p.out, p.out
+        p = dnctl("bench", "--cluster", root, "--size", "4KiB", "--total-mib", 1, "--mode", "write", "--json",
+                  timeout=300)
+        out = json.loads(p.out)
+        assert out["warm_memory"]["ran"] is False
+        assert out["fresh_memory"]["start_gib_s"] > 0 and out["fresh_memory"]["end_gib_s"] > 0, out["fresh_memory"]
     finally:
         dnctl("cluster", "down", "--cluster", root, "--timeout", 10)
 

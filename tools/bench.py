@@ -666,6 +666,22 @@ def run_warm(command: str) -> dict:
             "said": said[-1] if said else ""}
 
 
+def fresh_memory_gib_s(mib: int = 256) -> float:
+    """How fast this machine hands out memory nobody touched lately: GiB/s of a first write to every page of a
+    new anonymous mapping (each a page fault).  On our VMs it is 0.3-0.4 GiB/s on memory the guest has given
+    back to the host and several GiB/s on memory touched recently -- and a page-cache-bound figure follows it.
+    The bench takes it at its start and its end, so a reader sees which memory the run had."""
+    import mmap
+    n = mib << 20
+    m = mmap.mmap(-1, n)
+    try:
+        t0 = time.perf_counter()
+        m[::4096] = b"\1" * (n // 4096)
+        return round(mib / 1024 / (time.perf_counter() - t0), 2)
+    finally:
+        m.close()
+
+
 def run_fio(directory: pathlib.Path, mib: int) -> dict:
     """Baselines on the local file system of ``directory`` (fio): a 4 KiB write + fdatasync at depth 1 (the
     cost floor of one durable small write), a 1 MiB sequential write with one fsync at the end, and a 1 MiB
@@ -802,7 +818,8 @@ def _cold_lines(cold_read: dict | None, cold_rounds: list[dict]) -> list[str]:
 
 
 def _table(header: dict, rows: list[dict], dd: dict | None, node_names: dict[str, str], fio: dict | None = None,
-           warm: dict | None = None, cold_read: dict | None = None, cold_rounds: list[dict] | None = None) -> str:
+           warm: dict | None = None, cold_read: dict | None = None, cold_rounds: list[dict] | None = None,
+           fresh: dict | None = None) -> str:
     lines = [f"bench: {fmt_size(header['size'])} requests, {header['clients']} client process(es) x depth "
              f"{header['depth']}, {header['budget']} per phase; nodes: sync {header['sync']}, transport "
              f"{header['transport']}; reads from {header['read_from']}"]
@@ -850,6 +867,10 @@ def _table(header: dict, rows: list[dict], dd: dict | None, node_names: dict[str
     lines.append(f"memory warmed before this run: yes ({warm['command']}, {warm['seconds']} s)" if warm.get("ran")
                  else f"memory warmed before this run: NO ({warm.get('error') or 'give --warm-memory PATH'}; "
                       "on a VM the first touch of guest memory is slow and measures the hypervisor)")
+    if fresh and fresh.get("end_gib_s") is not None:
+        lines.append(f"fresh memory at the run's start / end: {fresh['start_gib_s']:.2f} / {fresh['end_gib_s']:.2f} GiB/s "
+                     "(a first write to 256 MiB nobody touched lately; where it is slow, page-cache-bound figures "
+                     "measure the hypervisor's memory, not the store)")
     return "\n".join(lines)
 
 
@@ -1053,10 +1074,12 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
     dd = fio = cold_read = None
     cold_rounds: list[dict] = []
     warm = {"ran": False}
+    fresh: dict = {}
     try:
         if warm_cmd:
             click.echo(f"warming memory: {warm_cmd} ...", err=True)
             warm = run_warm(warm_cmd)
+        fresh["start_gib_s"] = fresh_memory_gib_s()
         for tpid, members in infos:
             label = f"{len(members)} replica{'s' if len(members) > 1 else ''}"
             base = ColdBaseline(pathlib.Path(root), depth * clients) if cold and root else None
@@ -1093,6 +1116,7 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
                 r["partition"], r["replicas"] = tpid, len(members)
                 r["replica_nodes"] = members
             rows += res
+        fresh["end_gib_s"] = fresh_memory_gib_s()
         if with_dd:
             click.echo(f"dd: writing {dd_mib} MiB to {root}/ddtest ...", err=True)
             dd = run_dd(pathlib.Path(root), dd_mib)
@@ -1114,14 +1138,14 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
             except ClientError as e:
                 click.echo(f"warning: could not delete scratch partitions: {e}", err=True)
     out = {"config": header, "results": rows, "dd": dd, "fio": fio, "warm_memory": warm, "cold_read": cold_read,
-           "cold_rounds": cold_rounds}
+           "cold_rounds": cold_rounds, "fresh_memory": fresh}
     if plot_path:
         write_plot(out, pathlib.Path(plot_path))
         out["plot"] = str(plot_path)
     if as_json:
         click.echo(json.dumps(out, indent=2, sort_keys=True))
     else:
-        click.echo(_table(header, rows, dd, node_names, fio, warm, cold_read, cold_rounds))
+        click.echo(_table(header, rows, dd, node_names, fio, warm, cold_read, cold_rounds, fresh))
         if plot_path:
             click.echo(f"plot: {plot_path}")
     if any(r["errors"] for r in rows):
