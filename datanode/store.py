@@ -1,4 +1,5 @@
-"""On-disk extent store of one data partition (blocking code; the async server calls it via trio.to_thread).
+"""On-disk extent store of one data partition (blocking code; the async server calls it in worker threads,
+``aio.Workers``).
 
 Layout (under ``root``)::
 

@@ -7,6 +7,7 @@ import json
 
 import trio
 
+from ..aio import Workers
 from ..partition import Partition
 from ..protocol import BODY_REASONS, BodyError, Header, RemoteBuf, Result, decode_view
 from ..pool import PoolExhausted
@@ -16,6 +17,7 @@ from ..transport.base import Connection, ConnectionClosed, RemoteAccessError, Tr
 MAX_JSON = 1 << 20
 ANSWER_BYTES = 8 << 20      # one connection's one-sided answers (read payloads, JSON) being prepared or sent
 LOOP_IO = 128 << 10       # appends up to this size run in the event loop (page cache; no thread hop)
+DISK = Workers(name="disk")   # the threads store calls run in (the process's; aio.Workers: a lean hand-over)
 STORE_RESULTS = {StoreCode.NOT_FOUND: Result.NOT_FOUND, StoreCode.DELETED: Result.NOT_FOUND,
                  StoreCode.EXISTS: Result.EXISTS, StoreCode.WRONG_OFFSET: Result.WRONG_OFFSET,
                  StoreCode.OUT_OF_RANGE: Result.OUT_OF_RANGE, StoreCode.TOO_LARGE: Result.TOO_LARGE,
@@ -235,9 +237,9 @@ class Handlers:
 
     # -- the disk -------------------------------------------------------------------------------------
     async def _store(self, fn, *args):
-        """A blocking store call in a worker thread; its failure as the one matching result code."""
+        """A blocking store call in a worker thread (``DISK``); its failure as the one matching result code."""
         try:
-            return await trio.to_thread.run_sync(fn, *args)
+            return await DISK.run_sync(fn, *args)
         except StoreError as e:
             raise store_reply(e) from None
         except OSError as e:

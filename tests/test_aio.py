@@ -1,0 +1,69 @@
+"""datanode/aio.py Workers: the threads a node's store calls run in."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import trio
+
+from datanode.aio import Workers
+
+
+def test_calls_run_at_once_in_threads_up_to_most_and_the_rest_wait_their_turn():
+    w = Workers(most=3, idle=0.5)
+    running, peak, main = [0], [0], threading.get_ident()
+    lock = threading.Lock()
+
+    def call(i):
+        assert threading.get_ident() != main           # never in the event loop's thread
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.2)
+        with lock:
+            running[0] -= 1
+        return i * i
+
+    async def main_():
+        out = {}
+
+        async def one(i):
+            out[i] = await w.run_sync(call, i)
+        t0 = trio.current_time()
+        async with trio.open_nursery() as n:
+            for i in range(6):
+                n.start_soon(one, i)
+        return out, trio.current_time() - t0
+    out, took = trio.run(main_)
+    assert out == {i: i * i for i in range(6)}
+    assert peak[0] == 3                   # three at once, never more
+    assert 0.35 < took < 1.5              # two rounds of three, not six one after the other
+    time.sleep(1.2)                       # idle threads end
+    assert w._threads == 0
+
+
+def test_a_call_raises_its_own_exception_in_the_caller():
+    w = Workers()
+
+    async def main_():
+        with pytest.raises(ValueError, match="invalid literal"):
+            await w.run_sync(int, "x")
+        return await w.run_sync(int, "7")
+    assert trio.run(main_) == 7
+
+
+def test_a_cancelled_caller_still_waits_for_its_call_to_finish():
+    """What the call touches (a pool block, a file) must outlive it: cancelling the caller does not abandon it."""
+    w = Workers()
+    done = []
+
+    def slow():
+        time.sleep(0.3)
+        done.append(True)
+
+    async def main_():
+        with trio.move_on_after(0.05):
+            await w.run_sync(slow)
+        return bool(done)
+    assert trio.run(main_) is True
