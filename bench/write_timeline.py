@@ -99,7 +99,8 @@ def main() -> None:
     print("ms since the client's submit (L: leader, F1, F2: followers)")
     prev = 0.0
     for r in rows:
-        print(f"  {r['step']:14} p50 {r['p50']:7.3f}  (+{r['p50'] - prev:6.3f})   p10 {r['p10']:7.3f}  p90 {r['p90']:7.3f}")
+        print(f"  {r['step']:14} p50 {r['p50']:7.3f}  (+{r['p50'] - prev:6.3f})   p10 {r['p10']:7.3f}  "
+              f"p90 {r['p90']:7.3f}")
         prev = r["p50"]
 
 

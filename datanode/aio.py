@@ -70,7 +70,7 @@ class Workers:
     """Blocking calls (the disk) in worker threads, handed over with less than ``trio.to_thread.run_sync``
     does: a queue put, and the result back by ``TrioToken.run_sync_soon`` rescheduling the waiting task -- no
     capacity limiter, no renaming of the thread per call, no context copy.  On our VMs a call that does nothing
-    costs 86 us of CPU (100 wall) this way and 195 (231) through ``to_thread``; a node makes one per large
+    costs 105 us of CPU (115 wall) this way and 195 (231) through ``to_thread``; a node makes one per large
     append and per read the page cache cannot answer at once, on every replica.
 
     Threads start as calls need them, up to ``most`` (more calls queue for them), and end after ``idle``

@@ -868,9 +868,9 @@ def _table(header: dict, rows: list[dict], dd: dict | None, node_names: dict[str
                  else f"memory warmed before this run: NO ({warm.get('error') or 'give --warm-memory PATH'}; "
                       "on a VM the first touch of guest memory is slow and measures the hypervisor)")
     if fresh and fresh.get("end_gib_s") is not None:
-        lines.append(f"fresh memory at the run's start / end: {fresh['start_gib_s']:.2f} / {fresh['end_gib_s']:.2f} GiB/s "
-                     "(a first write to 256 MiB nobody touched lately; where it is slow, page-cache-bound figures "
-                     "measure the hypervisor's memory, not the store)")
+        lines.append(f"fresh memory at the run's start / end: {fresh['start_gib_s']:.2f} / "
+                     f"{fresh['end_gib_s']:.2f} GiB/s (a first write to 256 MiB nobody touched lately; where it is "
+                     "slow, page-cache-bound figures measure the hypervisor's memory, not the store)")
     return "\n".join(lines)
 
 
