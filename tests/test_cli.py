@@ -375,6 +375,8 @@ def test_bench_says_whether_memory_was_warmed(tmp_path):
         assert p.returncode == 0, p.out + p.err
         assert f"memory warmed before this run: yes ({warmer}" in p.out, p.out
         assert "fresh memory at the run's start / end: " in p.out, p.out
+        p = dnctl("bench", "--cluster", root, "--size", "4KiB", "--total-mib", 1, "--mode", "write", timeout=300)
+        assert "memory warmed before this run: NO" in p.out, p.out
         p = dnctl("bench", "--cluster", root, "--size", "4KiB", "--total-mib", 1, "--mode", "write", "--json",
                   timeout=300)
         out = json.loads(p.out)
