@@ -1,4 +1,5 @@
-"""The store's one-flush sequence at the syscall level, two orders side by side (no datanode, no store).
+"""The store's one-flush sequence at the syscall level, two orders side by side (no datanode, no store: its
+``sync_file_range`` call only).
 
 Three "replicas" (threads, each a data file and a CRC file on the one disk) make a 4 KiB append durable at
 once, as the store's one-flush path does (datanode/store.py, "One flush"), in one of two orders:
@@ -16,12 +17,16 @@ three per flush (what a 3-replica write waits for): p50/p90/p99.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
+import sys
 import threading
 import time
 
-ORDERS = {"serial": ((1 | 2 | 4, "data"),), "overlap": ((1 | 2, "data"), (1 | 2, "crc"), (4, "data"))}
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from datanode.store import SFR_START, SFR_WAIT, _sync_range  # noqa: E402  (the store's own sync_file_range)
+
+ORDERS = {"serial": ((SFR_START | SFR_WAIT, "data"),),
+          "overlap": ((SFR_START, "data"), (SFR_START, "crc"), (SFR_WAIT, "data"))}
 
 
 def main() -> None:
@@ -29,14 +34,6 @@ def main() -> None:
     ap.add_argument("--dir", default=".", help="where the six scratch files go (the data disk)")
     ap.add_argument("--rounds", type=int, default=20, help="rounds of 50 flushes per order")
     a = ap.parse_args()
-    libc = ctypes.CDLL(None, use_errno=True)
-    sfr = libc.sync_file_range
-    sfr.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-
-    def sync_range(fd: int, pos: int, n: int, flags: int) -> None:
-        if sfr(fd, pos, n, flags) != 0:
-            raise OSError(ctypes.get_errno(), "sync_file_range")
-
     span = 64 << 20
     paths, replicas = [], []
     for i in range(3):
@@ -56,7 +53,7 @@ def main() -> None:
         os.pwrite(r["data"], payload, off)
         os.pwrite(r["crc"], payload[:8], (off // 4096 * 8) % (1 << 20))
         for flags, kind in order:
-            sync_range(r[kind], off if kind == "data" else 0, 4096 if kind == "data" else 0, flags)
+            _sync_range(r[kind], off if kind == "data" else 0, 4096 if kind == "data" else 0, flags)
         os.fdatasync(r["crc"])
         r["off"] = (off + 4096) % span
 
