@@ -4,7 +4,7 @@ Starts a local cluster and runs `dnctl bench` (writes only) with ``DATANODE_TRAC
 every process notes when each append reached each of its steps), stops the cluster, and prints for every
 step the median (and p10/p90) time since the client submitted the append -- so the hops between processes
 (a step on one process to the next step on another), each node's own work and each flush stand side by
-side.  Followers are F1, F2, ... in the order of their first step.
+side.  Followers are F1, F2, ... in the order of their trace files.
 
     python bench/write_timeline.py                         # 4 KiB, depth 1, 3 replicas, sync always, 5 s
     python bench/write_timeline.py --depth 16 --json
@@ -38,16 +38,15 @@ def dnctl(*args: str, env: dict) -> subprocess.CompletedProcess:
 def timeline(trace_dir: pathlib.Path) -> tuple[int, list[dict]]:
     """The appends seen on every process, and per step its time since submit: [{step, p10, p50, p90}]."""
     per: dict[tuple[int, int], dict[str, float]] = collections.defaultdict(dict)
-    followers: list[int] = []
+    followers = 0
     for f in sorted(trace_dir.glob("trace-*.json")):
-        pid = int(f.stem.split("-")[1])
-        for step, extent, offset, t in json.loads(f.read_text()):
-            if step.endswith(".F"):
-                if pid not in followers:
-                    followers.append(pid)
-                step = f"{step[:-2]}.F{pid}"
-            per[(extent, offset)].setdefault(step, t)
-    names = {f".F{pid}": f".F{i + 1}" for i, pid in enumerate(followers)}
+        steps = json.loads(f.read_text())
+        name = ""
+        if any(step.endswith(".F") for step, *_ in steps):
+            followers += 1
+            name = str(followers)                    # F1, F2, ...: this process's steps as a follower
+        for step, extent, offset, t in steps:
+            per[(extent, offset)].setdefault(step + name if step.endswith(".F") else step, t)
     want = max((len(steps) for steps in per.values()), default=0)     # every step on every process
     rows: dict[str, list[float]] = collections.defaultdict(list)
     complete = 0
@@ -57,8 +56,6 @@ def timeline(trace_dir: pathlib.Path) -> tuple[int, list[dict]]:
         complete += 1
         t0 = steps["submit"]
         for step, t in steps.items():
-            for raw, nice in names.items():
-                step = step.replace(raw, nice)
             rows[step].append((t - t0) * 1e3)
     out = []
     for step, v in rows.items():

@@ -1,6 +1,10 @@
 """Prometheus /metrics of a live node moves when data moves; the SDK's families can be registered."""
 from __future__ import annotations
 
+import json
+import pathlib
+import subprocess
+import sys
 import urllib.request
 
 import trio
@@ -145,10 +149,6 @@ def test_a_traced_cluster_gives_every_append_its_steps_in_causal_order():
     """bench/write_timeline.py (DATANODE_TRACE, datanode/trace.py): a real cluster and bench, each append's steps
     on the client, the leader and both followers -- and each median after the step that causes it (true of every
     append, so of the medians: times are CLOCK_MONOTONIC on one machine)."""
-    import json
-    import pathlib
-    import subprocess
-    import sys
     root = pathlib.Path(__file__).resolve().parent.parent
     p = subprocess.run([sys.executable, str(root / "bench" / "write_timeline.py"), "--seconds", "1", "--json"],
                        capture_output=True, text=True, timeout=120)
