@@ -18,10 +18,21 @@ import time
 from datanode import config as config_mod
 
 
+_HANDED_OUT: set[int] = set()
+_HANDED_OUT_LOCK = threading.Lock()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now, and never one this process has handed out before: the kernel may
+    give the same ephemeral port to two binds in a row, and two nodes told the same port would race for it."""
+    with _HANDED_OUT_LOCK:
+        while True:
+            with socket.socket() as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.add(port)
+                return port
 
 
 # Python starts slowly under software emulation (the Soft-RoCE VM): give daemons longer to come up there.
@@ -65,6 +76,9 @@ def wait_listening(addr: str, timeout: float = START_TIMEOUT, proc: subprocess.P
                 except ClientError as e:
                     seen = f"no status ({e})"
                 else:
+                    if proc is not None and st.get("pid", proc.pid) != proc.pid:
+                        raise RuntimeError(f"datanode {addr}: another process (pid {st['pid']}) answers there, "
+                                           f"not the one started (pid {proc.pid})")
                     if st.get("state", "serving") == "serving":    # (a node without "state" serves once listening)
                         return
                     o = st.get("opening", {})
