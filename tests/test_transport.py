@@ -65,9 +65,15 @@ async def pair(transport: str, *, slots: int = 8):
 
 # ------------------------------------------------------------------------------------------- one-sided
 @pytest.mark.parametrize("size", [1, 4095, 64 * KiB + 3, 4 * MiB])
-def test_one_sided_read_and_write_land_exactly(transport, size):
+@pytest.mark.parametrize("unlocked", [False, True], ids=["pyverbs-post", "unlocked-post"])
+def test_one_sided_read_and_write_land_exactly(transport, size, unlocked):
+    """On verbs both ways of posting: through pyverbs, and (DATANODE_VERBS_POST_THREAD_MIN) from a worker
+    thread without the GIL for ops of at least 64 KiB."""
+    if unlocked and transport != "verbs":
+        pytest.skip("posting without the GIL is a verbs setting")
+
     async def body():
-        async with pair(transport) as (cli, srv):
+        async with pair(transport) as (cli, srv), tuned(srv, post_thread_min=64 * KiB if unlocked else 0):
             data = pattern(size, size)
             # READ: the server fetches from the client's readable region, at an odd offset
             cli.src.view[100:100 + size] = data
@@ -85,6 +91,8 @@ def test_one_sided_read_and_write_land_exactly(transport, size):
             if transport == "tcp":
                 assert srv.conn.stats.read_bytes == size and cli.conn.stats.served_read_bytes == size
                 assert cli.conn.stats.served_write_bytes == size
+            else:       # the READ and the WRITE went from a worker thread exactly when they were large
+                assert srv.conn.info()["thread_posts"] == (2 if unlocked and size >= 64 * KiB else 0)
     run(body)
 
 
@@ -166,13 +174,19 @@ def test_a_posted_write_has_landed_before_the_next_control_message_and_a_refused
     run(body)
 
 
-def test_a_posted_write_hands_its_buffer_back_once_the_transport_is_done_with_it(transport):
+@pytest.mark.parametrize("unlocked", [False, True], ids=["pyverbs-post", "unlocked-post"])
+def test_a_posted_write_hands_its_buffer_back_once_the_transport_is_done_with_it(transport, unlocked):
     """``write(posted=True, release=...)``: on verbs the call returns once the RDMA WRITE is posted (a READ's
     response goes out right behind it, not a completion later), and ``release`` runs once, on its completion
     -- the bytes are in the peer's memory by then; on TCP before the call returns.  A posted write the peer
-    refuses (verbs: the queue pair fails) still hands its buffer back: a node's pool block is never lost."""
+    refuses (verbs: the queue pair fails) still hands its buffer back: a node's pool block is never lost.
+    Posted from a worker thread without the GIL (verbs, >= 64 KiB: ``unlocked``), the completion may be
+    taken while the post is awaited -- rxe moves the bytes inside the post -- so ``release`` may come first."""
+    if unlocked and transport != "verbs":
+        pytest.skip("posting without the GIL is a verbs setting")
+
     async def body():
-        async with pair(transport) as (cli, srv):
+        async with pair(transport) as (cli, srv), tuned(srv, post_thread_min=64 * KiB if unlocked else 0):
             for i, size in enumerate((4 * KiB, MiB + 5)):
                 data = pattern(20 + i, size)
                 srv.src.view[:size] = data
@@ -185,6 +199,8 @@ def test_a_posted_write_hands_its_buffer_back_once_the_transport_is_done_with_it
                                      release=release)
                 if transport == "tcp":
                     assert seen == [True]             # copied into the socket: free at once
+                elif unlocked and size >= 64 * KiB:
+                    assert srv.conn.info()["thread_posts"] == 1
                 else:
                     assert seen == []                 # posted, not waited for
                 with trio.fail_after(SLACK):

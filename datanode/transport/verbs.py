@@ -76,6 +76,7 @@ from pyverbs.pyverbs_error import PyverbsError, PyverbsRDMAError
 from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
 from pyverbs.wr import SGE, RecvWR, SendWR
 
+from ..aio import Workers
 from ..protocol import HEADER_SIZE, INLINE_MAX, VerbsEndpoint
 from .base import Access, Connection, ConnectionClosed, Domain, Grants, Region, RemoteAccessError, address_of
 from .tcp import recv_exactly, send_all
@@ -98,6 +99,13 @@ UNSIGNALED = False
 UNSIGNALED_MAX = 16             # unsignaled work requests in a row at most; then one is signaled
 INLINE_ENV = "DATANODE_VERBS_INLINE"       # largest payload a verbs SEND carries after its header (0: off)
 VERBS_INLINE = 16 << 10
+# One-sided ops (RDMA READ / WRITE) of at least this many bytes are posted from a worker thread that lets go
+# of the GIL (``_RawPost``; 0: never).  rxe moves an op's bytes inside the ``post_send`` call itself (its
+# softirq work runs in the caller), and pyverbs holds the GIL through it: a 1 MiB READ held the node's whole
+# interpreter for ~10 ms in the VM.  Default on for software devices (rxe, siw) only; hardware returns at once.
+POST_THREAD_ENV = "DATANODE_VERBS_POST_THREAD_MIN"
+POST_THREAD_MIN = 64 << 10
+POSTERS = Workers(most=8, name="verbs-post")
 
 
 class SetupFailed(Exception):
@@ -161,6 +169,8 @@ class Device:
         self.spin_s = _env_int(SPIN_ENV, SPIN_US, 0, 1_000_000) / 1e6
         self.unsignaled = _env_flag(UNSIGNALED_ENV, UNSIGNALED)
         self.inline_max = _env_int(INLINE_ENV, VERBS_INLINE, 0, INLINE_MAX)
+        software = name.startswith(("rxe", "siw"))
+        self.post_thread_min = _env_int(POST_THREAD_ENV, POST_THREAD_MIN if software else 0, 0, 1 << 40)
         caps = dattr.device_cap_flags
         type2 = bool(caps & E.IBV_DEVICE_MEM_WINDOW) and bool(
             caps & (E.IBV_DEVICE_MEM_WINDOW_TYPE_2A | E.IBV_DEVICE_MEM_WINDOW_TYPE_2B))
@@ -267,20 +277,85 @@ def _mw_struct(mw: MW) -> int:
     the same window would name a stale rkey (the device refuses it) and every bind would give the same key.
     We keep ``mw->rkey`` current ourselves; this finds the struct (``{context, pd, rkey, handle, type}``)
     by its rkey and handle among the object's pointer-sized fields, or raises LookupError."""
-    raw = ctypes.string_at(id(mw), type(mw).__basicsize__)
     want = struct.pack("<II", mw.rkey, mw.handle)
+    return _struct_behind(mw, lambda p: ctypes.string_at(p + 16, 8) == want)
+
+
+def _struct_behind(obj, check) -> int:
+    """Address of the C struct a pyverbs object wraps: the pointer-sized field of ``obj`` for which
+    ``check(address)`` holds (it reads the candidate struct), or LookupError."""
+    raw = ctypes.string_at(id(obj), type(obj).__basicsize__)
     for off in range(16, len(raw) - 7, 8):           # past the PyObject head
         (p,) = struct.unpack_from("<Q", raw, off)
-        if p < 1 << 16 or p % 8:
-            continue
-        if p == id(mw) or p == id(type(mw)):
+        if p < 1 << 16 or p % 8 or p in (id(obj), id(type(obj))):
             continue
         try:
-            if ctypes.string_at(p + 16, 8) == want:
+            if check(p):
                 return p
         except (OSError, ValueError):
             continue
-    raise LookupError("cannot find the ibv_mw of a pyverbs MW")
+    raise LookupError(f"cannot find the C struct of a pyverbs {type(obj).__name__}")
+
+
+_POST_SEND_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p))
+# struct ibv_context: {struct ibv_device *device; struct ibv_context_ops ops; ...}; in the ops table (ABI,
+# frozen in verbs.h with its _compat_ slots) post_send is the 26th pointer: what ibv_post_send() calls
+_OPS_POST_SEND = 8 + 25 * 8
+_QP_NUM = 6 * 8 + 4      # struct ibv_qp: context, qp_context, pd, send_cq, recv_cq, srq, handle, qp_num
+_WR_OPCODE = 28          # struct ibv_send_wr: wr_id, next, sg_list, num_sge, opcode, send_flags, ...
+
+
+class _RawPost:
+    """``ibv_post_send`` on one QP without the GIL: the provider's post_send, called through ctypes (which
+    lets go of the GIL for the call) on the ``struct ibv_send_wr`` inside a pyverbs SendWR.  Found and
+    checked once per QP (the QP struct by its qp_num, the SendWR struct by a probe's wr_id and opcode); a
+    process where that fails posts through pyverbs as before (``for_qp`` returns None, logged once)."""
+    __slots__ = ("qp", "fn", "wr_off", "lock", "live")
+    _broken = False
+
+    def __init__(self, qp: QP):
+        num = qp.qp_num
+        self.qp = _struct_behind(qp, lambda p: ctypes.c_uint32.from_address(p + _QP_NUM).value == num)
+        ctx = ctypes.c_void_p.from_address(self.qp).value
+        fn = ctypes.c_void_p.from_address(ctx + _OPS_POST_SEND).value if ctx else None
+        if not fn:
+            raise LookupError("no post_send in the device context")
+        self.fn = _POST_SEND_FN(fn)
+        # pyverbs embeds the struct in the SendWR object: find where, by a probe's wr_id and opcode
+        probe = SendWR(wr_id=0x5E4D0C0B0A090807, opcode=E.IBV_WR_RDMA_READ, num_sge=1, sg=[SGE(0, 0, 0)])
+        raw = ctypes.string_at(id(probe), type(probe).__basicsize__)
+        offs = [off for off in range(16, len(raw) - _WR_OPCODE - 3, 8)
+                if struct.unpack_from("<QI", raw, off)[0] == probe.wr_id
+                and struct.unpack_from("<I", raw, off + _WR_OPCODE)[0] == E.IBV_WR_RDMA_READ]
+        if len(offs) != 1:
+            raise LookupError("cannot find the ibv_send_wr inside a pyverbs SendWR")
+        self.wr_off = offs[0]
+        self.lock = threading.Lock()     # held across a post: the QP is not destroyed under it
+        self.live = True
+
+    @classmethod
+    def for_qp(cls, qp: QP) -> "_RawPost | None":
+        if cls._broken:
+            return None
+        try:
+            return cls(qp)
+        except Exception as e:  # noqa: BLE001 - any failure: post through pyverbs
+            cls._broken = True
+            log.warning("verbs: large one-sided ops post through pyverbs (holding the GIL): %s", e)
+            return None
+
+    def post(self, wr: SendWR) -> int:
+        """Post ``wr`` (in a worker thread); 0, or the provider's errno."""
+        bad = ctypes.c_void_p()
+        with self.lock:
+            if not self.live:
+                return errno.ENOTCONN
+            return self.fn(self.qp, id(wr) + self.wr_off, ctypes.byref(bad))
+
+    def close(self) -> None:
+        """Before the QP is destroyed: waits out a post under way; none starts after."""
+        with self.lock:
+            self.live = False
 
 
 class _Window:
@@ -438,6 +513,8 @@ class VerbsConnection(Connection):
         # left to the garbage collector (which would free them in any order)
         self._destroyed = False
         self.qp = self.ctrl_mr = self.cq = self.cc = self.ctrl = self.ctrl_view = None
+        self._raw: _RawPost | None = None    # large one-sided ops posted without the GIL (POST_THREAD_ENV)
+        self.thread_posts = 0
         self.grants = WindowGrants(self)
         try:
             self._create(dev, our_slots)
@@ -461,6 +538,7 @@ class VerbsConnection(Connection):
                     max_inline_data=SLOT)
         # sq_sig_all=0: a work request makes a completion only when it asks (IBV_SEND_SIGNALED); failures always do
         self.qp = QP(dev.pd, QPInitAttr(qp_type=E.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap, sq_sig_all=0))
+        self._raw = _RawPost.for_qp(self.qp) if dev.post_thread_min else None
 
     # -- setup ----------------------------------------------------------------------------------------
     def endpoint(self) -> VerbsEndpoint:
@@ -599,7 +677,7 @@ class VerbsConnection(Connection):
         wr = SendWR(opcode=opcode, num_sge=1, sg=[SGE(addr, len(local), region.lkey)],
                     send_flags=E.IBV_SEND_SIGNALED)
         wr.set_wr_rdma(remote.rkey, remote.addr)
-        await self._post(wr, what, wait=then is None, then=then)
+        await self._post(wr, what, wait=then is None, then=then, nbytes=remote.length)
 
     async def _reserve(self, n: int) -> None:
         """Take ``n`` send-queue entries for work requests posted later with ``_post_reserved``."""
@@ -671,7 +749,21 @@ class VerbsConnection(Connection):
         for _, posted in chain:
             posted()
 
-    async def _post(self, wr: SendWR, what: str, wait: bool = True, signaled: bool = True, then=None) -> None:
+    async def _post_send_unlocked(self, wr: SendWR, what: str, signaled: bool) -> None:
+        """``_post_send`` for a large one-sided op (nothing chained ahead of it), from a worker thread
+        without the GIL: the event loop and the node's other requests go on while rxe moves the bytes.
+        Returns once it is posted (RC keeps it ahead of anything posted after that)."""
+        self._sign(wr, signaled)
+        self.thread_posts += 1
+        rc = await POSTERS.run_sync(self._raw.post, wr)
+        if rc:
+            self._ops.pop(wr.wr_id, None)
+            self._sq.release()
+            self._shutdown(f"post_send failed: {os.strerror(rc)}")
+            raise ConnectionClosed(f"{what} to {self.peer}: post_send: {os.strerror(rc)}")
+
+    async def _post(self, wr: SendWR, what: str, wait: bool = True, signaled: bool = True, then=None,
+                    nbytes: int = 0) -> None:
         if self._closed:
             raise ConnectionClosed(f"connection to {self.peer} is closed: {self._closed}")
         try:
@@ -689,7 +781,10 @@ class VerbsConnection(Connection):
         op = None
         if wait or then is not None:     # only what someone waits for is tracked (unsignaled: no completion)
             op = self._ops[wr_id] = _Op(then)
-        self._post_send(wr, what, signaled)
+        if self._raw is not None and 0 < self.dev.post_thread_min <= nbytes and not self._chain:
+            await self._post_send_unlocked(wr, what, signaled)
+        else:
+            self._post_send(wr, what, signaled)
         if not wait:
             return
         try:
@@ -837,6 +932,8 @@ class VerbsConnection(Connection):
         if self._destroyed:
             return
         self._destroyed = True
+        if self._raw is not None:
+            self._raw.close()           # a worker thread's post under way ends before the QP goes
         self.grants.close()             # windows first: they are bound to the QP and hold the MRs
         eager_mr = self._eager[1] if self._eager is not None else None
         for res in (self.qp, self.ctrl_mr, eager_mr, self.cq, self.cc):
@@ -860,7 +957,9 @@ class VerbsConnection(Connection):
                 "window_binds": self.grants.binds, "windows_allocated": len(self.grants._all),
                 "rd_atomic": self.dev.rd_atomic, "spin_us": round(self.dev.spin_s * 1e6),
                 "cq_spins": self.spins, "unsignaled": self.dev.unsignaled, "max_inline": self.max_inline,
-                "slot_bytes": self.slot, "eager_sends": self.eager_sends}
+                "slot_bytes": self.slot, "eager_sends": self.eager_sends,
+                "post_thread_min": self.dev.post_thread_min if self._raw is not None else 0,
+                "thread_posts": self.thread_posts}
 
 
 _MTU_BYTES = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}
