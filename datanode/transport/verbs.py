@@ -755,7 +755,8 @@ class VerbsConnection(Connection):
         Returns once it is posted (RC keeps it ahead of anything posted after that)."""
         self._sign(wr, signaled)
         self.thread_posts += 1
-        rc = await POSTERS.run_sync(self._raw.post, wr)
+        with trio.CancelScope(shield=True):     # taken entries and bookkeeping: it must be posted now
+            rc = await POSTERS.run_sync(self._raw.post, wr)
         if rc:
             self._ops.pop(wr.wr_id, None)
             self._sq.release()
