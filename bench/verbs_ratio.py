@@ -23,7 +23,7 @@ link (rxe moves an RDMA READ's bytes in softirq work on the CPU of whoever poste
 ``--variant NAME:KEY=VALUE,...`` (repeatable) compares settings in the same run: each variant's ingest runs
 between the same two ib_read_bw runs, on a cluster started with the variant's environment (e.g.
 ``DATANODE_VERBS_SPIN_US=0``, ``DATANODE_VERBS_UNSIGNALED=0``, ``DATANODE_VERBS_INLINE=0``,
-``DATANODE_RDMA_WINDOWS=0``; see datanode/transport/verbs.py), and ``depth=N`` / ``size=S`` / ``clients=N``
+``DATANODE_RDMA_WINDOWS=0``; see datanode/transport/verbs.py), and ``depth=N`` / ``size=S`` / ``clients=N`` / ``replicas=N`` (that many nodes)
 change the bench itself for that variant:
 
     python bench/verbs_ratio.py --variant old:DATANODE_VERBS_SPIN_US=0,DATANODE_VERBS_UNSIGNALED=0 \
@@ -166,7 +166,7 @@ def node_path_mtus(cluster: str) -> list:
     return found
 
 
-BENCH_KEYS = ("depth", "size", "clients")
+BENCH_KEYS = ("depth", "size", "clients", "replicas")
 
 
 def parse_variant(text: str) -> tuple[str, dict, dict]:
@@ -189,19 +189,21 @@ def parse_variant(text: str) -> tuple[str, dict, dict]:
 
 
 class Cluster:
-    """The one-node verbs cluster, (re)started when the environment a variant wants differs."""
+    """The verbs cluster (one node, or as many as a variant's ``replicas=``), (re)started when the
+    environment or the number of nodes a variant wants differs."""
 
-    def __init__(self, path: str):
-        self.path, self.env, self.up = path, None, False
+    def __init__(self, root: str):
+        self.root, self.path, self.env, self.nodes, self.up = root, "", None, 0, False
 
-    def ensure(self, env: dict) -> None:
-        if self.up and env == self.env:
+    def ensure(self, env: dict, nodes: int = 1) -> None:
+        if self.up and env == self.env and nodes == self.nodes:
             return
         self.down()
+        self.path = f"{self.root}-{nodes}"       # a stopped cluster restarts as it was: one per size
         with _environ(env):
-            dnctl("cluster", "up", "--nodes", "1", "--cluster", self.path, "--transport", "verbs", "--sync",
-                  "always", "--pool-mib", "64", "--replica-timeout", "20", "--no-etcd")
-        self.env, self.up = dict(env), True
+            dnctl("cluster", "up", "--nodes", str(nodes), "--cluster", self.path, "--transport", "verbs",
+                  "--sync", "always", "--pool-mib", "64", "--replica-timeout", "20", "--no-etcd")
+        self.env, self.nodes, self.up = dict(env), nodes, True
 
     def down(self) -> None:
         if self.up:
@@ -224,9 +226,10 @@ def _environ(env: dict | None):
                 os.environ[k] = v
 
 
-def ingest(cluster: str, size: str, seconds: float, depth: int, clients: int, env: dict | None = None) -> dict:
+def ingest(cluster: str, size: str, seconds: float, depth: int, clients: int, env: dict | None = None,
+           replicas: int = 1) -> dict:
     with _environ(env), CpuSampler() as cs:
-        r = _ingest(cluster, size, seconds, depth, clients)
+        r = _ingest(cluster, size, seconds, depth, clients, replicas)
     t0, t1 = r.pop("monotonic")
     r["vm_cpu"] = cs.window(t0, t1, r["bytes"] / 1e6)      # the write phase only
     return r
@@ -241,8 +244,9 @@ def ib_read_bw_cpu(size: int, iters: int) -> tuple[float | None, dict | None]:
     return mbs, cs.window(t0, t1, size * iters / 1e6)
 
 
-def _ingest(cluster: str, size: str, seconds: float, depth: int, clients: int) -> dict:
-    out = json.loads(dnctl("bench", "--cluster", cluster, "--replicas", "1", "--mode", "write", "--size", size,
+def _ingest(cluster: str, size: str, seconds: float, depth: int, clients: int, replicas: int = 1) -> dict:
+    out = json.loads(dnctl("bench", "--cluster", cluster, "--replicas", str(replicas), "--mode", "write",
+                           "--size", size,
                            "--depth", str(depth), "--clients", str(clients), "--seconds", str(seconds),
                            "--transport", "verbs", "--json"))
     row = out["results"][0]
@@ -301,16 +305,18 @@ def main(mtus, rounds, size, seconds, depth, clients, ib_iters, variants, as_jso
                 # the variants in turn (rotated each round, so none always runs first)
                 k = (rnd - 1) % len(plan)
                 for name, env, knobs in plan[k:] + plan[:k]:
-                    cl.ensure(env)
+                    reps = int(knobs.get("replicas", 1))
+                    cl.ensure(env, reps)
                     ca = hw_counters()
-                    ings[name] = ingest(cluster, knobs.get("size", size), seconds,
-                                        int(knobs.get("depth", depth)), int(knobs.get("clients", clients)), env)
+                    ings[name] = ingest(cl.path, knobs.get("size", size), seconds,
+                                        int(knobs.get("depth", depth)), int(knobs.get("clients", clients)), env,
+                                        reps)
                     moved[name] = delta(ca, hw_counters())
                     if len(plan) > 1:
                         i = ings[name]
                         print(f"    [{name}] ingest {i['mb_s']:.1f} MB/s, p50 {i['p50_ms']} ms, errors {i['errors']}; "
                               f"rxe {moved[name]}", flush=True)
-                    paths[name] = sorted({m for m in node_path_mtus(cluster) if m})
+                    paths[name] = sorted({m for m in node_path_mtus(cl.path) if m})
                 c2 = hw_counters()
                 ib1, ibcpu1 = ib_read_bw_cpu(SIZES[size], ib_iters)
                 c3 = hw_counters()

@@ -242,6 +242,23 @@ def test_cluster_follows_real_process_and_restarts_one_node(tmp_path):
         dnctl("cluster", "down", "--cluster", root, "--timeout", 10)
 
 
+def test_cluster_up_on_a_stopped_cluster_of_another_size_refuses(tmp_path):
+    # `cluster up` on a stopped cluster restarts it as it was; asked for another number of nodes it used to
+    # restart the old ones without a word (a benchmark asking for 3 nodes got 1)
+    root = tmp_path / "c"
+    dnctl("cluster", "up", "--nodes", 1, "--cluster", root, *FAST, check=True)
+    dnctl("cluster", "down", "--cluster", root, "--timeout", 10, check=True)
+    try:
+        refused(dnctl("cluster", "up", "--nodes", 2, "--cluster", root, *FAST),
+                "stopped cluster of 1 node", "another --cluster")
+        assert len(json.loads((root / "cluster.json").read_text())["nodes"]) == 1
+        r = dnctl("cluster", "up", "--cluster", root, *FAST, check=True)      # no --nodes: as it was
+        assert "restarted the stopped cluster" in r.out
+        assert len(json.loads((root / "cluster.json").read_text())["nodes"]) == 1
+    finally:
+        dnctl("cluster", "down", "--cluster", root, "--timeout", 10)
+
+
 def test_put_with_dead_follower_leaks_no_extent_and_partition_is_degraded(tmp_path):
     # --no-etcd: without a manager nobody shrinks the set, so the puts are refused (with a manager the
     # writer rides through: tests/test_placement.py)

@@ -191,6 +191,11 @@ def cluster_up(count, cluster, base_port, sync, transport, pool_mib, replica_tim
         if running:
             raise click.ClickException(f"a cluster is already running in {rootp} ({', '.join(running)}); stop it "
                                        f"with: dnctl cluster down --cluster {rootp}")
+        given = click.get_current_context().get_parameter_source("count") == click.core.ParameterSource.COMMANDLINE
+        if given and count != len(prev["nodes"]):
+            raise click.UsageError(f"{rootp} holds a stopped cluster of {len(prev['nodes'])} node(s), which "
+                                   f"`cluster up` restarts as it was (same addresses, data kept): for {count} "
+                                   f"nodes give another --cluster directory")
     etcd_rec, started_etcd = None, False
     try:
         if prev is not None:
