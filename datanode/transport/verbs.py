@@ -317,8 +317,9 @@ class _RawPost:
     lets go of the GIL for the call) on the ``struct ibv_send_wr`` inside a pyverbs SendWR.  Found and
     checked once per QP (the QP struct by its qp_num, the SendWR struct by a probe's wr_id and opcode); a
     process where that fails posts through pyverbs as before (``for_qp`` returns None, logged once)."""
-    __slots__ = ("qp", "fn", "wr_off", "lock", "live")
+    __slots__ = ("qp", "fn", "lock", "live")
     _broken = False
+    wr_off: int | None = None            # where pyverbs keeps the struct in a SendWR: the process's, found once
 
     def __init__(self, qp: QP):
         num = qp.qp_num
@@ -328,7 +329,14 @@ class _RawPost:
         if not fn:
             raise LookupError("no post_send in the device context")
         self.fn = _POST_SEND_FN(fn)
-        # pyverbs embeds the struct in the SendWR object: find where, by a probe's wr_id and opcode
+        if _RawPost.wr_off is None:
+            _RawPost.wr_off = self._find_wr_off()
+        self.lock = threading.Lock()     # held across a post: the QP is not destroyed under it
+        self.live = True
+
+    @staticmethod
+    def _find_wr_off() -> int:
+        """pyverbs embeds the struct in the SendWR object: where, found by a probe's wr_id and opcode."""
         probe = SendWR(wr_id=0x5E4D0C0B0A090807, opcode=E.IBV_WR_RDMA_READ, num_sge=1, sg=[SGE(0, 0, 0)])
         raw = ctypes.string_at(id(probe), type(probe).__basicsize__)
         offs = [off for off in range(16, len(raw) - _WR_OPCODE - 3, 8)
@@ -336,9 +344,7 @@ class _RawPost:
                 and struct.unpack_from("<I", raw, off + _WR_OPCODE)[0] == E.IBV_WR_RDMA_READ]
         if len(offs) != 1:
             raise LookupError("cannot find the ibv_send_wr inside a pyverbs SendWR")
-        self.wr_off = offs[0]
-        self.lock = threading.Lock()     # held across a post: the QP is not destroyed under it
-        self.live = True
+        return offs[0]
 
     @classmethod
     def for_qp(cls, qp: QP) -> "_RawPost | None":
@@ -749,12 +755,17 @@ class VerbsConnection(Connection):
         try:
             self.qp.post_send(first)
         except PyverbsError as e:
-            self._ops.pop(wr.wr_id, None)
-            self._sq.release()
-            self._shutdown(f"post_send failed: {e}")
-            raise ConnectionClosed(f"{what} to {self.peer}: {e}") from None
+            raise self._post_failed(wr, what, str(e)) from None
         for _, posted in chain:
             posted()
+
+    def _post_failed(self, wr: SendWR, what: str, why: str) -> ConnectionClosed:
+        """``wr`` was not posted: its op and send-queue entry go back, the connection goes down; the error
+        to raise."""
+        self._ops.pop(wr.wr_id, None)
+        self._sq.release()
+        self._shutdown(f"post_send failed: {why}")
+        return ConnectionClosed(f"{what} to {self.peer}: {why}")
 
     async def _post_send_unlocked(self, wr: SendWR, what: str, signaled: bool) -> None:
         """``_post_send`` for a large one-sided op (nothing chained ahead of it), from a worker thread
@@ -765,10 +776,7 @@ class VerbsConnection(Connection):
         with trio.CancelScope(shield=True):     # taken entries and bookkeeping: it must be posted now
             rc = await POSTERS.run_sync(self._raw.post, wr)
         if rc:
-            self._ops.pop(wr.wr_id, None)
-            self._sq.release()
-            self._shutdown(f"post_send failed: {os.strerror(rc)}")
-            raise ConnectionClosed(f"{what} to {self.peer}: post_send: {os.strerror(rc)}")
+            raise self._post_failed(wr, what, os.strerror(rc))
 
     async def _post(self, wr: SendWR, what: str, wait: bool = True, signaled: bool = True, then=None,
                     nbytes: int = 0) -> None:
