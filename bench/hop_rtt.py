@@ -6,7 +6,7 @@ datanode/transport/tcp.py ``LeanSocket``), and trio's own ``SocketStream`` on bo
     python bench/hop_rtt.py                  # 3,000 round trips per variant, 0.5 ms apart (an idle peer)
 
 The difference between the variants is what a trio wake-up adds to a hop; a replicated write at depth 1 makes
-five such hops on its critical path (client -> leader -> follower -> leader -> client).
+four such hops on its critical path (client -> leader -> follower -> leader -> client).
 """
 from __future__ import annotations
 

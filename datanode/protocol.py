@@ -106,7 +106,7 @@ class Result(enum.IntEnum):
     WRONG_OFFSET = 0xF4         # an append not at the extent's end; arg = the extent's end
     CRC_MISMATCH = 0xF5         # bytes fail their CRC32C (a payload in transit, or a stored block on read)
     NOT_FOUND = 0xF6            # partition or extent does not exist (or was deleted)
-    DISK_ERROR = 0xF7           # the disk failed an I/O (EIO, a failed fsync, a broken extent)
+    DISK_ERROR = 0xF7           # the disk failed an I/O (EIO, a failed fsync, a broken extent; the data dir is gone)
     ERROR = 0xF8                # a bug on the node (logged there with its traceback)
     RETRY = 0xF9                # transient: the node is starting or shutting down; try again
     NO_SPACE = 0xFA             # the node's disk is full (ENOSPC)

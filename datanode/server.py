@@ -113,6 +113,8 @@ class Node(DataOps, AdminOps, RepairOps):
         self.inflight = 0
         self._settling: dict[Connection, trio.Event] = {}   # connections waiting for their last requests
         self.draining = False
+        self.data_dir_lost: str | None = None    # why the data directory is not the one opened (_watch_data_dir)
+        self._agent_scope = trio.CancelScope()   # the etcd agent's: a node that lost its data directory leaves
         self._idle = trio.Event()
         self._create_lock = trio.Lock()      # partition creates: check-then-create must not interleave
         self.counters = RequestCounters()
@@ -164,7 +166,7 @@ class Node(DataOps, AdminOps, RepairOps):
             gc.freeze()          # what start-up made (modules, the opened partitions) lives as long as we do
             self._nursery.start_soon(self.repair.run)
             if self.agent is not None:            # registers the partitions it now holds
-                self._nursery.start_soon(self.agent.run)
+                self._nursery.start_soon(self._run_agent)
 
         try:
             async with trio.open_nursery() as nursery:
@@ -173,6 +175,7 @@ class Node(DataOps, AdminOps, RepairOps):
                                                connect_timeout=cfg.replica_timeout, on_conn=self._track,
                                                auth=self.dial_auth)
                 nursery.start_soon(self._keep_trash)
+                nursery.start_soon(self._watch_data_dir)
                 await nursery.start(self.commit.run)
                 nursery.start_soon(self.metrics.loop_lag.run)
                 self.metrics.gc.install()
@@ -511,6 +514,8 @@ class Node(DataOps, AdminOps, RepairOps):
                 raise Reply(Result.RETRY, why="node is shutting down")
             if self.state != "serving" and h.opcode not in (Op.PING, Op.NODE_STATUS):
                 raise Reply(Result.RETRY, why="node is starting (opening its partitions)")
+            if self.data_dir_lost is not None and h.opcode in _CHANGES_DATA:
+                raise Reply(Result.DISK_ERROR, why=self.data_dir_lost)
             if conn.role is not None:
                 self._authorize(conn, h)
             handler = HANDLERS[h.opcode]
@@ -624,6 +629,48 @@ class Node(DataOps, AdminOps, RepairOps):
             out.update(rkey=self.region.rkey, base_addr=self.pool.base_addr)
         return out
 
+    async def _watch_data_dir(self) -> None:
+        """Checks every ``DATA_DIR_CHECK_S`` that ``data_dir`` is still the directory the node opened (the same
+        device and inode).  Removed, moved aside, or hidden by another file system (a disk unmounted under
+        the node, or one mounted over it): the extent files the node has open are then no longer the ones a
+        restart finds, so every append acknowledged from then on would be lost at the next start.  The node
+        then refuses every request that would change its data (DISK_ERROR, saying why), says so in
+        NODE_STATUS (``data_dir_lost``) and logs it once; reads go on from the open files.  With etcd it also
+        leaves the cluster map (its agent stops and revokes its lease), so the manager treats it as a dead
+        node: leadership moves to a replica that has the data, and the partitions are re-replicated.  A
+        restart on the right directory clears it."""
+        path = self.cfg.data_dir
+        try:
+            st = os.stat(path)
+        except OSError:
+            return                  # not there at start: opening the partitions fails and says so
+        opened = (st.st_dev, st.st_ino)
+        while True:
+            await trio.sleep(DATA_DIR_CHECK_S)
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                why = "was removed"
+            except OSError as e:
+                why = f"cannot be looked at ({e})"
+            else:
+                if (st.st_dev, st.st_ino) == opened:
+                    continue
+                why = "was replaced (another directory is at its path: moved aside, or a file system unmounted " \
+                      "from or mounted over it)"
+            self.data_dir_lost = (f"data directory {path} {why} while the node was running: the files it has "
+                                  f"open are not the ones a restart would find, so it refuses writes; restart "
+                                  f"it on its data directory")
+            log.error("%s", self.data_dir_lost)
+            if self.agent is not None:
+                log.error("leaving the cluster map (etcd): this node cannot keep what it would acknowledge")
+                self._agent_scope.cancel()
+            return
+
+    async def _run_agent(self) -> None:
+        with self._agent_scope:
+            await self.agent.run()
+
     async def _keep_trash(self) -> None:
         """Purges partitions deleted (or removed from) more than ``trash_retention_s`` ago."""
         every = max(1.0, min(3600.0, self.cfg.trash_retention_s / 4))
@@ -643,6 +690,7 @@ class Node(DataOps, AdminOps, RepairOps):
                 "rdma_device": getattr(self.domain.device, "name", None),
                 "rdma_windows": getattr(self.domain.device, "windows_state", None), "draining": self.draining,
                 "inflight": self.inflight - asking, "partitions": sorted(self.table.parts),
+                "data_dir_lost": self.data_dir_lost,
                 "disk": self.disk(),
                 "connections": [c.info() for c in list(self.conns)],
                 "loop_lag": self.metrics.loop_lag.to_dict(), "gc": self.metrics.gc.to_dict(),
@@ -655,6 +703,11 @@ class Node(DataOps, AdminOps, RepairOps):
                              **dataclasses.asdict(self.repair.counters)},
                 "pool": self.pool_stats(reveal)}
 
+
+# what a node whose data directory is gone refuses (_watch_data_dir): everything that writes under it
+_CHANGES_DATA = frozenset({Op.WRITE, Op.CREATE_EXTENT, Op.MARK_DELETE, Op.TRUNCATE, Op.PARTITION_CREATE,
+                           Op.PARTITION_UPDATE, Op.PARTITION_DELETE, Op.TRASH_RESTORE, Op.TRASH_PURGE})
+DATA_DIR_CHECK_S = 1.0       # how often a node looks at its data directory (one stat)
 
 HANDLERS = {Op[name].value: fn for group in (DataOps, AdminOps, RepairOps) for name, fn in group.HANDLERS.items()}
 assert set(HANDLERS) == {op.value for op in Op}, "every opcode has exactly one handler"

@@ -5,6 +5,7 @@ Each test starts its own single-member etcd on free ports with its data under th
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 
 import pytest
@@ -237,6 +238,39 @@ def test_leader_killed_fails_over_no_acked_write_lost(nodes, etcd, managers):
                 et, 1, lambda v: addrs[0] in v.replicas[1:] and v.state == "writable" and v.installed))
             assert back.leader == new.leader and back.epoch > new.epoch
             await _verify(dc, acked, back.replicas)
+    run(main)
+
+
+def test_a_leader_whose_data_directory_goes_away_leaves_the_map_and_is_failed_over(nodes, etcd, managers):
+    """The leader's data directory is removed while it runs: it refuses writes (it could not keep them) and
+    leaves etcd at once (revokes its lease), so the manager fails the partition over to a replica that holds
+    the data, as for a dead node; writes go on there and every acknowledged blob reads back."""
+    e = etcd()
+    ns = nodes(3, etcd=e.url, **ETCD_NODE)
+    addrs = [n.addr for n in ns]
+    et = Etcd(e.url)
+
+    async def main():
+        async with open_client("tcp") as dc0:
+            await create_partition(dc0, 1, addrs)
+        managers(e.url)
+        await wait_for("partition 1 adopted and writable", lambda: view(et, 1))
+        async with open_client("tcp", etcd=e.url, timeout=20) as dc:
+            acked = []
+            for i in range(3):
+                acked.append((2000 + i, 64 << 10, await dc.write(1, pattern(2000 + i, 64 << 10))))
+            shutil.rmtree(ns[0].cfg["data_dir"])
+            await wait_for("the leader to leave etcd", lambda: _nodes_exactly(et, set(addrs[1:])))
+            new = await wait_for("a new leader", lambda: _view_where(
+                et, 1, lambda v: v.leader != addrs[0] and v.installed))
+            assert new.leader in addrs[1:] and addrs[0] not in new.replicas
+            st = await dc.admin(addrs[0], Op.NODE_STATUS)
+            assert "was removed" in st["data_dir_lost"]
+            await wait_for("the client to learn the new leader",
+                           lambda: _true(dc.partition(1).replicas[0] == new.leader))
+            for i in range(3, 6):
+                acked.append((2000 + i, 64 << 10, await dc.write(1, pattern(2000 + i, 64 << 10))))
+            await _verify(dc, acked, new.replicas)
     run(main)
 
 

@@ -8,6 +8,7 @@ import json
 import os
 import pathlib
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -120,6 +121,44 @@ def test_dnctl_put_get(nodes, tmp_path):
     # an extent that does not exist: a clean error, not a traceback
     r = dnctl("get", "--node", node.addr, "--partition", str(PID), "--extent", "999", "--out", str(out))
     assert r.returncode != 0 and "Traceback" not in r.stderr and "999" in r.stderr
+
+
+@pytest.mark.parametrize("how", ["removed", "replaced"])
+def test_a_node_whose_data_directory_goes_away_refuses_writes_and_says_why(nodes, client, how):
+    """The data directory of a running node is removed -- or moved aside with another put at its path, as when
+    a disk is unmounted under the node: the files the node holds open are no longer the ones a restart finds,
+    so a write acknowledged from then on would be lost at the next start.  Within seconds the node refuses
+    writes (DISK_ERROR, saying why), NODE_STATUS and `dnctl node status` name the cause, and the bytes
+    written before still read back."""
+    [node] = nodes(1)
+    data = pattern(1, 64 * KiB)
+    d = pathlib.Path(node.cfg["data_dir"])
+
+    async def body():
+        async with client([]) as dc:
+            await create_partition(dc, PID, [node.addr])
+            eid = await dc.create_extent(PID)
+            await dc.append(PID, eid, 0, data)
+            if how == "removed":
+                shutil.rmtree(d)
+            else:
+                d.rename(d.with_name("data.aside"))
+                d.mkdir()
+            with trio.fail_after(10):
+                while not (lost := (await dc.admin(node.addr, Op.NODE_STATUS))["data_dir_lost"]):
+                    await trio.sleep(0.1)
+            assert f"data directory {d} was {how}" in lost
+            for attempt in (lambda: dc.append(PID, eid, len(data), data), lambda: dc.create_extent(PID)):
+                with pytest.raises(ClientError) as ei:
+                    await attempt()
+                assert ei.value.result == Result.DISK_ERROR
+            assert await dc.read(PID, eid, 0, len(data)) == data
+
+    run(body)
+    r = subprocess.run([sys.executable, "-m", "tools.dnctl", "node", "status", node.addr], cwd=REPO,
+                       env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "DATA DIRECTORY LOST" in r.stdout and f"data directory {d} was {how}" in r.stdout
 
 
 # ----------------------------------------------------------------------------------------------- crash

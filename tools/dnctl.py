@@ -425,6 +425,8 @@ def cluster_status(cluster, timeout, as_json):
                                     "state": admin.partition_state(p)} for p in parts])
             if "state" in st:
                 rec["state"] = st["state"]
+            if st.get("data_dir_lost"):          # up, but refusing writes: its directory is not the one it opened
+                rec.update(health="data dir lost", error=st["data_dir_lost"])
         if rec["health"] != "up" and "error" not in rec:
             rec["error"] = f"no answer within {timeout:g}s"
 
@@ -1111,11 +1113,14 @@ def _status_text(s: dict) -> str:
     c = s.get("counters") or {}
     lines = [f"node {s['node']} pid {s['pid']} up {fmt_seconds(s['uptime_s'])}"
              + (f", {s['state']}" if s.get("state") else "") + (", DRAINING" if s.get("draining") else "")
+             + (", DATA DIRECTORY LOST" if s.get("data_dir_lost") else "")
              + f"; configured transport {s['transport']}, sync {s['sync']}, rdma device "
              f"{s.get('rdma_device') or 'none'}"
              + (f" (memory windows {s['rdma_windows']})" if s.get("rdma_device") and s.get("rdma_windows") else ""),
              f"partitions {len(s['partitions']) if isinstance(s['partitions'], list) else s['partitions']}, "
              f"requests in flight {s['inflight']}"]
+    if s.get("data_dir_lost"):
+        lines.insert(1, s["data_dir_lost"])
     o = s.get("opening") or {}
     if s.get("state") == "starting" and o:
         lines.append(f"opening ({o.get('verify')} check): partitions {o.get('partitions')}/"
