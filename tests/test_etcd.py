@@ -245,16 +245,10 @@ def test_a_leader_whose_data_directory_goes_away_leaves_the_map_and_is_failed_ov
     """The leader's data directory is removed while it runs: it refuses writes (it could not keep them) and
     leaves etcd at once (revokes its lease), so the manager fails the partition over to a replica that holds
     the data, as for a dead node; writes go on there and every acknowledged blob reads back."""
-    e = etcd()
-    ns = nodes(3, etcd=e.url, **ETCD_NODE)
+    e, ns, et = managed_partition(nodes, etcd, managers)
     addrs = [n.addr for n in ns]
-    et = Etcd(e.url)
 
     async def main():
-        async with open_client("tcp") as dc0:
-            await create_partition(dc0, 1, addrs)
-        managers(e.url)
-        await wait_for("partition 1 adopted and writable", lambda: view(et, 1))
         async with open_client("tcp", etcd=e.url, timeout=20) as dc:
             acked = []
             for i in range(3):
