@@ -823,13 +823,15 @@ def _retry_elsewhere(e: ClientError) -> bool:
     """Failures after which a put goes on with another partition (ERROR: a bug on that node, logged there
     with its traceback -- one partition's trouble, not the writer's)."""
     return _changes_view(e) or e.result in (Result.BUSY, Result.POOL_BUSY, Result.WRONG_OFFSET, Result.TOO_LARGE,
-                                            Result.NO_SPACE, Result.DISK_ERROR, Result.ERROR)
+                                            Result.NO_SPACE, Result.ERROR)
 
 
 def _changes_view(e: ClientError) -> bool:
-    """Failures that a new view of the partition (a failover, a shrink) cures."""
+    """Failures that a new view of the partition (a failover, a shrink) cures -- DISK_ERROR too: a node whose
+    disk is gone leaves the map (datanode/server.py ``_watch_data_dir``), and the write goes on on a new
+    extent either way."""
     return e.result in (None, Result.REPLICATION_FAILED, Result.NOT_LEADER, Result.STALE_EPOCH, Result.DIVERGED,
-                        Result.NOT_FOUND, Result.RETRY)
+                        Result.NOT_FOUND, Result.RETRY, Result.DISK_ERROR)
 
 
 def check(resp: Header, addr: str, part: PartitionInfo | None = None) -> None:

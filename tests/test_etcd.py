@@ -242,28 +242,30 @@ def test_leader_killed_fails_over_no_acked_write_lost(nodes, etcd, managers):
 
 
 def test_a_leader_whose_data_directory_goes_away_leaves_the_map_and_is_failed_over(nodes, etcd, managers):
-    """The leader's data directory is removed while it runs: it refuses writes (it could not keep them) and
-    leaves etcd at once (revokes its lease), so the manager fails the partition over to a replica that holds
-    the data, as for a dead node; writes go on there and every acknowledged blob reads back."""
+    """The leader's data directory is removed while a client writes: the node refuses writes (it could not
+    keep them) and leaves etcd at once (revokes its lease), so the manager fails the partition over to a
+    replica that holds the data, as for a dead node; the writer goes on there without an error (the SDK waits
+    for the new view on DISK_ERROR) and every acknowledged blob reads back from every new replica."""
     e, ns, et = managed_partition(nodes, etcd, managers)
     addrs = [n.addr for n in ns]
 
     async def main():
         async with open_client("tcp", etcd=e.url, timeout=20) as dc:
-            acked = []
-            for i in range(3):
-                acked.append((2000 + i, 64 << 10, await dc.write(1, pattern(2000 + i, 64 << 10))))
-            shutil.rmtree(ns[0].cfg["data_dir"])
-            await wait_for("the leader to leave etcd", lambda: _nodes_exactly(et, set(addrs[1:])))
-            new = await wait_for("a new leader", lambda: _view_where(
-                et, 1, lambda v: v.leader != addrs[0] and v.installed))
-            assert new.leader in addrs[1:] and addrs[0] not in new.replicas
+            stop, acked, errors = trio.Event(), [], []
+            async with trio.open_nursery() as n:
+                n.start_soon(_writer, dc, 1, stop, acked, errors)
+                await wait_for("some writes", lambda: _true(len(acked) >= 5))
+                shutil.rmtree(ns[0].cfg["data_dir"])
+                await wait_for("the leader to leave etcd", lambda: _nodes_exactly(et, set(addrs[1:])))
+                new = await wait_for("a new leader", lambda: _view_where(
+                    et, 1, lambda v: v.leader != addrs[0] and v.installed))
+                assert new.leader in addrs[1:] and addrs[0] not in new.replicas
+                before = len(acked)
+                await wait_for("writes after failover", lambda: _true(len(acked) >= before + 5))
+                stop.set()
+            assert errors == [], errors
             st = await dc.admin(addrs[0], Op.NODE_STATUS)
             assert "was removed" in st["data_dir_lost"]
-            await wait_for("the client to learn the new leader",
-                           lambda: _true(dc.partition(1).replicas[0] == new.leader))
-            for i in range(3, 6):
-                acked.append((2000 + i, 64 << 10, await dc.write(1, pattern(2000 + i, 64 << 10))))
             await _verify(dc, acked, new.replicas)
     run(main)
 
