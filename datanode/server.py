@@ -555,11 +555,11 @@ class Node(DataOps, AdminOps, RepairOps):
                                             detail=why or AUDIT_NOTE.get())
                 replies = [r for _h, _t, r in answers if r is not None]
                 if replies:     # still in flight until answered: a drain must not cancel the reply
-                    await self._send(conn, *replies)
-                    if trace.ON and h.opcode == Op.WRITE:
+                    if trace.ON and h.opcode == Op.WRITE:    # before the send: the peer may see it first
                         for a_h, _t, _r in answers:
                             trace.mark("replied.F" if h.flags & Flag.FORWARDED else "replied.L", a_h.extent,
                                        a_h.offset)
+                    await self._send(conn, *replies)
             finally:
                 now = trio.current_time()
                 for a_h, a_t0, r in answers:

@@ -9,8 +9,9 @@ flush, side by side.  Without the variable nothing is noted (``ON`` is False; ca
 
 Steps: the client's ``submit`` and ``answered``; on each node, as leader (``L``) or follower (``F``),
 ``arrived`` (the request was cut from the stream), ``started`` (its handler runs), ``forwarded`` (the
-forwards are sent: leader), ``written`` (in the page cache), ``durable``, ``acked`` (every follower
-answered: leader), ``replied`` (its answer is sent).
+forwards go out: leader), ``written`` (in the page cache), ``durable``, ``acked`` (every follower
+answered: leader), ``replied`` (its answer goes out).  A step that sends is noted just *before* the send: the
+process it wakes may run and note its own next step before the sender's send call returns.
 """
 from __future__ import annotations
 

@@ -170,9 +170,9 @@ class DataOps(Handlers):
                         else:
                             fwd = h.but(flags=(h.flags | Flag.FORWARDED) & ~Flag.INLINE,
                                         addr=block.addr, rkey=self.region.rkey, rlen=h.length)
-                        fan = await self.replication.submit(part, fwd, small)
-                        if trace.ON:
+                        if trace.ON:         # before the sends: a follower may see one before we return
                             trace.mark("forwarded.L", h.extent, h.offset)
+                        fan = await self.replication.submit(part, fwd, small)
                     size = await self._append(part.store, h.extent, h.offset, view, None, pieces)
                     t3 = perf_counter()
                     if trace.ON:
