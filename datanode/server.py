@@ -111,7 +111,6 @@ class Node(DataOps, AdminOps, RepairOps):
         self.opening = OpenProgress(verify=cfg.open_verify)
         self.conns: set[Connection] = set()
         self.inflight = 0
-        self._settling: dict[Connection, trio.Event] = {}   # connections waiting for their last requests
         self.draining = False
         self.data_dir_lost: str | None = None    # why the data directory is not the one opened (_watch_data_dir)
         self._agent_scope = trio.CancelScope()   # the etcd agent's: a node that lost its data directory leaves
@@ -359,10 +358,8 @@ class Node(DataOps, AdminOps, RepairOps):
         that is answered BUSY by this connection's own task (so a peer that floods requests and never reads
         the answers stalls its own connection on TCP backpressure, and is dropped after ``peer_timeout``:
         neither tasks nor queued answers grow without bound).  A request within the limit is started right
-        where the transport delivers it (``deliver_to``: no task switch) -- and when it is the only request
-        the node has and nothing waits behind it, it runs right in the transport's task (``run_here``: its
-        handler starts without waiting for a scheduler pass, at every hop of a lone write: leader, each
-        follower); the others, and whatever arrives behind them, queue for this task."""
+        where the transport delivers it (``deliver_to``: no task switch); the others, and whatever arrives
+        behind them, queue for this task."""
         self.conns.add(conn)
         idle = self.cfg.idle_timeout_s or math.inf
         limit = self.cfg.max_inflight or self.cfg.slots
@@ -374,7 +371,7 @@ class Node(DataOps, AdminOps, RepairOps):
                     if conn.busy >= limit:
                         return False          # queued: answered BUSY below, in order
                     last[0] = now = trio.current_time()
-                    self._dispatch(nursery, conn, raw, runs, now, here=True)
+                    self._dispatch(nursery, conn, raw, runs, now)
                     return True
                 conn.deliver_to(arrived)
                 try:
@@ -400,19 +397,8 @@ class Node(DataOps, AdminOps, RepairOps):
                         self._dispatch(nursery, conn, raw, runs, last[0])
                 finally:
                     conn.deliver_to(None)     # the nursery is about to close to new arrivals
-            await self._settle(conn)
         finally:
             self._forget(conn)
-
-    async def _settle(self, conn: Connection) -> None:
-        """Wait until every request of the connection is done: those run in the transport's task
-        (``run_here``) are not in the connection's nursery, and the transport's tasks end with it."""
-        while conn.busy:
-            self._settling[conn] = ev = trio.Event()
-            try:
-                await ev.wait()
-            finally:
-                self._settling.pop(conn, None)
 
     async def _busy(self, conn: Connection, raw: bytes, limit: int) -> bool:
         """Answer a request over the connection's in-flight limit BUSY, inline; False: the peer does not
@@ -431,12 +417,10 @@ class Node(DataOps, AdminOps, RepairOps):
         await self._send(conn, resp)          # bounded by peer_timeout: else the connection is dropped
         return conn.alive
 
-    def _dispatch(self, nursery: trio.Nursery, conn: Connection, raw: bytes, runs: list, now: float,
-                  here: bool = False) -> None:
+    def _dispatch(self, nursery: trio.Nursery, conn: Connection, raw: bytes, runs: list, now: float) -> None:
         """Start the request's handler -- or, for an inline append that continues the connection's newest
         run of appends (``AppendRun``), add it to that run: it is handled with it, no task of its own.
-        ``runs``: the connection's one-item list holding that run; ``now``: the request's arrival; ``here``:
-        called from the transport's ``deliver_to`` callback (the handler may then run in its task)."""
+        ``runs``: the connection's one-item list holding that run; ``now``: the request's arrival."""
         self.counters.requests += 1
         try:
             h, payload = decode_message(raw)
@@ -464,14 +448,9 @@ class Node(DataOps, AdminOps, RepairOps):
                 ticket = (lane, lane.ticket())
                 if payload is not None:
                     run = runs[0] = AppendRun(h, payload, ticket)
-        alone = not self.inflight
         self.inflight += 1
         conn.busy += 1
-        if alone and here and conn.can_run_here():
-            self.counters.in_place += 1
-            conn.run_here(self._handle(conn, h, ticket, now, payload, run))
-        else:
-            nursery.start_soon(self._handle, conn, h, ticket, now, payload, run)
+        nursery.start_soon(self._handle, conn, h, ticket, now, payload, run)
 
     async def _send_counted(self, conn: Connection, resp: Header) -> None:
         try:
@@ -566,8 +545,6 @@ class Node(DataOps, AdminOps, RepairOps):
                     self.metrics.observe(a_h.opcode, r.result if r is not None else -1, a_h.length, now - a_t0)
                 self.inflight -= len(answers)
                 conn.busy -= len(answers)
-                if not conn.busy and self._settling and conn in self._settling:
-                    self._settling[conn].set()
                 if self.inflight == 0:
                     self._idle.set()
 

@@ -402,67 +402,6 @@ def test_appends_that_queue_up_go_as_one_append_and_each_is_answered_as_if_alone
     run(body)
 
 
-def test_a_lone_request_runs_in_the_readers_task_and_its_connection_reads_on(nodes, client, transport):
-    """A request that is the node's only one is handled right in the transport's task (``run_here``: its
-    handler starts without waiting for a scheduler pass) while a new task reads on: so while such a write
-    waits for a stopped follower, a PING behind it on the same connection is answered.  And when a client
-    hangs up while its lone write waits, the write still finishes on every replica -- acknowledged by both
-    followers, counted -- because the server waits for it before the connection's tasks end.  (TCP: the
-    verbs transport starts a task per request, as before.)"""
-    a, b, c = nodes(3)
-    data = [pattern(i, 4 * KiB) for i in range(3)]
-
-    def append(eid: int, i: int) -> Header:
-        return Header(opcode=Op.WRITE, partition=P1, extent=eid, offset=i * 4 * KiB, length=4 * KiB,
-                      crc=crc32c(data[i]), epoch=1, flags=Flag.INLINE)
-
-    async def body():
-        async with client([]) as dc:
-            await create_partition(dc, P1, [a.addr, b.addr, c.addr])
-            eid = await dc.create_extent(P1)
-
-            async def counters(x=a) -> dict:
-                return (await dc.admin(x.addr, Op.NODE_STATUS))["counters"]
-
-            before = await counters()
-            forwarded = (await counters(b))["replica_writes"]
-            link = await dc.links.get(a.addr)
-            c.proc.send_signal(signal.SIGSTOP)
-            try:
-                write = await link.submit(append(eid, 0), 30, data[0])
-                with trio.fail_after(REPLICA_TIMEOUT / 2):      # the write cannot end before c answers
-                    while (await counters(b))["replica_writes"] == forwarded:
-                        await trio.sleep(0.01)      # (the leader has read it: the PING comes behind it)
-                    pong = await (await link.submit(Header(opcode=Op.PING), 30)).result()
-                assert pong.result == Result.OK
-            finally:
-                c.proc.send_signal(signal.SIGCONT)
-            assert (await write.result()).result == Result.OK
-            after = await counters()
-            # in place: the write, and the second NODE_STATUS (each the node's only one then); not the PING
-            assert after["in_place"] - before["in_place"] == (2 if transport == "tcp" else 0)
-            assert after["requests"] - before["requests"] == 3
-
-            c.proc.send_signal(signal.SIGSTOP)
-            try:
-                async with client([]) as dc2:
-                    await (await dc2.links.get(a.addr)).submit(append(eid, 1), 30, data[1])
-                    await trio.sleep(0.3)              # it reaches the leader, which waits for c
-                await trio.sleep(0.3)                  # the client is gone
-            finally:
-                c.proc.send_signal(signal.SIGCONT)
-            with trio.fail_after(REPLICA_TIMEOUT + SLACK):
-                while (await counters())["writes"] - after["writes"] < 1:
-                    await trio.sleep(0.05)
-            done = await counters()
-            assert done["writes"] - after["writes"] == 1
-            assert done["replication_failures"] == after["replication_failures"] == 0
-            assert (await dc.append(P1, eid, 8 * KiB, data[2])).offset == 8 * KiB    # not sealed
-            for x in (a, b, c):
-                assert await dc.read(P1, eid, 0, 12 * KiB, replica=x.addr) == b"".join(data)
-    run(body)
-
-
 def test_spread_reads_go_to_every_replica_and_return_the_written_bytes(nodes, client):
     """DataClient(read_from="spread") sends each read request to the next replica in turn: every replica
     serves some of them, and the bytes are the ones written."""

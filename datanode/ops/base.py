@@ -80,7 +80,6 @@ class RequestCounters:
     writes: int = 0                # client appends acknowledged (as leader)
     replica_writes: int = 0        # forwarded appends applied (as follower)
     joined_writes: int = 0         # of both, those that went in the same append as the one before (AppendRun)
-    in_place: int = 0              # requests handled in the transport's task (the node's only one: run_here)
     write_bytes: int = 0
     reads: int = 0
     read_bytes: int = 0

@@ -6,9 +6,7 @@ Follow a write from the client to the disk (``DataOps.op_write``):
      ``Node._dispatch`` (datanode/server.py) decodes it and, for appends, takes a ticket in the extent's lane
      (arrival order) -- or, for a small inline append that continues the one before it on the connection
      whose handler has not started yet, adds it to that one's run (``AppendRun``, below): the run is then
-     handled as one append of all its bytes (the steps below, once) and each request answered on its own.
-     The handler below runs in a task of its own -- or, when the request is the node's only one, right in
-     the transport's task that read it (``Connection.run_here``: no scheduler pass before it starts);
+     handled as one append of all its bytes (the steps below, once) and each request answered on its own;
   2. we allocate a block from the registered pool and fetch the payload with a one-sided READ from the
      client's buffer straight into the block (bounded by ``peer_timeout``), then check its CRC32C -- unless
      the payload came inline (a small WRITE on TCP, ``Flag.INLINE``: no READ round trip, and no pool block

@@ -311,21 +311,6 @@ class Connection(abc.ABC):
         raises ConnectionClosed at the end as before."""
         self._on_message = on_message
 
-    def can_run_here(self) -> bool:
-        """Whether ``run_here`` may be called now: only from ``deliver_to``'s callback, on a transport that
-        can, and only when no other message is already waiting behind this one (a burst is better served by
-        a task per message, which lets the server batch them: datanode/ops/data.py AppendRun)."""
-        return False
-
-    def run_here(self, handler) -> None:
-        """Where ``can_run_here``: run ``handler`` (a coroutine: the message's handler) in the transport's own
-        task, right after the callback returns True -- its first steps wait for no scheduler pass, as those
-        of a task started for it would.  The transport first hands its reading of the connection to a new
-        task of its own, so the messages behind this one are read as before while the handler runs.  The
-        handler runs in the transport's nursery, which is cancelled when the connection is closed: whoever
-        hands it over must see it finish before closing the connection (the server counts it in ``busy``)."""
-        raise NotImplementedError(f"{self.transport} cannot run a handler in its own task")
-
     def _land(self, msg) -> bool:
         """A transport's hand-over of one control message (False: more messages than our slots)."""
         on = self._on_message

@@ -178,10 +178,6 @@ class _FrameReader:
                 raise ConnectionClosed("peer closed the connection")
             self._hi += k
 
-    def buffered(self) -> int:
-        """Bytes read from the kernel and not yet cut."""
-        return self._hi - self._lo
-
     async def into(self, dest: memoryview) -> None:
         """Fill ``dest`` with the next ``len(dest)`` bytes of the stream."""
         n = len(dest)
@@ -275,9 +271,6 @@ class TcpConnection(Connection):
         self._serve_in, self._serve_out = trio.open_memory_channel(SERVE_QUEUE)
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
-        self._nursery: trio.Nursery | None = None     # run()'s: the reader's and the serve loop's tasks
-        self._here = None                     # a handler to run in the reader's task (run_here)
-        self._alone = False                   # delivering a message with nothing buffered behind it
 
     max_inline = INLINE_MAX
 
@@ -441,54 +434,29 @@ class TcpConnection(Connection):
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """The connection's own tasks; runs until the connection closes (started by open_connection)."""
         async with trio.open_nursery() as nursery:
-            self._nursery = nursery
             nursery.start_soon(self._serve_loop)
             task_status.started()
-            await self._read(_FrameReader(self._sock))
-
-    def can_run_here(self) -> bool:
-        return self._alone
-
-    def run_here(self, handler) -> None:
-        if not self._alone:
-            raise RuntimeError("run_here outside deliver_to's callback, or with messages waiting behind")
-        self._here = handler
-
-    async def _read(self, reader: "_FrameReader") -> None:
-        """Reads the connection until it ends -- or until a message's handler is to run right here
-        (``run_here``): a new task then goes on reading, and this one runs the handler."""
-        here = None
-        try:
-            here = await self._read_loop(reader)
-        except (ConnectionClosed, OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
-            self._shutdown(str(e) or type(e).__name__)
-        except TransportError as e:
-            log.warning("connection to %s: %s", self.peer, e)
-            self._shutdown(str(e))
-        finally:
-            if here is None:
+            try:
+                await self._read_loop()
+            except (ConnectionClosed, OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+                self._shutdown(str(e) or type(e).__name__)
+            except TransportError as e:
+                log.warning("connection to %s: %s", self.peer, e)
+                self._shutdown(str(e))
+            finally:
                 self._shutdown("reader stopped")
-        if here is not None:
-            self._nursery.start_soon(self._read, reader)
-            await here
 
-    async def _read_loop(self, reader: "_FrameReader"):
-        """Frames until the connection ends (an exception), or a handler to run in place (returned)."""
+    async def _read_loop(self) -> None:
+        reader = _FrameReader(self._sock)
         while True:
             ftype, status, _pad, length, op, addr, rkey, _r = await reader.frame()
             if ftype == CTRL:
                 if length > MAX_CTRL:
                     raise TransportError(f"control message of {length} bytes")
                 msg = await reader.take(length)
-                self._alone = not reader.buffered()       # (can_run_here)
-                landed = self._land(msg)
-                self._alone = False
-                if not landed:
+                if not self._land(msg):
                     self.misbehaved = "more control messages than slots"
                     raise TransportError("peer sent more control messages than we have slots")
-                if self._here is not None:
-                    here, self._here = self._here, None
-                    return here
             elif ftype == READ_REQ:
                 await self._serve_in.send((READ_REQ, op, addr, rkey, length))
             elif ftype == READ_RESP:
