@@ -17,17 +17,7 @@ import time
 
 import trio
 
-
-def _pair() -> tuple[socket.socket, socket.socket]:
-    ls = socket.socket()
-    ls.bind(("127.0.0.1", 0))
-    ls.listen()
-    c = socket.create_connection(ls.getsockname())
-    s, _ = ls.accept()
-    ls.close()
-    for x in (c, s):
-        x.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return c, s
+from floors import loopback_pair     # (bench/ is on sys.path: this script's directory)
 
 
 async def _lean_recv(s: socket.socket) -> bytes:
@@ -87,7 +77,7 @@ def _ask(c: socket.socket, how: str, n: int, gap: float) -> list[float]:
 
 
 def one(server: str, client: str, n: int, gap: float) -> tuple[float, float]:
-    c, s = _pair()
+    c, s = loopback_pair()
     pid = os.fork()
     if pid == 0:
         c.close()

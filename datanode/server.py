@@ -681,9 +681,10 @@ class Node(DataOps, AdminOps, RepairOps):
                 "pool": self.pool_stats(reveal)}
 
 
-# what a node whose data directory is gone refuses (_watch_data_dir): everything that writes under it
-_CHANGES_DATA = frozenset({Op.WRITE, Op.CREATE_EXTENT, Op.MARK_DELETE, Op.TRUNCATE, Op.PARTITION_CREATE,
-                           Op.PARTITION_UPDATE, Op.PARTITION_DELETE, Op.TRASH_RESTORE, Op.TRASH_PURGE})
+# what a node whose data directory is gone refuses (_watch_data_dir): everything that writes under it -- the
+# extent changes a leader alone takes from clients, and the admin ops that change partitions or the trash
+_CHANGES_DATA = Node._LEADER_ONLY | {Op.PARTITION_CREATE, Op.PARTITION_UPDATE, Op.PARTITION_DELETE,
+                                     Op.TRASH_RESTORE, Op.TRASH_PURGE}
 DATA_DIR_CHECK_S = 1.0       # how often a node looks at its data directory (one stat)
 
 HANDLERS = {Op[name].value: fn for group in (DataOps, AdminOps, RepairOps) for name, fn in group.HANDLERS.items()}

@@ -87,16 +87,16 @@ def test_round_trip_sizes(nodes, client):
     run(body)
 
 
+def dnctl(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tools.dnctl", *args], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60)
+
+
 def test_dnctl_put_get(nodes, tmp_path):
     [node] = nodes(1, transport="tcp")
     data = pattern(7, 3 * MiB + 12345)
     src, out = tmp_path / "in.bin", tmp_path / "out.bin"
     src.write_bytes(data)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-
-    def dnctl(*args):
-        return subprocess.run([sys.executable, "-m", "tools.dnctl", *args], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=60)
 
     r = dnctl("partition", "create", "--id", str(PID), "--replicas", node.addr, "--json")
     assert r.returncode == 0, r.stderr
@@ -155,8 +155,7 @@ def test_a_node_whose_data_directory_goes_away_refuses_writes_and_says_why(nodes
             assert await dc.read(PID, eid, 0, len(data)) == data
 
     run(body)
-    r = subprocess.run([sys.executable, "-m", "tools.dnctl", "node", "status", node.addr], cwd=REPO,
-                       env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60)
+    r = dnctl("node", "status", node.addr)
     assert r.returncode == 0, r.stderr
     assert "DATA DIRECTORY LOST" in r.stdout and f"data directory {d} was {how}" in r.stdout
 
