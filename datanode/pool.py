@@ -1,6 +1,6 @@
 """Registered memory pool: one mmap'd arena managed by a buddy allocator.
 
-The pool allocates ONE anonymous, page-aligned arena at start-up.  Its real
+The pool allocates ONE private anonymous arena at start-up, on huge pages where the kernel gives them.  Its real
 virtual address (``BuddyPool.base_addr``) is obtained through cffi so that an
 RDMA transport can register the whole arena as a single memory region; every
 ``Block`` then carries ``addr`` (= ``base_addr + offset``) for use in work
@@ -16,7 +16,7 @@ its free blocks in a dict keyed by offset (O(1) insert / remove / buddy
 lookup), and a bit mask records which orders are non-empty, so ``alloc`` and
 ``free`` cost O(max_order) = O(log(max_block / min_block)) and never scan the
 arena.  Blocks are aligned (relative to the arena start) to their own size;
-the arena itself is page aligned.
+the arena itself starts on a huge-page boundary (``HUGE_PAGE``).
 
 Waiting
 -------
@@ -64,6 +64,27 @@ import trio
 __all__ = ["BuddyPool", "Block", "PoolExhausted"]
 
 _ffi = cffi.FFI()
+
+# The arena is advised to live on transparent huge pages (2 MiB on x86-64): a block up to 2 MiB is then one
+# piece of physical memory, which the disk takes as ONE segment of a request.  On 4 KiB pages an O_DIRECT read
+# of 1 MiB into a pool block is 256 segments, and a device that takes fewer (virtio-blk here: max_segments
+# 254) gets it as two requests, one of 1016 KiB and one of 8 KiB: on our VM's disk 1 MiB O_DIRECT preads at
+# depth 1 went at 1,000-1,100 MiB/s that way, and at 2,070-2,270 MiB/s from a huge-page buffer (the same
+# file, one run: ``bench/direct_read_pages.py``).  Fewer TLB misses on every copy too.
+HUGE_PAGE = 2 << 20
+
+
+def _advise_huge(mm: mmap.mmap, start: int, length: int) -> bool:
+    """MADV_HUGEPAGE on ``[start, +length)`` of ``mm``; False where the kernel or Python lacks it (the
+    arena then works on small pages, as before)."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None or not length:
+        return False
+    try:
+        mm.madvise(advice, start, length)
+    except OSError:
+        return False
+    return True
 
 
 class PoolExhausted(Exception):
@@ -174,13 +195,20 @@ class BuddyPool:
         self._min_shift = min_block.bit_length() - 1
         self.max_order = max_block.bit_length() - min_block.bit_length()
 
-        self._mm = mmap.mmap(-1, arena_bytes)
+        # Private anonymous memory (a plain mmap(-1) is MAP_SHARED: shmem, which the kernel backs with huge
+        # pages only where the admin turned shmem THP on), one huge page more than asked for so that the
+        # arena can start on a huge-page boundary, advised MADV_HUGEPAGE (see HUGE_PAGE).
+        self._mm = mmap.mmap(-1, arena_bytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         # Keep the cdata alive: it pins the buffer export that backs base_addr.
         self._cdata = _ffi.from_buffer(self._mm)
-        self.base_addr = int(_ffi.cast("uintptr_t", self._cdata))
-        if self.base_addr % mmap.PAGESIZE:
+        start = int(_ffi.cast("uintptr_t", self._cdata))
+        if start % mmap.PAGESIZE:
             raise RuntimeError("anonymous mmap is not page aligned")
-        self.arena = memoryview(self._mm)
+        skip = -start % HUGE_PAGE
+        self.base_addr = start + skip
+        self.huge_pages = _advise_huge(self._mm, skip, arena_bytes)
+        self._whole = memoryview(self._mm)
+        self.arena = self._whole[skip:skip + arena_bytes]
 
         # free[k]: offsets of free blocks of size min_block << k (dicts are
         # used as ordered sets; popitem() gives LIFO reuse = warm memory).
@@ -391,6 +419,7 @@ class BuddyPool:
             "waiting": self._n_waiting,
             "cancelled_waits": self._cancellations,
             "closed": self._closed,
+            "huge_pages": self.huge_pages,
         }
 
     def close(self, force: bool = False) -> None:
@@ -420,10 +449,11 @@ class BuddyPool:
                 w.done = True
                 self._n_waiting -= 1
                 w.event.set()
-        try:
-            self.arena.release()
-        except BufferError:
-            pass                      # someone re-exported the arena view itself
+        for view in (self.arena, self._whole):
+            try:
+                view.release()
+            except BufferError:
+                pass                  # someone re-exported the arena view itself
         _ffi.release(self._cdata)
         try:
             self._mm.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
 import random
 
 import cffi
@@ -23,7 +24,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from datanode.pool import Block, BuddyPool, PoolExhausted
+from datanode.pool import HUGE_PAGE, Block, BuddyPool, PoolExhausted
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -77,6 +78,46 @@ def test_defaults_and_address():
         raw = _ffi.cast("unsigned char *", p.base_addr)
         assert bytes(raw[0:4]) == b"\xde\xad\xbe\xef"
         assert raw[p.arena_bytes - 1] == 0x5A
+    finally:
+        p.close()
+
+
+def _vma_fields(addr: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds ``addr``."""
+    fields: dict[str, str] = {}
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside:
+                key, _, value = line.partition(":")
+                fields[key] = value.strip()
+    return fields
+
+
+THP = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+@pytest.mark.skipif(not os.path.exists(THP) or "[never]" in open(THP).read(),
+                    reason="transparent huge pages are off on this kernel")
+def test_the_arena_starts_on_a_huge_page_and_may_live_on_them():
+    """A 1 MiB block must be one piece of physical memory for a disk to take an O_DIRECT read into it as one
+    request: the arena is aligned to a huge page and advised MADV_HUGEPAGE (the kernel then backs it with
+    huge pages wherever it has them, as this machine's 'madvise' mode allows only for advised memory)."""
+    p = BuddyPool(64 * MiB, 4 * MiB)
+    try:
+        assert p.huge_pages and p.stats()["huge_pages"]
+        assert p.base_addr % HUGE_PAGE == 0
+        b = p.try_alloc(1 * MiB)
+        assert b.addr % HUGE_PAGE == 0 or (b.addr // HUGE_PAGE) == ((b.addr + MiB - 1) // HUGE_PAGE)
+        b.view()[::mmap.PAGESIZE] = b"\1" * (MiB // mmap.PAGESIZE)          # touched: the pages exist now
+        vma = _vma_fields(p.base_addr)
+        assert vma.get("THPeligible") == "1", vma
+        assert not any(vma.get(k, "0 kB") != "0 kB" for k in ("Shared_Clean", "Shared_Dirty")), vma   # private
+        p.free(b)
     finally:
         p.close()
 

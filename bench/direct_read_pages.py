@@ -1,0 +1,101 @@
+"""How the memory a cold read lands in shapes the disk's requests: 1 MiB O_DIRECT preads of a file, one at a
+time, into a buffer of each kind -- a plain ``mmap(-1)`` (shared anonymous, small pages), private anonymous
+memory on small pages, and private anonymous memory on a huge-page boundary advised MADV_HUGEPAGE (what
+``datanode/pool.py`` gives its arena) -- with the disk's own counters (/sys/block/DEV/stat) around each pass.
+
+    python bench/direct_read_pages.py --dir /tmp [--mib 512] [--rounds 2]
+
+On small pages a 1 MiB buffer is up to 256 physical pieces; a device that takes fewer segments per request
+(virtio-blk: /sys/block/DEV/queue/max_segments, 254 on our VMs) splits it in two requests, unless the pages
+happen to lie side by side.  Huge pages make the buffer one piece.  The file is written once (urandom,
+fdatasync) and dropped from the page cache before each pass; it is removed at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import mmap
+import os
+import pathlib
+import time
+
+MIB = 1 << 20
+HUGE = 2 << 20
+KINDS = ("shared", "private", "private+huge")
+
+
+def disk_of(path: pathlib.Path) -> str:
+    """The block device (its /sys/block name) holding ``path``: the whole disk, not the partition."""
+    dev = os.stat(path).st_dev
+    sys_dev = pathlib.Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}").resolve()
+    return sys_dev.parent.name if (sys_dev / "partition").exists() else sys_dev.name
+
+
+def counters(disk: str) -> tuple[int, int]:
+    f = pathlib.Path(f"/sys/block/{disk}/stat").read_text().split()
+    return int(f[0]), int(f[2])          # reads completed, sectors read
+
+
+def buffer(kind: str, nbytes: int) -> tuple[mmap.mmap, int]:
+    """A mapping of ``kind`` with room for ``nbytes`` at a 2 MiB boundary, every page touched; (map, start)."""
+    if kind == "shared":
+        m = mmap.mmap(-1, nbytes + HUGE)
+    else:
+        m = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    start = -ctypes.addressof(ctypes.c_char.from_buffer(m)) % HUGE
+    if kind == "private+huge":
+        m.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
+    m[::mmap.PAGESIZE] = b"\1" * (len(m) // mmap.PAGESIZE)
+    return m, start
+
+
+def one_pass(path: pathlib.Path, disk: str, kind: str, nbytes: int) -> dict:
+    m, start = buffer(kind, 32 * MIB)
+    view = memoryview(m)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        r0, s0 = counters(disk)
+        t0 = time.perf_counter()
+        for off in range(0, nbytes, MIB):
+            at = start + off % (32 * MIB)
+            os.preadv(fd, [view[at:at + MIB]], off)
+        dt = time.perf_counter() - t0
+        r1, s1 = counters(disk)
+    finally:
+        os.close(fd)
+        view.release()
+        m.close()
+    reqs = max(1, r1 - r0)
+    return {"kind": kind, "mib_s": round(nbytes / MIB / dt, 1), "requests": r1 - r0,
+            "kib_per_request": round((s1 - s0) * 512 / reqs / 1024)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", default="/tmp", help="a directory on the disk to measure")
+    ap.add_argument("--mib", type=int, default=512, help="file size")
+    ap.add_argument("--rounds", type=int, default=2, help="passes of each kind, interleaved")
+    a = ap.parse_args()
+    path = pathlib.Path(a.dir) / "direct_read_pages.dat"
+    disk = disk_of(pathlib.Path(a.dir))
+    segs = pathlib.Path(f"/sys/block/{disk}/queue/max_segments").read_text().strip()
+    thp = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
+    print(f"disk {disk}: max_segments {segs}; transparent huge pages: {thp}")
+    with open(path, "wb") as f:
+        for _ in range(a.mib):
+            f.write(os.urandom(MIB))
+        f.flush()
+        os.fdatasync(f.fileno())
+    try:
+        for _ in range(a.rounds):
+            for kind in KINDS:
+                r = one_pass(path, disk, kind, a.mib * MIB)
+                print(f"{r['kind']:>13}: {r['mib_s']:7.1f} MiB/s  {r['requests']} requests of "
+                      f"{r['kib_per_request']} KiB")
+    finally:
+        path.unlink()
+
+
+if __name__ == "__main__":
+    main()
