@@ -348,17 +348,19 @@ DIRECT_MIN = 256 << 10
 DIRECT_READS = os.environ.get("DATANODE_DIRECT_READS", "1") != "0" and bool(_O_DIRECT)
 # The same for appends: one of at least DIRECT_MIN bytes whose offset, length and buffer (the node's pool
 # block) are aligned is written with O_DIRECT -- the bytes go from the pool to the disk without a page-cache
-# copy, which on these VMs was the largest single item of a node's CPU for 1 MiB appends (34% of the leader's:
-# each append fills freshly allocated page-cache pages, which is slow on guest memory not touched for a while).
-# The write has reached the device (not its volatile cache) when pwrite returns, as after the flush's
-# sync_file_range, so the flush rules ("One flush" below) are unchanged; the kernel keeps O_DIRECT and buffered
-# I/O of one file coherent (a direct write first writes back and drops cached pages of its range).
-# Opt-in (DATANODE_DIRECT_WRITES=1), because it trades throughput for CPU where the disk is the limit: 1 MiB x
-# depth 8, 3 replicas, 3 interleaved rounds: nodes' CPU per request 4.8-5.8/3.6-4.5 -> 3.5-4.0/2.2-2.6 ms
-# (leader/followers) under sync=always, yet 92-110 -> 84-95 MiB/s (the device write now happens under the
-# extent's append lock, one MiB at a time, instead of in the group flush); under sync=none nodes' CPU per GB
-# halves but every append waits for the device and p99.9 went from 0.11-0.15 to 1.3-2.4 s on this disk.
-DIRECT_WRITES = os.environ.get("DATANODE_DIRECT_WRITES", "0") == "1" and bool(_O_DIRECT)
+# copy, which on these VMs is the largest single item of a node's CPU for 1 MiB appends (54% of all CPU of a
+# buffered 1 MiB x depth 8 run in copy_folio_from_iter_atomic, perf at 19:45 UTC stop 29: each append fills
+# freshly allocated page-cache pages, slow on guest memory not touched for a while).  The write has reached
+# the device (perhaps only its volatile cache) when pwrite returns, as after the flush's sync_file_range, so
+# the flush rules ("One flush" below) are unchanged; the kernel keeps O_DIRECT and buffered I/O of one file coherent (a
+# direct write first writes back and drops cached pages of its range).
+# On by default since the pool lives on huge pages (pool.py HUGE_PAGE), when each 1 MiB direct write became
+# one request instead of two: 1 MiB x depth 8, 3 replicas, 3 interleaved rounds (bench/perf_ab.py, after
+# warm-memory): sync=none 157-189 -> 369-420 MiB/s and 7.8-10.5 -> 3.8-4.2 CPU-s/GB (client + 3 nodes),
+# p99.9 116-816 -> 46-571 ms; sync=always 131-146 -> 226-305 MiB/s, 11.2-12.5 -> 5.0-6.8 CPU-s/GB.  (On
+# small pages it had cost throughput: -12% under sync=always, p99.9 up to 2.4 s under sync=none.)
+# DATANODE_DIRECT_WRITES=0 in a node's environment turns it off.
+DIRECT_WRITES = os.environ.get("DATANODE_DIRECT_WRITES", "1") != "0" and bool(_O_DIRECT)
 _NR_CACHESTAT = 451           # the same number on every architecture (after the 2019 unification)
 
 

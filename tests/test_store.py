@@ -921,7 +921,8 @@ def test_big_aligned_appends_go_around_the_page_cache_and_keep_every_byte(tmp_pa
     """A big append from an aligned buffer (the node's pool) at an aligned offset is written with O_DIRECT:
     none of it lands in the page cache.  Mixed with small buffered appends -- under sync=always one that
     wrote zeros ahead into the range the direct write then covers -- every byte reads back, after a reopen
-    and after a crash (the files as a kill -9 leaves them) too, with no bad block.  (DATANODE_DIRECT_WRITES=1.)"""
+    and after a crash (the files as a kill -9 leaves them) too, with no bad block.  (DIRECT_WRITES, the
+    default, forced on here for a build whose environment turned it off.)"""
     import datanode.store as store_mod
     monkeypatch.setattr(store_mod, "DIRECT_WRITES", bool(store_mod._O_DIRECT))
     root = tmp_path / "store"
@@ -948,6 +949,23 @@ def test_big_aligned_appends_go_around_the_page_cache_and_keep_every_byte(tmp_pa
         assert read(t, eid, 0, len(data)) == data
         assert t.stats()["bad_blocks"] == 0
         t.close()
+
+
+def test_direct_writes_off_write_through_the_page_cache(tmp_path, rng, monkeypatch):
+    """DATANODE_DIRECT_WRITES=0 (DIRECT_WRITES False): a big aligned append lands in the page cache."""
+    import datanode.store as store_mod
+    monkeypatch.setattr(store_mod, "DIRECT_WRITES", False)
+    s = ExtentStore(tmp_path, sync="none")
+    eid = s.create_extent()
+    big = aligned(MiB_)
+    big[:] = rng.randbytes(MiB_)
+    s.write(eid, 0, big)
+    assert s.direct_writes == 0
+    n = cached(paths(tmp_path, eid)[0], 0, MiB_)
+    if n is not None:
+        assert n == MiB_ // 4096
+    assert read(s, eid, 0, MiB_) == bytes(big)
+    s.close()
 
 
 def test_direct_reads_off_reads_through_the_page_cache(tmp_path, rng, monkeypatch):
