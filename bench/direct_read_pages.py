@@ -1,7 +1,8 @@
 """How the memory a cold read lands in shapes the disk's requests: 1 MiB O_DIRECT preads of a file, one at a
 time, into a buffer of each kind -- a plain ``mmap(-1)`` (shared anonymous, small pages), private anonymous
 memory on small pages, and private anonymous memory on a huge-page boundary advised MADV_HUGEPAGE (what
-``datanode/pool.py`` gives its arena) -- with the disk's own counters (/sys/block/DEV/stat) around each pass.
+``datanode/pool.py`` gives its arena) -- with the disk's own counters around each pass (/proc/diskstats, as
+``dnctl bench --cold`` reads them).
 
     python bench/direct_read_pages.py --dir /tmp [--mib 512] [--rounds 2]
 
@@ -17,23 +18,15 @@ import ctypes
 import mmap
 import os
 import pathlib
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools.bench import disk_delta, disk_of, disk_sample  # noqa: E402
 
 MIB = 1 << 20
 HUGE = 2 << 20
 KINDS = ("shared", "private", "private+huge")
-
-
-def disk_of(path: pathlib.Path) -> str:
-    """The block device (its /sys/block name) holding ``path``: the whole disk, not the partition."""
-    dev = os.stat(path).st_dev
-    sys_dev = pathlib.Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}").resolve()
-    return sys_dev.parent.name if (sys_dev / "partition").exists() else sys_dev.name
-
-
-def counters(disk: str) -> tuple[int, int]:
-    f = pathlib.Path(f"/sys/block/{disk}/stat").read_text().split()
-    return int(f[0]), int(f[2])          # reads completed, sectors read
 
 
 def buffer(kind: str, nbytes: int) -> tuple[mmap.mmap, int]:
@@ -55,20 +48,19 @@ def one_pass(path: pathlib.Path, disk: str, kind: str, nbytes: int) -> dict:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        r0, s0 = counters(disk)
+        a = disk_sample(disk)
         t0 = time.perf_counter()
         for off in range(0, nbytes, MIB):
             at = start + off % (32 * MIB)
             os.preadv(fd, [view[at:at + MIB]], off)
         dt = time.perf_counter() - t0
-        r1, s1 = counters(disk)
+        d = disk_delta(a, disk_sample(disk), nbytes) or {}
     finally:
         os.close(fd)
         view.release()
         m.close()
-    reqs = max(1, r1 - r0)
-    return {"kind": kind, "mib_s": round(nbytes / MIB / dt, 1), "requests": r1 - r0,
-            "kib_per_request": round((s1 - s0) * 512 / reqs / 1024)}
+    return {"kind": kind, "mib_s": round(nbytes / MIB / dt, 1), "requests": d.get("requests"),
+            "kib_per_request": d.get("avg_req_kib")}
 
 
 def main() -> None:
@@ -79,7 +71,11 @@ def main() -> None:
     a = ap.parse_args()
     path = pathlib.Path(a.dir) / "direct_read_pages.dat"
     disk = disk_of(pathlib.Path(a.dir))
-    segs = pathlib.Path(f"/sys/block/{disk}/queue/max_segments").read_text().strip()
+    if disk is None:
+        ap.error(f"{a.dir} is on no block device")
+    queue = pathlib.Path(f"/sys/class/block/{disk}").resolve()
+    queue = (queue if (queue / "queue").exists() else queue.parent) / "queue"     # a partition: its disk's
+    segs = (queue / "max_segments").read_text().strip()
     thp = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
     print(f"disk {disk}: max_segments {segs}; transparent huge pages: {thp}")
     with open(path, "wb") as f:
