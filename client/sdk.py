@@ -14,6 +14,9 @@ partition within ``timeout``.
 The client's memory is registered once, like the server's: a staging pool the datanodes may READ (write
 payloads) and a landing pool they may WRITE (read answers); each request exposes one block of it, to the
 connection it is sent on, until its answer arrives (``rpc.Requester`` grants; nothing else is reachable).
+Where every link is TCP (no RDMA device: a registration is a table entry, not a pin) a big append's payload
+and a read's answer skip the pools: the caller's own buffer is registered for that one request instead, so
+the bytes are not copied on the client.
 
 Credentials: ``secret=`` a cluster secret or role key file (or $DATANODE_SECRET_FILE); ``role=`` the role to
 claim (default: admin when the file allows it, else client).  See datanode/auth.py.  TLS: ``tls_ca=`` a CA
@@ -338,7 +341,8 @@ class DataClient:
 
     async def submit_append(self, part: PartitionInfo, extent: int, offset: int, data) -> "Awaitable[Location]":
         """Send one append without waiting for it; returns an awaitable for its Location (so a caller --
-        a benchmark, a pipeline -- can keep ``depth`` appends in flight, as ``write`` does)."""
+        a benchmark, a pipeline -- can keep ``depth`` appends in flight, as ``write`` does).  ``data`` must
+        not change until that awaitable is done: where every link is TCP the leader reads it from there."""
         return await self._submit_append(part, extent, offset, memoryview(data))
 
     async def _submit_append(self, part: PartitionInfo, extent: int, offset: int, data: memoryview):
@@ -347,7 +351,7 @@ class DataClient:
         no staging copy, no READ round trip; a larger one names a staging block the leader READs."""
         leader = part.replicas[0]
         n = len(data)
-        block = None
+        block = region = None
         if trace.ON:
             trace.mark("submit", extent, offset)
         try:
@@ -359,21 +363,26 @@ class DataClient:
                 t0 = trio.current_time()
                 pending = await link.submit(h, self.timeout, data)
             else:
-                block = await self.wpool.alloc(n, timeout=self.timeout)
-                view = block.view(n)
-                view[:] = data
-                crc = crc32c(view)
+                if self.domain.device is None:
+                    # every link is TCP: the leader READs the caller's own bytes, registered for this one
+                    # append and granted for it alone (as read_into's sink), deregistered once it is
+                    # answered -- no staging copy (so the bytes must not change until then: ``finish``)
+                    region = self.domain.register(data, address_of(data), Access.REMOTE_READ, scoped=True)
+                    addr, rkey, crc = region.addr, region.rkey, crc32c(data)
+                else:
+                    block = await self.wpool.alloc(n, timeout=self.timeout)
+                    view = block.view(n)
+                    view[:] = data
+                    addr, rkey, crc = block.addr, self.wregion.rkey, crc32c(view)
                 h = Header(opcode=Op.WRITE, partition=part.pid, extent=extent, offset=offset, length=n,
-                           crc=crc, epoch=part.epoch, addr=block.addr, rkey=self.wregion.rkey, rlen=n)
+                           crc=crc, epoch=part.epoch, addr=addr, rkey=rkey, rlen=n)
                 t0 = trio.current_time()
                 pending = await link.submit(h, self.timeout)
         except TransportError as e:
-            if block is not None:
-                self.wpool.free(block)
+            self._unstage(block, region)
             raise ClientError(f"{leader}: {e}", node=leader) from None
         except BaseException:
-            if block is not None:
-                self.wpool.free(block)
+            self._unstage(block, region)
             raise
 
         async def finish() -> Location:
@@ -383,8 +392,7 @@ class DataClient:
             except TransportError as e:
                 raise ClientError(f"{leader}: {e}", node=leader) from None
             finally:
-                if block is not None:
-                    self.wpool.free(block)
+                self._unstage(block, region)
                 self.metrics.observe(Op.WRITE, resp.result if resp is not None else -1, len(data),
                                      trio.current_time() - t0)
             if trace.ON:
@@ -393,6 +401,14 @@ class DataClient:
             return Location(part.pid, extent, offset, len(data), crc)
 
         return finish()
+
+    def _unstage(self, block, region) -> None:
+        """An append's payload is no longer needed by the leader: its staging block back to the pool, or
+        the caller's registered bytes out of the domain."""
+        if block is not None:
+            self.wpool.free(block)
+        if region is not None:
+            self.domain.deregister(region)
 
     async def write(self, pid: int, data, *, on_progress=None) -> list[Location]:
         """Write ``data`` (any size) into partition ``pid``, as pipelined block-sized appends.

@@ -341,6 +341,42 @@ def test_cold_read_through_the_node_returns_the_bytes_and_refuses_a_flipped_bit(
     run(read_flipped)
 
 
+def test_a_tcp_append_is_read_by_the_leader_from_the_callers_own_bytes(nodes, client):
+    """Where every link is TCP, a big append's payload is not staged in the client's pool: the caller's
+    buffer (``bytes`` too) is registered for that one append and the leader READs it from there; once the
+    append is answered -- acknowledged or refused -- it is out of the client's domain again.  Every byte
+    reads back from each replica."""
+    ns = nodes(2)
+    addrs = [n.addr for n in ns]
+    one = pattern(11, MiB)                       # bytes: read-only
+    more = bytearray(pattern(12, 3 * MiB))
+
+    async def main():
+        async with client([], block_size=MiB) as dc:
+            if dc.domain.device is not None:
+                pytest.skip("with an RDMA device appends are staged in the registered pool")
+            await create_partition(dc, PID, addrs)
+            regions = len(dc.domain._regions)
+            allocs = dc.wpool.stats()["allocs"]
+            eid = await dc.create_extent(PID)
+            await dc.append(PID, eid, 0, one)
+            locs = await dc.write(PID, more)                  # pipelined: several in flight at once
+            assert dc.wpool.stats()["allocs"] == allocs       # no staging block
+            assert len(dc.domain._regions) == regions         # every per-append registration dropped
+            with pytest.raises(ClientError) as ei:             # refused (not at the extent's end)
+                await dc.append(PID, eid, 5, one)
+            assert ei.value.result != Result.OK
+            assert len(dc.domain._regions) == regions
+            assert await dc.read(PID, eid, 0, MiB, replica=addrs[1]) == one
+            for loc in locs:
+                for addr in addrs:
+                    got = await dc.read(PID, loc.extent, loc.offset, loc.length, replica=addr)
+                    start = sum(x.length for x in locs[:locs.index(loc)])
+                    assert got == bytes(more[start:start + loc.length])
+
+    run(main)
+
+
 async def _one_node_extent(dc, node, data) -> int:
     """Partition PID on ``node`` alone, one extent holding ``data`` (appended 1 MiB at a time): its id."""
     await create_partition(dc, PID, [node.addr])

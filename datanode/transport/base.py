@@ -107,8 +107,13 @@ class Domain:
         self.scoped = False      # the default for ``register(scoped=None)`` (the datanode sets True)
 
     def register(self, view: memoryview, addr: int, access: Access, *, scoped: bool | None = None) -> Region:
-        if not isinstance(view, memoryview) or view.readonly:
-            raise ValueError("register needs a writable memoryview")
+        """A region of ``view`` (at ``addr``).  Writable memory, except where there is no device and peers may
+        only READ it (``Access.REMOTE_READ`` alone: the TCP transport only ever copies out of it) -- an SDK
+        append from a caller's ``bytes``."""
+        if not isinstance(view, memoryview):
+            raise ValueError("register needs a memoryview")
+        if view.readonly and (self.device is not None or access != Access.REMOTE_READ):
+            raise ValueError("register needs a writable memoryview (read-only: only REMOTE_READ, without a device)")
         if access & Access.REMOTE_WRITE:
             access |= Access.LOCAL_WRITE          # verbs requires it
         region = Region(view=view, addr=addr, access=access, rkey=0,
