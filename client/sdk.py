@@ -348,7 +348,8 @@ class DataClient:
     async def _submit_append(self, part: PartitionInfo, extent: int, offset: int, data: memoryview):
         """Sends one append and returns an awaitable for its result (so a caller can keep sending).  A small
         one (``inline_max``) goes inline with its header where the link carries it (protocol.Flag.INLINE):
-        no staging copy, no READ round trip; a larger one names a staging block the leader READs."""
+        no staging copy, no READ round trip; a larger one names memory the leader READs: the caller's own
+        bytes where every link is TCP, else a staging block of the registered pool."""
         leader = part.replicas[0]
         n = len(data)
         block = region = None

@@ -1,7 +1,8 @@
 """Registered memory pool: one mmap'd arena managed by a buddy allocator.
 
-The pool allocates ONE private anonymous arena at start-up, on huge pages where the kernel gives them.  Its real
-virtual address (``BuddyPool.base_addr``) is obtained through cffi so that an
+The pool allocates ONE private anonymous arena at start-up, on huge pages
+where the kernel gives them.  Its real virtual address (``BuddyPool.base_addr``)
+is obtained through cffi so that an
 RDMA transport can register the whole arena as a single memory region; every
 ``Block`` then carries ``addr`` (= ``base_addr + offset``) for use in work
 requests, and ``Block.view()`` gives a zero-copy writable ``memoryview`` into
@@ -69,8 +70,9 @@ _ffi = cffi.FFI()
 # piece of physical memory, which the disk takes as ONE segment of a request.  On 4 KiB pages an O_DIRECT read
 # of 1 MiB into a pool block is 256 segments, and a device that takes fewer (virtio-blk here: max_segments
 # 254) gets it as two requests, one of 1016 KiB and one of 8 KiB: on our VM's disk 1 MiB O_DIRECT preads at
-# depth 1 went at 1,000-1,100 MiB/s that way, and at 2,070-2,270 MiB/s from a huge-page buffer (the same
-# file, one run: ``bench/direct_read_pages.py``).  Fewer TLB misses on every copy too.
+# depth 1 went at 825-994 MiB/s that way, and at 2,104-2,125 MiB/s from a huge-page buffer (the same file,
+# one run: ``bench/direct_read_pages.py``).  Big O_DIRECT appends from the pool (store.DIRECT_WRITES) gain the
+# same way.
 HUGE_PAGE = 2 << 20
 
 
