@@ -349,7 +349,7 @@ DIRECT_READS = os.environ.get("DATANODE_DIRECT_READS", "1") != "0" and bool(_O_D
 # The same for appends: one of at least DIRECT_MIN bytes whose offset, length and buffer (the node's pool
 # block) are aligned is written with O_DIRECT -- the bytes go from the pool to the disk without a page-cache
 # copy, which on these VMs is the largest single item of a node's CPU for 1 MiB appends (54% of all CPU of a
-# buffered 1 MiB x depth 8 run in copy_folio_from_iter_atomic, perf at 19:45 UTC stop 29: each append fills
+# buffered 1 MiB x depth 8 run in copy_folio_from_iter_atomic, perf record -a in stop 29: each append fills
 # freshly allocated page-cache pages, slow on guest memory not touched for a while).  The write has reached
 # the device (perhaps only its volatile cache) when pwrite returns, as after the flush's sync_file_range, so
 # the flush rules ("One flush" below) are unchanged; the kernel keeps O_DIRECT and buffered I/O of one file coherent (a
