@@ -1,7 +1,7 @@
 """How the memory a cold read lands in shapes the disk's requests: 1 MiB O_DIRECT preads of a file, one at a
 time, into a buffer of each kind -- a plain ``mmap(-1)`` (shared anonymous, small pages), private anonymous
-memory on small pages, and private anonymous memory on a huge-page boundary advised MADV_HUGEPAGE (what
-``datanode/pool.py`` gives its arena) -- with the disk's own counters around each pass (/proc/diskstats, as
+memory on small pages, and a ``datanode/pool.py`` arena (private, on a huge-page boundary, advised
+MADV_HUGEPAGE) -- with the disk's own counters around each pass (/proc/diskstats, as
 ``dnctl bench --cold`` reads them).
 
     python bench/direct_read_pages.py --dir /tmp [--mib 512] [--rounds 2]
@@ -14,7 +14,6 @@ fdatasync) and dropped from the page cache before each pass; it is removed at th
 from __future__ import annotations
 
 import argparse
-import ctypes
 import mmap
 import os
 import pathlib
@@ -22,43 +21,52 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from datanode.pool import BuddyPool  # noqa: E402
+from datanode.transport.base import address_of  # noqa: E402
 from tools.bench import disk_delta, disk_of, disk_sample  # noqa: E402
 
 MIB = 1 << 20
 HUGE = 2 << 20
-KINDS = ("shared", "private", "private+huge")
+KINDS = ("shared", "private", "pool")
 
 
-def buffer(kind: str, nbytes: int) -> tuple[mmap.mmap, int]:
-    """A mapping of ``kind`` with room for ``nbytes`` at a 2 MiB boundary, every page touched; (map, start)."""
-    if kind == "shared":
-        m = mmap.mmap(-1, nbytes + HUGE)
-    else:
-        m = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    start = -ctypes.addressof(ctypes.c_char.from_buffer(m)) % HUGE
-    if kind == "private+huge":
-        m.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
+def buffer(kind: str, nbytes: int):
+    """``nbytes`` of memory of ``kind``, every page touched: (a view starting on a 2 MiB boundary, its close).
+    ``shared``: ``mmap(-1)`` (the pool's arena before stop 29); ``private``: private anonymous memory on small
+    pages; ``pool``: a ``BuddyPool``'s arena as the node has it."""
+    if kind == "pool":
+        pool = BuddyPool(nbytes, MIB)
+        pool.arena[::mmap.PAGESIZE] = b"\1" * (nbytes // mmap.PAGESIZE)
+        return pool.arena, pool.close
+    flags = {} if kind == "shared" else {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS}
+    m = mmap.mmap(-1, nbytes + HUGE, **flags)
     m[::mmap.PAGESIZE] = b"\1" * (len(m) // mmap.PAGESIZE)
-    return m, start
+    whole = memoryview(m)
+    start = -address_of(whole) % HUGE
+    view = whole[start:start + nbytes]
+
+    def close() -> None:
+        view.release()
+        whole.release()
+        m.close()
+    return view, close
 
 
 def one_pass(path: pathlib.Path, disk: str, kind: str, nbytes: int) -> dict:
-    m, start = buffer(kind, 32 * MIB)
-    view = memoryview(m)
+    view, close = buffer(kind, 32 * MIB)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         a = disk_sample(disk)
         t0 = time.perf_counter()
         for off in range(0, nbytes, MIB):
-            at = start + off % (32 * MIB)
+            at = off % (32 * MIB)
             os.preadv(fd, [view[at:at + MIB]], off)
         dt = time.perf_counter() - t0
         d = disk_delta(a, disk_sample(disk), nbytes) or {}
     finally:
         os.close(fd)
-        view.release()
-        m.close()
+        close()
     return {"kind": kind, "mib_s": round(nbytes / MIB / dt, 1), "requests": d.get("requests"),
             "kib_per_request": d.get("avg_req_kib")}
 

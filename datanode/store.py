@@ -352,8 +352,8 @@ DIRECT_READS = os.environ.get("DATANODE_DIRECT_READS", "1") != "0" and bool(_O_D
 # buffered 1 MiB x depth 8 run in copy_folio_from_iter_atomic, perf record -a in stop 29: each append fills
 # freshly allocated page-cache pages, slow on guest memory not touched for a while).  The write has reached
 # the device (perhaps only its volatile cache) when pwrite returns, as after the flush's sync_file_range, so
-# the flush rules ("One flush" below) are unchanged; the kernel keeps O_DIRECT and buffered I/O of one file coherent (a
-# direct write first writes back and drops cached pages of its range).
+# the flush rules ("One flush" below) are unchanged; the kernel keeps O_DIRECT and buffered I/O of one file
+# coherent (a direct write first writes back and drops cached pages of its range).
 # On by default since the pool lives on huge pages (pool.py HUGE_PAGE), when each 1 MiB direct write became
 # one request instead of two: 1 MiB x depth 8, 3 replicas, 3 interleaved rounds (bench/perf_ab.py, after
 # warm-memory): sync=none 157-189 -> 369-420 MiB/s and 7.8-10.5 -> 3.8-4.2 CPU-s/GB (client + 3 nodes),

@@ -368,11 +368,13 @@ def test_a_tcp_append_is_read_by_the_leader_from_the_callers_own_bytes(nodes, cl
             assert ei.value.result != Result.OK
             assert len(dc.domain._regions) == regions
             assert await dc.read(PID, eid, 0, MiB, replica=addrs[1]) == one
+            start = 0
             for loc in locs:
                 for addr in addrs:
                     got = await dc.read(PID, loc.extent, loc.offset, loc.length, replica=addr)
-                    start = sum(x.length for x in locs[:locs.index(loc)])
                     assert got == bytes(more[start:start + loc.length])
+                start += loc.length
+            assert start == len(more)
 
     run(main)
 
