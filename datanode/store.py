@@ -357,8 +357,11 @@ DIRECT_READS = os.environ.get("DATANODE_DIRECT_READS", "1") != "0" and bool(_O_D
 # On by default since the pool lives on huge pages (pool.py HUGE_PAGE), when each 1 MiB direct write became
 # one request instead of two: 1 MiB x depth 8, 3 replicas, 3 interleaved rounds (bench/perf_ab.py, after
 # warm-memory): sync=none 157-189 -> 369-420 MiB/s and 7.8-10.5 -> 3.8-4.2 CPU-s/GB (client + 3 nodes),
-# p99.9 116-816 -> 46-571 ms; sync=always 131-146 -> 226-305 MiB/s, 11.2-12.5 -> 5.0-6.8 CPU-s/GB.  (On
-# small pages it had cost throughput: -12% under sync=always, p99.9 up to 2.4 s under sync=none.)
+# p99.9 116-816 -> 46-571 ms; sync=always 131-146 -> 226-305 MiB/s, 11.2-12.5 -> 5.0-6.8 CPU-s/GB.  On a
+# kernel without huge pages (THP mode 'never', common on database hosts) it still pays: the same bench with
+# THP set to 'never', this code against page-cache appends (a node that turned direct appends off when its
+# pool was on small pages), 3 interleaved rounds: sync=always 304-338 vs 152-160 MiB/s at 4.3-4.6 vs
+# 9.3-10.6 CPU-s/GB; sync=none 351-368 vs 165-184 MiB/s (stop 30).  So it stays on there too.
 # DATANODE_DIRECT_WRITES=0 in a node's environment turns it off.
 DIRECT_WRITES = os.environ.get("DATANODE_DIRECT_WRITES", "1") != "0" and bool(_O_DIRECT)
 _NR_CACHESTAT = 451           # the same number on every architecture (after the 2019 unification)
