@@ -75,8 +75,9 @@ class Workers:
 
     Threads start as calls need them, up to ``most`` (more calls queue for them), and end after ``idle``
     seconds without work.  A call once handed over is not cancellable (as ``to_thread.run_sync``): its task
-    waits for it, so whatever it touches stays alive until it returns.  Calls must not wait for each other
-    (a call queued behind ``most`` running ones would never start)."""
+    waits for it, so whatever it touches stays alive until it returns.  A call may wait for another only if
+    that one was handed over before it (``hand_over``); any other wait could be behind ``most`` running calls
+    and never end."""
 
     def __init__(self, most: int = 32, idle: float = 10.0, name: str = "worker") -> None:
         self.most, self.idle, self.name = most, idle, name
@@ -89,8 +90,14 @@ class Workers:
     async def run_sync(self, fn, *args):
         """``fn(*args)`` in a worker thread; its result, or its exception raised here."""
         await trio.lowlevel.checkpoint_if_cancelled()
-        box: list = [False, None]                 # raised?, result or exception
-        job = (fn, args, box, trio.lowlevel.current_task(), trio.lowlevel.current_trio_token())
+        return await self.hand_over(fn, *args).result()
+
+    def hand_over(self, fn, *args) -> "Handed":
+        """Give ``fn(*args)`` to a worker thread now, without waiting (``await handed.result()`` later, from
+        the same trio run).  Calls start in the order they were handed over, so a call may wait for one
+        handed over before it (that one already has a thread): how an extent's appends keep their order in
+        the disk while their tasks go on (ExtentLane.hand_over)."""
+        job = Handed(fn, args, trio.lowlevel.current_trio_token())
         with self._lock:
             if self._free:
                 self._free -= 1
@@ -100,10 +107,7 @@ class Workers:
             else:
                 self._queued += 1
         self._jobs.put(job)
-        await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
-        if box[0]:
-            raise box[1]
-        return box[1]
+        return job
 
     def _work(self) -> None:
         while True:
@@ -116,19 +120,46 @@ class Workers:
                         self._threads -= 1
                         return
                 continue                         # a job was handed to it just now
-            fn, args, box, task, token = job
             try:
-                box[1] = fn(*args)
+                job.value = job.fn(*job.args)
             except BaseException as e:           # the caller's to handle, in its task
-                box[0], box[1] = True, e
+                job.raised, job.value = True, e
             try:
-                token.run_sync_soon(trio.lowlevel.reschedule, task)
+                job.token.run_sync_soon(job.finish)
             except trio.RunFinishedError:        # pragma: no cover - the run ended under a call
                 pass
-            del job, fn, args, box, task, token
+            del job
             with self._lock:
                 if self._queued:
                     self._queued -= 1            # it takes a queued job next
                 else:
                     self._free += 1
 
+
+class Handed:
+    """A call given to a worker thread (``Workers.hand_over``): ``await result()`` for what it returned or
+    raised.  Not cancellable once handed over: the waiting task waits for the call (what it touches stays
+    alive until it returns)."""
+
+    __slots__ = ("fn", "args", "token", "raised", "value", "done", "task")
+
+    def __init__(self, fn, args, token) -> None:
+        self.fn, self.args, self.token = fn, args, token
+        self.raised, self.value = False, None
+        self.done = False        # the call returned (set in the event loop's thread)
+        self.task = None         # the task waiting in result(), if one is
+
+    def finish(self) -> None:
+        """In the event loop's thread, once the call returned: wake the task waiting for it, if any."""
+        self.done = True
+        self.fn = self.args = None
+        if self.task is not None:
+            trio.lowlevel.reschedule(self.task)
+
+    async def result(self):
+        if not self.done:
+            self.task = trio.lowlevel.current_task()
+            await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
+        if self.raised:
+            raise self.value
+        return self.value

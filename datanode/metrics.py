@@ -102,7 +102,8 @@ class WriteStages:
     * ``fetch``    -- the payload in hand and its CRC checked: the one-sided READ from the client's (leader)
       or the leader's (follower) buffer; next to nothing for a payload that came inline;
     * ``queue``    -- waiting for the extent's turn (earlier appends to the same extent);
-    * ``local``    -- in the turn: the forwards sent (leader) and the bytes written to the extent (pwrite);
+    * ``local``    -- from the turn: the forwards sent (leader) and the bytes written to the extent (pwrite;
+      a big one in a worker thread, after the extent's earlier pwrites: ``ExtentLane.hand_over``);
     * ``durable``  -- until the append is on disk (group commit; nothing under ``sync = none``);
     * ``replicas`` -- leader only: after its own flush, until every follower's ack is in.
 

@@ -847,8 +847,8 @@ def _table(header: dict, rows: list[dict], dd: dict | None, node_names: dict[str
     if any(r.get("write_stages") for r in rows):
         lines.append("ms per append: the mean time a write phase's appends spent in each stage on each node, "
                      "as leader or follower: fetch (payload READ + CRC), queue (the extent's earlier appends), "
-                     "local (forwards sent, pwrite), durable (flush), replicas (leader: after its flush, until "
-                     "every follower acked).")
+                     "local (forwards sent, pwrite after the extent's earlier ones), durable (flush), replicas "
+                     "(leader: after its flush, until every follower acked).")
     if dd:
         if "error" in dd:
             lines.append(f"dd: {dd['command']}: {dd['error']}")

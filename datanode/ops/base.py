@@ -8,7 +8,7 @@ import json
 import trio
 
 from ..aio import Workers
-from ..partition import Partition
+from ..partition import EarlierWriteFailed, Partition
 from ..protocol import BODY_REASONS, BodyError, Header, RemoteBuf, Result, decode_view
 from ..pool import PoolExhausted
 from ..store import StoreCode, StoreError, WouldBlock, io_error
@@ -245,19 +245,36 @@ class Handlers:
         except OSError as e:
             raise store_reply(io_error(getattr(fn, "__name__", "disk"), e)) from None
 
-    async def _append(self, store, extent: int, offset: int, view, crc: int | None, pieces=None) -> int:
-        """``store.append`` (no sync): a small one right here (a pwrite into the page cache costs less
-        than the hop to a worker thread), a large one -- or one whose extent is busy -- in a thread."""
-        if len(view) <= LOOP_IO:
+    def _hand_append(self, lane, store, extent: int, offset: int, view, pieces):
+        """In the extent's turn: ``store.append`` (no sync).  A small one right here when no earlier write of
+        the extent is still out (a pwrite into the page cache costs less than the hop to a worker thread):
+        returns the new size.  Otherwise it is handed to a worker thread, in order behind the extent's earlier
+        writes (``ExtentLane.hand_over``): returns the ``aio.Handed``, for ``_appended`` after the turn."""
+        if len(view) <= LOOP_IO and not lane.writing:
             try:
-                return store.append(extent, offset, view, crc, pieces, blocking=False)
+                return store.append(extent, offset, view, None, pieces, blocking=False)
             except WouldBlock:
                 pass
             except StoreError as e:
                 raise store_reply(e) from None
             except OSError as e:
                 raise store_reply(io_error("append", e)) from None
-        return await self._store(store.append, extent, offset, view, crc, pieces)
+        return lane.hand_over(DISK, offset + len(view), store.append, extent, offset, view, None, pieces)
+
+    @staticmethod
+    async def _appended(lane, handed) -> int:
+        """The extent's new size once a handed-over append is written; its failure as the matching result
+        code (DIVERGED when an earlier write of the extent failed and this one was not done)."""
+        try:
+            return await handed.result()
+        except EarlierWriteFailed as e:
+            raise Reply(Result.DIVERGED, why=str(e)) from None
+        except StoreError as e:
+            raise store_reply(e) from None
+        except OSError as e:
+            raise store_reply(io_error("append", e)) from None
+        finally:
+            lane.handed_back()
 
     async def _read(self, store, extent: int, offset: int, length: int, view) -> int:
         """``store.read_into``: right here when the bytes are in the page cache and the extent is not being

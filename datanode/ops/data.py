@@ -15,8 +15,10 @@ Follow a write from the client to the disk (``DataOps.op_write``):
      follower the same header marked forwarded with the descriptor rewritten to name *our pool block*
      (``Replicator.submit``, datanode/replication.py: followers READ it from there, no copy here; a payload
      of at most ``INLINE_MAX`` bytes goes inline in the forward instead, where the link takes it), and
-     append the block to our extent (datanode/store.py ``append``: CRCs + pwrite; a small one right here in
-     the event loop, a large one in a worker thread);
+     append the block to our extent (datanode/store.py ``append``: CRCs + pwrite): a small one right here in
+     the event loop; a large one is handed to a worker thread, where it waits for the extent's earlier
+     writes (``ExtentLane.hand_over``) -- the turn ends once it is handed over, so the next append's turn
+     overlaps this one's pwrite;
   4. outside the turn (the extent's next append may go on): wait until the append is durable (under
      ``sync = always``: group commit, datanode/commit.py -- one flush for every append queued meanwhile), and
      for every follower's ack
@@ -148,11 +150,12 @@ class DataOps(Handlers):
                 raise Reply(Result.CRC_MISMATCH, why="payload CRC does not match the header")
             fan = None
             t1 = perf_counter()
-            async with lane.turn(t):
+            async with lane.turn(t, settle=False):
                 t2 = perf_counter()
                 if lane.diverged and not (forwarded and h.flags & Flag.REPAIR):  # repair may fill a sealed one
                     raise Reply(Result.DIVERGED, why=f"extent {h.extent} sealed: {lane.diverged}")
-                end = self._size(part, h.extent)     # in our turn, every earlier append has reached the store
+                # in our turn, every earlier append has reached the store or been handed to the disk
+                end = lane.tail if lane.writing else self._size(part, h.extent)
                 if h.offset != end:
                     raise Reply(Result.WRONG_OFFSET, arg=end,
                                 why=f"append at {h.offset} but extent {h.extent} ends at {end}")
@@ -171,15 +174,24 @@ class DataOps(Handlers):
                         if trace.ON:         # before the sends: a follower may see one before we return
                             trace.mark("forwarded.L", h.extent, h.offset)
                         fan = await self.replication.submit(part, fwd, small)
-                    size = await self._append(part.store, h.extent, h.offset, view, None, pieces)
-                    t3 = perf_counter()
-                    if trace.ON:
-                        trace.mark("written.F" if forwarded else "written.L", h.extent, h.offset)
+                    # the local write: done right here (small), or handed to a worker thread behind the
+                    # extent's earlier writes -- our turn ends as soon as it is handed over
+                    written = self._hand_append(lane, part.store, h.extent, h.offset, view, pieces)
                 except BaseException as e:
                     self.replication.seal(part, h.extent, lane, f"local write failed: {e}")
                     if fan:
                         await self.replication.wait(fan)   # the followers must be done with our block
                     raise
+            try:
+                size = written if isinstance(written, int) else await self._appended(lane, written)
+                t3 = perf_counter()
+                if trace.ON:
+                    trace.mark("written.F" if forwarded else "written.L", h.extent, h.offset)
+            except BaseException as e:
+                self.replication.seal(part, h.extent, lane, f"local write failed: {e}")
+                if fan:
+                    await self.replication.wait(fan)
+                raise
             # outside the turn: the extent's next append goes on while this one becomes durable (group
             # commit, datanode/commit.py) and the followers answer
             try:
