@@ -178,31 +178,23 @@ class DataOps(Handlers):
                     # extent's earlier writes -- our turn ends as soon as it is handed over
                     written = self._hand_append(lane, part.store, h.extent, h.offset, view, pieces)
                 except BaseException as e:
-                    self.replication.seal(part, h.extent, lane, f"local write failed: {e}")
-                    if fan:
-                        await self.replication.wait(fan)   # the followers must be done with our block
+                    await self._seal(part, h.extent, lane, fan, f"local write failed: {e}")
                     raise
+            # outside the turn: the extent's next append goes on while this one is written (if it was handed
+            # over) and becomes durable (group commit, datanode/commit.py), and the followers answer
+            stage = "write"
             try:
                 size = written if isinstance(written, int) else await self._appended(lane, written)
                 t3 = perf_counter()
                 if trace.ON:
                     trace.mark("written.F" if forwarded else "written.L", h.extent, h.offset)
-            except BaseException as e:
-                self.replication.seal(part, h.extent, lane, f"local write failed: {e}")
-                if fan:
-                    await self.replication.wait(fan)
-                raise
-            # outside the turn: the extent's next append goes on while this one becomes durable (group
-            # commit, datanode/commit.py) and the followers answer
-            try:
+                stage = "flush"
                 await self._durable(part.store, h.extent, size)
                 t4 = perf_counter()
                 if trace.ON:
                     trace.mark("durable.F" if forwarded else "durable.L", h.extent, h.offset)
             except BaseException as e:
-                self.replication.seal(part, h.extent, lane, f"local flush failed: {e}")
-                if fan:
-                    await self.replication.wait(fan)
+                await self._seal(part, h.extent, lane, fan, f"local {stage} failed: {e}")
                 raise
             if fan:
                 failed = await self.replication.wait(fan)
@@ -232,6 +224,13 @@ class DataOps(Handlers):
         self.counters.joined_writes += requests - 1
         self.counters.write_bytes += h.length
         return h.reply(Result.OK, arg=size, crc=h.crc)
+
+    async def _seal(self, part, extent: int, lane, fan, why: str) -> None:
+        """A step of an append failed after its turn began: seal the extent (its replicas may differ now) and
+        wait until the followers are done with our pool block (the caller frees it next)."""
+        self.replication.seal(part, extent, lane, why)
+        if fan:
+            await self.replication.wait(fan)
 
     async def op_read(self, conn, h: Header, _t) -> Header:
         part = self._partition(h)        # the buffer holds h.length bytes: checked by decode
