@@ -8,6 +8,7 @@ side.  Followers are F1, F2, ... in the order of their trace files.
 
     python bench/write_timeline.py                         # 4 KiB, depth 1, 3 replicas, sync always, 5 s
     python bench/write_timeline.py --depth 16 --json
+    python bench/write_timeline.py --reads --cold --size 1MiB --depth 8      # a read's steps, from the disk
 
 Steps of a run of appends (ops/data.py AppendRun) are noted for its first request only; the table counts
 appends whose every step on every process was seen.
@@ -35,12 +36,13 @@ def dnctl(*args: str, env: dict) -> subprocess.CompletedProcess:
     return p
 
 
-def timeline(trace_dir: pathlib.Path) -> tuple[int, list[dict]]:
-    """The appends seen on every process, and per step its time since submit: [{step, p10, p50, p90}]."""
+def timeline(trace_dir: pathlib.Path, reads: bool = False) -> tuple[int, list[dict]]:
+    """The appends (``reads``: the reads) seen on every process, and per step its time since submit:
+    [{step, p10, p50, p90}]."""
     per: dict[tuple[int, int], dict[str, float]] = collections.defaultdict(dict)
     followers = 0
     for f in sorted(trace_dir.glob("trace-*.json")):
-        steps = json.loads(f.read_text())
+        steps = [s for s in json.loads(f.read_text()) if s[0].startswith("read.") == reads]
         name = ""
         if any(step.endswith(".F") for step, *_ in steps):
             followers += 1
@@ -50,11 +52,12 @@ def timeline(trace_dir: pathlib.Path) -> tuple[int, list[dict]]:
     want = max((len(steps) for steps in per.values()), default=0)     # every step on every process
     rows: dict[str, list[float]] = collections.defaultdict(list)
     complete = 0
+    first = "read.submit" if reads else "submit"
     for steps in per.values():
-        if len(steps) < want or "submit" not in steps:
+        if len(steps) < want or first not in steps:
             continue                 # a run's joined request, or a step not seen
         complete += 1
-        t0 = steps["submit"]
+        t0 = steps[first]
         for step, t in steps.items():
             rows[step].append((t - t0) * 1e3)
     out = []
@@ -72,8 +75,17 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=1)
     ap.add_argument("--seconds", type=float, default=5)
     ap.add_argument("--sync", choices=["always", "none"], default="always")
+    ap.add_argument("--reads", action="store_true",
+                    help="the reads' timeline instead: the bench writes (unmeasured), then reads it back")
+    ap.add_argument("--cold", action="store_true", help="with --reads: from a dropped page cache (dnctl bench "
+                    "--cold: needs root; its disk baselines run too)")
+    ap.add_argument("--total-mib", type=int, default=512, help="with --cold: MiB read (default 512)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    if a.cold and not a.reads:
+        ap.error("--cold goes with --reads")
+    phase = ["--mode", "read", "--cold", "--rounds", "1", "--total-mib", str(a.total_mib)] if a.cold else \
+        ["--mode", "read" if a.reads else "write", "--seconds", str(a.seconds)]
     with tempfile.TemporaryDirectory(prefix="write-timeline-") as d:
         trace_dir = pathlib.Path(d) / "trace"
         trace_dir.mkdir()
@@ -82,18 +94,21 @@ def main() -> None:
         dnctl("cluster", "up", "--nodes", str(a.nodes), "--cluster", cluster, "--sync", a.sync, env=env)
         try:
             bench = json.loads(dnctl("bench", "--cluster", cluster, "--partition", "1", "--size", a.size, "--depth",
-                                     str(a.depth), "--seconds", str(a.seconds), "--mode", "write", "--json",
-                                     env=env).stdout)
+                                     str(a.depth), *phase, "--json", env=env).stdout)
         finally:
             dnctl("cluster", "down", "--cluster", cluster, env=env)     # the nodes write their steps as they exit
-        complete, rows = timeline(trace_dir)
-    row = bench["results"][0]
+        complete, rows = timeline(trace_dir, a.reads)
+    row = [r for r in bench["results"] if r["phase"] == ("read" if a.reads else "write")][0]
+    what = "reads" if a.reads else "appends"
     if a.json:
-        print(json.dumps({"appends": complete, "bench_p50_ms": row["latency_ms"]["p50"], "steps": rows}))
+        print(json.dumps({what: complete, "bench_p50_ms": row["latency_ms"]["p50"], "mib_s": row["mib_s"],
+                          "steps": rows}))
         return
-    print(f"{a.size} appends, depth {a.depth}, {a.nodes} replicas, sync {a.sync}: {row['iops']:.0f} writes/s, bench "
-          f"p50 {row['latency_ms']['p50']:.3f} ms; {complete} appends seen at every step")
-    print("ms since the client's submit (L: leader, F1, F2: followers)")
+    print(f"{a.size} {what}{' (cold)' if a.cold else ''}, depth {a.depth}, {a.nodes} replicas, sync {a.sync}: "
+          f"{row['iops']:.0f} {what}/s, {row['mib_s']:.1f} MiB/s, bench p50 {row['latency_ms']['p50']:.3f} ms; "
+          f"{complete} {what} seen at every step")
+    print("ms since the client's submit" + (" (the node serving it: the leader)" if a.reads else
+                                             " (L: leader, F1, F2: followers)"))
     prev = 0.0
     for r in rows:
         print(f"  {r['step']:14} p50 {r['p50']:7.3f}  (+{r['p50'] - prev:6.3f})   p10 {r['p10']:7.3f}  "

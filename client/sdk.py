@@ -777,10 +777,14 @@ class DataClient:
             h = Header(opcode=Op.READ, partition=part.pid, extent=extent, offset=offset, length=length,
                        epoch=part.epoch, flags=flags)
             try:
+                if trace.ON:
+                    trace.mark("read.submit", extent, offset)
                 resp, _ = await self.request(addr, h, answer=max(length, 1), sink=dest)
                 check(resp, addr, part)
                 if resp.length != length or crc32c(dest) != resp.crc:
                     raise ClientError(f"{addr}: data arrived with a bad CRC", Result.CRC_MISMATCH, addr)
+                if trace.ON:
+                    trace.mark("read.answered", extent, offset)
             except ClientError as e:
                 if e.result == Result.STALE_EPOCH and not refreshed:   # the map changed: reload, retry
                     refreshed = True

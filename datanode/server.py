@@ -433,8 +433,8 @@ class Node(DataOps, AdminOps, RepairOps):
             conn.busy += 1                        # an answer in flight counts against max_inflight too
             nursery.start_soon(self._send_counted, conn, resp)
             return
-        if trace.ON and h.opcode == Op.WRITE:
-            trace.mark("arrived.F" if h.flags & Flag.FORWARDED else "arrived.L", h.extent, h.offset)
+        if trace.ON and h.opcode in (Op.WRITE, Op.READ):
+            trace.mark(trace.arrived(h.opcode == Op.READ, h.flags & Flag.FORWARDED), h.extent, h.offset)
         run = runs[0]
         if payload is not None and run is not None and run.join(h, payload, now):
             self.inflight += 1
@@ -534,10 +534,10 @@ class Node(DataOps, AdminOps, RepairOps):
                                             detail=why or AUDIT_NOTE.get())
                 replies = [r for _h, _t, r in answers if r is not None]
                 if replies:     # still in flight until answered: a drain must not cancel the reply
-                    if trace.ON and h.opcode == Op.WRITE:    # before the send: the peer may see it first
+                    if trace.ON and h.opcode in (Op.WRITE, Op.READ):   # before the send: the peer may see it first
+                        step = trace.replied(h.opcode == Op.READ, h.flags & Flag.FORWARDED)
                         for a_h, _t, _r in answers:
-                            trace.mark("replied.F" if h.flags & Flag.FORWARDED else "replied.L", a_h.extent,
-                                       a_h.offset)
+                            trace.mark(step, a_h.extent, a_h.offset)
                     await self._send(conn, *replies)
             finally:
                 now = trio.current_time()

@@ -7,7 +7,12 @@ the times of processes on one machine compare -- and writes them to ``DIR/trace-
 client's submit to every step on every process: the hops between processes, each node's own work and its
 flush, side by side.  Without the variable nothing is noted (``ON`` is False; call sites test it first).
 
-Steps: the client's ``submit`` and ``answered``; on each node, as leader (``L``) or follower (``F``),
+A read's steps are noted too, named ``read.STEP`` (one node serves a read): the client's ``read.submit`` and
+``read.answered``; on the node ``read.arrived``, ``read.started`` (its answer's byte budget and pool block
+taken), ``read.disk`` (the bytes are in the block, CRC-checked), ``read.sent`` (in the socket, or posted on
+verbs) and ``read.replied``.
+
+Steps of an append: the client's ``submit`` and ``answered``; on each node, as leader (``L``) or follower (``F``),
 ``arrived`` (the request was cut from the stream), ``started`` (its handler runs), ``forwarded`` (the
 forwards go out: leader), ``written`` (in the page cache), ``durable``, ``acked`` (every follower
 answered: leader), ``replied`` (its answer goes out).  A step that sends is noted just *before* the send: the
@@ -31,6 +36,14 @@ _steps: list[tuple[str, int, int, float]] = []
 def mark(step: str, extent: int, offset: int) -> None:
     if len(_steps) < LIMIT:
         _steps.append((step, extent, offset, time.perf_counter()))
+
+
+def arrived(read: bool, forwarded) -> str:
+    return "read.arrived" if read else "arrived.F" if forwarded else "arrived.L"
+
+
+def replied(read: bool, forwarded) -> str:
+    return "read.replied" if read else "replied.F" if forwarded else "replied.L"
 
 
 def _dump() -> None:

@@ -162,3 +162,20 @@ def test_a_traced_cluster_gives_every_append_its_steps_in_causal_order():
         steps = chain + follower + ["acked.L", "replied.L", "answered"]
         assert [t[s] for s in steps] == sorted(t[s] for s in steps), (f, t)
     assert t["started.L"] < t["written.L"] < t["durable.L"] < t["acked.L"]
+
+
+def test_a_traced_cluster_gives_every_read_its_steps_in_causal_order():
+    """bench/write_timeline.py --reads: each READ's steps on the client and the node that served it, each median
+    after the step that causes it (the request arrives, takes its budget and block, the disk, the payload goes
+    out, then the answer) -- and no append's step is taken for a read's."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    p = subprocess.run([sys.executable, str(root / "bench" / "write_timeline.py"), "--reads", "--size", "1MiB",
+                        "--depth", "2", "--seconds", "1", "--json"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout)
+    assert out["reads"] > 20
+    t = {r["step"]: r["p50"] for r in out["steps"]}
+    steps = ["read.submit", "read.arrived", "read.started", "read.disk", "read.sent", "read.replied",
+             "read.answered"]
+    assert sorted(t) == sorted(steps), t
+    assert [t[s] for s in steps] == sorted(t.values()), t

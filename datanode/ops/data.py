@@ -248,7 +248,11 @@ class DataOps(Handlers):
         try:
             block = await self._alloc(h.length, conn)
             view = block.view(h.length)
+            if trace.ON:
+                trace.mark("read.started", h.extent, h.offset)
             crc = await self._read(part.store, h.extent, h.offset, h.length, view)
+            if trace.ON:
+                trace.mark("read.disk", h.extent, h.offset)
             if h.length:
                 # one-sided WRITE, posted: our response follows it on the connection, and the client checks
                 # the bytes against the CRC in it.  The transport hands the block back (``release``) once it
@@ -256,6 +260,8 @@ class DataOps(Handlers):
                 # after our response is on its way behind it
                 await self._write_remote(conn, view, h.remote.slice(0, h.length), posted=True, release=release)
                 handed = True
+                if trace.ON:
+                    trace.mark("read.sent", h.extent, h.offset)
         finally:
             if not handed:
                 release()
