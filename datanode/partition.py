@@ -281,6 +281,7 @@ class PartitionTable:
         self.verify = verify      # how stores are opened: "tail" or "full" (datanode/store.py)
         self.parts: dict[int, Partition] = {}
         self._trash_lock = threading.Lock()        # see _trash_op
+        self._deleted_counts = {"one_flushes": 0, "direct_writes": 0}   # of the stores of deleted partitions
 
     def load(self, progress: OpenProgress | None = None,
              checkpoint: Callable[[], None] | None = None) -> None:
@@ -360,6 +361,13 @@ class PartitionTable:
         self.parts[pid] = p
         return p
 
+    def store_counts(self) -> dict[str, int]:
+        """The stores' counters (``one_flushes``, ``direct_writes``) since the node started: its partitions'
+        and those of the partitions it deleted meanwhile (a counter must not go down: a bench's scratch
+        partition, deleted at its end, took its counts with it)."""
+        return {k: n + sum(getattr(p.store, k) for p in list(self.parts.values()))
+                for k, n in self._deleted_counts.items()}
+
     @property
     def trash(self) -> pathlib.Path:
         return self.root.parent / "trash"
@@ -368,6 +376,8 @@ class PartitionTable:
         """Stop serving partition ``pid`` and move its data to the trash; returns where it went."""
         p = self.parts.pop(pid)
         p.store.close()
+        for k in self._deleted_counts:
+            self._deleted_counts[k] += getattr(p.store, k)
         self.trash.mkdir(exist_ok=True)
         dest = self.trash / f"{pid}.{time.time_ns()}"
         os.rename(p.root, dest)

@@ -674,8 +674,7 @@ class Node(DataOps, AdminOps, RepairOps):
                 "write_stages": self.metrics.write_stages.to_dict(),
                 "counters": {**dataclasses.asdict(self.counters), **dataclasses.asdict(self.replication.counters),
                              **dataclasses.asdict(self.commit.counters),
-                             "one_flushes": sum(p.store.one_flushes for p in list(self.table.parts.values())),
-                             "direct_writes": sum(p.store.direct_writes for p in list(self.table.parts.values())),
+                             **self.table.store_counts(),
                              "answers_refused": self.answers_refused(),
                              **dataclasses.asdict(self.repair.counters)},
                 "pool": self.pool_stats(reveal)}

@@ -145,3 +145,30 @@ def test_one_flush_covers_every_append_before_it(tmp_path):
         again.read_into(eid, 0, len(d), memoryview(out))
         assert bytes(out) == d and again.size(eid) == len(d)
     again.close()
+
+
+def test_the_store_counters_a_node_reports_do_not_go_down_when_a_partition_is_deleted(tmp_path, monkeypatch):
+    """NODE_STATUS ``one_flushes`` / ``direct_writes`` count the node's lifetime, as its other counters do: a
+    deleted partition (a bench's scratch one, deleted at its end) keeps its counts there."""
+    import mmap
+
+    import datanode.store as store_mod
+    from datanode.partition import PartitionTable
+    monkeypatch.setattr(store_mod, "DIRECT_WRITES", bool(store_mod._O_DIRECT))
+    table = PartitionTable(tmp_path, "always")
+    try:
+        store = table.create(7, ["127.0.0.1:1"], 1).store
+        eid = store.create_extent()
+        big = memoryview(mmap.mmap(-1, 1 << 20))      # page-aligned: an O_DIRECT append where the fs takes one
+        big[:] = random.Random(7).randbytes(1 << 20)
+        off = 0
+        for data in (b"a" * 4096, b"b" * 4096, big):   # the second over zeros written ahead: one fdatasync
+            store.write(eid, off, data)
+            off += len(data)
+        before = table.store_counts()
+        assert before["one_flushes"] >= ONE_FLUSH and before["direct_writes"] == store.direct_writes, before
+        table.delete(7)
+        assert table.store_counts() == before
+        assert table.create(8, ["127.0.0.1:1"], 1) and table.store_counts() == before
+    finally:
+        table.close()
