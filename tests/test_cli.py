@@ -13,6 +13,7 @@ import os
 import pathlib
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -257,6 +258,33 @@ def test_cluster_up_on_a_stopped_cluster_of_another_size_refuses(tmp_path):
         assert len(json.loads((root / "cluster.json").read_text())["nodes"]) == 1
     finally:
         dnctl("cluster", "down", "--cluster", root, "--timeout", 10)
+
+
+def test_cluster_down_stops_a_cluster_whose_directory_was_removed_under_it(tmp_path):
+    # `rm -rf` of a running cluster's directory left its etcd, manager and nodes running with nothing to find
+    # them by: `cluster down` said "not a cluster directory", and `cluster up` on the same ports only said
+    # "already in use" (this happened to us twice while benchmarking)
+    root = tmp_path / "c"
+    port = free_port()
+    dnctl("cluster", "up", "--nodes", 1, "--cluster", root, "--base-port", port, *FAST, check=True)
+    info = json.loads((root / "cluster.json").read_text())
+    pids = [n["pid"] for n in info["nodes"]] + [info["etcd"]["pid"]] + [m["pid"] for m in info["managers"]]
+    try:
+        shutil.rmtree(root)
+        p = dnctl("cluster", "up", "--nodes", 1, "--cluster", root, "--base-port", port, *FAST)
+        refused(p, "already in use", f"dnctl cluster down --cluster {root}", str(info["nodes"][0]["pid"]))
+        down = json.loads(dnctl("cluster", "down", "--cluster", root, "--json", check=True).out)
+        assert sorted(d["pid"] for d in down) == sorted(pids), (down, pids)
+        assert [d["kind"] for d in down] == ["manager", "datanode", "etcd"], down
+        assert all(d["result"] == "stopped" for d in down), down
+        assert all(_pid_gone(pid) for pid in pids)
+        refused(dnctl("cluster", "down", "--cluster", root), "not a cluster directory")   # nothing left to stop
+        dnctl("cluster", "up", "--nodes", 1, "--cluster", root, "--base-port", port, *FAST, check=True)
+    finally:
+        dnctl("cluster", "down", "--cluster", root, "--timeout", 10)
+        for pid in pids:
+            if cl.pid_alive(pid):
+                os.kill(pid, 9)
 
 
 def test_put_with_dead_follower_leaks_no_extent_and_partition_is_degraded(tmp_path):

@@ -292,7 +292,7 @@ def up(root: pathlib.Path, nodes: int = 3, base_port: int | None = None, *, star
         busy = [base_port + i for i in range(nodes) if not port_free("127.0.0.1", base_port + i)]
         if busy:
             raise RuntimeError(f"port(s) {', '.join(map(str, busy))} on 127.0.0.1 already in use; "
-                               f"pick another --base-port")
+                               f"pick another --base-port" + _held_by(busy))
     started: list[NodeProc] = []
     try:
         ports: set[int] = set()
@@ -321,6 +321,19 @@ def up(root: pathlib.Path, nodes: int = 3, base_port: int | None = None, *, star
             "started": time.time()}
     save(root, info)
     return info
+
+
+def _held_by(ports: list[int]) -> str:
+    """What holds these ports, where that is a datanode of a cluster directory that is gone (how to stop it)."""
+    gone = {}
+    for port in ports:
+        pid = listener_pid(f"127.0.0.1:{port}")
+        d = cluster_dir_of(pid) if pid else None
+        if d is not None and not (d / "cluster.json").exists():
+            gone.setdefault(d, []).append(f"{port} (datanode pid {pid})")
+    return "".join(f"; {', '.join(held)}: of a cluster in {d}, whose cluster.json is gone (the directory removed "
+                   f"while it ran?): stop its processes with: dnctl cluster down --cluster {d}"
+                   for d, held in gone.items())
 
 
 def add_node(root: pathlib.Path, port: int | None = None, start_timeout: float = START_TIMEOUT) -> dict:
@@ -404,6 +417,78 @@ def _stop_pids(recs: list[tuple[dict, int]], timeout: float) -> None:
         else:
             rec["result"] = "stopped"
             rec["seconds"] = round(time.monotonic() - t0, 2)
+
+
+def _argv(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0")]
+    except OSError:
+        return None
+
+
+def _opt(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv[:-1] else None
+
+
+def _full_path(pid: int, path: str | None) -> pathlib.Path | None:
+    """``path``, an argument of process ``pid``, made absolute against that process's working directory."""
+    if not path:
+        return None
+    try:
+        return pathlib.Path(os.path.normpath(os.path.join(os.readlink(f"/proc/{pid}/cwd"), path)))
+    except OSError:
+        return None
+
+
+def _under(pid: int, path: str | None, root: pathlib.Path) -> bool:
+    """Is ``path`` (an argument of process ``pid``) inside ``root``?"""
+    full = _full_path(pid, path)
+    return full is not None and (full == root or root in full.parents)
+
+
+def cluster_dir_of(pid: int) -> pathlib.Path | None:
+    """The cluster directory a datanode process was started in by ``dnctl cluster up`` (DIR of its
+    ``--config DIR/nodeN/node.toml``), or None."""
+    argv = _argv(pid)
+    full = _full_path(pid, _opt(argv, "--config")) if argv and is_datanode(pid) else None
+    if full is None:
+        return None
+    return full.parent.parent if full.name == "node.toml" and full.parent.name.startswith("node") else None
+
+
+def strays(root: pathlib.Path) -> list[dict]:
+    """The processes of a cluster directory that has no cluster.json any more -- it was removed (or emptied)
+    under a running cluster, so ``down`` has nothing to find them by: datanodes started with a config in it,
+    an etcd member keeping its data in it, and the managers following that etcd member.  Managers first,
+    etcd last (the order to stop them in): [{"kind", "pid", "what"}]."""
+    import psutil
+    root = pathlib.Path(os.path.abspath(root))
+    nodes, etcds, managers = [], [], []
+    for proc in psutil.process_iter():
+        pid = proc.pid
+        if pid == os.getpid():
+            continue
+        argv = _argv(pid)
+        if not argv or not argv[0]:
+            continue
+        if is_datanode(pid) and _under(pid, _opt(argv, "--config"), root):
+            nodes.append({"kind": "datanode", "pid": pid, "what": _opt(argv, "--config")})
+        elif argv[0].endswith("etcd") and _under(pid, _opt(argv, "--data-dir"), root):
+            etcds.append({"kind": "etcd", "pid": pid, "what": _opt(argv, "--listen-client-urls") or "?"})
+        elif "tools.manager" in argv and "manager" in argv:
+            managers.append({"kind": "manager", "pid": pid, "what": _opt(argv, "--etcd") or "?"})
+    urls = {u for e in etcds for u in e["what"].split(",")}
+    return [m for m in managers if m["what"] in urls] + nodes + etcds
+
+
+def stop_strays(root: pathlib.Path, timeout: float = 30.0) -> list[dict]:
+    """Stop ``strays(root)`` (managers, then datanodes -- SIGTERM, they drain -- then etcd); each gets a
+    ``result``."""
+    found = strays(root)
+    for kind in ("manager", "datanode", "etcd"):
+        _stop_pids([(r, r["pid"]) for r in found if r["kind"] == kind], timeout)
+    return found
 
 
 def aux_process(rec: dict, kind: str) -> int | None:

@@ -295,7 +295,17 @@ def cluster_down(cluster, timeout, as_json):
     Each node is found by the process listening on its address (also one restarted by hand); a pid in
     cluster.json that now belongs to another process is never signalled.  Data stays in the directory;
     `dnctl cluster up --cluster DIR` starts the same nodes again.
+
+    If DIR (or its cluster.json) was removed while the cluster ran, its processes are still found and
+    stopped: datanodes started with a config in DIR, an etcd member with its data in DIR, and the managers
+    that follow it.
     """
+    if not (pathlib.Path(cluster) / "cluster.json").exists():
+        stray = cl.stop_strays(pathlib.Path(cluster), timeout)     # its directory was removed under it
+        if stray:
+            emit(stray, as_json, "\n".join(f"{r['kind']:9} pid {r['pid']:<7} {r['result']}  ({r['what']}; "
+                                           f"{cluster} has no cluster.json)" for r in stray))
+            return
     load_cluster(cluster)
     aux: list = []
     res = cl.down(pathlib.Path(cluster), timeout, aux)
