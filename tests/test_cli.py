@@ -14,6 +14,7 @@ import pathlib
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ import time
 import pytest
 
 from tools import cluster as cl
+from datanode.transport.tcp import congestion_of, tune_socket
 from tools.cluster import free_port
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -152,6 +154,11 @@ def test_node_status_and_partition_list_present_transport_units_health(live):
     assert re.search(r"\d+(\.\d)? (B|KiB|MiB|GiB)", p.out), p.out
     raw = json.loads(dnctl("node", "status", a, "--json", check=True).out)
     assert isinstance(raw["uptime_s"], (int, float)) and all(c["transport"] == "tcp" for c in raw["connections"])
+    with socket.socket() as probe:        # each connection's congestion control, as this machine gives it
+        tune_socket(probe)
+        cc = congestion_of(probe)
+    assert all(c["congestion"] == cc for c in raw["connections"]) and all(f" tcp ({cc}) " in ln for ln in conns), \
+        (raw["connections"], p.out)
     assert isinstance(raw["pool"]["arena_bytes"], int)
     # the file put in partition 1 (led by the first node): where its appends spent their time, per stage
     assert raw["write_stages"]["leader"]["durable"]["count"] >= 1, raw["write_stages"]

@@ -7,6 +7,7 @@ messages keep their order; a requester that times out poisons its link; negotiat
 from __future__ import annotations
 
 import os
+import pathlib
 import socket
 from contextlib import asynccontextmanager
 
@@ -575,3 +576,20 @@ def test_a_refused_one_sided_op_leaves_nothing_that_crashes_the_collector():
                        text=True, timeout=300, cwd=root)
     assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-4000:])
     assert "survived" in r.stdout
+
+
+def test_our_tcp_connections_use_cubic_where_the_kernel_lets_us_else_the_systems_default(monkeypatch):
+    """tune_socket (every connection a node or client opens or accepts): cubic by default
+    (DATANODE_TCP_CONGESTION; see transport/tcp.py for why not a BBR system default), the system's own where
+    asked for "" or for a congestion control the kernel does not have."""
+    from datanode.transport import tcp
+    proc = pathlib.Path("/proc/sys/net/ipv4")
+    system = (proc / "tcp_congestion_control").read_text().strip()
+    cubic_ok = "cubic" in (proc / "tcp_available_congestion_control").read_text().split() and (
+        os.geteuid() == 0 or "cubic" in (proc / "tcp_allowed_congestion_control").read_text().split())
+    assert tcp.TCP_CONGESTION == os.environ.get("DATANODE_TCP_CONGESTION", "cubic")
+    for asked, got in (("cubic", "cubic" if cubic_ok else system), ("", system), ("no-such-cc", system)):
+        monkeypatch.setattr(tcp, "TCP_CONGESTION", asked)
+        with socket.socket() as s:
+            tcp.tune_socket(s)
+            assert tcp.congestion_of(s) == got, (asked, system)

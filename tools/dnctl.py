@@ -1157,7 +1157,8 @@ def _status_text(s: dict) -> str:
     conns = s.get("connections") or []
     lines.append(f"connections ({len(conns)}):" if conns else "connections: none")
     for conn in conns:
-        lines.append(f"  {conn['peer']:22} {conn['transport']:6} sends {fmt_count(conn.get('sends'))} "
+        kind = conn["transport"] + (f" ({conn['congestion']})" if conn.get("congestion") else "")
+        lines.append(f"  {conn['peer']:22} {kind:12} sends {fmt_count(conn.get('sends'))} "
                      f"recvs {fmt_count(conn.get('recvs'))} served reads {fmt_count(conn.get('served_reads'))} "
                      f"({fmt_bytes(conn.get('served_read_bytes'))})")
     return "\n".join(lines)
