@@ -549,7 +549,7 @@ class TcpConnection(Connection):
 
 
 # The congestion control of every connection we open or accept (``DATANODE_TCP_CONGESTION``; "" keeps the
-# system's default).  cubic, because where the system default is BBR (this box's, as many cloud images') the
+# system's default).  cubic, because where the system default is BBR (this box's; any host may be set up so) the
 # kernel paces each BBR flow by itself -- with no fq qdisc on the path it releases segments from a per-socket
 # timer -- and our 1 MiB payloads then leave ~128 KiB per send call (strace), each bit waking both ends.  dnctl
 # bench, 3 replicas, depth 8, interleaved rounds after warm-memory (bench/perf_ab.py): cold 1 MiB reads
