@@ -305,6 +305,8 @@ def cluster_down(cluster, timeout, as_json):
         if stray:
             emit(stray, as_json, "\n".join(f"{r['kind']:9} pid {r['pid']:<7} {r['result']}  ({r['what']}; "
                                            f"{cluster} has no cluster.json)" for r in stray))
+            if any(r["result"].startswith("killed") for r in stray):
+                sys.exit(1)
             return
     load_cluster(cluster)
     aux: list = []
