@@ -555,10 +555,10 @@ class TcpConnection(Connection):
 # bench, 3 replicas, depth 8, interleaved rounds after warm-memory (bench/perf_ab.py): cold 1 MiB reads
 # 477-1037 -> 1004-1297 MiB/s (4 of 4 rounds) at 0.60-0.70 vs 0.74-1.32 ms of leader CPU per read; buffered
 # 1 MiB writes 384-411 -> 424-446 MiB/s (3 of 3) at 3.8-4.1 vs 4.2-4.5 ms of CPU per write over the client and
-# 3 nodes; durable 1 MiB 2 of 3 rounds ahead; 4 KiB depth 1 the same (p50 medians 1.26 vs 1.28 ms, 10 rounds
-# in both orders).  BBR is built for the bottleneck of a WAN path; a cluster's LAN (and loopback) is better
-# served by cubic, Linux's own default.  A kernel without it, or a user not allowed to pick it
-# (net.ipv4.tcp_allowed_congestion_control), keeps the system's.
+# 3 nodes; durable 1 MiB 2 of 3 rounds ahead; 4 KiB depth 1 the same within the noise (10 rounds, 5 in each
+# order: whichever ran first was ahead in 7; p50 medians 1.33 vs 1.30 ms).  BBR is built for the bottleneck of
+# a WAN path; a cluster's LAN (and loopback) is better served by cubic, Linux's own default.  A kernel without
+# it, or a user not allowed to pick it (net.ipv4.tcp_allowed_congestion_control), keeps the system's.
 TCP_CONGESTION = os.environ.get("DATANODE_TCP_CONGESTION", "cubic")
 
 
