@@ -196,14 +196,23 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
-def is_datanode(pid: int) -> bool:
-    """True if ``pid`` is (still) a datanode process, so we never signal a process that reused the pid."""
+def _argv(pid: int) -> list[str] | None:
+    """The command line of process ``pid`` (None if it is gone)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read().split(b"\0")
+            return [a.decode(errors="replace") for a in f.read().split(b"\0")]
     except OSError:
-        return False
-    return b"datanode.cli" in argv or any(a.endswith(b"/datanode") for a in argv[:2])
+        return None
+
+
+def _datanode_argv(argv: list[str]) -> bool:
+    return "datanode.cli" in argv or any(a.endswith("/datanode") for a in argv[:2])
+
+
+def is_datanode(pid: int) -> bool:
+    """True if ``pid`` is (still) a datanode process, so we never signal a process that reused the pid."""
+    argv = _argv(pid)
+    return argv is not None and _datanode_argv(argv)
 
 
 def node_alive(pid: int) -> bool:
@@ -245,11 +254,7 @@ def node_process(rec: dict) -> tuple[int | None, str]:
 
 
 def _started_with(pid: int, path: pathlib.Path) -> bool:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return str(path).encode() in f.read().split(b"\0")
-    except OSError:
-        return False
+    return str(path) in (_argv(pid) or [])
 
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -419,14 +424,6 @@ def _stop_pids(recs: list[tuple[dict, int]], timeout: float) -> None:
             rec["seconds"] = round(time.monotonic() - t0, 2)
 
 
-def _argv(pid: int) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return [a.decode(errors="replace") for a in f.read().split(b"\0")]
-    except OSError:
-        return None
-
-
 def _opt(argv: list[str], name: str) -> str | None:
     return argv[argv.index(name) + 1] if name in argv[:-1] else None
 
@@ -451,7 +448,7 @@ def cluster_dir_of(pid: int) -> pathlib.Path | None:
     """The cluster directory a datanode process was started in by ``dnctl cluster up`` (DIR of its
     ``--config DIR/nodeN/node.toml``), or None."""
     argv = _argv(pid)
-    full = _full_path(pid, _opt(argv, "--config")) if argv and is_datanode(pid) else None
+    full = _full_path(pid, _opt(argv, "--config")) if argv and _datanode_argv(argv) else None
     if full is None:
         return None
     return full.parent.parent if full.name == "node.toml" and full.parent.name.startswith("node") else None
@@ -472,7 +469,7 @@ def strays(root: pathlib.Path) -> list[dict]:
         argv = _argv(pid)
         if not argv or not argv[0]:
             continue
-        if is_datanode(pid) and _under(pid, _opt(argv, "--config"), root):
+        if _datanode_argv(argv) and _under(pid, _opt(argv, "--config"), root):
             nodes.append({"kind": "datanode", "pid": pid, "what": _opt(argv, "--config")})
         elif argv[0].endswith("etcd") and _under(pid, _opt(argv, "--data-dir"), root):
             etcds.append({"kind": "etcd", "pid": pid, "what": _opt(argv, "--listen-client-urls") or "?"})
@@ -497,15 +494,13 @@ def aux_process(rec: dict, kind: str) -> int | None:
     pid = rec.get("pid")
     if not pid or not pid_alive(pid):
         return None
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read().split(b"\0")
-    except OSError:
+    argv = _argv(pid)
+    if argv is None:
         return None
     if kind == "manager":
-        ok = b"tools.manager" in argv and b"manager" in argv
+        ok = "tools.manager" in argv and "manager" in argv
     else:
-        ok = bool(argv) and argv[0].endswith(b"etcd") and rec.get("dir", "").encode() in b" ".join(argv)
+        ok = argv[0].endswith("etcd") and rec.get("dir", "") in " ".join(argv)
     return pid if ok else None
 
 
