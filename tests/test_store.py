@@ -1,3 +1,4 @@
+import itertools
 import logging
 import os
 import random
@@ -392,14 +393,19 @@ ONE_FLUSH_CASES = {          # (bytes acknowledged before, appends of the flush 
     "within a block": (10_000, [4096]),
     "into the next block": (BLOCK - 1000, [3000, 4096]),
     "over whole blocks": (2 * BLOCK + 100, [BLOCK, 5000]),
+    # appends past the zeros written ahead grow the data file: the flush ends with its fdatasync instead
+    "growing the file": (10_000, [300_000]),
+    "growing it over whole blocks": (2 * BLOCK + 100, [3 * BLOCK]),
 }
 
 
 @pytest.mark.parametrize("case", ONE_FLUSH_CASES)
 def test_a_power_cut_during_a_one_flush_never_loses_an_acknowledged_byte(tmp_path, rng, case, caplog):
-    """A flush that takes one fdatasync (sync_file_range of the data, then fdatasync of the CRC file) orders
+    """A flush that takes one fdatasync (sync_file_range of the data, then fdatasync of the CRC file; or, when
+    its appends grew the data file, the CRC pages written out, then fdatasync of the data file) orders
     nothing between its writes before the device's cache flush: a power cut may leave any of them on disk
-    and not the others -- data pages, the CRC entries' page, the tail slot's page.  Every such mix recovers
+    and not the others -- data pages, the CRC entries' page, the tail slot's page, the data file's new
+    length.  Every such mix recovers
     to the bytes acknowledged before that flush, or to those and the whole flush; every recovered byte
     reads back verified; the block the flush extended (acknowledged bytes at its start) is never lost."""
     acked_len, flush = ONE_FLUSH_CASES[case]
@@ -423,35 +429,63 @@ def test_a_power_cut_during_a_one_flush_never_loses_an_acknowledged_byte(tmp_pat
     pages = [(a, min(a + 4096, pos)) for a in range(acked_len // 4096 * 4096, pos, 4096)]
     slot = (MAX_EXTENT // BLOCK * 8, SLOTS_END)
     entry_pages = [(0, MAX_EXTENT // BLOCK * 8)]
+    lengths = sorted({len(before[0]), len(after[0])})     # a grown file's new length may not have landed
+    assert (len(lengths) == 2) == case.startswith("growing")
     outcomes, tries = set(), 0
-    for data_pages in ([], pages[:len(pages) // 2], pages[len(pages) // 2:], pages):
-        for entries_landed in (False, True):
-            for slot_landed in (False, True):
-                tries += 1
-                root = tmp_path / f"cut{tries}"
-                dat, crc = paths(root, eid)
-                dat.parent.mkdir(parents=True)
-                dat.write_bytes(_mix(before[0], after[0], data_pages))
-                crc.write_bytes(_mix(before[1], after[1], (entry_pages if entries_landed else [])
-                                     + ([slot] if slot_landed else [])))
-                with caplog.at_level(logging.INFO, logger="datanode.store"):
-                    r = ExtentStore(root, sync="always")
-                got = r.size(eid)
-                assert got in (acked_len, len(data)), (data_pages, entries_landed, slot_landed, got)
-                assert read(r, eid, 0, got) == data[:got]
-                assert r.stats()["bad_blocks"] == 0
-                if data_pages != pages:
-                    assert got == acked_len     # the flush's bytes are not all there: it never happened
-                r.write(eid, got, b"next")      # writable at once, and the write survives a crash too
-                crashed = tmp_path / f"{root.name}-again"
-                crash_copy(root, crashed)
-                r.close()
-                r2 = ExtentStore(crashed, sync="always")
-                assert read(r2, eid, 0, got + 4) == data[:got] + b"next"
-                r2.close()
-                outcomes.add(got)
+    for data_pages, entries_landed, slot_landed, length in itertools.product(
+            ([], pages[:len(pages) // 2], pages[len(pages) // 2:], pages), (False, True), (False, True), lengths):
+        tries += 1
+        root = tmp_path / f"cut{tries}"
+        dat, crc = paths(root, eid)
+        dat.parent.mkdir(parents=True)
+        dat.write_bytes(_mix(before[0], after[0], data_pages)[:length])
+        crc.write_bytes(_mix(before[1], after[1], (entry_pages if entries_landed else [])
+                             + ([slot] if slot_landed else [])))
+        with caplog.at_level(logging.INFO, logger="datanode.store"):
+            r = ExtentStore(root, sync="always")
+        got = r.size(eid)
+        assert got in (acked_len, len(data)), (data_pages, entries_landed, slot_landed, length, got)
+        assert read(r, eid, 0, got) == data[:got]
+        assert r.stats()["bad_blocks"] == 0
+        if data_pages != pages or length < len(after[0]):
+            assert got == acked_len     # the flush's bytes are not all there: it never happened
+        r.write(eid, got, b"next")      # writable at once, and the write survives a crash too
+        crashed = tmp_path / f"{root.name}-again"
+        crash_copy(root, crashed)
+        r.close()
+        r2 = ExtentStore(crashed, sync="always")
+        assert read(r2, eid, 0, got + 4) == data[:got] + b"next"
+        r2.close()
+        outcomes.add(got)
     assert outcomes == {acked_len, len(data)}
     assert "fail their CRC" not in caplog.text
+
+
+def test_a_growing_flush_takes_one_fdatasync_only_once_this_process_synced_the_crc_file(tmp_path, rng):
+    """A flush that grows the data file ends with that file's fdatasync alone only where the CRC file's
+    blocks it overwrites were made durable by this process: after a kill -9 the files a store opens may
+    hold pages never synced (the page cache survived, a power cut would not), so its first flush syncs
+    both files, as the first flush after create does; the next one takes one fdatasync again."""
+    live = tmp_path / "live"
+    s = ExtentStore(live, sync="always", one_flush=True)
+    eid = s.create_extent()
+    data = rng.randbytes(4 * 300_000 + 4096)   # appends past the zeros written ahead grow the file
+    for k in range(2):
+        s.write(eid, k * 300_000, data[k * 300_000:(k + 1) * 300_000])
+    assert s.one_flushes == 1                  # the first after create: two fdatasyncs; the second: one
+    crashed = tmp_path / "crashed"
+    crash_copy(live, crashed)                  # kill -9: the page cache, as it is
+    s.close()
+    r = ExtentStore(crashed, sync="always", one_flush=True)
+    size = 600_000                             # its last block partial: a small append rewrites only its entry
+    # the first flush after open syncs both files; so does the next, whose entries reach past what the CRC
+    # file had (its next page written ahead); the third takes one fdatasync
+    for n, ones in [(4096, 0), (300_000, 0), (300_000, 1)]:
+        r.write(eid, size, data[size:size + n])
+        size += n
+        assert r.one_flushes == ones, "the first flush after open must sync the CRC file too"
+    assert read(r, eid, 0, size) == data[:size]
+    r.close()
 
 
 def test_a_file_system_without_sync_file_range_gets_two_flushes_not_errors(tmp_path, rng, monkeypatch, caplog):
