@@ -203,13 +203,11 @@ def crc32c_shift(value: int, length: int) -> int:
     if length <= 0 or not value:
         return value & 0xFFFFFFFF
     tabs = _tables_upto(length.bit_length() - 1)
-    k = 0
-    while length:
-        if length & 1:
-            t0, t1, t2, t3, _ = tabs[k]
-            value = t0[value & 0xFF] ^ t1[(value >> 8) & 0xFF] ^ t2[(value >> 16) & 0xFF] ^ t3[value >> 24]
-        length >>= 1
-        k += 1
+    while length:               # one step per bit set (a 128 KiB block's length: one)
+        low = length & -length
+        t0, t1, t2, t3, _ = tabs[low.bit_length() - 1]
+        value = t0[value & 0xFF] ^ t1[(value >> 8) & 0xFF] ^ t2[(value >> 16) & 0xFF] ^ t3[value >> 24]
+        length ^= low
     return value
 
 
