@@ -405,9 +405,9 @@ def test_a_power_cut_during_a_one_flush_never_loses_an_acknowledged_byte(tmp_pat
     its appends grew the data file, the CRC pages written out, then fdatasync of the data file) orders
     nothing between its writes before the device's cache flush: a power cut may leave any of them on disk
     and not the others -- data pages, the CRC entries' page, the tail slot's page, the data file's new
-    length.  Every such mix recovers
-    to the bytes acknowledged before that flush, or to those and the whole flush; every recovered byte
-    reads back verified; the block the flush extended (acknowledged bytes at its start) is never lost."""
+    length.  Every such mix recovers to the bytes acknowledged before that flush, or to those and the whole
+    flush; every recovered byte reads back verified; the block the flush extended (acknowledged bytes at its
+    start) is never lost."""
     acked_len, flush = ONE_FLUSH_CASES[case]
     live = tmp_path / "live"
     s = ExtentStore(live, sync="always", one_flush=True)
