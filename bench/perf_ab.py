@@ -1,9 +1,12 @@
 """Interleaved A/B of two checkouts with `dnctl bench`: CPU seconds per request of each node.
 
 On a shared, noisy machine absolute latencies move with the neighbours; comparing A and B in the same run,
-interleaved (A, B, A, B, ...), and reading the nodes' CPU seconds per request (from /proc/PID/stat, which
-`dnctl bench --json` reports) is what survives the noise.  Each round starts a fresh local 3-node cluster
-from the variant's checkout (PYTHONPATH=DIR), runs one bench, stops it.
+interleaved, and reading the nodes' CPU seconds per request (from /proc/PID/stat, which `dnctl bench --json`
+reports) is what survives the noise.  Each round starts a fresh local 3-node cluster from the variant's
+checkout (PYTHONPATH=DIR), runs one bench, stops it.  The order turns every round (A B, B A, A B, ...): in
+a fixed order the position itself showed -- the same two checkouts, 1 MiB x 8 durable, 4 rounds in each
+order: whichever ran first was ahead in 7 of 8 (stop 32); 4 KiB x 1, 5 rounds in each: 7 of 10 (stop 31).
+The last lines give each variant's medians over the rounds (compare them with an even number of rounds).
 
     python bench/perf_ab.py --variant base=/tmp/main-copy --variant now=. --rounds 2 --sync always \\
         -- --size 4KiB --depth 16 --seconds 5 --mode write
@@ -16,6 +19,7 @@ import argparse
 import json
 import os
 import pathlib
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -66,8 +70,10 @@ def main() -> None:
                                capture_output=True, text=True).stdout.strip()
         if not pathlib.Path(where).resolve().is_relative_to(pathlib.Path(code).resolve()):
             ap.error(f"--variant {v!r} imports {where or 'no datanode'}, not its own checkout")
+    seen: dict[tuple[str, str], list[tuple[float, float, float]]] = {}   # (variant, phase) -> per round
     for r in range(a.rounds):
-        for name, code in variants:
+        k = r % len(variants)
+        for name, code in variants[k:] + variants[:k]:        # each variant runs first in turn
             out = one(code, a.sync, bench, a.nodes)
             for row in out["results"]:
                 if a.json:
@@ -79,6 +85,12 @@ def main() -> None:
                 print(f"{name:8} round {r} {row['replicas']} replicas {row['phase']:5} {row['mib_s']:8.1f} MiB/s "
                       f"{row['iops']:7.0f} req/s p50 {lat['p50']:7.2f} p99 {lat['p99']:7.2f} ms  node CPU ms/request "
                       f"{per}  client {row['client_cpu']['cpu_s'] / row['requests'] * 1000:.3f}", flush=True)
+                seen.setdefault((name, row["phase"]), []).append(
+                    (row["mib_s"], lat["p50"], sum(cpu) / row["requests"] * 1000))
+    for (name, phase), got in seen.items():
+        mib, p50, cpu = (statistics.median(x) for x in zip(*got))
+        print(f"{name:8} median of {len(got)} {phase:5} {mib:8.1f} MiB/s  p50 {p50:7.2f} ms  node CPU ms/request "
+              f"{cpu:.3f} (all nodes)", flush=True)
 
 
 if __name__ == "__main__":
