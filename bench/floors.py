@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import socket
 import sys
@@ -159,11 +160,13 @@ def flush_floor(directory: str, replicas: int, rounds: int, prefilled: bool, sin
     return {"replicas": replicas, "prefilled": prefilled, "single": single, "rounds": rounds, **_p50_p99(lat)}
 
 
-def store_floor(directory: str, replicas: int, rounds: int, one_flush: bool) -> dict:
-    """Per round, ``replicas`` threads each make a 4 KiB append durable with their own ExtentStore (sync=always),
-    started together; latency per append (each replica's own)."""
+def store_floor(directory: str, replicas: int, rounds: int, one_flush: bool, size: int = 4096) -> dict:
+    """Per round, ``replicas`` threads each make a ``size``-byte append durable with their own ExtentStore
+    (sync=always), started together; latency per append (each replica's own).  The bytes sit in a page-aligned
+    buffer, so an append of at least DIRECT_MIN goes with O_DIRECT, as one from a node's pool block does."""
     from datanode.store import ExtentStore
-    data = os.urandom(4096)
+    data = memoryview(mmap.mmap(-1, size))
+    data[:] = os.urandom(size)
     lat: list[float] = []
     ones = 0
     with tempfile.TemporaryDirectory(dir=directory) as d:
@@ -177,20 +180,25 @@ def store_floor(directory: str, replicas: int, rounds: int, one_flush: bool) -> 
                 for j in range(rounds):
                     go.wait()
                     t0 = time.perf_counter()
-                    stores[i].write(eids[i], j * 4096, data)
+                    stores[i].write(eids[i], j * size, data)
                     mine[i].append(time.perf_counter() - t0)
 
             threads = [threading.Thread(target=replica, args=(i,)) for i in range(replicas)]
+            t0 = time.perf_counter()
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()
+            elapsed = time.perf_counter() - t0
             lat = sorted(x for m in mine for x in m[5:])        # the first appends create the files' zeros
             ones = sum(s.one_flushes for s in stores)
         finally:
             for s in stores:
                 s.close()
-    return {"replicas": replicas, "one_flush": one_flush, "rounds": rounds, "one_flushes": ones, **_p50_p99(lat)}
+    if len(lat) != replicas * (rounds - 5):
+        raise SystemExit("a store thread failed (see above)")
+    return {"replicas": replicas, "one_flush": one_flush, "rounds": rounds, "size": size, "one_flushes": ones,
+            "mib_s": round(replicas * rounds * size / elapsed / (1 << 20), 1), **_p50_p99(lat)}
 
 
 def main() -> None:
