@@ -13,6 +13,7 @@ import time
 import crcmod.predefined
 import pytest
 
+import datanode.store as store_mod
 from datanode.store import BLOCK, MAX_EXTENT, ONE_FLUSH, SLOT_SIZE, ExtentStore, StoreError
 
 ORACLE = crcmod.predefined.mkCrcFun("crc-32c")   # independent of datanode.crc
@@ -710,6 +711,106 @@ def test_mark_delete(tmp_path, rng):
     assert s.create_extent() == b + 1
     assert s.stats()["extents"] == 2
     s.close()
+
+
+def _io_spy(monkeypatch):
+    """Every ftruncate and fsync of the process, in order (they still happen: the spy only records them)."""
+    seen = []
+    real_trunc, real_fsync = os.ftruncate, os.fsync
+
+    def ftruncate(fd, size):
+        seen.append(("truncate", fd, size))
+        return real_trunc(fd, size)
+
+    def fsync(fd):
+        seen.append(("fsync", fd))
+        return real_fsync(fd)
+    monkeypatch.setattr(os, "ftruncate", ftruncate)
+    monkeypatch.setattr(os, "fsync", fsync)
+    return seen
+
+
+def _freed_in_steps(seen, start: int, step: int) -> None:
+    """The truncations in ``seen`` took a file of ``start`` bytes to 0, at most ``step`` bytes at a time, and
+    each was made durable (fsync of the same file) before the next began."""
+    cuts = [(i, fd, size) for i, (what, fd, *rest) in enumerate(seen) if what == "truncate" for size in rest]
+    cuts = cuts[:[size for _, _, size in cuts].index(0) + 1]         # (an open's recovery may cut others after)
+    assert [size for _, _, size in cuts] == list(range(start - step, 0, -step)) + [0], cuts
+    assert len({fd for _, fd, _ in cuts}) == 1
+    for (i, fd, _), nxt in zip(cuts, [c[0] for c in cuts[1:]] + [len(seen)]):
+        assert ("fsync", fd) in seen[i + 1:nxt], f"truncation #{i} not made durable before the next"
+
+
+def test_a_deleted_big_extent_is_freed_in_steps_each_made_durable(tmp_path, monkeypatch, rng):
+    """A discard-mounted disk discards what a journal commit freed while every other writer's fdatasync waits
+    (datanode/store.py FREE_STEP): an extent is freed at most a step per commit, and ends empty."""
+    step = 256 << 10
+    monkeypatch.setattr(store_mod, "FREE_STEP", step)
+    s = ExtentStore(tmp_path, sync="always")
+    a, b = s.create_extent(), s.create_extent()
+    append_random(s, a, rng.randbytes(4 * step + 5000), rng)
+    s.write(b, 0, b"small")
+    start = paths(tmp_path, a)[0].stat().st_size       # (sync=always writes zeros ahead: a little more)
+    assert start > 4 * step
+    seen = _io_spy(monkeypatch)
+    s.mark_delete(a)
+    tomb = tmp_path / "extents" / f"{a}.deleted"
+    assert tomb.stat().st_size == 0 and tomb.stat().st_blocks == 0
+    _freed_in_steps(seen, start, step)
+    expect("not_found", s.size, a)
+    del seen[:]
+    s.mark_delete(b)                              # a file of at most a step: one truncation, as before
+    assert [e for e in seen if e[0] == "truncate"] == [("truncate", seen[0][1], 0)]
+    assert s.watermarks() == {}
+    s.close()
+
+
+def test_a_tombstone_still_holding_data_is_emptied_at_open(tmp_path, monkeypatch, rng):
+    """A crash while a delete freed the extent in steps leaves its tombstone holding the rest: the next open
+    frees it (in steps too) instead of keeping the space for good."""
+    step = 256 << 10
+    monkeypatch.setattr(store_mod, "FREE_STEP", step)
+    s = ExtentStore(tmp_path, sync="always")
+    a, b = s.create_extent(), s.create_extent()
+    append_random(s, a, rng.randbytes(3 * step), rng)
+    keep = rng.randbytes(1000)
+    append_random(s, b, keep, rng)
+    s.close()
+    dat, crc = paths(tmp_path, a)
+    tomb = tmp_path / "extents" / f"{a}.deleted"
+    os.replace(dat, tomb)                         # mark_delete's first step, then the crash: two steps freed
+    os.truncate(tomb, 2 * step)
+    crc.unlink()
+    seen = _io_spy(monkeypatch)
+    s = ExtentStore(tmp_path, sync="always")
+    assert tomb.stat().st_size == 0 and tomb.stat().st_blocks == 0
+    _freed_in_steps(seen, 2 * step, step)
+    expect("not_found", s.size, a)
+    expect("deleted", s.create_extent, a)
+    assert read(s, b, 0, 1000) == keep
+    s.close()
+
+
+def test_a_trash_purge_frees_big_files_in_steps_and_never_follows_a_link(tmp_path, monkeypatch, rng):
+    """``partition.remove_tree`` (a trash entry's purge): the entry's big files are emptied in steps before
+    the tree goes, and a symlink in it is removed, never followed (the file it names keeps its bytes)."""
+    from datanode import partition
+    step = 256 << 10
+    monkeypatch.setattr(partition, "FREE_STEP", step)
+    monkeypatch.setattr(store_mod, "FREE_STEP", step)
+    entry = tmp_path / "trash" / "7.1700000000000000000"
+    (entry / "store" / "extents").mkdir(parents=True)
+    big = entry / "store" / "extents" / "3.dat"
+    big.write_bytes(rng.randbytes(3 * step + 77))
+    (entry / "meta.json").write_text("{}")
+    outside = tmp_path / "precious"
+    outside.write_bytes(b"x" * (2 * step))
+    (entry / "store" / "extents" / "9.dat").symlink_to(outside)
+    seen = _io_spy(monkeypatch)
+    partition.remove_tree(entry)
+    assert not entry.exists()
+    _freed_in_steps(seen, 3 * step + 77, step)
+    assert outside.read_bytes() == b"x" * (2 * step)
 
 
 def test_create_ids_monotonic_after_reopen(tmp_path):

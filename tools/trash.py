@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
-import shutil
 import time
 
 import click
@@ -208,10 +207,9 @@ def trash_purge(names, config_path, cluster, node, expired, everything, as_json)
         if expired:
             gone += [{"node": t.addr, "name": n, "via": "disk"} for n in table.purge_trash(t.cfg.trash_retention_s)]
             continue
-        for e in table.list_trash():
-            if everything or e["name"] in names:
-                shutil.rmtree(table.trash / e["name"], ignore_errors=True)
-                gone.append({"node": t.addr, "name": e["name"], "bytes": e["bytes"], "via": "disk"})
+        want = [e["name"] for e in table.list_trash() if everything or e["name"] in names]
+        gone += [{"node": t.addr, "name": e["name"], "bytes": e["bytes"], "via": "disk"}
+                 for e in table.purge_names(want)]
 
     async def one(dc, t):
         if names:            # only the names this node holds (the node refuses a list with one it lacks)
