@@ -260,9 +260,9 @@ def _fsync_dir(path: pathlib.Path) -> None:
 # Freeing a big file in steps.  A file system mounted with online discard (ext4/XFS ``-o discard``, common on
 # cloud VMs and SSD hosts: this box's root is) discards the blocks a transaction freed when the journal commits
 # it, and every fdatasync waiting for that commit -- every other writer's on the disk -- waits for the discard.
-# Freeing a whole 128 MiB extent at once held a concurrent 4 KiB write+fdatasync up to 22-33 ms here; freed
-# 8 MiB at a time, each step committed by an fsync, at most 2.8-3.2 ms (its baseline 1.4-6 ms), in about the
-# same total time (bench/delete_stall.py measures it through a cluster).  RocksDB's SstFileManager deletes
+# Freeing a whole 128 MiB extent at once held a concurrent 4 KiB write+fdatasync up to 23-36 ms here; freed
+# 8 MiB at a time, each step committed by an fsync, at most 3-8 ms, in about the same total time (through a
+# cluster, bench/delete_stall.py: README, "Deleting frees space in steps").  RocksDB's SstFileManager deletes
 # its files in chunks for the same reason.  DATANODE_FREE_STEP (bytes; 0: at once) sets the step.
 FREE_STEP = int(os.environ.get("DATANODE_FREE_STEP", str(8 << 20)))
 
