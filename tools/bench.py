@@ -32,6 +32,7 @@ import click
 
 from datanode.config import TransportChoice
 from datanode.protocol import INLINE_MAX
+from datanode.store import free_in_steps
 from tools.clikit import ADDR, ADDRS, CTX, Command, cluster_nodes, cluster_option
 
 MIB = 1 << 20
@@ -479,16 +480,27 @@ def run_dd(directory: pathlib.Path, mib: int) -> dict:
         return {"command": " ".join(cmd), "error": str(e)}
     finally:
         dt = time.monotonic() - t0
-        try:
-            path.unlink()
-        except OSError:
-            pass
+        remove_file(path)
     if p.returncode != 0:
         return {"command": " ".join(cmd), "error": (p.stderr.strip().splitlines() or ["failed"])[-1]}
     secs = _dd_seconds(p.stderr, dt)
     return {"command": " ".join(cmd), "bytes": mib * MIB, "seconds": round(secs, 3),
             "mb_s": round(mib * MIB / 1e6 / secs, 1), "mib_s": round(mib / secs, 1),
             "dd_says": p.stderr.strip().splitlines()[-1] if p.stderr.strip() else ""}
+
+
+def remove_file(path: pathlib.Path) -> None:
+    """Remove a baseline's scratch file (dd's, fio's: up to a GiB), emptied in steps first as the nodes free
+    a deleted extent (datanode/store.py ``free_in_steps``): on a discard-mounted disk shared with a running
+    cluster, freeing it at once would hold every node's fdatasync behind one long discard."""
+    try:
+        free_in_steps(path)
+    except OSError:
+        pass
+    try:
+        path.unlink()
+    except OSError:
+        pass
 
 
 DROP_CACHES = "/proc/sys/vm/drop_caches"
@@ -620,10 +632,7 @@ class ColdBaseline:
                 "fio_direct": _timed_read(fio, self.path, self.nbytes, self.disk, _fio_seconds)}
 
     def close(self) -> None:
-        try:
-            self.path.unlink()
-        except OSError:
-            pass
+        remove_file(self.path)
 
 
 async def _drop_scratch(dc, pid: int, members: list[str]) -> None:
@@ -715,10 +724,7 @@ def run_fio(directory: pathlib.Path, mib: int) -> dict:
                     r["fdatasync_p50_ms"] = round(sync["percentile"].get("50.000000", 0) / 1e6, 3)
             out[name] = r
     finally:
-        try:
-            path.unlink()
-        except OSError:
-            pass
+        remove_file(path)
     return out
 
 
