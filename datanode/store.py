@@ -272,19 +272,25 @@ def free_in_steps(path, step: int | None = None) -> None:
     step per truncation, each made durable (fsync) before the next: no journal commit frees more than a
     step, so a discard never stalls the disk's other writers for long.  A file of at most one step (or
     ``step`` 0) is truncated at once, as the caller would have."""
-    step = FREE_STEP if step is None else step
     fd = os.open(path, os.O_WRONLY | _O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
     try:
-        size = os.fstat(fd).st_size
-        if step <= 0 or size <= step:
-            os.ftruncate(fd, 0)
-            return
-        while size > 0:
-            size = max(0, size - step)
-            os.ftruncate(fd, size)
-            os.fsync(fd)
+        shrink_in_steps(fd, 0, step)
     finally:
         os.close(fd)
+
+
+def shrink_in_steps(fd: int, size: int, step: int | None = None) -> None:
+    """``ftruncate(fd, size)``, freeing at most ``step`` (``FREE_STEP``) bytes per truncation, each fsynced
+    before the next, where that takes more than one (``free_in_steps``)."""
+    step = FREE_STEP if step is None else step
+    cur = os.fstat(fd).st_size
+    if step <= 0 or cur - size <= step:
+        os.ftruncate(fd, size)
+        return
+    while cur > size:
+        cur = max(size, cur - step)
+        os.ftruncate(fd, cur)
+        os.fsync(fd)
 
 
 def piece_crcs(offset: int, data) -> tuple[list[int], int]:
@@ -1421,7 +1427,7 @@ class ExtentStore:
                     ext.slot_seq = ext.crc_synced = None
                     if self._durable:
                         _fdatasync(ext.crc)
-                    os.ftruncate(ext.dat, size)
+                    shrink_in_steps(ext.dat, size)          # (a repair may cut 128 MiB: see FREE_STEP)
                     ext.filled = size
                     if self._durable:
                         _fdatasync(ext.dat)

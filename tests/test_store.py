@@ -730,13 +730,13 @@ def _io_spy(monkeypatch):
     return seen
 
 
-def _freed_in_steps(seen, start: int, step: int) -> None:
-    """The truncations in ``seen`` took a file of ``start`` bytes to 0, at most ``step`` bytes at a time, and
-    each was made durable (fsync of the same file) before the next began."""
+def _freed_in_steps(seen, start: int, step: int, end: int = 0) -> None:
+    """The truncations in ``seen`` took a file of ``start`` bytes to ``end``, at most ``step`` bytes at a time,
+    and each was made durable (fsync of the same file) before the next began."""
     cuts = [(i, fd, size) for i, (what, fd, *rest) in enumerate(seen) if what == "truncate" for size in rest]
-    cuts = cuts[:[size for _, _, size in cuts].index(0) + 1]         # (an open's recovery may cut others after)
-    assert [size for _, _, size in cuts] == list(range(start - step, 0, -step)) + [0], cuts
-    assert len({fd for _, fd, _ in cuts}) == 1
+    last = [size for _, _, size in cuts].index(end)                  # (an open's recovery may cut others after)
+    cuts = [c for c in cuts[:last + 1] if c[1] == cuts[last][1]]     # (and a truncate cuts the CRC file first)
+    assert [size for _, _, size in cuts] == list(range(start - step, end, -step)) + [end], cuts
     for (i, fd, _), nxt in zip(cuts, [c[0] for c in cuts[1:]] + [len(seen)]):
         assert ("fsync", fd) in seen[i + 1:nxt], f"truncation #{i} not made durable before the next"
 
@@ -788,6 +788,26 @@ def test_a_tombstone_still_holding_data_is_emptied_at_open(tmp_path, monkeypatch
     expect("not_found", s.size, a)
     expect("deleted", s.create_extent, a)
     assert read(s, b, 0, 1000) == keep
+    s.close()
+
+
+def test_a_truncate_that_cuts_much_frees_it_in_steps(tmp_path, monkeypatch, rng):
+    """A repair may cut a follower's extent back by up to 128 MiB (``truncate``): the data file loses at most
+    a step per commit too, and what is kept reads back."""
+    step = 256 << 10
+    monkeypatch.setattr(store_mod, "FREE_STEP", step)
+    s = ExtentStore(tmp_path, sync="always")
+    a = s.create_extent()
+    data = rng.randbytes(3 * step + 999)
+    append_random(s, a, data, rng)
+    start = paths(tmp_path, a)[0].stat().st_size
+    seen = _io_spy(monkeypatch)
+    s.truncate(a, 1000)
+    _freed_in_steps(seen, start, step, end=1000)
+    assert s.size(a) == 1000 and read(s, a, 0, 1000) == data[:1000]
+    s.close()
+    s = ExtentStore(tmp_path, sync="always")
+    assert s.size(a) == 1000 and read(s, a, 0, 1000) == data[:1000]
     s.close()
 
 
