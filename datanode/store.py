@@ -128,6 +128,7 @@ import logging
 import mmap
 import os
 import pathlib
+import stat
 import struct
 import threading
 from typing import Callable
@@ -667,6 +668,19 @@ class ExtentStore:
     def _paths(self, eid: int) -> tuple[pathlib.Path, pathlib.Path, pathlib.Path]:
         return self._dir / f"{eid}.dat", self._dir / f"{eid}.crc", self._dir / f"{eid}.deleted"
 
+    def _empty_deleted(self, p: pathlib.Path, eid: int) -> None:
+        """A file of a deleted extent still holding data (a crash came while ``mark_delete`` freed it): free
+        it now, in steps.  Only a regular file; a failure is logged, not raised -- a tombstone's name is what
+        counts, its space can wait for the next open."""
+        try:
+            st = p.lstat()
+            if stat.S_ISREG(st.st_mode) and st.st_size:
+                log.warning("%s: %s of deleted extent %d still holds %d bytes, freeing them", self._dir, p.name,
+                            eid, st.st_size)
+                free_in_steps(p)
+        except OSError as e:
+            log.warning("%s: could not free %s of deleted extent %d: %s", self._dir, p.name, eid, e)
+
     def _open_all(self) -> None:
         dats, crcs = set(), set()
         for p in self._dir.iterdir():
@@ -680,9 +694,7 @@ class ExtentStore:
                 crcs.add(eid)
             elif ext == "deleted":
                 self._tombstones.add(eid)
-                if p.stat().st_size:             # a crash while mark_delete freed it: finish that
-                    log.warning("%s: tombstone of extent %d still holds data, freeing it", self._dir, eid)
-                    free_in_steps(p)
+                self._empty_deleted(p, eid)
         dir_changed = False
         for eid in sorted(crcs - dats):          # crash inside create_extent / mark_delete
             log.warning("%s: removing orphan %s.crc (no data file)", self._dir, eid)
@@ -690,7 +702,7 @@ class ExtentStore:
             dir_changed = True
         for eid in sorted(dats & self._tombstones):
             log.warning("%s: extent %d has a tombstone, finishing its deletion", self._dir, eid)
-            free_in_steps(self._paths(eid)[0])
+            self._empty_deleted(self._paths(eid)[0], eid)      # (the data file: freed in steps, then gone)
             for p in self._paths(eid)[:2]:
                 p.unlink(missing_ok=True)
             dats.discard(eid)

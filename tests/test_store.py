@@ -791,6 +791,27 @@ def test_a_tombstone_still_holding_data_is_emptied_at_open(tmp_path, monkeypatch
     s.close()
 
 
+def test_a_tombstone_that_is_not_a_regular_file_is_left_alone_at_open(tmp_path, rng):
+    """Only a regular file's data is freed at open: a tombstone someone replaced by a symlink is never
+    followed (the file it names keeps its bytes), and the store still opens."""
+    s = ExtentStore(tmp_path, sync="always")
+    a, b = s.create_extent(), s.create_extent()
+    keep = rng.randbytes(5000)
+    append_random(s, b, keep, rng)
+    s.mark_delete(a)
+    s.close()
+    outside = tmp_path / "precious"
+    outside.write_bytes(b"y" * 70000)
+    tomb = tmp_path / "extents" / f"{a}.deleted"
+    tomb.unlink()
+    tomb.symlink_to(outside)
+    s = ExtentStore(tmp_path, sync="always")
+    assert outside.read_bytes() == b"y" * 70000
+    expect("deleted", s.create_extent, a)
+    assert read(s, b, 0, 5000) == keep
+    s.close()
+
+
 def test_a_truncate_that_cuts_much_frees_it_in_steps(tmp_path, monkeypatch, rng):
     """A repair may cut a follower's extent back by up to 128 MiB (``truncate``): the data file loses at most
     a step per commit too, and what is kept reads back."""
