@@ -23,7 +23,7 @@ from typing import Callable
 import trio
 
 from .protocol import BodyError, decode_view
-from .store import FREE_STEP, ExtentStore, StoreError, free_in_steps
+from .store import ExtentStore, StoreError, free_in_steps
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,8 @@ def remove_tree(root: pathlib.Path) -> None:
             path = os.path.join(dirpath, name)
             try:
                 st = os.stat(path, follow_symlinks=False)
-                if stat.S_ISREG(st.st_mode) and st.st_size > FREE_STEP > 0:
-                    free_in_steps(path)
+                if stat.S_ISREG(st.st_mode) and st.st_size:
+                    free_in_steps(path)          # (one of at most a step: truncated at once)
             except OSError as e:
                 log.warning("trash: could not free %s before removing it: %s", path, e)
     shutil.rmtree(root, ignore_errors=True)

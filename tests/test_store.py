@@ -733,9 +733,14 @@ def _io_spy(monkeypatch):
 def _freed_in_steps(seen, start: int, step: int, end: int = 0) -> None:
     """The truncations in ``seen`` took a file of ``start`` bytes to ``end``, at most ``step`` bytes at a time,
     and each was made durable (fsync of the same file) before the next began."""
-    cuts = [(i, fd, size) for i, (what, fd, *rest) in enumerate(seen) if what == "truncate" for size in rest]
-    last = [size for _, _, size in cuts].index(end)                  # (an open's recovery may cut others after)
-    cuts = [c for c in cuts[:last + 1] if c[1] == cuts[last][1]]     # (and a truncate cuts the CRC file first)
+    runs, run = [], []            # each file's truncations, ending with the one to ``end``: the longest is ours
+    for i, (what, fd, *rest) in enumerate(seen):          # (others: a small file, the CRC file, recovery's cut)
+        if what == "truncate":
+            run = (run if run and run[-1][1] == fd else []) + [(i, fd, rest[0])]
+            if rest[0] == end:
+                runs.append(run)
+                run = []
+    cuts = max(runs, key=len)
     assert [size for _, _, size in cuts] == list(range(start - step, end, -step)) + [end], cuts
     for (i, fd, _), nxt in zip(cuts, [c[0] for c in cuts[1:]] + [len(seen)]):
         assert ("fsync", fd) in seen[i + 1:nxt], f"truncation #{i} not made durable before the next"
@@ -837,7 +842,6 @@ def test_a_trash_purge_frees_big_files_in_steps_and_never_follows_a_link(tmp_pat
     the tree goes, and a symlink in it is removed, never followed (the file it names keeps its bytes)."""
     from datanode import partition
     step = 256 << 10
-    monkeypatch.setattr(partition, "FREE_STEP", step)
     monkeypatch.setattr(store_mod, "FREE_STEP", step)
     entry = tmp_path / "trash" / "7.1700000000000000000"
     (entry / "store" / "extents").mkdir(parents=True)
