@@ -28,6 +28,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from client.sdk import DataClient  # noqa: E402
+from tools.bench import percentile  # noqa: E402
 from tools.clikit import cluster_nodes  # noqa: E402
 
 MIB = 1 << 20
@@ -39,9 +40,10 @@ def dnctl(env: dict, *args: str) -> None:
                    check=True, capture_output=True, text=True)
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+def summary(ms: list[float]) -> dict:
+    """Count, p50, p99 and longest of a window's write times (ms), by dnctl bench's own percentile."""
+    ms = sorted(ms)
+    return {"n": len(ms), "p50": percentile(ms, 50), "p99": percentile(ms, 99), "max": ms[-1]}
 
 
 async def measure(nodes: list[str], extents: int, extent_mib: int, pid: int = 1) -> dict:
@@ -92,8 +94,7 @@ async def measure(nodes: list[str], extents: int, extent_mib: int, pid: int = 1)
             stop.set()
     before = [s * 1e3 for t, s in lat if t0 - 3 <= t < t0]
     during = [s * 1e3 for t, s in lat if t0 <= t < t1 + 0.5]
-    return {"before": {"n": len(before), "p50": pct(before, .5), "p99": pct(before, .99), "max": max(before)},
-            "during": {"n": len(during), "p50": pct(during, .5), "p99": pct(during, .99), "max": max(during)},
+    return {"before": summary(before), "during": summary(during),
             "delete_ms": [round(d * 1e3, 1) for d in deletes]}
 
 
