@@ -380,6 +380,39 @@ def test_bench_uses_a_scratch_partition_and_leaves_nothing(tmp_path):
         dnctl("cluster", "down", "--cluster", root, "--timeout", 10)
 
 
+def test_bench_write_rounds_each_against_the_dd_right_after_it(tmp_path):
+    """--dd --rounds N: the write phase runs N times, each followed by its own dd on the cluster's disk; each
+    round's ratio is ours x replicas / dd (every replica's copy lands on that one disk), and the table gives
+    the rounds and their median.  --rounds without --cold or --dd is refused."""
+    root = tmp_path / "c"
+    dnctl("cluster", "up", "--nodes", 2, "--cluster", root, "--no-etcd", *FAST, check=True)
+    try:
+        p = dnctl("bench", "--cluster", root, "--size", "64KiB", "--total-mib", 2, "--mode", "write", "--dd",
+                  "--dd-mib", 8, "--rounds", 3, "--json", timeout=300)
+        assert p.returncode == 0, p.out + p.err
+        res = json.loads(p.out)
+        writes = [r for r in res["results"] if r["phase"] == "write"]
+        assert len(writes) == len(res["results"]) == 3 and res["config"]["write_rounds"] == 3
+        rounds = res["dd_rounds"]
+        assert [r["round"] for r in rounds] == [1, 2, 3]
+        for w, r in zip(writes, rounds):
+            assert r["replicas"] == 2 and r["ours_mib_s"] == w["mib_s"] and r["dd"]["mib_s"] > 0, r
+            assert r["ratio"] == pytest.approx(w["mib_s"] * 2 / r["dd"]["mib_s"], rel=0.01)
+        summary = res["dd_summary"]["2"]
+        assert summary["rounds"] == 3
+        assert summary["median_ratio"] == pytest.approx(sorted(r["ratio"] for r in rounds)[1], abs=0.001)
+        assert res["dd"] in [r["dd"] for r in rounds]          # the table's dd: the median round's
+        p = dnctl("bench", "--cluster", root, "--size", "64KiB", "--total-mib", 1, "--mode", "write", "--dd",
+                  "--dd-mib", 8, "--rounds", 2, timeout=300)
+        assert p.returncode == 0, p.out + p.err
+        assert "2 replica(s), write round 2: ours " in p.out and "median of 2 rounds" in p.out, p.out
+        p = dnctl("bench", "--cluster", root, "--size", "64KiB", "--total-mib", 1, "--rounds", 2, timeout=60)
+        assert p.returncode == 2 and "--rounds goes with --cold" in p.err, p.out + p.err
+        assert not list(root.glob("*test")), list(root.iterdir())            # every ddtest removed
+    finally:
+        dnctl("cluster", "down", "--cluster", root, "--timeout", 10)
+
+
 @pytest.mark.skipif(not os.access("/proc/sys/vm/drop_caches", os.W_OK), reason="--cold needs root")
 def test_bench_cold_reads_each_written_byte_once_beside_a_cold_dd(tmp_path):
     """--cold: every read round starts after the page cache is dropped and reads every written byte exactly

@@ -23,6 +23,7 @@ import pathlib
 import queue
 import re
 import resource
+import statistics
 import subprocess
 import sys
 import threading
@@ -354,11 +355,12 @@ def run_config(*, nodes: list[str], pid: int, size: int, clients: int, depth: in
                total: int | None, phases: list[str], node_pids: dict[str, int], read_from: str,
                transport: str, label: str, log_dir: pathlib.Path | None, progress: bool = True,
                inline_max: int = INLINE_MAX, cold: bool = False, disk: str | None = None,
-               after_cold=None) -> list[dict]:
+               after_cold=None, after_write=None) -> list[dict]:
     """Run the phases against one partition with ``clients`` worker processes; one result per phase.
     ``cold``: before a read phase, drop the page cache (after the data is written) and read each piece once;
     the counters of ``disk`` (a /proc/diskstats name) around it go into the result (``disk``), and
-    ``after_cold(result)`` runs right after it (the same round's baselines)."""
+    ``after_cold(result)`` runs right after it (the same round's baselines); ``after_write(result)`` runs
+    right after each write phase (dd's round: ``--dd --rounds``)."""
     from tools.cluster import cpu_seconds
     q: queue.Queue = queue.Queue()
     per_client = -(-total // clients) if total else None
@@ -413,6 +415,8 @@ def run_config(*, nodes: list[str], pid: int, size: int, clients: int, depth: in
             results[-1]["cold"] = cold_read
             if phase == "write":     # where each append's time went on the nodes (mean ms per stage)
                 results[-1]["write_stages"] = stage_means_ms(stages0, stage_snapshot(nodes))
+                if after_write is not None:
+                    after_write(results[-1])
             if cold_read:
                 results[-1]["disk"] = disk_delta(d0, d1, results[-1]["bytes"])
                 if after_cold is not None:
@@ -487,6 +491,27 @@ def run_dd(directory: pathlib.Path, mib: int) -> dict:
     return {"command": " ".join(cmd), "bytes": mib * MIB, "seconds": round(secs, 3),
             "mb_s": round(mib * MIB / 1e6 / secs, 1), "mib_s": round(mib / secs, 1),
             "dd_says": p.stderr.strip().splitlines()[-1] if p.stderr.strip() else ""}
+
+
+def dd_round(ours_mib_s: float, replicas: int, dd: dict) -> dict:
+    """One write round against its dd: ours x replicas / dd -- the disk's bytes per second for our replicated
+    writes (every replica's copy lands on this one disk in a local cluster) against dd's on the same disk."""
+    ratio = (round(ours_mib_s * replicas / dd["mib_s"], 3) if dd.get("mib_s") else None)
+    return {"replicas": replicas, "ours_mib_s": ours_mib_s, "dd": dd, "ratio": ratio}
+
+
+def dd_summary(rounds: list[dict]) -> dict:
+    """Per replica count: the rounds, and the medians of ours, of dd and of the same-round ratios."""
+    out = {}
+    for k in dict.fromkeys(r["replicas"] for r in rounds):
+        mine = [r for r in rounds if r["replicas"] == k]
+        ratios = [r["ratio"] for r in mine if r["ratio"] is not None]
+        dds = [r["dd"]["mib_s"] for r in mine if r["dd"].get("mib_s")]
+        out[str(k)] = {"rounds": len(mine),
+                       "median_ratio": round(statistics.median(ratios), 3) if ratios else None,
+                       "median_ours_mib_s": round(statistics.median(r["ours_mib_s"] for r in mine), 1),
+                       "median_dd_mib_s": round(statistics.median(dds), 1) if dds else None}
+    return out
 
 
 def remove_file(path: pathlib.Path) -> None:
@@ -648,7 +673,6 @@ async def _drop_scratch(dc, pid: int, members: list[str]) -> None:
 
 def cold_summary(rounds: list[dict]) -> dict:
     """Median over the rounds of each same-round ratio (ours / baseline), and of each side's MiB/s."""
-    import statistics
     out: dict = {"rounds": len(rounds), "ratio_uses": RATIO_USES, "median_ratio": {}, "median_mib_s": {}}
     for k in ("ours", *COLD_BASELINES):
         vals = [r[k]["mib_s"] for r in rounds if r.get(k, {}).get("mib_s")]
@@ -823,9 +847,28 @@ def _cold_lines(cold_read: dict | None, cold_rounds: list[dict]) -> list[str]:
     return lines
 
 
+def _dd_round_lines(dd_rounds: list[dict]) -> list[str]:
+    """Each write round against the dd right after it, and the median ratio per replica count."""
+    lines = []
+    for k, sm in dd_summary(dd_rounds).items():
+        mine = [r for r in dd_rounds if str(r["replicas"]) == k]
+        for r in mine if len(mine) > 1 else []:
+            d = r["dd"]
+            lines.append(f"  {k} replica(s), write round {r['round']}: ours {r['ours_mib_s']:.1f} MiB/s x {k}, "
+                         + (f"dd {d['mib_s']:.1f} MiB/s: {r['ratio']:.3f}" if r["ratio"] is not None
+                            else f"dd failed: {d.get('error')}"))
+        if sm["median_ratio"] is not None:
+            lines.append(f"  {k} replica(s): ours x {k} / dd = {sm['median_ratio']:.3f}"
+                         + (f" (median of {sm['rounds']} rounds, each write phase against the dd right after it)"
+                            if sm["rounds"] > 1 else
+                            f" (ours {sm['median_ours_mib_s']:.1f} MiB/s, dd {sm['median_dd_mib_s']:.1f} MiB/s; "
+                            "--rounds N for a median of same-round ratios)"))
+    return lines
+
+
 def _table(header: dict, rows: list[dict], dd: dict | None, node_names: dict[str, str], fio: dict | None = None,
            warm: dict | None = None, cold_read: dict | None = None, cold_rounds: list[dict] | None = None,
-           fresh: dict | None = None) -> str:
+           fresh: dict | None = None, dd_rounds: list[dict] | None = None) -> str:
     lines = [f"bench: {fmt_size(header['size'])} requests, {header['clients']} client process(es) x depth "
              f"{header['depth']}, {header['budget']} per phase; nodes: sync {header['sync']}, transport "
              f"{header['transport']}; reads from {header['read_from']}"]
@@ -861,6 +904,7 @@ def _table(header: dict, rows: list[dict], dd: dict | None, node_names: dict[str
         else:
             lines.append(f"dd (same disk, one fdatasync at the end): {dd['mb_s']:.1f} MB/s = {dd['mib_s']:.1f} "
                          f"MiB/s  [{dd['command']}]")
+        lines += _dd_round_lines(dd_rounds or [])
     if fio:
         if "error" in fio:
             lines.append(f"fio: {fio['error']}")
@@ -910,7 +954,10 @@ def _f(v) -> str:
               help="Appends up to this size travel inline with their header on TCP (no READ round trip); "
                    "0 turns it off (to compare).")
 @click.option("--dd", "with_dd", is_flag=True,
-              help="Also run dd if=/dev/zero of=DIR/ddtest bs=1M count=1024 conv=fdatasync and show its MB/s.")
+              help="Also run dd if=/dev/zero of=DIR/ddtest bs=1M count=1024 conv=fdatasync and show its MB/s, "
+                   "and ours x replicas / dd (every replica's copy lands on DIR's one disk).  With --rounds N "
+                   "the write phase runs N times, each followed by its own dd (ours, dd, ours, dd, ...), and "
+                   "the table gives each round's ratio and their median.")
 @click.option("--dd-mib", type=click.IntRange(1, 1 << 16), default=1024, show_default=True)
 @click.option("--fio", "with_fio", is_flag=True,
               help="Also run fio baselines in DIR: 4KiB write+fdatasync, 1MiB write, 1MiB O_DIRECT (cold) read.")
@@ -921,8 +968,10 @@ def _f(v) -> str:
                    "each after a drop, reading as many bytes as the round did: dd bs=1M (buffered), dd "
                    "iflag=direct, fio O_DIRECT at --depth; the table shows each round's ratios, their median, "
                    "and the disk's counters (MiB read, request size, queue depth) during each read.")
-@click.option("--rounds", type=click.IntRange(1, 20), default=3, show_default=True,
-              help="With --cold: cold read rounds, interleaved with the baselines (ours, dd, ours, dd, ...).")
+@click.option("--rounds", type=click.IntRange(1, 20),
+              help="Rounds, each against its own baselines (ours, dd, ours, dd, ...): with --cold, cold read "
+                   "rounds (default 3); with --dd, write rounds (default 1).  On a shared VM adjacent rounds of "
+                   "the same code differ by 10-30%: a same-round ratio's median is what to compare.")
 @click.option("--warm-memory", "warm_cmd", type=click.Path(exists=True, dir_okay=False),
               help="Run this memory warmer (e.g. shared/bench/warm-memory) once before the first phase; the "
                    "output says whether it ran.")
@@ -941,6 +990,7 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
     dnctl bench --cluster /tmp/dn --replicas 1,3 --dd           # single node vs 3 replicas, and dd
     dnctl bench --nodes 127.0.0.1:17310 --partition 7 --mode write --total-mib 512 --json
     dnctl bench --cluster /tmp/dn --cold --total-mib 2048 --rounds 5   # cold reads vs the disk, interleaved
+    dnctl bench --cluster /tmp/dn --mode write --dd --rounds 5        # writes vs dd, interleaved
     dnctl bench --cluster /tmp/dn --size 4KiB --depth 1 --dd --fio --warm-memory ../shared/bench/warm-memory \\
                 --plot bench.png --json > bench.json    # baselines in the same run, a picture, raw numbers
 
@@ -992,6 +1042,10 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
         raise click.BadParameter(f"at most {fmt_size(INLINE_MAX)} (the protocol's limit)", param_hint="--inline-max")
     if not seconds and not total_mib:
         seconds = 10.0
+    if rounds and not (cold or with_dd):
+        raise click.UsageError("--rounds goes with --cold (read rounds) or --dd (write rounds)")
+    cold_rounds_n = (rounds or 3) if cold else 0
+    write_rounds_n = (rounds or 1) if with_dd else 1
     total = total_mib * MIB if total_mib else None
     addrs = cluster_nodes(root) if root else nodes
     if read_from not in ("leader", "spread"):
@@ -1010,8 +1064,10 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
     else:
         targets = [(pid, None, False)]
     phases = ["write", "read"] if mode == "both" else [mode]
+    if "write" in phases:
+        phases = ["write"] * write_rounds_n + [p for p in phases if p != "write"]
     if cold and "read" in phases:
-        phases = [p for p in phases if p != "read"] + ["read"] * rounds
+        phases = [p for p in phases if p != "read"] + ["read"] * cold_rounds_n
 
     async def setup():
         async with DataClient.open(timeout=10) as dc:
@@ -1073,12 +1129,14 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
     header = {"size": nbytes, "clients": clients, "depth": depth,
               "budget": f"{seconds:g} s" if seconds else f"{total_mib} MiB", "sync": first.get("sync"),
               "transport": transport_used, "read_from": read_from, "nodes": addrs, "node_pids": node_pids,
-              "inline_max": inline_bytes, "cold": cold, "rounds": rounds if cold else None}
+              "inline_max": inline_bytes, "cold": cold, "rounds": cold_rounds_n or None,
+              "write_rounds": write_rounds_n if with_dd and "write" in phases else None}
     log_tmp = tempfile.TemporaryDirectory(prefix="dnctl-bench-")    # workers' stderr: nothing left behind
     log_dir = pathlib.Path(log_tmp.name)
     rows = []
     dd = fio = cold_read = None
     cold_rounds: list[dict] = []
+    dd_rounds: list[dict] = []
     warm = {"ran": False}
     fresh: dict = {}
     try:
@@ -1107,12 +1165,19 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
                 rnd["ratio"] = ratio
                 cold_rounds.append(rnd)
 
+            def after_write(row, k=len(members)):
+                if not with_dd:
+                    return
+                click.echo(f"dd: writing {dd_mib} MiB to {root}/ddtest ...", err=True)
+                dd_rounds.append({**dd_round(row["mib_s"], k, run_dd(pathlib.Path(root), dd_mib)),
+                                  "round": sum(1 for r in dd_rounds if r["replicas"] == k) + 1})
+
             try:
                 res = run_config(nodes=members, pid=tpid, size=nbytes, clients=clients, depth=depth,
                                  seconds=seconds, total=total, phases=phases, node_pids=node_pids,
                                  read_from=read_from, transport=transport, label=label, log_dir=log_dir,
                                  inline_max=inline_bytes, cold=cold, disk=base.disk if base else None,
-                                 after_cold=after_cold)
+                                 after_cold=after_cold, after_write=after_write)
             except BenchError as e:
                 raise click.ClickException(str(e)) from None
             finally:
@@ -1124,8 +1189,12 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
             rows += res
         fresh["end_gib_s"] = fresh_memory_gib_s()
         if with_dd:
-            click.echo(f"dd: writing {dd_mib} MiB to {root}/ddtest ...", err=True)
-            dd = run_dd(pathlib.Path(root), dd_mib)
+            if dd_rounds:         # dd ran after each write phase; the table's dd: the median round's
+                good = sorted((r for r in dd_rounds if r["dd"].get("mib_s")), key=lambda r: r["dd"]["mib_s"])
+                dd = (good[len(good) // 2] if good else dd_rounds[-1])["dd"]
+            else:                 # no write phase: dd once, as a reference
+                click.echo(f"dd: writing {dd_mib} MiB to {root}/ddtest ...", err=True)
+                dd = run_dd(pathlib.Path(root), dd_mib)
         if with_fio:
             click.echo(f"fio: baselines in {root} ...", err=True)
             fio = run_fio(pathlib.Path(root), min(dd_mib, 512))
@@ -1144,14 +1213,15 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
             except ClientError as e:
                 click.echo(f"warning: could not delete scratch partitions: {e}", err=True)
     out = {"config": header, "results": rows, "dd": dd, "fio": fio, "warm_memory": warm, "cold_read": cold_read,
-           "cold_rounds": cold_rounds, "fresh_memory": fresh}
+           "cold_rounds": cold_rounds, "dd_rounds": dd_rounds, "dd_summary": dd_summary(dd_rounds),
+           "fresh_memory": fresh}
     if plot_path:
         write_plot(out, pathlib.Path(plot_path))
         out["plot"] = str(plot_path)
     if as_json:
         click.echo(json.dumps(out, indent=2, sort_keys=True))
     else:
-        click.echo(_table(header, rows, dd, node_names, fio, warm, cold_read, cold_rounds, fresh))
+        click.echo(_table(header, rows, dd, node_names, fio, warm, cold_read, cold_rounds, fresh, dd_rounds))
         if plot_path:
             click.echo(f"plot: {plot_path}")
     if any(r["errors"] for r in rows):
