@@ -496,7 +496,7 @@ def run_dd(directory: pathlib.Path, mib: int) -> dict:
 def dd_round(ours_mib_s: float, replicas: int, dd: dict) -> dict:
     """One write round against its dd: ours x replicas / dd -- the disk's bytes per second for our replicated
     writes (every replica's copy lands on this one disk in a local cluster) against dd's on the same disk."""
-    ratio = (round(ours_mib_s * replicas / dd["mib_s"], 3) if dd.get("mib_s") else None)
+    ratio = round(ours_mib_s * replicas / dd["mib_s"], 3) if dd.get("mib_s") else None
     return {"replicas": replicas, "ours_mib_s": ours_mib_s, "dd": dd, "ratio": ratio}
 
 
