@@ -765,6 +765,10 @@ def write_plot(out: dict, path: pathlib.Path) -> None:
     rows = out["results"]
     cfg = out["config"]
     labels = [f"{r['replicas']}r {r['phase']}{' (cold)' if r.get('cold') else ''}" for r in rows]
+    for name in set(labels):                  # rounds of one phase (--rounds): numbered
+        if labels.count(name) > 1:
+            n = iter(range(1, len(labels) + 1))
+            labels = [f"{x} {next(n)}" if x == name else x for x in labels]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
     xs = range(len(rows))
     bars = ax1.bar(xs, [r["mib_s"] for r in rows], color=["#4c72b0" if r["phase"] == "write" else "#55a868"
