@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 
 import click
 
@@ -476,6 +477,7 @@ def _dd_seconds(stderr: str, measured: float) -> float:
 
 def run_dd(directory: pathlib.Path, mib: int) -> dict:
     path = directory / "ddtest"
+    click.echo(f"dd: writing {mib} MiB to {path} ...", err=True)
     cmd = ["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={mib}", "conv=fdatasync"]
     t0 = time.monotonic()
     try:
@@ -764,11 +766,12 @@ def write_plot(out: dict, path: pathlib.Path) -> None:
 
     rows = out["results"]
     cfg = out["config"]
-    labels = [f"{r['replicas']}r {r['phase']}{' (cold)' if r.get('cold') else ''}" for r in rows]
-    for name in set(labels):                  # rounds of one phase (--rounds): numbered
-        if labels.count(name) > 1:
-            n = iter(range(1, len(labels) + 1))
-            labels = [f"{x} {next(n)}" if x == name else x for x in labels]
+    names = [f"{r['replicas']}r {r['phase']}{' (cold)' if r.get('cold') else ''}" for r in rows]
+    total, seen = Counter(names), Counter()
+    labels = []
+    for name in names:                        # rounds of one phase (--rounds): numbered
+        seen[name] += 1
+        labels.append(f"{name} {seen[name]}" if total[name] > 1 else name)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
     xs = range(len(rows))
     bars = ax1.bar(xs, [r["mib_s"] for r in rows], color=["#4c72b0" if r["phase"] == "write" else "#55a868"
@@ -1172,7 +1175,6 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
             def after_write(row, k=len(members)):
                 if not with_dd:
                     return
-                click.echo(f"dd: writing {dd_mib} MiB to {root}/ddtest ...", err=True)
                 dd_rounds.append({**dd_round(row["mib_s"], k, run_dd(pathlib.Path(root), dd_mib)),
                                   "round": sum(1 for r in dd_rounds if r["replicas"] == k) + 1})
 
@@ -1197,7 +1199,6 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
                 good = sorted((r for r in dd_rounds if r["dd"].get("mib_s")), key=lambda r: r["dd"]["mib_s"])
                 dd = (good[len(good) // 2] if good else dd_rounds[-1])["dd"]
             else:                 # no write phase: dd once, as a reference
-                click.echo(f"dd: writing {dd_mib} MiB to {root}/ddtest ...", err=True)
                 dd = run_dd(pathlib.Path(root), dd_mib)
         if with_fio:
             click.echo(f"fio: baselines in {root} ...", err=True)
