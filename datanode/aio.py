@@ -41,13 +41,15 @@ class InlinePause:
     """The rule for blocking work done right in the event loop instead of in a worker thread (a flush, a
     SQLite transaction: the thread's hand-over can cost more than the work): allowed unless a call done so
     took longer than ``slow`` seconds, which sends the next ``pause`` seconds' calls to the thread -- so a
-    slow disk stalls the loop at most once per pause.  It cannot help against a call that hangs."""
+    slow disk stalls the loop at most once per pause.  It cannot help against a call that hangs.  And when the
+    caller of a short inline call should let the other tasks run (``yield_due``: once a ``turn``)."""
 
-    __slots__ = ("slow", "pause", "_until")
+    __slots__ = ("slow", "pause", "turn", "_until", "_yielded")
 
-    def __init__(self, slow: float = 0.005, pause: float = 1.0) -> None:
-        self.slow, self.pause = slow, pause
+    def __init__(self, slow: float = 0.005, pause: float = 1.0, turn: float = 0.001) -> None:
+        self.slow, self.pause, self.turn = slow, pause, turn
         self._until = 0.0         # monotonic time before which no call runs inline
+        self._yielded = 0.0       # when yield_due last said yes
 
     def allowed(self, now: float) -> bool:
         """May a call start inline at ``now`` (``time.monotonic()``)?"""
@@ -64,6 +66,16 @@ class InlinePause:
     def hold(self) -> None:
         """No call inline from now on (a test's way to the thread path)."""
         self._until = float("inf")
+
+    def yield_due(self, now: float) -> bool:
+        """After an inline call that ended at ``now``: should its caller let the other tasks run before it goes
+        on?  Yes once ``turn`` seconds have passed since the last yes.  So inline calls back to back (a sweep
+        of many) hold the loop about that long at most, while a short call between other awaits -- a FUSE
+        request's metadata transaction -- costs no scheduler pass of its own."""
+        if now - self._yielded < self.turn:
+            return False
+        self._yielded = now
+        return True
 
 
 class Workers:
