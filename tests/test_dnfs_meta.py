@@ -195,7 +195,6 @@ def test_a_long_run_of_transactions_in_the_event_loop_does_not_starve_the_other_
 
         async with trio.open_nursery() as n:
             n.start_soon(other)
-            await trio.lowlevel.checkpoint()      # (it starts)
             start, reads = m.inline_txs, SqliteMeta.CHECKPOINT_COMMITS - 2
             for _ in range(reads):
                 assert (await m.getattr(f.ino)).ino == f.ino
