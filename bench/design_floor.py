@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import statistics
 import struct
@@ -46,6 +47,7 @@ HDR = 64
 SIZE = 4096
 ACK = 16
 SPAN = 16 << 20          # zeros written ahead per replica file; writes wrap around inside it
+WAIT_S = 10.0            # no answer to a write for this long: the round fails (a process is gone or stuck)
 ENTRIES = SPAN           # the entries' zone: past the data, in zeros too (SPAN // SIZE * 8 bytes)
 VARIANTS = ("blocking", "trio", "trio-direct")
 OURS = "dnctl-bench"
@@ -100,6 +102,11 @@ class _Copy:
         self.n += 1
 
 
+def _ack_or_fail(got: bool) -> None:
+    if not got:
+        raise RuntimeError("the peer closed its connection before acking")
+
+
 def _end(socks: list[socket.socket]) -> None:
     """EOF to the peers (a shutdown: every process holds copies of every socket, forked with them)."""
     for s in socks:
@@ -115,7 +122,7 @@ def _leader(variant: str, up: socket.socket, downs: list[socket.socket], copy: _
                 _send_all(d, msg)
             copy.durable(memoryview(msg)[HDR:])
             for d in downs:
-                _recv_exact_blocking(d, memoryview(ack))
+                _ack_or_fail(_recv_exact_blocking(d, memoryview(ack)))
             _send_all(up, ack)
         _end(downs)
         return
@@ -130,7 +137,7 @@ def _leader(variant: str, up: socket.socket, downs: list[socket.socket], copy: _
             if variant == "trio-direct":
                 _send_all(up, ack)           # the client counts three acks; the leader still takes its two
             for d in downs:
-                await _recv_exact_trio(d, memoryview(ack))
+                _ack_or_fail(await _recv_exact_trio(d, memoryview(ack)))
             if variant == "trio":
                 _send_all(up, ack)
     trio.run(main)
@@ -161,10 +168,11 @@ def _client(variant: str, leader: socket.socket, followers: list[socket.socket],
     ack = bytearray(ACK)
     lat: list[float] = []
     if variant == "blocking":
+        leader.settimeout(WAIT_S)
         for _ in range(writes):
             t = time.perf_counter()
             _send_all(leader, msg)
-            _recv_exact_blocking(leader, memoryview(ack))
+            _ack_or_fail(_recv_exact_blocking(leader, memoryview(ack)))
             lat.append(time.perf_counter() - t)
         return lat
     ends = [leader, *followers]
@@ -175,8 +183,9 @@ def _client(variant: str, leader: socket.socket, followers: list[socket.socket],
         for _ in range(writes):
             t = time.perf_counter()
             _send_all(leader, msg)
-            for s in ends:                   # trio: the leader's ack; trio-direct: the leader's and both followers'
-                await _recv_exact_trio(s, memoryview(ack))
+            with trio.fail_after(WAIT_S):
+                for s in ends:               # trio: the leader's ack; trio-direct: the leader's and both followers'
+                    _ack_or_fail(await _recv_exact_trio(s, memoryview(ack)))
             lat.append(time.perf_counter() - t)
     trio.run(main)
     return lat
@@ -210,7 +219,13 @@ def one_round(variant: str, directory: str, writes: int) -> dict:
             pids.append(_child(_follower, variant, b, f_cl[i][0] if direct else None, copies[i + 1]))
         for s in (ld, *(p for pair in to_f for p in pair), *(a for a, _ in f_cl)):
             s.close()
-        lat = _client(variant, cl, [b for _, b in f_cl], writes)
+        try:
+            lat = _client(variant, cl, [b for _, b in f_cl], writes)
+        except (OSError, RuntimeError, trio.TooSlowError) as e:
+            for p in pids:
+                os.kill(p, signal.SIGKILL)
+                os.waitpid(p, 0)
+            raise SystemExit(f"design_floor: a {variant} round failed: {e!r}") from None
         t1 = os.times()
         _end([cl])
         cl.close()
