@@ -176,7 +176,7 @@ class Node(DataOps, AdminOps, RepairOps):
                 nursery.start_soon(self._keep_trash)
                 nursery.start_soon(self._watch_data_dir)
                 await nursery.start(self.commit.run)
-                nursery.start_soon(self.metrics.loop_lag.run)
+                nursery.start_soon(self.metrics.loop_lag.run, lambda: self.counters.requests)
                 self.metrics.gc.install()
                 tune_gc()
                 if cfg.metrics_listen:

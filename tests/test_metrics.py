@@ -179,3 +179,30 @@ def test_a_traced_cluster_gives_every_read_its_steps_in_causal_order():
              "read.answered"]
     assert sorted(t) == sorted(steps), t
     assert [t[s] for s in steps] == sorted(t.values()), t
+
+
+def test_the_loop_lag_probe_wakes_once_a_second_while_no_request_comes():
+    """Every wake-up of an idle process costs CPU (most of an idle node's was the probe's 50 a second): while
+    the node takes no request the probe sleeps IDLE_PERIOD, and the first request brings PERIOD back."""
+    from trio.testing import MockClock
+
+    from datanode.metrics import LoopLag
+
+    lag = LoopLag(CollectorRegistry())
+    taken = [0]
+
+    async def main():
+        async with trio.open_nursery() as n:
+            n.start_soon(lag.run, lambda: taken[0])
+            await trio.sleep(10)                     # no request for 10 s
+            idle = sum(lag.counts)
+            for _ in range(200):                     # then a request every 5 ms for 1 s
+                taken[0] += 1
+                await trio.sleep(0.005)
+            busy = sum(lag.counts) - idle
+            n.cancel_scope.cancel()
+        return idle, busy
+
+    idle, busy = trio.run(main, clock=MockClock(autojump_threshold=0))
+    assert idle <= 12                                # ~1 + 10 s / IDLE_PERIOD, not 10 s / PERIOD = 500
+    assert busy >= 1 / LoopLag.PERIOD - 5           # ~50: the probe at PERIOD while requests come
