@@ -40,14 +40,18 @@ async def nursery() -> AsyncIterator[trio.Nursery]:
 class InlinePause:
     """The rule for blocking work done right in the event loop instead of in a worker thread (a flush, a
     SQLite transaction: the thread's hand-over can cost more than the work): allowed unless a call done so
-    took longer than ``slow`` seconds, which sends the next ``pause`` seconds' calls to the thread -- so a
-    slow disk stalls the loop at most once per pause.  It cannot help against a call that hangs.  And when the
-    caller of a short inline call should let the other tasks run (``yield_due``: once a ``turn``)."""
+    took longer than ``slow`` seconds, which sends the calls of a while to the thread -- a while in proportion
+    to how long it took, so slow calls in the loop stall it for at most ``share`` of the time, however slow
+    the disk (a 10 ms flush: 0.19 s; a 1 s one: 19 s).  It was a fixed second: too long after a flush just
+    over ``slow`` (a quarter of a depth-1 bench's flushes went to the thread on this box), too short against a
+    failing disk (1 s flushes stalled the loop half the time).  It cannot help against a call that hangs.
+    And when the caller of a short inline call should let the other tasks run (``yield_due``: once a
+    ``turn``)."""
 
-    __slots__ = ("slow", "pause", "turn", "_until", "_yielded")
+    __slots__ = ("slow", "share", "turn", "_until", "_yielded")
 
-    def __init__(self, slow: float = 0.005, pause: float = 1.0, turn: float = 0.001) -> None:
-        self.slow, self.pause, self.turn = slow, pause, turn
+    def __init__(self, slow: float = 0.005, share: float = 0.05, turn: float = 0.001) -> None:
+        self.slow, self.share, self.turn = slow, share, turn
         self._until = 0.0         # monotonic time before which no call runs inline
         self._yielded = 0.0       # when yield_due last said yes
 
@@ -58,9 +62,10 @@ class InlinePause:
     def took(self, started: float) -> bool:
         """An inline call that started at ``started`` has ended; True if it was slow (the pause began)."""
         now = time.monotonic()
-        if now - started <= self.slow:
+        took = now - started
+        if took <= self.slow:
             return False
-        self._until = now + self.pause
+        self._until = now + took * (1.0 / self.share - 1.0)
         return True
 
     def hold(self) -> None:

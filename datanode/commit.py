@@ -22,8 +22,8 @@ the node) and no flush is running, there is nobody to share a flush with and not
 do meanwhile: the flush runs right in the event loop, without the thread's hand-over (a queue put, the
 thread's wake-up, taking the GIL back, ``run_sync_soon``'s wake-up of the loop).  At depth 1 that was 15%
 of a follower's calls per request.  A flush blocks the loop while it runs, so a flush done this way that
-takes longer than 5 ms (a busy or failing disk) sends the next second's flushes back to the thread
-(``aio.InlinePause``): the loop stalls at most once per pause for a slow disk.
+takes longer than 5 ms (a busy or failing disk) sends the flushes of a while back to the thread, a while in
+proportion to its length (``aio.InlinePause``): slow flushes stall the loop at most 5% of the time.
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ class CommitCounters:
     flushed_extents: int = 0    # extent flushes done (each: two fdatasyncs, or one: NODE_STATUS one_flushes)
     commit_waits: int = 0       # appends that waited for a flush
     inline_flushes: int = 0     # flushes run in the event loop (the only request in flight)
-    slow_inline_flushes: int = 0  # of those, slow ones (the next second's went to the thread: InlinePause)
+    slow_inline_flushes: int = 0  # of those, slow ones (the next while's went to the thread: InlinePause)
 
 
 class GroupCommit:

@@ -1,4 +1,5 @@
-"""datanode/aio.py Workers: the threads a node's store calls run in."""
+"""datanode/aio.py: Workers (the threads a node's store calls run in) and InlinePause (when blocking work may
+run in the event loop instead)."""
 from __future__ import annotations
 
 import threading
@@ -7,7 +8,7 @@ import time
 import pytest
 import trio
 
-from datanode.aio import Workers
+from datanode.aio import InlinePause, Workers
 
 
 def test_calls_run_at_once_in_threads_up_to_most_and_the_rest_wait_their_turn():
@@ -67,3 +68,19 @@ def test_a_cancelled_caller_still_waits_for_its_call_to_finish():
             await w.run_sync(slow)
         return bool(done)
     assert trio.run(main_) is True
+
+
+def test_a_slow_call_in_the_loop_sends_the_next_ones_to_the_thread_for_a_while_in_proportion_to_its_length():
+    """A flush (or SQLite transaction) run in the event loop that took longer than ``slow`` keeps the next ones
+    out of the loop for 1/share - 1 times its length: slow calls stall the loop at most ``share`` of the time.
+    A fixed second was too long after a flush just over 5 ms (a quarter of a depth-1 bench's flushes went to
+    the thread) and too short against a failing disk (1 s flushes held the loop half the time)."""
+    p = InlinePause(slow=0.005, share=0.05)
+    assert not p.took(time.monotonic())                  # quick: nothing changes
+    assert p.allowed(time.monotonic())
+    assert p.took(time.monotonic() - 0.010)              # 10 ms: the next ~0.19 s go to the thread
+    now = time.monotonic()
+    assert not p.allowed(now + 0.15) and p.allowed(now + 0.2)
+    assert p.took(time.monotonic() - 1.0)                # 1 s, a failing disk: the next ~19 s
+    now = time.monotonic()
+    assert not p.allowed(now + 18.0) and p.allowed(now + 19.5)

@@ -6,8 +6,9 @@ transaction (``BEGIN IMMEDIATE``); the connection runs with ``synchronous=NORMAL
 killed process at once) and :meth:`sync` fsyncs the WAL (every commit so far) before an ``fsync`` returns.
 SQLite calls run one at a time.  A transaction runs right in the event loop when no other SQLite call is
 running (a read or a page-cache commit takes 30-80 us here, the hand-over to a worker thread and back
-~100 us more); one that took longer than 5 ms (a WAL checkpoint, a slow disk) sends the next second's
-transactions to the worker thread, so the loop stalls at most once a second (``aio.InlinePause``).  A
+~100 us more); one that took longer than 5 ms (a WAL checkpoint, a slow disk) sends the transactions of a
+while to the worker thread, a while in proportion to its length, so slow ones stall the loop at most 5% of the
+time (``aio.InlinePause``).  A
 transaction in the loop then lets the other tasks run only if a millisecond has passed since it last did so
 (``InlinePause.yield_due``): a FUSE request's transaction costs no scheduler pass of its own (``utime`` in a
 loop through the mount: 11% less mount CPU per call), and a run of many still lets the others in.  The
