@@ -43,7 +43,7 @@ class InlinePause:
     took longer than ``slow`` seconds, which sends the calls of a while to the thread -- a while in proportion
     to how long it took, so slow calls in the loop stall it for at most ``share`` of the time, however slow
     the disk (a 10 ms flush: 0.19 s; a 1 s one: 19 s).  It was a fixed second: too long after a flush just
-    over ``slow`` (a quarter of a depth-1 bench's flushes went to the thread on this box), too short against a
+    over ``slow`` (a third of a depth-1 bench's flushes went to the thread on this box), too short against a
     failing disk (1 s flushes stalled the loop half the time).  It cannot help against a call that hangs.
     And when the caller of a short inline call should let the other tasks run (``yield_due``: once a
     ``turn``)."""

@@ -73,7 +73,7 @@ def test_a_cancelled_caller_still_waits_for_its_call_to_finish():
 def test_a_slow_call_in_the_loop_sends_the_next_ones_to_the_thread_for_a_while_in_proportion_to_its_length():
     """A flush (or SQLite transaction) run in the event loop that took longer than ``slow`` keeps the next ones
     out of the loop for 1/share - 1 times its length: slow calls stall the loop at most ``share`` of the time.
-    A fixed second was too long after a flush just over 5 ms (a quarter of a depth-1 bench's flushes went to
+    A fixed second was too long after a flush just over 5 ms (a third of a depth-1 bench's flushes went to
     the thread) and too short against a failing disk (1 s flushes held the loop half the time)."""
     p = InlinePause(slow=0.005, share=0.05)
     assert not p.took(time.monotonic())                  # quick: nothing changes
