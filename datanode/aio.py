@@ -45,7 +45,7 @@ class InlinePause:
     the disk (a 10 ms flush: 0.19 s; a 1 s one: 19 s).  It was a fixed second: too long after a flush just
     over ``slow`` (a third of a depth-1 bench's flushes went to the thread on this box), too short against a
     failing disk (1 s flushes stalled the loop half the time).  It cannot help against a call that hangs.
-    And when the caller of a short inline call should let the other tasks run (``yield_due``: once a
+    It also says when the caller of a short inline call should let the other tasks run (``yield_due``: once a
     ``turn``)."""
 
     __slots__ = ("slow", "share", "turn", "_until", "_yielded")
