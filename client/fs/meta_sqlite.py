@@ -8,13 +8,13 @@ SQLite calls run one at a time.  A transaction runs right in the event loop when
 running (a read or a page-cache commit takes 30-80 us here, the hand-over to a worker thread and back
 ~100 us more); one that took longer than 5 ms (a WAL checkpoint, a slow disk) sends the transactions of a
 while to the worker thread, a while in proportion to its length, so slow ones stall the loop at most 5% of the
-time (``aio.InlinePause``).  A
-transaction in the loop then lets the other tasks run only if a millisecond has passed since it last did so
-(``InlinePause.yield_due``): a FUSE request's transaction costs no scheduler pass of its own (``utime`` in a
-loop through the mount: 11% less mount CPU per call), and a run of many still lets the others in.  The
-WAL's fsync (``sync``, a durable commit's) runs in the worker thread -- but a durable commit (an fsync's)
-or a ``sync`` with nothing else in flight in the mount (``quiet``) runs right in the loop: nobody waits
-behind it, and the two hand-overs would cost more than the loop's pause (the same pause rule applies).
+time (``aio.InlinePause``).  A transaction in the loop then lets the other tasks run only if a millisecond has
+passed since it last did so (``InlinePause.yield_due``): a FUSE request's transaction costs no scheduler pass
+of its own (``utime`` in a loop through the mount: 11% less mount CPU per call), and a run of many still lets
+the others in.  The WAL's fsync (``sync``, a durable commit's) runs in the worker thread -- but a durable
+commit (an fsync's) or a ``sync`` with nothing else in flight in the mount (``quiet``) runs right in the loop:
+nobody waits behind it, and the two hand-overs would cost more than the loop's pause (the same pause rule
+applies).
 
 Open-file sessions: the lock makes this mount the only one, so the inodes it has open are kept in its
 memory; they end with the process (which also releases the lock), and the next mount removes the inodes
