@@ -320,7 +320,10 @@ class BuddyPool:
         """Allocate, waiting (FIFO) up to ``timeout`` seconds for memory.
 
         Raises PoolExhausted on timeout.  Cancellation while waiting neither
-        leaks nor loses a block.  This is a trio checkpoint.
+        leaks nor loses a block.  A cancellation point always, but a schedule
+        point only when it has to wait: a block taken at once costs no task
+        step (one per request on every node and client: 2 of a leader's 19
+        steps per 1 MiB written and read back, dnctl bench --mode read).
         """
         order = self._order_for(length)
         length = operator.index(length)
@@ -336,7 +339,6 @@ class BuddyPool:
         if not self._n_waiting:
             block = self._take(order, length)
             if block is not None:
-                await trio.lowlevel.cancel_shielded_checkpoint()
                 return block
 
         w = _Waiter(order, length)

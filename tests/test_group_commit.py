@@ -147,6 +147,40 @@ def test_one_flush_covers_every_append_before_it(tmp_path):
     again.close()
 
 
+def test_the_lone_requests_flush_in_the_event_loop_is_durable_and_takes_no_scheduler_pass(tmp_path):
+    """``GroupCommit.durable`` for the only request in flight flushes right in the event loop: the append is
+    durable when it returns, and the handler goes straight on to its answer -- no pass of the loop in
+    between (it was one per write on every replica, on a follower's path to its ack)."""
+    from datanode.commit import GroupCommit
+    store = ExtentStore(tmp_path / "p", "always")
+    eid = store.create_extent()
+    gc = GroupCommit(quiet=lambda: True)
+
+    class Steps(trio.abc.Instrument):
+        def __init__(self, task):
+            self.task, self.n = task, 0
+
+        def before_task_step(self, task):
+            self.n += task is self.task
+
+    async def main():
+        steps = Steps(trio.lowlevel.current_task())
+        trio.lowlevel.add_instrument(steps)
+        async with trio.open_nursery() as n:
+            await n.start(gc.run)
+            for k in range(3):
+                store.append(eid, k * 4 * KiB, pattern(k, 4 * KiB), None)
+                before = steps.n
+                await gc.durable(store, eid, (k + 1) * 4 * KiB)
+                assert store.durable_size(eid) == (k + 1) * 4 * KiB
+                assert steps.n == before         # this task never left the CPU: no scheduler pass
+            assert gc.counters.inline_flushes == 3 and gc.counters.flushes == 3
+            n.cancel_scope.cancel()
+
+    run(main)
+    store.close()
+
+
 def test_the_store_counters_a_node_reports_do_not_go_down_when_a_partition_is_deleted(tmp_path, monkeypatch):
     """NODE_STATUS ``one_flushes`` / ``direct_writes`` count the node's lifetime, as its other counters do: a
     deleted partition (a bench's scratch one, deleted at its end) keeps its counts there."""
