@@ -102,42 +102,54 @@ async def _worker_main(spec: dict) -> None:
         read_replica = None if rf in ("leader", "spread") else rf    # spread: the SDK's (next replica per read)
 
         async def write_phase(seconds, total, progress):
+            """``depth`` writers, each sending an append and awaiting its answer itself (at depth 1: what a
+            program awaiting ``dc.append`` does).  The appends leave in offset order: a writer takes the next
+            offset and sends holding ``order`` -- taken without a scheduler pass when it is free.  (A task per
+            append, woken to free a window slot that woke the sender, cost the client two passes of its loop
+            per request beside the one its answer takes.)"""
             lat: list[int] = []
             errors: list[str] = []
-            window = trio.Semaphore(depth)
+            order = trio.Lock()
             state = {"extent": None, "off": 0, "sent": 0}
             deadline = trio.current_time() + seconds if seconds else math.inf
 
-            async def finish(fut, t0, rec):
-                try:
-                    loc = await fut
-                    lat.append(int((time.perf_counter() - t0) * 1e6))
-                    progress[0] += loc.length
-                    rec[1] = max(rec[1], loc.offset + loc.length)
-                except ClientError as e:
-                    errors.append(str(e))
-                finally:
-                    window.release()
+            def more() -> bool:
+                return not errors and trio.current_time() < deadline and (total is None or state["sent"] < total)
 
-            async with trio.open_nursery() as n:
-                while not errors and trio.current_time() < deadline and (total is None or state["sent"] < total):
-                    await window.acquire()
-                    if errors:
-                        window.release()
-                        break
+            async def writer():
+                while more():
+                    if order.locked():
+                        await order.acquire()
+                    else:
+                        order.acquire_nowait()
                     try:
+                        if not more():
+                            return
                         if state["extent"] is None or state["off"] + size > MAX_EXTENT:
                             state["extent"], state["off"] = await dc.create_extent(pid), 0
                             written.append([state["extent"], 0])
+                        rec = written[-1]
                         t0 = time.perf_counter()
                         fut = await dc.submit_append(part, state["extent"], state["off"], payload)
+                        state["off"] += size
+                        state["sent"] += size
                     except ClientError as e:
                         errors.append(str(e))
-                        window.release()
-                        break
-                    n.start_soon(finish, fut, t0, written[-1])
-                    state["off"] += size
-                    state["sent"] += size
+                        return
+                    finally:
+                        order.release()
+                    try:
+                        loc = await fut
+                    except ClientError as e:
+                        errors.append(str(e))
+                        return
+                    lat.append(int((time.perf_counter() - t0) * 1e6))
+                    progress[0] += loc.length
+                    rec[1] = max(rec[1], loc.offset + loc.length)
+
+            async with trio.open_nursery() as n:
+                for _ in range(depth):
+                    n.start_soon(writer)
             return lat, errors
 
         async def read_phase(seconds, total, progress):
