@@ -20,7 +20,7 @@ import logging
 
 from .partition import ExtentLane, Partition
 from .protocol import Flag, Header, Op, Result
-from .rpc import Links, Pending
+from .rpc import AnswerGroup, Links, Pending
 from .transport.base import TransportError
 
 log = logging.getLogger(__name__)
@@ -64,19 +64,23 @@ class Replicator:
         may change meanwhile: a step-down must not redirect a request of the old epoch to the new view)."""
         replicas = list(part.replicas) if replicas is None else replicas
         out = Fanout(part, fwd, replicas)
+        group = AnswerGroup()          # wait() wakes once, for the last ack
         inline = None
         if payload is not None:
             inline = fwd if fwd.flags & Flag.INLINE and not fwd.rlen else fwd.but(flags=fwd.flags | Flag.INLINE,
                                                                                   addr=0, rkey=0, rlen=0)
-        for i, addr in enumerate(replicas[1:], start=1):
-            try:
-                link = await self.links.get(addr)
-                if inline is not None and link.conn.max_inline >= len(payload):
-                    out.sent.append((i, await link.submit(inline, self.timeout, payload)))
-                else:
-                    out.sent.append((i, await link.submit(fwd, self.timeout)))
-            except (TransportError, OSError) as e:
-                out.sent.append((i, e))
+        try:
+            for i, addr in enumerate(replicas[1:], start=1):
+                try:
+                    link = await self.links.get(addr)
+                    if inline is not None and link.conn.max_inline >= len(payload):
+                        out.sent.append((i, await link.submit(inline, self.timeout, payload, group=group)))
+                    else:
+                        out.sent.append((i, await link.submit(fwd, self.timeout, group=group)))
+                except (TransportError, OSError) as e:
+                    out.sent.append((i, e))
+        finally:
+            group.seal()
         if out.sent and fwd.opcode == Op.WRITE:
             self.counters.forwarded += 1
         return out
@@ -100,7 +104,8 @@ class Replicator:
         failed: set[int] = set()
 
         # every forward is already on its way: waiting for the answers one after the other takes as long as
-        # waiting for all at once (each Pending has its own deadline), without a nursery and task per follower
+        # waiting for all at once (each Pending has its own deadline), without a nursery and task per follower;
+        # and as the forwards are one AnswerGroup, the first result() that waits returns with the last answer
         for i, p in fan.sent:
             addr = fan.replicas[i]
             if isinstance(p, BaseException):

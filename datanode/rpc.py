@@ -121,14 +121,23 @@ class Requester:
             self._fail(f"a request timed out after {late[0][4]}s")
         return bool(late)
 
-    async def submit(self, header: Header, timeout: float, payload=None) -> "Pending":
+    async def submit(self, header: Header, timeout: float, payload=None, *, group: "AnswerGroup | None" = None
+                     ) -> "Pending":
         """Send a copy of ``header`` with a req_id of ours and return at once; ``Pending.result`` waits.
         ``payload``: an inline WRITE's bytes (``header`` has Flag.INLINE; at most ``conn.max_inline``).
+        ``group``: the request is one of several the caller waits for together (``AnswerGroup``).
 
         Splitting the two lets a leader send forwards in a fixed order and wait for the acks later."""
         if self._dead:
             raise ConnectionClosed(f"{self.conn.peer}: {self._dead}")
-        p = Pending(self, timeout)
+        p = Pending(self, timeout, group)
+        try:
+            return await self._submit(p, header, timeout, payload)
+        except BaseException:
+            p.slot[0].set()          # never on its way: not an answer its group waits for
+            raise
+
+    async def _submit(self, p: "Pending", header: Header, timeout: float, payload) -> "Pending":
         try:
             self._credits.acquire_nowait()         # the common case: a credit is free, no timer needed
         except trio.WouldBlock:
@@ -178,13 +187,59 @@ class Requester:
         raise RequestTimeout(f"{self.conn.peer} did not answer within {timeout}s")
 
 
+class AnswerGroup:
+    """Requests (on any links) whose answers one task waits for together -- a leader's forwards of one
+    write: its ``Pending.result`` calls wake it once, when the last answer is in (or the requests ended
+    otherwise), not once per answer as it lands.  The answers of a fan-out land in different passes of the
+    loop about half the time at depth 1; each wake-up was a task step of the leader's handler.  ``seal`` once
+    every request of the group is submitted (an answer may land before the next request is)."""
+
+    __slots__ = ("left", "sealed", "all_in")
+
+    def __init__(self) -> None:
+        self.left = 0                # requests of the group not answered yet
+        self.sealed = False          # no more requests join
+        self.all_in = trio.Event()
+
+    def seal(self) -> None:
+        self.sealed = True
+        if not self.left:
+            self.all_in.set()
+
+
+class _Answered:
+    """A grouped request's "answered" flag (an ``Event``'s ``set``/``is_set``/``wait``): set on its own,
+    waited for with the rest of its ``AnswerGroup``."""
+
+    __slots__ = ("group", "done")
+
+    def __init__(self, group: AnswerGroup) -> None:
+        self.group, self.done = group, False
+        group.left += 1
+
+    def set(self) -> None:
+        if not self.done:
+            self.done = True
+            g = self.group
+            g.left -= 1
+            if not g.left and g.sealed:
+                g.all_in.set()
+
+    def is_set(self) -> bool:
+        return self.done
+
+    async def wait(self) -> None:
+        if not self.done:
+            await self.group.all_in.wait()
+
+
 class Pending:
-    def __init__(self, requester: Requester, timeout: float):
+    def __init__(self, requester: Requester, timeout: float, group: AnswerGroup | None = None):
         self.requester = requester
         self.deadline = trio.current_time() + timeout
         self.timeout = timeout
         # answered, the answer (_LATE: the deadline passed), our grant to the peer, the deadline, the timeout
-        self.slot = [trio.Event(), None, None, self.deadline, timeout]
+        self.slot = [trio.Event() if group is None else _Answered(group), None, None, self.deadline, timeout]
         self.req_id = 0
         self._done = False
 

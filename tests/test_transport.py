@@ -13,10 +13,11 @@ from contextlib import asynccontextmanager
 
 import pytest
 import trio
+import trio.testing
 
 from datanode.pool import BuddyPool
 from datanode.protocol import Flag, Header, Op, Result, Transport, decode, decode_message
-from datanode.rpc import Requester, RequestTimeout
+from datanode.rpc import AnswerGroup, Requester, RequestTimeout
 from datanode.transport.base import Access, ConnectionClosed, RemoteAccessError, TransportError, address_of
 from datanode.transport.connect import NegotiationError, accept, choose, dial
 from datanode.transport.tcp import FRAME, WRITE_REQ, send_all
@@ -434,6 +435,99 @@ def test_answer_already_in_is_not_a_timeout(transport):
             resp = await pending.result()
             assert (resp.result, resp.arg, resp.partition) == (Result.OK, 42, 5)
             assert req.alive
+    run(body)
+
+
+def test_a_group_of_requests_wakes_its_waiter_once_when_the_last_answer_is_in(transport):
+    """A leader's forwards of one write, on two links, in one ``AnswerGroup``: the task collecting the acks
+    is woken once, by the last one -- not by the first as it lands, to find the second still out."""
+    class Steps(trio.abc.Instrument):
+        def __init__(self, task):
+            self.task, self.n = task, 0
+
+        def before_task_step(self, task):
+            self.n += task is self.task
+
+    async def body():
+        async with requester(transport) as (req1, _c1, srv1), requester(transport) as (req2, _c2, srv2):
+            group = AnswerGroup()
+            p1 = await req1.submit(Header(opcode=Op.PING, partition=1), timeout=30, group=group)
+            p2 = await req2.submit(Header(opcode=Op.PING, partition=2), timeout=30, group=group)
+            group.seal()
+            got = []
+
+            async def collect(task_status=trio.TASK_STATUS_IGNORED):
+                task_status.started(trio.lowlevel.current_task())
+                got.append(await p1.result())
+                got.append(await p2.result())
+
+            async with trio.open_nursery() as n:
+                steps = Steps(await n.start(collect))
+                trio.lowlevel.add_instrument(steps)
+                await trio.testing.wait_all_tasks_blocked()
+                before = steps.n
+                for srv in (srv1, srv2):
+                    raw = await srv.conn.recv()
+                    await srv.conn.send(decode(raw).reply(Result.OK).encode())
+                    with trio.fail_after(SLACK):
+                        while srv is srv1 and not p1.slot[0].is_set():     # the first answer landed ...
+                            await trio.sleep(0.001)
+                    await trio.testing.wait_all_tasks_blocked()
+                    if srv is srv1:
+                        assert got == [] and steps.n == before     # ... and woke nobody
+            assert [r.partition for r in got] == [1, 2]
+            assert steps.n == before + 1
+    run(body)
+
+
+def test_a_grouped_request_that_never_left_does_not_hold_up_the_others(transport):
+    """A request of a group whose send fails (here: no credit before its timeout) is not waited for: the
+    group's other answers still wake their waiter."""
+    async def body():
+        async with requester(transport) as (req1, _c1, srv1), requester(transport) as (req2, cli2, _s2):
+            for _ in range(max(1, cli2.conn.slots)):       # every credit of link 2 taken, never answered
+                await req2.submit(Header(opcode=Op.PING), timeout=30)
+            group = AnswerGroup()
+            p1 = await req1.submit(Header(opcode=Op.PING, partition=1), timeout=30, group=group)
+            with trio.fail_after(0.3 + SLACK):
+                with pytest.raises(RequestTimeout):
+                    await req2.submit(Header(opcode=Op.PING, partition=2), timeout=0.3, group=group)
+            group.seal()
+            raw = await srv1.conn.recv()
+            await srv1.conn.send(decode(raw).reply(Result.OK).encode())
+            with trio.fail_after(SLACK):
+                assert (await p1.result()).partition == 1
+    run(body)
+
+
+def test_an_answer_in_before_the_group_is_complete_does_not_end_the_wait_for_the_rest(transport):
+    """The first forward's ack may land before the second forward is sent (a link being dialed): the group
+    is not all in until it is sealed, so the second request is still waited for -- and answered."""
+    async def body():
+        async with requester(transport) as (req1, _c1, srv1), requester(transport) as (req2, _c2, srv2):
+            group = AnswerGroup()
+            p1 = await req1.submit(Header(opcode=Op.PING, partition=1), timeout=30, group=group)
+            raw = await srv1.conn.recv()
+            await srv1.conn.send(decode(raw).reply(Result.OK).encode())
+            with trio.fail_after(SLACK):
+                while not p1.slot[0].is_set():
+                    await trio.sleep(0.001)
+            p2 = await req2.submit(Header(opcode=Op.PING, partition=2), timeout=30, group=group)
+            group.seal()
+            assert (await p1.result()).partition == 1
+            got = []
+
+            async def second():
+                got.append(await p2.result())
+
+            with trio.fail_after(SLACK):
+                async with trio.open_nursery() as n:
+                    n.start_soon(second)
+                    raw = await srv2.conn.recv()
+                    await trio.sleep(0.05)
+                    assert got == []                       # still waiting for its own answer
+                    await srv2.conn.send(decode(raw).reply(Result.OK, arg=7).encode())
+            assert [(r.partition, r.arg) for r in got] == [(2, 7)]
     run(body)
 
 
