@@ -463,7 +463,7 @@ class TcpConnection(Connection):
                     self.misbehaved = "more control messages than slots"
                     raise TransportError("peer sent more control messages than we have slots")
             elif ftype == READ_REQ:
-                await self._to_serve((READ_REQ, op, addr, rkey, length))
+                await self._serve_in.send((READ_REQ, op, addr, rkey, length))
             elif ftype == READ_RESP:
                 # the op stays in _pending until its answer has landed: if the stream ends half-way,
                 # _shutdown fails it (and so frees whoever waits for it)
@@ -502,7 +502,7 @@ class TcpConnection(Connection):
                     self.stats.refused += 1
                     log.warning("refused one-sided write from %s: %s", self.peer, REFUSALS[code])
                 if op or code:           # a posted write (op 0) is answered only when refused
-                    await self._to_serve((WRITE_RESP, op, code, 0, 0))
+                    await self._serve_in.send((WRITE_RESP, op, code, 0, 0))
             elif ftype == WRITE_RESP:
                 if not op:
                     self.stats.posted_refused += 1
@@ -514,15 +514,6 @@ class TcpConnection(Connection):
                     p.event.set()
             else:
                 raise TransportError(f"unknown frame type {ftype}")
-
-    async def _to_serve(self, item: tuple) -> None:
-        """Queue a peer's one-sided request for ``_serve_loop``; no scheduler pass while the queue has room
-        (the reader yields every ``FAIR_FRAMES`` frames by itself).  A channel's ``send`` is one even then: it
-        was two passes of a leader's loop per 1 MiB replicated write, one per follower READing the block."""
-        try:
-            self._serve_in.send_nowait(item)
-        except trio.WouldBlock:
-            await self._serve_in.send(item)
 
     async def _serve_loop(self) -> None:
         """Answers the peer's one-sided requests (the part of the transport that plays the NIC)."""
