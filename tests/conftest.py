@@ -170,6 +170,17 @@ def nodes(request, tmp_path):
         warnings.warn(problem)
 
 
+class TaskSteps(trio.abc.Instrument):
+    """Counts the steps one task takes (``trio.lowlevel.add_instrument`` it): how a test sees whether a call
+    let the scheduler run other tasks, or how often a waiting task was woken."""
+
+    def __init__(self, task) -> None:
+        self.task, self.n = task, 0
+
+    def before_task_step(self, task) -> None:
+        self.n += task is self.task
+
+
 def run(fn, *args):
     """Run an async test body."""
     return trio.run(fn, *args)

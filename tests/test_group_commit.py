@@ -9,7 +9,7 @@ import trio
 from client.sdk import ClientError
 from datanode.protocol import Op
 from datanode.store import ONE_FLUSH, ExtentStore
-from tests.conftest import create_partition, open_client, pattern, run
+from tests.conftest import TaskSteps, create_partition, open_client, pattern, run
 
 KiB = 1 << 10
 PID = 1
@@ -156,15 +156,8 @@ def test_the_lone_requests_flush_in_the_event_loop_is_durable_and_takes_no_sched
     eid = store.create_extent()
     gc = GroupCommit(quiet=lambda: True)
 
-    class Steps(trio.abc.Instrument):
-        def __init__(self, task):
-            self.task, self.n = task, 0
-
-        def before_task_step(self, task):
-            self.n += task is self.task
-
     async def main():
-        steps = Steps(trio.lowlevel.current_task())
+        steps = TaskSteps(trio.lowlevel.current_task())
         trio.lowlevel.add_instrument(steps)
         async with trio.open_nursery() as n:
             await n.start(gc.run)

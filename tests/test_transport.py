@@ -21,7 +21,7 @@ from datanode.rpc import AnswerGroup, Requester, RequestTimeout
 from datanode.transport.base import Access, ConnectionClosed, RemoteAccessError, TransportError, address_of
 from datanode.transport.connect import NegotiationError, accept, choose, dial
 from datanode.transport.tcp import FRAME, WRITE_REQ, send_all
-from tests.conftest import SLACK, client_domain, open_client, pattern, run
+from tests.conftest import SLACK, TaskSteps, client_domain, open_client, pattern, run
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -441,13 +441,6 @@ def test_answer_already_in_is_not_a_timeout(transport):
 def test_a_group_of_requests_wakes_its_waiter_once_when_the_last_answer_is_in(transport):
     """A leader's forwards of one write, on two links, in one ``AnswerGroup``: the task collecting the acks
     is woken once, by the last one -- not by the first as it lands, to find the second still out."""
-    class Steps(trio.abc.Instrument):
-        def __init__(self, task):
-            self.task, self.n = task, 0
-
-        def before_task_step(self, task):
-            self.n += task is self.task
-
     async def body():
         async with requester(transport) as (req1, _c1, srv1), requester(transport) as (req2, _c2, srv2):
             group = AnswerGroup()
@@ -462,7 +455,7 @@ def test_a_group_of_requests_wakes_its_waiter_once_when_the_last_answer_is_in(tr
                 got.append(await p2.result())
 
             async with trio.open_nursery() as n:
-                steps = Steps(await n.start(collect))
+                steps = TaskSteps(await n.start(collect))
                 trio.lowlevel.add_instrument(steps)
                 await trio.testing.wait_all_tasks_blocked()
                 before = steps.n
