@@ -132,43 +132,40 @@ class Requester:
             raise ConnectionClosed(f"{self.conn.peer}: {self._dead}")
         p = Pending(self, timeout, group)
         try:
-            return await self._submit(p, header, timeout, payload)
+            try:
+                self._credits.acquire_nowait()         # the common case: a credit is free, no timer needed
+            except trio.WouldBlock:
+                with trio.move_on_after(timeout) as scope:
+                    await self._credits.acquire()
+                if scope.cancelled_caught:
+                    await self._timed_out(timeout)
+            p.req_id = rid = next(self._ids)
+            try:
+                p.slot[2], header = await _grant(self.conn, header)    # before the send: the peer may fetch at once
+            except BaseException:
+                self._credits.release()
+                raise
+            self._waiting[rid] = p.slot
+            watch = self._watch
+            if watch is not None and p.deadline < watch.deadline:
+                watch.deadline = p.deadline          # run() wakes for it (no wake-up now: trio's deadline heap)
+            try:
+                sent = await self.conn.send_within(timeout, header.encode(req_id=rid), payload)
+            except BaseException:
+                self._waiting.pop(rid, None)
+                self.conn.grants.drop(p.slot[2])
+                self._credits.release()
+                await self._settle(p.slot[2])
+                raise
+            if not sent:
+                self.conn.grants.drop(p.slot[2])
+                self._credits.release()
+                await self._settle(p.slot[2])
+                await self._timed_out(timeout)
+            return p
         except BaseException:
             p.slot[0].set()          # never on its way: not an answer its group waits for
             raise
-
-    async def _submit(self, p: "Pending", header: Header, timeout: float, payload) -> "Pending":
-        try:
-            self._credits.acquire_nowait()         # the common case: a credit is free, no timer needed
-        except trio.WouldBlock:
-            with trio.move_on_after(timeout) as scope:
-                await self._credits.acquire()
-            if scope.cancelled_caught:
-                await self._timed_out(timeout)
-        p.req_id = rid = next(self._ids)
-        try:
-            p.slot[2], header = await _grant(self.conn, header)    # before the send: the peer may fetch at once
-        except BaseException:
-            self._credits.release()
-            raise
-        self._waiting[rid] = p.slot
-        watch = self._watch
-        if watch is not None and p.deadline < watch.deadline:
-            watch.deadline = p.deadline          # run() wakes for it (no wake-up now: trio's deadline heap)
-        try:
-            sent = await self.conn.send_within(timeout, header.encode(req_id=rid), payload)
-        except BaseException:
-            self._waiting.pop(rid, None)
-            self.conn.grants.drop(p.slot[2])
-            self._credits.release()
-            await self._settle(p.slot[2])
-            raise
-        if not sent:
-            self.conn.grants.drop(p.slot[2])
-            self._credits.release()
-            await self._settle(p.slot[2])
-            await self._timed_out(timeout)
-        return p
 
     async def _settle(self, token) -> None:
         """Wait (shielded: the caller frees the buffer next) until a dropped grant is unusable."""
