@@ -438,6 +438,13 @@ def test_answer_already_in_is_not_a_timeout(transport):
     run(body)
 
 
+async def landed(pending) -> None:
+    """Until a request's answer has been taken in by its requester (without waiting for it as a caller)."""
+    with trio.fail_after(SLACK):
+        while not pending.slot[0].is_set():
+            await trio.sleep(0.001)
+
+
 def test_a_group_of_requests_wakes_its_waiter_once_when_the_last_answer_is_in(transport):
     """A leader's forwards of one write, on two links, in one ``AnswerGroup``: the task collecting the acks
     is woken once, by the last one -- not by the first as it lands, to find the second still out."""
@@ -459,15 +466,13 @@ def test_a_group_of_requests_wakes_its_waiter_once_when_the_last_answer_is_in(tr
                 trio.lowlevel.add_instrument(steps)
                 await trio.testing.wait_all_tasks_blocked()
                 before = steps.n
-                for srv in (srv1, srv2):
-                    raw = await srv.conn.recv()
-                    await srv.conn.send(decode(raw).reply(Result.OK).encode())
-                    with trio.fail_after(SLACK):
-                        while srv is srv1 and not p1.slot[0].is_set():     # the first answer landed ...
-                            await trio.sleep(0.001)
-                    await trio.testing.wait_all_tasks_blocked()
-                    if srv is srv1:
-                        assert got == [] and steps.n == before     # ... and woke nobody
+                raw = await srv1.conn.recv()
+                await srv1.conn.send(decode(raw).reply(Result.OK).encode())
+                await landed(p1)                          # the first answer is in ...
+                await trio.testing.wait_all_tasks_blocked()
+                assert got == [] and steps.n == before    # ... and woke nobody
+                raw = await srv2.conn.recv()
+                await srv2.conn.send(decode(raw).reply(Result.OK).encode())
             assert [r.partition for r in got] == [1, 2]
             assert steps.n == before + 1
     run(body)
@@ -502,9 +507,7 @@ def test_an_answer_in_before_the_group_is_complete_does_not_end_the_wait_for_the
             p1 = await req1.submit(Header(opcode=Op.PING, partition=1), timeout=30, group=group)
             raw = await srv1.conn.recv()
             await srv1.conn.send(decode(raw).reply(Result.OK).encode())
-            with trio.fail_after(SLACK):
-                while not p1.slot[0].is_set():
-                    await trio.sleep(0.001)
+            await landed(p1)
             p2 = await req2.submit(Header(opcode=Op.PING, partition=2), timeout=30, group=group)
             group.seal()
             assert (await p1.result()).partition == 1
