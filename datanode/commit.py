@@ -22,7 +22,9 @@ the node) and no flush is running, there is nobody to share a flush with and not
 do meanwhile: the flush runs right in the event loop, without the thread's hand-over (a queue put, the
 thread's wake-up, taking the GIL back, ``run_sync_soon``'s wake-up of the loop).  At depth 1 that was 15%
 of a follower's calls per request.  Nor does the loop go round after it: the handler goes straight on to its
-answer (a follower's ack one pass sooner; that pass was a quarter of a follower's passes per write).  A flush
+answer (a follower's ack one pass sooner; that pass was a quarter of a follower's passes per write) -- and
+a follower's lone inline append, flush and answer all, is done right where its forward arrives
+(``DataOps.append_now``, which asks ``here`` first).  A flush
 blocks the loop while it runs, so a flush done this way that takes longer than 5 ms (a busy or failing disk)
 sends the flushes of a while back to the thread, a while in proportion to its length (``aio.InlinePause``):
 slow flushes stall the loop at most 5% of the time.
@@ -72,12 +74,10 @@ class GroupCommit:
             return
         if self._token is None:
             raise StoreError("disk", "the group-commit flusher is not running")
+        if self.here():
+            self.flush_here(store, extent)
+            return
         b = self._batch
-        if not self._flushing and not b.want and self._quiet is not None and self._quiet():
-            t0 = time.monotonic()
-            if self.inline.allowed(t0):
-                self._inline(store, extent, t0)
-                return
         b.want.setdefault(store, set()).add(extent)
         self.counters.commit_waits += 1
         if not self._flushing:
@@ -87,8 +87,17 @@ class GroupCommit:
         if err is not None:
             raise err
 
-    def _inline(self, store: ExtentStore, extent: int, t0: float) -> None:
-        """The flush of the only request in flight, right here in the event loop (the module docstring)."""
+    def here(self) -> bool:
+        """May a flush run right here in the event loop now: the flusher is running, no flush is in it or
+        gathering, this is the only request in flight (``quiet``), and no slow flush done so paused it
+        (``aio.InlinePause``)?  (The module docstring: "Alone, right here".)"""
+        return (self._token is not None and not self._flushing and not self._batch.want and self._quiet is not None
+                and self._quiet() and self.inline.allowed(time.monotonic()))
+
+    def flush_here(self, store: ExtentStore, extent: int) -> None:
+        """The flush of the only request in flight, right here in the event loop (``here`` said it may):
+        StoreError if it failed."""
+        t0 = time.monotonic()
         self.counters.commit_waits += 1
         self.counters.inline_flushes += 1
         self.counters.flushes += 1

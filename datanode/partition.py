@@ -153,6 +153,11 @@ class ExtentLane:
         self._issued += 1
         return t
 
+    def up(self, ticket: int) -> bool:
+        """It is this ticket's turn and no handed-over write of the extent is out: an append holding it may
+        be done right away, with no turn to wait for (``DataOps.append_now``)."""
+        return ticket == self._serving and not self.writing
+
     def newest(self, ticket: int) -> bool:
         """No ticket was taken after ``ticket``."""
         return self._issued == ticket + 1

@@ -450,7 +450,55 @@ class Node(DataOps, AdminOps, RepairOps):
                     run = runs[0] = AppendRun(h, payload, ticket)
         self.inflight += 1
         conn.busy += 1
+        # a follower's lone inline append is done right here when nothing would make it wait (append_now); what
+        # _handle refuses before any handler runs goes to it, as every other request does
+        if (run is not None and h.flags & Flag.FORWARDED and not self.draining and self.state == "serving"
+                and self.data_dir_lost is None and (conn.role is None or not self._forbidden(conn, h))
+                and self._append_now(nursery, conn, h, ticket, payload, run, now)):
+            return
         nursery.start_soon(self._handle, conn, h, ticket, now, payload, run)
+
+    def _append_now(self, nursery: trio.Nursery, conn: Connection, h: Header, ticket, payload, run: AppendRun,
+                    t0: float) -> bool:
+        """``DataOps.append_now`` of the request, and its answer sent right away where the connection takes
+        it at once (else by a task, as ``_handle`` sends): True; False if it goes as a task, untouched."""
+        try:
+            resp = self.append_now(conn, h, ticket, payload, run)
+        except Exception:  # a bug must cost one request, not the node (as in _handle)
+            log.exception("%s from %s failed", h.describe(), conn.peer)
+            run.start()
+            ticket[0].done(ticket[1])
+            resp = h.reply(Result.ERROR)
+        if resp is None:
+            return False
+        if trace.ON:
+            trace.mark(trace.replied(False, True), h.extent, h.offset)
+        try:
+            sent = conn.send_nowait(self.cfg.peer_timeout, resp.encode())
+        except ProtocolError:
+            sent = False                       # (_send answers it as the bug it is)
+        except TransportError as e:
+            log.debug("reply to %s lost: %s", conn.peer, e)
+            sent = True                        # (the connection is gone, the answer with it)
+        if not sent:
+            nursery.start_soon(self._send_answer, conn, h, t0, resp)
+            return True
+        self._answered(conn, h, t0, resp)
+        return True
+
+    async def _send_answer(self, conn: Connection, h: Header, t0: float, resp: Header) -> None:
+        try:
+            await self._send(conn, resp)
+        finally:
+            self._answered(conn, h, t0, resp)
+
+    def _answered(self, conn: Connection, h: Header, t0: float, resp: Header) -> None:
+        """A request done where it arrived has been answered: counted as ``_handle`` counts its own."""
+        self.metrics.observe(h.opcode, resp.result, h.length, trio.current_time() - t0)
+        self.inflight -= 1
+        conn.busy -= 1
+        if self.inflight == 0:
+            self._idle.set()
 
     async def _send_counted(self, conn: Connection, resp: Header) -> None:
         try:
@@ -586,16 +634,22 @@ class Node(DataOps, AdminOps, RepairOps):
     def _authorize(self, conn: Connection, h: Header) -> None:
         """The connection's proven role must be one the request's opcode accepts (protocol.OP_ROLES), and a
         forwarded change must come from the partition's current leader (the identity proven in the hello)."""
-        if conn.role not in roles_for(h):
+        why = self._forbidden(conn, h)
+        if why:
             self.counters.forbidden += 1
-            raise Reply(Result.FORBIDDEN, why=f"role {conn.role.name.lower()} may not send "
-                                              f"{'forwarded ' if h.flags & Flag.FORWARDED else ''}{Op(h.opcode).name}")
+            raise Reply(Result.FORBIDDEN, why=why)
+
+    def _forbidden(self, conn: Connection, h: Header) -> str:
+        """Why ``_authorize`` refuses the request ("": it does not)."""
+        if conn.role not in roles_for(h):
+            return (f"role {conn.role.name.lower()} may not send "
+                    f"{'forwarded ' if h.flags & Flag.FORWARDED else ''}{Op(h.opcode).name}")
         if h.flags & Flag.FORWARDED and h.opcode in self._LEADER_ONLY:
             part = self.table.get(h.partition)
             if part is not None and part.leader != conn.identity:
-                self.counters.forbidden += 1
-                raise Reply(Result.FORBIDDEN, why=f"forwarded {Op(h.opcode).name} from node {conn.identity}, "
-                                                  f"but the leader of partition {part.pid} is {part.leader}")
+                return (f"forwarded {Op(h.opcode).name} from node {conn.identity}, but the leader of partition "
+                        f"{part.pid} is {part.leader}")
+        return ""
 
     def pool_stats(self, reveal: bool = True) -> dict:
         """The pool's figures; its rkey and base address only when ``reveal`` (to admins, or with

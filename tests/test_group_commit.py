@@ -92,7 +92,7 @@ def restart_and_check_every_replica(ns, acked: list[tuple[int, int, bytes]]) -> 
 def test_lone_writes_flushed_in_the_event_loop_survive_kill9_of_every_replica(nodes):
     """One writer, one append at a time: each node has a single request in flight, so its flush runs right
     in the event loop (no thread hand-over; the node's counters say so), most of them with one fdatasync
-    (the store's "One flush").  Killed with SIGKILL, every replica still has every acknowledged byte after a
+    (the store's "One flush"), and a follower does the whole append where its forward arrives.  Killed with SIGKILL, every replica still has every acknowledged byte after a
     restart (recovered by the CRC files' tail slots)."""
     ns = nodes(3, sync="always")
     addrs = [n.addr for n in ns]
@@ -117,6 +117,9 @@ def test_lone_writes_flushed_in_the_event_loop_survive_kill9_of_every_replica(no
         assert 1 <= c["inline_flushes"] <= c["flushes"], (addr, c)     # second's flushes to the thread)
         assert c["slow_inline_flushes"] <= c["inline_flushes"], (addr, c)
         assert (c["one_flushes"] >= 1) == ONE_FLUSH, (addr, c)    # small appends over zeros: one fdatasync
+    # the followers did their appends right where the forwards arrived, no task each (DataOps.append_now)
+    assert counts[0]["appends_now"] == 0
+    assert all(1 <= c["appends_now"] <= c["replica_writes"] for c in counts[1:]), counts[1:]
     for node in ns:
         node.kill()
     restart_and_check_every_replica(ns, [(eid, off, data) for off, data in acked])

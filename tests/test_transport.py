@@ -527,6 +527,32 @@ def test_an_answer_in_before_the_group_is_complete_does_not_end_the_wait_for_the
     run(body)
 
 
+def test_send_nowait_sends_at_once_or_not_at_all(transport):
+    """``send_nowait`` is how a node answers a request it did right where it arrived (no task may wait
+    there): on TCP the answer is on its way at once when nobody else is sending; while another send holds
+    the connection it sends nothing (False) and the caller sends it the usual way, behind the other one.  A
+    transport with no such path (verbs) says False and sends nothing."""
+    async def body():
+        async with pair(transport) as (cli, srv):
+            first = Header(opcode=Op.PING, req_id=1, partition=1).encode()
+            assert cli.conn.send_nowait(5, first) == (transport == "tcp")
+            if transport != "tcp":
+                with trio.fail_after(SLACK):
+                    with pytest.raises(trio.TooSlowError):       # nothing went
+                        with trio.fail_after(0.2):
+                            await srv.conn.recv()
+                return
+            with trio.fail_after(SLACK):
+                assert decode(await srv.conn.recv()).req_id == 1
+                async with cli.conn._sending():                   # another sender holds the connection
+                    assert not cli.conn.send_nowait(5, Header(opcode=Op.PING, req_id=2).encode())
+                assert await cli.conn.send_within(5, Header(opcode=Op.PING, req_id=3).encode())
+                assert cli.conn.send_nowait(5, Header(opcode=Op.PING, req_id=4).encode())
+                assert [decode(await srv.conn.recv()).req_id for _ in range(2)] == [3, 4]   # 2 never went
+            assert cli.conn.alive and srv.conn.alive
+    run(body)
+
+
 # -------------------------------------------------------------------------------------------- negotiation
 def test_choose_transport():
     A, T, V = Transport.AUTO, Transport.TCP, Transport.VERBS

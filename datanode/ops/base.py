@@ -80,6 +80,7 @@ class RequestCounters:
     writes: int = 0                # client appends acknowledged (as leader)
     replica_writes: int = 0        # forwarded appends applied (as follower)
     joined_writes: int = 0         # of both, those that went in the same append as the one before (AppendRun)
+    appends_now: int = 0           # of replica_writes, those done right where they arrived (DataOps.append_now)
     write_bytes: int = 0
     reads: int = 0
     read_bytes: int = 0

@@ -312,8 +312,10 @@ class Connection(abc.ABC):
         transport's own task (reader or completion poller), before queueing it for ``recv``: a requester
         matching answers, or a server starting a request's handler, saves a task switch per message.
         ``on_message`` must neither block nor raise; it returns True if it took the message, False to have it
-        queued for ``recv`` (and the ones after it too, while any is queued: arrival order is kept).  ``recv``
-        raises ConnectionClosed at the end as before."""
+        queued for ``recv`` (and the ones after it too, while any is queued: arrival order is kept).  It may
+        do short blocking work (a node's small append and its flush, where nothing else would wait: the
+        event loop is held either way) but never wait for another task.  ``recv`` raises ConnectionClosed at
+        the end as before."""
         self._on_message = on_message
 
     def _land(self, msg) -> bool:
@@ -336,6 +338,14 @@ class Connection(abc.ABC):
         with trio.move_on_after(timeout) as scope:
             await self.send(header, payload)
         return not scope.cancelled_caught
+
+    def send_nowait(self, timeout: float, header: bytes) -> bool:
+        """A control message without payload (an answer) sent right away, without waiting -- for a caller that
+        cannot (``deliver_to``'s callback): True once it is on its way; False if nothing was sent (the
+        caller sends it with ``send_within``).  A transport that can take a message at once (TCP: the kernel,
+        when nobody else is sending) overrides this; ``timeout`` bounds the rest of a message the kernel took
+        only part of, sent by the connection's own task (the connection ends if it is not sent in time)."""
+        return False
 
     async def send_many_within(self, timeout: float, headers: list[bytes]) -> bool:
         """Control messages without payloads (answers), in order, given up after ``timeout`` seconds for all

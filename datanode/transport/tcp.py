@@ -272,6 +272,7 @@ class TcpConnection(Connection):
         self._serve_in, self._serve_out = trio.open_memory_channel(SERVE_QUEUE)
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
+        self._tasks: trio.Nursery | None = None     # run()'s: the rest of a message send_nowait began
 
     max_inline = INLINE_MAX
 
@@ -290,6 +291,34 @@ class TcpConnection(Connection):
             return False
         self.stats.sends += 1
         return True
+
+    def send_nowait(self, timeout: float, header: bytes) -> bool:
+        if self._send_lock.locked() or not isinstance(self._sock, LeanSocket) or self._tasks is None:
+            return False
+        frame, _n = self._ctrl_frame(header, None)
+        try:
+            sent = self._sock.sock.send(frame)
+        except BlockingIOError:
+            return False
+        except OSError as e:
+            self._shutdown(f"send failed: {e}")
+            raise ConnectionClosed(f"connection to {self.peer} lost: {e}") from None
+        if sent < len(frame):       # the rest goes before any other frame: the lock is held until it has
+            self._send_lock.acquire_nowait()
+            self._tasks.start_soon(self._send_rest, timeout, memoryview(frame)[sent:])
+        self.stats.sends += 1
+        return True
+
+    async def _send_rest(self, timeout: float, rest: memoryview) -> None:
+        try:
+            with trio.move_on_after(timeout) as scope:
+                await self._guarded(send_all(self._sock, rest))
+            if scope.cancelled_caught:
+                self._shutdown(f"the peer did not read its answers for {timeout}s")
+        except TransportError:
+            pass                         # the connection ended (the reader says why)
+        finally:
+            self._send_lock.release()
 
     async def send_many_within(self, timeout: float, headers: list[bytes]) -> bool:
         if self._send_lock.locked() or not isinstance(self._sock, LeanSocket):
@@ -440,6 +469,7 @@ class TcpConnection(Connection):
         """The connection's own tasks; runs until the connection closes (started by open_connection)."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._serve_loop)
+            self._tasks = nursery
             task_status.started()
             try:
                 await self._read_loop()
@@ -450,6 +480,7 @@ class TcpConnection(Connection):
                 self._shutdown(str(e))
             finally:
                 self._shutdown("reader stopped")
+                self._tasks = None
 
     async def _read_loop(self) -> None:
         reader = _FrameReader(self._sock)
