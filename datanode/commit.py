@@ -17,17 +17,16 @@ and ``trio.to_thread.run_sync`` (a capacity limiter, the thread cache's hand-ove
 flusher task cost the event loop several times what this hand-over does (issue 12's profile:
 ``start_thread_soon`` alone was 11% of the leader's samples).
 
-**Alone, right here.**  When the waiter is the only request the node has in flight (``quiet()``, given by
-the node) and no flush is running, there is nobody to share a flush with and nothing for the event loop to
-do meanwhile: the flush runs right in the event loop, without the thread's hand-over (a queue put, the
-thread's wake-up, taking the GIL back, ``run_sync_soon``'s wake-up of the loop).  At depth 1 that was 15%
-of a follower's calls per request.  Nor does the loop go round after it: the handler goes straight on to its
-answer (a follower's ack one pass sooner; that pass was a quarter of a follower's passes per write) -- and
-a follower's lone inline append, flush and answer all, is done right where its forward arrives
-(``DataOps.append_now``, which asks ``here`` first).  A flush
-blocks the loop while it runs, so a flush done this way that takes longer than 5 ms (a busy or failing disk)
-sends the flushes of a while back to the thread, a while in proportion to its length (``aio.InlinePause``):
-slow flushes stall the loop at most 5% of the time.
+**Alone, right here.**  When the waiter is the only request the node has in flight (``quiet()``, given by the
+node) and no flush is running, there is nobody to share a flush with and nothing for the event loop to do
+meanwhile: the flush runs right in the event loop, without the thread's hand-over (a queue put, the thread's
+wake-up, taking the GIL back, ``run_sync_soon``'s wake-up of the loop).  At depth 1 that was 15% of a
+follower's calls per request.  Nor does the loop go round after it: the handler goes straight on to its answer
+(a follower's ack one pass sooner; that pass was a quarter of a follower's passes per write) -- and a
+follower's lone inline append, flush and answer all, is done right where its forward arrives
+(``DataOps.append_now``, which asks ``here`` first).  A flush blocks the loop while it runs, so a flush done
+this way that takes longer than 5 ms (a busy or failing disk) sends the flushes of a while back to the thread,
+a while in proportion to its length (``aio.InlinePause``): slow flushes stall the loop at most 5% of the time.
 """
 from __future__ import annotations
 

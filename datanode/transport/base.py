@@ -311,11 +311,10 @@ class Connection(abc.ABC):
         """Offer each control message that lands from now on to ``on_message(msg)``, called right in the
         transport's own task (reader or completion poller), before queueing it for ``recv``: a requester
         matching answers, or a server starting a request's handler, saves a task switch per message.
-        ``on_message`` must neither block nor raise; it returns True if it took the message, False to have it
-        queued for ``recv`` (and the ones after it too, while any is queued: arrival order is kept).  It may
-        do short blocking work (a node's small append and its flush, where nothing else would wait: the
-        event loop is held either way) but never wait for another task.  ``recv`` raises ConnectionClosed at
-        the end as before."""
+        ``on_message`` must neither raise nor wait for another task (short blocking work is allowed: a
+        follower's small append and its flush, done where nothing else would wait); it returns True if it took
+        the message, False to have it queued for ``recv`` (and the ones after it too, while any is queued:
+        arrival order is kept).  ``recv`` raises ConnectionClosed at the end as before."""
         self._on_message = on_message
 
     def _land(self, msg) -> bool:
