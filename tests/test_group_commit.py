@@ -92,8 +92,9 @@ def restart_and_check_every_replica(ns, acked: list[tuple[int, int, bytes]]) -> 
 def test_lone_writes_flushed_in_the_event_loop_survive_kill9_of_every_replica(nodes):
     """One writer, one append at a time: each node has a single request in flight, so its flush runs right
     in the event loop (no thread hand-over; the node's counters say so), most of them with one fdatasync
-    (the store's "One flush"), and a follower does the whole append where its forward arrives.  Killed with SIGKILL, every replica still has every acknowledged byte after a
-    restart (recovered by the CRC files' tail slots)."""
+    (the store's "One flush"), and a follower does the whole append where its forward arrives.  Killed with
+    SIGKILL, every replica still has every acknowledged byte after a restart (recovered by the CRC files'
+    tail slots)."""
     ns = nodes(3, sync="always")
     addrs = [n.addr for n in ns]
     rng = random.Random(5)
