@@ -483,18 +483,19 @@ class Node(DataOps, AdminOps, RepairOps):
         if not sent:
             nursery.start_soon(self._send_answer, conn, h, t0, resp)
             return True
-        self._answered(conn, h, t0, resp)
+        self._answered(conn, h, resp.result, trio.current_time() - t0)
         return True
 
     async def _send_answer(self, conn: Connection, h: Header, t0: float, resp: Header) -> None:
         try:
             await self._send(conn, resp)
         finally:
-            self._answered(conn, h, t0, resp)
+            self._answered(conn, h, resp.result, trio.current_time() - t0)
 
-    def _answered(self, conn: Connection, h: Header, t0: float, resp: Header) -> None:
-        """A request done where it arrived has been answered: counted as ``_handle`` counts its own."""
-        self.metrics.observe(h.opcode, resp.result, h.length, trio.current_time() - t0)
+    def _answered(self, conn: Connection, h: Header, result: int, took: float) -> None:
+        """A request has been answered (``result``; -1: dropped) ``took`` seconds after it arrived: in the
+        metrics, and no longer in flight."""
+        self.metrics.observe(h.opcode, result, h.length, took)
         self.inflight -= 1
         conn.busy -= 1
         if self.inflight == 0:
@@ -590,11 +591,7 @@ class Node(DataOps, AdminOps, RepairOps):
             finally:
                 now = trio.current_time()
                 for a_h, a_t0, r in answers:
-                    self.metrics.observe(a_h.opcode, r.result if r is not None else -1, a_h.length, now - a_t0)
-                self.inflight -= len(answers)
-                conn.busy -= len(answers)
-                if self.inflight == 0:
-                    self._idle.set()
+                    self._answered(conn, a_h, r.result if r is not None else -1, now - a_t0)
 
     async def install_view(self, pid: int, replicas: list[str], epoch: int) -> bool:
         """Adopt a higher epoch and its replica list (False if ``epoch`` is not above ours)."""

@@ -296,13 +296,9 @@ class TcpConnection(Connection):
         if self._send_lock.locked() or not isinstance(self._sock, LeanSocket) or self._tasks is None:
             return False
         frame, _n = self._ctrl_frame(header, None)
-        try:
-            sent = self._sock.sock.send(frame)
-        except BlockingIOError:
+        sent = self._to_kernel((frame,))
+        if not sent:
             return False
-        except OSError as e:
-            self._shutdown(f"send failed: {e}")
-            raise ConnectionClosed(f"connection to {self.peer} lost: {e}") from None
         if sent < len(frame):       # the rest goes before any other frame: the lock is held until it has
             self._send_lock.acquire_nowait()
             self._tasks.start_soon(self._send_rest, timeout, memoryview(frame)[sent:])
@@ -335,13 +331,7 @@ class TcpConnection(Connection):
         The caller checked that nobody holds the send lock: the common case, where the kernel takes it all,
         needs no timer and no lock -- nothing here awaits until the kernel has taken what it takes."""
         sock = self._sock
-        try:
-            sent = sock.sock.sendmsg(parts)
-        except BlockingIOError:
-            sent = 0
-        except OSError as e:
-            self._shutdown(f"send failed: {e}")
-            raise ConnectionClosed(f"connection to {self.peer} lost: {e}") from None
+        sent = self._to_kernel(parts)
         if sent < total:
             self._send_lock.acquire_nowait()    # the rest must go before any other frame
             try:
@@ -353,6 +343,16 @@ class TcpConnection(Connection):
             finally:
                 self._send_lock.release()
         return True
+
+    def _to_kernel(self, parts) -> int:
+        """One ``sendmsg`` of ``parts`` on the lean socket: the bytes the kernel took (0: it had no room)."""
+        try:
+            return self._sock.sock.sendmsg(parts)
+        except BlockingIOError:
+            return 0
+        except OSError as e:
+            self._shutdown(f"send failed: {e}")
+            raise ConnectionClosed(f"connection to {self.peer} lost: {e}") from None
 
     def _ctrl_frame(self, header: bytes, payload) -> tuple[bytes, int]:
         """A control message's frame header and the header after it; and the payload's length."""
