@@ -1,7 +1,7 @@
 """What deleting data costs everyone else writing to the same disk: 4 KiB durable writes at depth 1 (3 replicas)
 while extents of 128 MiB are deleted beside them, with the deleted extents' space freed at once
-(``DATANODE_FREE_STEP=0``) and in steps (the default, datanode/store.py ``FREE_STEP``), alternating, each
-round on a fresh local cluster (``dnctl cluster up``, sync=always).
+(``free_step_bytes = 0`` in the nodes' config) and in steps (the default), alternating, each round on a fresh
+local cluster (``dnctl cluster up``, sync=always).
 
     .venv/bin/python bench/delete_stall.py [--rounds 4] [--extents 4] [--extent-mib 128]
 
@@ -32,12 +32,26 @@ from tools.bench import percentile  # noqa: E402
 from tools.clikit import cluster_nodes  # noqa: E402
 
 MIB = 1 << 20
-VARIANTS = {"at once": "0", "in steps": ""}      # DATANODE_FREE_STEP for the nodes ("": the default)
+VARIANTS = {"at once": 0, "in steps": None}      # free_step_bytes for the nodes (None: the default)
 
 
 def dnctl(env: dict, *args: str) -> None:
     subprocess.run([sys.executable, "-c", "from tools.dnctl import main; main()", *args], env=env, cwd=REPO,
                    check=True, capture_output=True, text=True)
+
+
+def cluster_up(env: dict, d: str, free_step: int | None) -> None:
+    """A local cluster in ``d`` whose nodes free space ``free_step`` bytes at a time (None: their default).
+    The nodes' config comes from cluster.json: they are started, stopped, given the key and started again
+    (both variants alike, so neither runs on a fresher cluster)."""
+    dnctl(env, "cluster", "up", "--nodes", "3", "--cluster", d, "--sync", "always")
+    dnctl(env, "cluster", "down", "--cluster", d)
+    path = pathlib.Path(d) / "cluster.json"
+    info = json.loads(path.read_text())
+    if free_step is not None:
+        info["config"]["free_step_bytes"] = free_step
+    path.write_text(json.dumps(info, indent=2))
+    dnctl(env, "cluster", "up", "--cluster", d)
 
 
 def summary(ms: list[float]) -> dict:
@@ -110,12 +124,8 @@ def main() -> None:
     for r in range(a.rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
             env = {**os.environ, "PYTHONPATH": str(REPO)}
-            if VARIANTS[name]:
-                env["DATANODE_FREE_STEP"] = VARIANTS[name]
-            else:
-                env.pop("DATANODE_FREE_STEP", None)
             with tempfile.TemporaryDirectory(prefix="delete-stall-") as d:
-                dnctl(env, "cluster", "up", "--nodes", "3", "--cluster", d, "--sync", "always")
+                cluster_up(env, d, VARIANTS[name])
                 try:
                     res = trio.run(measure, cluster_nodes(pathlib.Path(d)), a.extents, a.extent_mib)
                 finally:

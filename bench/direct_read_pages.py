@@ -1,6 +1,6 @@
 """How the memory a cold read lands in shapes the disk's requests: 1 MiB O_DIRECT preads of a file, one at a
 time, into a buffer of each kind -- a plain ``mmap(-1)`` (shared anonymous, small pages), private anonymous
-memory on small pages, and a ``datanode/pool.py`` arena (private, on a huge-page boundary, advised
+memory on small pages, and a ``wire/pool.py`` arena (private, on a huge-page boundary, advised
 MADV_HUGEPAGE) -- with the disk's own counters around each pass (/proc/diskstats, as
 ``dnctl bench --cold`` reads them).
 
@@ -21,8 +21,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from datanode.pool import BuddyPool  # noqa: E402
-from datanode.transport.base import address_of  # noqa: E402
+from wire.pool import BuddyPool  # noqa: E402
+from wire.transport.base import address_of  # noqa: E402
 from tools.bench import disk_delta, disk_of, disk_sample  # noqa: E402
 
 MIB = 1 << 20
@@ -32,7 +32,7 @@ KINDS = ("shared", "private", "pool")
 
 def buffer(kind: str, nbytes: int):
     """``nbytes`` of memory of ``kind``, every page touched: (a view starting on a 2 MiB boundary, its close).
-    ``shared``: ``mmap(-1)`` (the pool's arena before stop 29); ``private``: private anonymous memory on small
+    ``shared``: ``mmap(-1)``; ``private``: private anonymous memory on small
     pages; ``pool``: a ``BuddyPool``'s arena as the node has it."""
     if kind == "pool":
         pool = BuddyPool(nbytes, MIB)

@@ -14,6 +14,8 @@ Workloads:
   seq128k   fio 128 KiB sequential write of --size with end_fsync: MiB/s, mount CPU per GB
   tar       tar x of 2,000 small files (0-3 KiB), timed until unmounted: files/s, mount CPU per file
   utime     os.utime in a loop for --seconds: ops/s, mount CPU per op (one FUSE SETATTR each)
+  tree      the peers' small-file row: tar -x of a real source tree (--tree, default Python's standard
+            library) + sync -f, cp -a of it + sync -f, rm -rf of both: seconds of each step
 Run ../shared/bench/warm-memory first on a fresh VM.
 """
 from __future__ import annotations
@@ -85,6 +87,19 @@ def one(code: str, opts: list[str], workload: str, a, work: pathlib.Path) -> str
             mounted = False
             return (f"{2000 / (time.monotonic() - t0):7.0f} files/s until unmounted  mount CPU "
                     f"{(c1 - c0) / 2000 * 1e3:.2f} ms/file (to the end of tar)")
+        if workload == "tree":
+            tar = root / "tree.tar"
+            subprocess.run(["tar", "-C", a.tree, "-cf", str(tar), "."], check=True)
+            w = mnt / "tree"
+            t = {}
+            for step, cmd in (("untar+sync", f"mkdir -p {w} && tar -C {w} -xf {tar} && sync -f {w}"),
+                              ("cp -a+sync", f"cp -a {w} {w}.copy && sync -f {w}"),
+                              ("rm -rf", f"rm -rf {w} {w}.copy")):
+                t0 = time.monotonic()
+                subprocess.run(cmd, shell=True, check=True)
+                t[step] = time.monotonic() - t0
+            return (" / ".join(f"{k} {v:6.2f} s" for k, v in t.items()) +
+                    f"  total {sum(t.values()):6.2f} s  mount CPU {_cpu(pid) - c0:.1f} s")
         if workload == "utime":
             f = mnt / "f"
             f.write_bytes(b"")
@@ -106,11 +121,13 @@ def one(code: str, opts: list[str], workload: str, a, work: pathlib.Path) -> str
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variant", action="append", required=True, metavar="NAME=DIR[:MOUNT-OPTIONS]")
-    ap.add_argument("--workload", choices=["fsync4k", "seq128k", "tar", "utime"], required=True)
+    ap.add_argument("--workload", choices=["fsync4k", "seq128k", "tar", "utime", "tree"], required=True)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=int, default=10, help="fsync4k and utime: how long")
     ap.add_argument("--size", default="1G", help="fsync4k, seq128k: fio --size")
     ap.add_argument("--dir", default="/var/tmp", help="where the clusters and mounts go")
+    ap.add_argument("--tree", default=f"/usr/lib/python3.{sys.version_info.minor}",
+                    help="tree: the directory tarred and then untarred into the mount")
     a = ap.parse_args()
     variants = []
     for v in a.variant:

@@ -7,10 +7,10 @@ writes (one per replica), and a CRC32C over the bytes at the client and at every
 it received).  This runs exactly those system calls and CRCs, in one process, on real loopback TCP sockets
 and real files beside the data directory, and reports the CPU seconds per GB they cost (user + system, this
 process).  Divided into the cores of the box, that is the most any implementation of this design can move
-on one machine -- the baseline for issue 12's "1 MiB buffered, depth 8" row, next to ``dnctl bench``.
+on one machine -- the baseline for the "1 MiB buffered, depth 8" row, next to ``dnctl bench``.
 
 **Latency** (``flush``).  Under ``sync = always`` each replica makes an append durable the way the store
-does (datanode/store.py): pwrite the data, fdatasync it, pwrite the block's CRC entry, fdatasync that.  Our
+does (datanode/store/flush.py): pwrite the data, fdatasync it, pwrite the block's CRC entry, fdatasync that.  Our
 three replicas share one disk, so at depth 1 the three flushes of one write run at once and queue in the
 file system's journal.  This times that sequence for one file alone and for three at once (threads, started
 together per round): the floor under the "4 KiB durable, 3 replicas, depth 1" row's p50.  Twice: on files
@@ -37,7 +37,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from datanode.crc import crc32c  # noqa: E402
+from wire.crc import crc32c  # noqa: E402
 
 BUF = 4 << 20
 
@@ -164,13 +164,14 @@ def store_floor(directory: str, replicas: int, rounds: int, one_flush: bool, siz
     """Per round, ``replicas`` threads each make a ``size``-byte append durable with their own ExtentStore
     (sync=always), started together; latency per append (each replica's own).  The bytes sit in a page-aligned
     buffer, so an append of at least DIRECT_MIN goes with O_DIRECT, as one from a node's pool block does."""
-    from datanode.store import ExtentStore
+    from datanode.store import ExtentStore, StoreOptions
     data = memoryview(mmap.mmap(-1, size))
     data[:] = os.urandom(size)
     lat: list[float] = []
     ones = 0
     with tempfile.TemporaryDirectory(dir=directory) as d:
-        stores = [ExtentStore(os.path.join(d, f"s{i}"), sync="always", one_flush=one_flush) for i in range(replicas)]
+        opts = StoreOptions(one_flush=one_flush)
+        stores = [ExtentStore(os.path.join(d, f"s{i}"), sync="always", options=opts) for i in range(replicas)]
         try:
             eids = [s.create_extent() for s in stores]
             go = threading.Barrier(replicas)

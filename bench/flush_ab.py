@@ -2,10 +2,10 @@
 ``sync_file_range`` call only).
 
 Three "replicas" (threads, each a data file and a CRC file on the one disk) make a 4 KiB append durable at
-once, as the store's one-flush path does (datanode/store.py, "One flush"), in one of two orders:
+once, as the store's one-flush path does (datanode/store/flush.py, "One flush"), in one of two orders:
 
   serial   sync_file_range(data, WAIT_BEFORE|WRITE|WAIT_AFTER), then fdatasync(crc) -- the data lands before
-           the CRC file's write is even sent (the store before stop 26)
+           the CRC file's write is even sent
   overlap  sync_file_range(data, WAIT_BEFORE|WRITE), sync_file_range(crc, WAIT_BEFORE|WRITE),
            sync_file_range(data, WAIT_AFTER), fdatasync(crc) -- both writes in flight together (the store now)
 
@@ -23,7 +23,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from datanode.store import SFR_START, SFR_WAIT, _sync_range  # noqa: E402  (the store's own sync_file_range)
+from datanode.store.files import SFR_START, SFR_WAIT, sync_range  # noqa: E402  (the store's own sync_file_range)
 
 ORDERS = {"serial": ((SFR_START | SFR_WAIT, "data"),),
           "overlap": ((SFR_START, "data"), (SFR_START, "crc"), (SFR_WAIT, "data"))}
@@ -53,7 +53,7 @@ def main() -> None:
         os.pwrite(r["data"], payload, off)
         os.pwrite(r["crc"], payload[:8], (off // 4096 * 8) % (1 << 20))
         for flags, kind in order:
-            _sync_range(r[kind], off if kind == "data" else 0, 4096 if kind == "data" else 0, flags)
+            sync_range(r[kind], off if kind == "data" else 0, 4096 if kind == "data" else 0, flags)
         os.fdatasync(r["crc"])
         r["off"] = (off + 4096) % span
 

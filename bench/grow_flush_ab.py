@@ -3,10 +3,10 @@
 Three stores (threads: three replicas on the one disk) each make a 1 MiB append durable, ``--appends`` times,
 all three at once per append (``floors.store_floor`` with a 1 MiB size: the bytes page-aligned, so written
 with O_DIRECT, as from a node's pool block).  A flush of such an append grows the data file: with the
-one-flush path (``one_flush=True``, the default) it writes the CRC entries and the slot first and ends with
-the data file's fdatasync -- one fdatasync -- else it syncs the data, then the CRC file -- two
-(datanode/store.py, "One flush").  Rounds alternate the order (on, off, off, on, ...); the figures are each
-append's write+flush time over the three stores, p50 and p99, and the MiB/s of the three together.
+one-flush path (the store option ``one_flush``, on by default) it writes the CRC entries and the slot first
+and ends with the data file's fdatasync -- one fdatasync -- else it syncs the data, then the CRC file -- two
+(datanode/store/flush.py, "One flush").  Rounds alternate the order (on, off, off, on, ...); the figures are
+each append's write+flush time over the three stores, p50 and p99, and the MiB/s of the three together.
 
     python bench/grow_flush_ab.py --dir /path/on/the/data/disk --rounds 8
 """

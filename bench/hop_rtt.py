@@ -1,7 +1,7 @@
 """What one hop between two processes costs on this box, before any datanode code: the round trip of a
 64-byte message over loopback TCP, with the serving and the asking end each either a plain blocking socket or
 a trio task (our transport's lean way: try the kernel, ``wait_readable`` only when it would block -- as
-datanode/transport/tcp.py ``LeanSocket``), and trio's own ``SocketStream`` on both ends for comparison.
+wire/transport/tcp.py ``LeanSocket``), and trio's own ``SocketStream`` on both ends for comparison.
 
     python bench/hop_rtt.py                  # 3,000 round trips per variant, 0.5 ms apart (an idle peer)
 

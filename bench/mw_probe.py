@@ -1,10 +1,10 @@
 """Does the RDMA device support memory windows (type 1 / type 2)?  Run in the Soft-RoCE VM:
 
-    tools/softroce-vm run -- python bench/mw_probe.py
+    lab/softroce-vm run -- python bench/mw_probe.py
 
 Prints the device's MW capability bits, then tries to register an MR that allows MW binding and to
 allocate a type-1 and a type-2 window on it.  (Binding per request would scope a peer's one-sided access to
-one request's buffer: the datanode does, see README "Trust boundaries" and datanode/transport/verbs.py.)
+one request's buffer: the datanode does, see docs/security.md and wire/transport/verbs.py.)
 """
 from __future__ import annotations
 

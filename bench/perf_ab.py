@@ -4,8 +4,7 @@ On a shared, noisy machine absolute latencies move with the neighbours; comparin
 interleaved, and reading the nodes' CPU seconds per request (from /proc/PID/stat, which `dnctl bench --json`
 reports) is what survives the noise.  Each round starts a fresh local 3-node cluster from the variant's
 checkout (PYTHONPATH=DIR), runs one bench, stops it.  The order turns every round (A B, B A, A B, ...): in
-a fixed order the position itself showed -- the same two checkouts, 1 MiB x 8 durable, 4 rounds in each
-order: whichever ran first was ahead in 7 of 8 (stop 32); 4 KiB x 1, 5 rounds in each: 7 of 10 (stop 31).
+a fixed order the position itself shows (whichever runs first tends to be ahead).
 The last lines give each variant's medians over the rounds (compare them with an even number of rounds).
 
     python bench/perf_ab.py --variant base=/tmp/main-copy --variant now=. --rounds 2 --sync always \\

@@ -26,7 +26,7 @@ import trio
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from client.sdk import DataClient  # noqa: E402
-from datanode.etcdmap import Etcd  # noqa: E402
+from wire.etcdmap import Etcd  # noqa: E402
 from tools.cluster import NodeProc, free_port  # noqa: E402
 from tools.etcd_cluster import EtcdProc, ManagerProc  # noqa: E402
 

@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 from client.sdk import ClientError, DataClient  # noqa: E402
 from datanode import config as config_mod  # noqa: E402
 from datanode.partition import PartitionTable  # noqa: E402
-from datanode.protocol import Op  # noqa: E402
+from wire.protocol import Op  # noqa: E402
 from datanode.store import MAX_EXTENT  # noqa: E402
 from tools.cluster import free_port  # noqa: E402
 

@@ -27,8 +27,8 @@ import trio
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from client.sdk import DataClient  # noqa: E402
-from datanode.auth import gen_secret  # noqa: E402
-from datanode.protocol import Op  # noqa: E402
+from wire.auth import gen_secret  # noqa: E402
+from wire.protocol import Op  # noqa: E402
 from tools.cluster import NodeProc, free_port  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20

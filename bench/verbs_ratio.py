@@ -1,6 +1,6 @@
 """Leader ingest over verbs as a share of ``ib_read_bw``, at RoCE MTU 1024 and 4096, in one Soft-RoCE VM run.
 
-    tools/softroce-vm run --timeout 1800 -- python bench/verbs_ratio.py [--mtu 1024,4096] [--rounds 2]
+    lab/softroce-vm run --timeout 1800 -- python bench/verbs_ratio.py [--mtu 1024,4096] [--rounds 2]
                                                                        [--size 1MiB] [--seconds 6] [--json]
 
 Per round, for each MTU in turn (interleaved, so drift in the VM's speed hits both alike):
@@ -23,7 +23,7 @@ link (rxe moves an RDMA READ's bytes in softirq work on the CPU of whoever poste
 ``--variant NAME:KEY=VALUE,...`` (repeatable) compares settings in the same run: each variant's ingest runs
 between the same two ib_read_bw runs, on a cluster started with the variant's environment (e.g.
 ``DATANODE_VERBS_SPIN_US=0``, ``DATANODE_VERBS_UNSIGNALED=0``, ``DATANODE_VERBS_INLINE=0``,
-``DATANODE_RDMA_WINDOWS=0``; see datanode/transport/verbs.py), and ``depth=N`` / ``size=S`` / ``clients=N`` / ``replicas=N`` (that many nodes)
+``DATANODE_RDMA_WINDOWS=0``; see wire/transport/verbs.py), and ``depth=N`` / ``size=S`` / ``clients=N`` / ``replicas=N`` (that many nodes)
 change the bench itself for that variant:
 
     python bench/verbs_ratio.py --variant old:DATANODE_VERBS_SPIN_US=0,DATANODE_VERBS_UNSIGNALED=0 \
@@ -274,7 +274,7 @@ def main(mtus, rounds, size, seconds, depth, clients, ib_iters, variants, as_jso
     """Leader ingest over verbs / ib_read_bw per RoCE MTU, in this Soft-RoCE VM (see the module docstring)."""
     if not os.path.exists(f"/sys/class/infiniband/{DEV}"):
         raise SystemExit(f"no RDMA device {DEV}: run inside the VM: "
-                         "tools/softroce-vm run -- python bench/verbs_ratio.py")
+                         "lab/softroce-vm run -- python bench/verbs_ratio.py")
     if not shutil.which("ib_read_bw"):
         raise SystemExit("ib_read_bw is not installed (apt-get install perftest)")
     try:

@@ -1,6 +1,6 @@
 """Where a replicated write's time goes, across the client and every node: a timeline of one append.
 
-Starts a local cluster and runs `dnctl bench` (writes only) with ``DATANODE_TRACE`` set (datanode/trace.py:
+Starts a local cluster and runs `dnctl bench` (writes only) with ``DATANODE_TRACE`` set (wire/trace.py:
 every process notes when each append reached each of its steps), stops the cluster, and prints for every
 step the median (and p10/p90) time since the client submitted the append -- so the hops between processes
 (a step on one process to the next step on another), each node's own work and each flush stand side by

@@ -6,22 +6,24 @@ every replica, moving a partition to a new replica list at epoch + 1 (``change_r
 set-leader), pushing the leader's view to replicas that are behind, asking a leader for a repair or scrub
 pass and waiting until it has settled.  Nothing here prints: results are dicts (what ``--json`` shows),
 warnings are strings in them, progress goes to an ``on_progress`` callback.  ``tools/dnctl.py`` presents
-these results; tests and tools (bench, torture, repair_bench) call them directly.
+these results; tests and tools (bench, torture, repair_bench) call them directly.  What goes through the
+cluster map in etcd instead (a manager does the work) is :mod:`client.mapadmin`.
 
-Imports run one way: tools (CLI) -> client.admin -> client.sdk -> datanode.protocol.
+Imports run one way: tools (CLI) -> client.admin -> client.sdk -> wire.protocol.
 """
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import logging
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Callable, Iterable
 
 import trio
 
-from client.sdk import ClientError, DataClient
-from datanode.protocol import Op, Result
+from client.sdk import ClientError, DataClient, check
+from wire.protocol import OP_SINCE, VOLUMES_SINCE, Header, Op, Result
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +102,68 @@ def partition_state(p: dict) -> str:
     return state
 
 
+async def drain_node(dc: DataClient, addr: str, *, wait: bool = True, timeout: float = 120.0,
+                     on_progress: Callable[[dict], None] | None = None, interval: float = 0.25) -> dict:
+    """Stop the node at ``addr`` as SIGTERM does (NODE_DRAIN): it hands its partitions to their other
+    replicas through the manager, finishes its requests, leaves etcd and exits (datanode/drain.py).
+
+    With ``wait`` the node answers with its report once it has stopped taking requests -- ``phase``,
+    ``handed_off`` (partition ids), ``left`` (partition -> why it was not handed off), ``notes`` (what it
+    could not do), ``seconds`` -- and this returns it with ``stopped`` (it then no longer answers;
+    ``restarted``: another process answers at its address already).  ``on_progress`` meanwhile gets the
+    node's NODE_STATUS ``drain`` every ``interval``.  Without ``wait``: once it has taken the request.
+    ClientError when it does not take the request or the drain outlasts ``timeout``."""
+    before = await node_status(dc, addr)
+    spoken = (await dc.links.get(addr)).conn.version
+    if spoken < OP_SINCE[Op.NODE_DRAIN]:
+        raise ClientError(f"{addr} speaks protocol version {spoken}, without NODE_DRAIN (version "
+                          f"{OP_SINCE[Op.NODE_DRAIN]}): stop it with SIGTERM, or upgrade it first", node=addr)
+    res = {"node": addr, "pid": before.get("pid"), "stopped": False, "restarted": False}
+    try:
+        if not wait:
+            resp, _ = await dc.request(addr, Header(opcode=Op.NODE_DRAIN, arg=1))
+            check(resp, addr)
+            return {**res, "already_stopping": bool(resp.arg)}
+        with trio.move_on_after(timeout) as waited:
+            async with trio.open_nursery() as n:
+                if on_progress is not None:
+                    n.start_soon(_follow_drain, dc, addr, on_progress, interval)
+                resp, data = await dc.request(addr, Header(opcode=Op.NODE_DRAIN), answer=1 << 20,
+                                              timeout=timeout + 10)
+                n.cancel_scope.cancel()
+        if waited.cancelled_caught:
+            raise ClientError(f"{addr} has not finished draining after {timeout:g}s (it stops by itself after "
+                              f"its drain_timeout_s; see its log)", node=addr)
+        check(resp, addr)
+    except ClientError as e:
+        if e.result is not None or not wait:
+            raise
+        return {**res, "stopped": True, "phase": "unknown", "handed_off": [], "left": {},
+                "notes": [f"it went away before reporting how its drain went ({why(e, addr)}): see its log"]}
+    res.update(json.loads(data))
+    with trio.move_on_after(10):          # it exits right after its answer
+        while not res["stopped"]:
+            try:
+                pid = (await node_status(dc, addr)).get("pid")
+            except ClientError as e:
+                res["stopped"] = e.result is None          # no answer: the process is gone
+            else:
+                res["stopped"] = res["restarted"] = pid != res["pid"]
+            await trio.sleep(0.05)
+    return res
+
+
+async def _follow_drain(dc: DataClient, addr: str, on_progress: Callable[[dict], None], interval: float) -> None:
+    while True:
+        try:
+            shown = on_progress((await node_status(dc, addr)).get("drain") or {})
+            if inspect.isawaitable(shown):
+                await shown
+        except ClientError:
+            pass
+        await trio.sleep(interval)
+
+
 # -- reading a range -----------------------------------------------------------------------------------------
 async def extent_size(dc: DataClient, pid: int, extent: int, replica: str | None = None) -> int:
     """The extent's size from the first replica that answers (leader first, or only ``replica``)."""
@@ -144,6 +208,7 @@ class View:
     replicas: list[str]
     epoch: int
     source: str
+    volume: str = ""
 
     @property
     def leader(self) -> str:
@@ -154,15 +219,16 @@ async def node_view(dc: DataClient, addr: str, pid: int) -> View | None:
     """The partition as ``addr`` sees it (None: not hosted there).  Raises ClientError if unreachable."""
     for p in await partition_list(dc, addr):
         if p["id"] == pid:
-            return View(pid, list(p["replicas"]), p["epoch"], addr)
+            return View(pid, list(p["replicas"]), p["epoch"], addr, p.get("volume") or "")
     return None
 
 
-async def create_partition(dc: DataClient, pid: int, addrs: list[str], epoch: int = 1) -> dict:
+async def create_partition(dc: DataClient, pid: int, addrs: list[str], epoch: int = 1, volume: str = "") -> dict:
     """Create partition ``pid`` on every node of ``addrs`` (the followers first, the leader ``addrs[0]``
     last: a leader starts checking its followers at once, and one that found them not hosting the
     partition yet logged it and ran a wasted repair pass).  All or nothing: if one node fails, the
-    partition is deleted again from the nodes this call created it on."""
+    partition is deleted again from the nodes this call created it on.  ``volume``: the volume it belongs
+    to (every copy keeps it in its meta; fixed for the partition's life)."""
     existing = {}
     for addr in addrs:
         try:
@@ -174,15 +240,29 @@ async def create_partition(dc: DataClient, pid: int, addrs: list[str], epoch: in
                 raise ClientError(f"partition {pid} already exists on {addr} with replicas "
                                   f"{','.join(v.replicas)} (epoch {v.epoch})")
             existing[addr] = v
+    other = {a: v.volume for a, v in existing.items() if v.volume != volume}
+    if other:
+        raise ClientError(f"partition {pid} already exists on {', '.join(other)} in "
+                          + (f"volume {next(iter(other.values()))}" if any(other.values()) else "no volume")
+                          + (f", not in volume {volume}" if volume else ""))
     if len(existing) == len(addrs) and len({v.epoch for v in existing.values()}) == 1:
-        return {"id": pid, "replicas": addrs, "epoch": next(iter(existing.values())).epoch, "existed": True}
+        return {"id": pid, "replicas": addrs, "epoch": next(iter(existing.values())).epoch, "existed": True,
+                **({"volume": volume} if volume else {})}
     if existing:
         raise ClientError(f"partition {pid} already exists on {', '.join(existing)} but not on every replica; "
                           f"use `dnctl replica add` to extend it")
+    if volume:
+        for addr in addrs:
+            spoken = (await dc.links.get(addr)).conn.version
+            if spoken < VOLUMES_SINCE:
+                raise ClientError(f"creating partition {pid} in volume {volume}: {addr} speaks protocol version "
+                                  f"{spoken}, without volumes (version {VOLUMES_SINCE}): upgrade it first",
+                                  node=addr)
     done = []
     for addr in [*addrs[1:], addrs[0]]:
         try:
-            await dc.admin(addr, Op.PARTITION_CREATE, partition=pid, body={"replicas": addrs, "epoch": epoch})
+            await dc.admin(addr, Op.PARTITION_CREATE, partition=pid,
+                           body={"replicas": addrs, "epoch": epoch, **({"volume": volume} if volume else {})})
         except ClientError as e:
             undone = []
             for d in done:
@@ -196,7 +276,7 @@ async def create_partition(dc: DataClient, pid: int, addrs: list[str], epoch: in
                               + (f" (undone on {', '.join(undone)})" if undone else "")
                               + (f"; could NOT undo it on {', '.join(left)}" if left else "")) from None
         done.append(addr)
-    return {"id": pid, "replicas": addrs, "epoch": epoch, "existed": False}
+    return {"id": pid, "replicas": addrs, "epoch": epoch, "existed": False, **({"volume": volume} if volume else {})}
 
 
 async def delete_partition(dc: DataClient, pid: int, addrs: list[str]) -> dict[str, str]:
@@ -352,8 +432,9 @@ async def sync_partition(dc: DataClient, pid: int, seeds: list[str]) -> dict:
         try:
             v = await node_view(dc, addr, pid)
             if v is None:
-                await dc.admin(addr, Op.PARTITION_CREATE, partition=pid,
-                               body={"replicas": view.replicas, "epoch": view.epoch})
+                await dc.admin(addr, Op.PARTITION_CREATE, partition=pid,    # (a copy at epoch 1 asks no one)
+                               body={"replicas": view.replicas, "epoch": view.epoch,
+                                     **({"volume": view.volume} if view.volume else {})})
                 out[addr] = f"created at epoch {view.epoch} (empty until the leader's repair fills it)"
             elif v.epoch < view.epoch:
                 await dc.admin(addr, Op.PARTITION_UPDATE, partition=pid,
@@ -507,13 +588,20 @@ async def trash_restore(dc: DataClient, addr: str, name: str) -> int:
 async def trash_purge(dc: DataClient, addr: str, *, names: list[str] | None = None, expired: bool = False,
                       everything: bool = False) -> list[dict]:
     """Delete trash entries on ``addr`` for good: ``names`` (all must exist, else nothing is purged), the
-    expired ones, or ``everything``.  Returns the entries purged (as ``trash_list`` showed them)."""
+    expired ones, or ``everything``.  Returns the entries purged (as ``trash_list`` showed them).  The node
+    purges only on a second request carrying the confirmation token its answer to the first gave (CONFIRM):
+    show the caller what will go *before* calling this (dnctl trash purge does, or takes --yes)."""
     if sum(map(bool, (names, expired, everything))) != 1:
         raise ValueError("say exactly one of names, expired or everything")
     before = await trash_list(dc, addr)
     body = {"names": list(names)} if names else {"expired": True} if expired else {"all": True}
     try:
-        await dc.admin(addr, Op.TRASH_PURGE, body=body)
+        try:
+            await dc.admin(addr, Op.TRASH_PURGE, body=body)
+        except ClientError as e:
+            if e.result != Result.CONFIRM:
+                raise
+            await dc.admin(addr, Op.TRASH_PURGE, body={**body, "token": f"{e.arg:016x}"})
     except ClientError as e:
         if e.result == Result.NOT_FOUND:
             held = {x["name"] for x in before}
@@ -566,148 +654,3 @@ async def run_pass(dc: DataClient, op: Op, pid: int, seeds: list[str], *, wait: 
     if not wait:
         return {key: n, "leader": leader}
     return await wait_settled(dc, leader, pid, timeout=timeout, on_progress=on_progress, **{key: n})
-
-
-# -- the cluster map in etcd (a manager does the work; these ask it and watch it happen) ----------------------
-def _etcd(url: str):
-    from datanode.etcdmap import Etcd
-    try:
-        return Etcd(url)
-    except ValueError as e:
-        raise ClientError(str(e)) from None
-
-
-async def _etcd_call(coro):
-    from datanode.etcdmap import EtcdError
-    try:
-        return await coro
-    except EtcdError as e:
-        raise ClientError(str(e)) from None
-
-
-async def map_snapshot(etcd_url: str) -> dict:
-    """The map as etcd has it: nodes (with their registrations), partitions (id, replicas, leader, epoch,
-    state, ...), the active manager and the nodes being decommissioned."""
-    from datanode.etcdmap import snapshot
-    et = _etcd(etcd_url)
-    snap = await _etcd_call(snapshot(etcd_url))
-    kvs, _ = await _etcd_call(et.get_prefix(et.key("drain") + "/"))
-    snap["draining"] = sorted(k.rsplit("/", 1)[1] for k, _v, _r in kvs)
-    return snap
-
-
-async def place_partitions(etcd_url: str, count: int, replicas: int, *, timeout: float = 60.0) -> list[dict]:
-    """Ask the active manager to place and create ``count`` partitions of ``replicas`` replicas; returns
-    their views.  The request is a key ``requests/<id>`` the manager answers in (tools/manager_tasks.py)."""
-    import json
-    import uuid
-    et = _etcd(etcd_url)
-    if await _etcd_call(et.get(et.manager_key)) is None:
-        raise ClientError(f"no active manager in etcd {etcd_url} (prefix {et.prefix}); start one: "
-                          f"datanode manager --etcd {etcd_url}")
-    key = et.key("requests", uuid.uuid4().hex)
-    await _etcd_call(et.put(key, json.dumps({"op": "create", "count": count, "replicas": replicas,
-                                             "state": "pending"})))
-    try:
-        with trio.move_on_after(timeout):
-            while True:
-                got = await _etcd_call(et.get(key))
-                req = json.loads(got[0]) if got else {}
-                if req.get("state") == "done":
-                    return req["partitions"]
-                if req.get("state") == "failed":
-                    raise ClientError(f"the manager could not place {count} partition(s) of {replicas} "
-                                      f"replicas: {req.get('error')}")
-                await trio.sleep(0.1)
-        raise ClientError(f"the manager did not answer within {timeout:g}s (is it active? see its log)")
-    finally:
-        with trio.move_on_after(2) as s:
-            s.shield = True
-            try:
-                await et.delete(key)
-            except Exception:  # noqa: BLE001 - best effort: a leftover answered request is harmless
-                pass
-
-
-def decommission_progress(snap: dict, addr: str) -> dict:
-    """Where a decommission of ``addr`` stands, from a map snapshot: the partitions still naming it and
-    what each waits for; ``done`` once etcd names it nowhere and the node holds no partition."""
-    views = [p for p in snap["partitions"] if addr in p["replicas"]]
-    node = next((n for n in snap["nodes"] if n["addr"] == addr), None)
-    held = sorted(int(k) for k in ((node or {}).get("partitions") or {}))
-    live = {n["addr"] for n in snap["nodes"]}
-    steps = []
-    for p in views:
-        staying = [a for a in p["replicas"] if a != addr]
-        unsynced = [a for a in p["replicas"] if a not in p["synced"]]
-        if not p["installed"]:
-            what = f"installing epoch {p['epoch']}"
-        elif unsynced:
-            what = f"filling {','.join(unsynced)} (repair)"
-        elif len(staying) < (p["want"] or len(p["replicas"])):
-            what = "waiting for a spare node" if all(a in live for a in staying) else "waiting for failover"
-        else:
-            what = "removing"
-        steps.append({"id": p["id"], "replicas": p["replicas"], "epoch": p["epoch"], "step": what})
-    return {"node": addr, "draining": addr in snap.get("draining", []), "remaining": steps,
-            "held_by_node": held, "node_registered": node is not None,
-            "done": not views and not held}
-
-
-async def decommission(etcd_url: str, addr: str, *, wait: bool = True, timeout: float = 3600,
-                       stuck_after: float = 30.0, on_progress: Callable[[dict], None] | None = None) -> dict:
-    """Mark ``addr`` as draining (the manager moves every replica off it: add a spare, repair fills it,
-    remove ``addr``), and with ``wait`` follow it until the node is empty.  Returns the last progress,
-    with ``moved``: partition -> the node that replaced ``addr``.  If for ``stuck_after`` seconds nothing
-    is left but partitions no other node can take (each live node holds them already, or is full or
-    draining), raises a ClientError saying so; the node stays draining, so adding a node resumes it."""
-    import json
-    import time as _time
-    et = _etcd(etcd_url)
-    snap = await map_snapshot(etcd_url)
-    known = {n["addr"] for n in snap["nodes"]} | {a for p in snap["partitions"] for a in p["replicas"]}
-    if addr not in known:
-        raise ClientError(f"{addr} is neither a registered node nor a replica in etcd {etcd_url}")
-    if snap["manager"] is None:
-        raise ClientError(f"no active manager in etcd {etcd_url}; start one: datanode manager --etcd {etcd_url}")
-    before = {p["id"]: p["replicas"] for p in snap["partitions"] if addr in p["replicas"]}
-    await _etcd_call(et.put(et.key("drain", addr), json.dumps({"since": _time.time()})))
-    t0 = trio.current_time()
-    prog = decommission_progress(snap, addr)
-    prog["partitions_total"] = len(before)
-    stuck_since = None
-    while wait:
-        snap = await map_snapshot(etcd_url)
-        prog = decommission_progress(snap, addr)
-        prog["partitions_total"] = len(before)
-        prog["seconds"] = round(trio.current_time() - t0, 2)
-        if on_progress:
-            shown = on_progress(prog)
-            if inspect.isawaitable(shown):
-                await shown
-        if prog["done"]:
-            break
-        no_spare = [s["id"] for s in prog["remaining"] if s["step"] == "waiting for a spare node"]
-        if prog["remaining"] and len(no_spare) == len(prog["remaining"]):
-            stuck_since = stuck_since if stuck_since is not None else trio.current_time()
-            if trio.current_time() - stuck_since >= stuck_after:
-                raise ClientError(
-                    f"decommission of {addr} is stuck: no other node can take a replica of partition(s) "
-                    f"{', '.join(map(str, no_spare))} (every live node holds one already, or is full or "
-                    f"draining); add a node and it goes on by itself, or undo it: "
-                    f"dnctl node decommission {addr} --cancel")
-        else:
-            stuck_since = None
-        if trio.current_time() - t0 > timeout:
-            raise ClientError(f"decommission of {addr} not done within {timeout:g}s: "
-                              + "; ".join(f"partition {s['id']}: {s['step']}" for s in prog["remaining"]))
-        await trio.sleep(0.25)
-    now = {p["id"]: p["replicas"] for p in snap["partitions"]}
-    prog["moved"] = {str(pid): [a for a in now.get(pid, []) if a not in reps] for pid, reps in before.items()}
-    return prog
-
-
-async def cancel_decommission(etcd_url: str, addr: str) -> None:
-    """The node may take replicas again (what was already moved stays moved)."""
-    et = _etcd(etcd_url)
-    await _etcd_call(et.delete(et.key("drain", addr)))

@@ -1,8 +1,9 @@
 """The audit log: one JSON line per admin action (who, what, when, result), beside the daemon's log.
 
-Written by ``Node._handle`` for every request of ``protocol.ADMIN_ACTIONS`` (partition create, update,
-delete, repair and scrub requests, trash list, restore and purge), whatever its result -- refusals (FORBIDDEN, BAD_BODY) included
--- before the answer is sent, so an answered action is on file, in the order answered.  Each line:
+Written by the request wrapper (``ops.wrap.Wrap``) for every request of ``protocol.ADMIN_ACTIONS`` (partition
+create, update, delete, repair and scrub requests, trash list, restore and purge), whatever its result --
+refusals (FORBIDDEN, BAD_BODY) included -- before the answer is sent, so an answered action is on file, in the
+order answered.  Each line:
 
     {"ts": 1700000000.123, "time": "2026-11-23T09:00:00Z", "node": "127.0.0.1:17310",
      "peer": "10.0.0.5:40112", "role": "admin", "identity": "", "op": "PARTITION_DELETE",

@@ -8,7 +8,18 @@ import sys
 import click
 import trio
 
+from wire import trace
+
 from . import config as config_mod
+
+
+def _load(config_path, **overrides) -> config_mod.Config:
+    """This command's config: node.toml, then the environment's $DATANODE_<KEY> (read here, once), then the
+    command line (config.py)."""
+    try:
+        return config_mod.load(config_path, os.environ, **overrides)
+    except config_mod.ConfigError as e:
+        raise click.ClickException(str(e)) from None
 
 
 def _version() -> str:
@@ -26,7 +37,9 @@ def main():
 
     \b
     Start one:   datanode serve --config node.toml
-    Defaults:    datanode print-config   (every key with its default, unit and meaning)
+    Settings:    datanode print-config   (every key: its value, where it came from, unit and meaning)
+                 a key can be set as $DATANODE_<KEY> too, e.g. DATANODE_VERBS_INLINE=0
+                 (not secret_file and tls_ca: those variables are a client's)
     Secrets:     datanode gen-secret > /etc/datanode/secret   (then secret_file = "/etc/datanode/secret")
                  datanode derive-key --secret-file /etc/datanode/secret --role client > client.key
     Trash:       datanode trash list --config node.toml ; datanode trash restore NAME --config node.toml
@@ -42,14 +55,16 @@ def main():
 @click.option("--pool-mib", type=int, help="Registered pool size in MiB (must fit in available memory).")
 def serve(config_path, listen, data_dir, sync, transport, pool_mib):
     """Run a datanode until SIGTERM/SIGINT (in-flight requests are drained first)."""
+    cfg = _load(config_path, listen=listen, data_dir=data_dir, sync=sync, transport=transport, pool_mib=pool_mib)
     try:
-        cfg = config_mod.check_host(config_mod.load(config_path, listen=listen, data_dir=data_dir, sync=sync,
-                                                    transport=transport, pool_mib=pool_mib))
+        config_mod.check_host(cfg)
     except config_mod.ConfigError as e:
         raise click.ClickException(str(e)) from None
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _cpu_sched(cfg.cpu_sched)          # before Node(): every thread the node starts inherits the policy
+    if cfg.trace:
+        trace.start(cfg.trace)
     from .server import Node
     try:
         node = Node(cfg)
@@ -68,12 +83,10 @@ def serve(config_path, listen, data_dir, sync, transport, pool_mib):
 def _cpu_sched(policy: str) -> None:
     """Run this process's threads under SCHED_BATCH (``cpu_sched = "batch"``).  Under CFS a thread that
     wakes up normally preempts the one running if it has had less CPU; a storage node wakes on every
-    message, so with the box busy (2 cores: client, leader, two followers, their flushes) the nodes
-    preempted each other at every hop and ran a request or two per wake-up.  Batch threads never preempt on
-    wake-up: they run when the current one blocks or its slice ends, by when several messages wait, so each
-    pass of the event loop serves more of them.  Measured (4 KiB, 3 replicas, sync=always, depth 16, with
-    ``chrt -b``): CPU per request over client + 3 nodes 0.69 -> 0.50 ms; depth 1 unchanged.  Nothing else
-    changes: same priority (nice), same share of the CPU."""
+    message, so on a busy machine the nodes of one write preempt each other at every hop and run a request or
+    two per wake-up.  Batch threads never preempt on wake-up: they run when the current one blocks or its
+    slice ends, by when several messages wait, so each pass of the event loop serves more of them (less CPU
+    per request under load).  Nothing else changes: same priority (nice), same share of the CPU."""
     if policy != "batch" or not hasattr(os, "SCHED_BATCH"):
         return
     try:
@@ -86,33 +99,36 @@ def _cpu_sched(policy: str) -> None:
 @main.command("print-config")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False))
 def print_config(config_path):
-    """Print the effective configuration (defaults filled in) as TOML, each key followed by a comment
-    with its unit and what it does."""
-    try:
-        click.echo(config_mod.to_toml(config_mod.load(config_path), annotate=True), nl=False)
-    except config_mod.ConfigError as e:
-        raise click.ClickException(str(e)) from None
+    """Print the effective configuration as TOML (usable as node.toml): every key with its value, and a
+    comment with its unit, where the value came from (default, file, env $DATANODE_<KEY>) and what it does."""
+    click.echo(config_mod.to_toml(_load(config_path), annotate=True), nl=False)
 
 
 @main.command("gen-secret")
 def gen_secret():
     """Print a new cluster secret (64 hex digits).  Store it mode 0600 on every datanode and admin host; give
     client hosts only a client key (derive-key)."""
-    from .auth import gen_secret as make
+    from wire.auth import gen_secret as make
     click.echo(make(), nl=False)
 
 
 @main.command("derive-key")
 @click.option("--secret-file", required=True, type=click.Path(dir_okay=False, exists=True),
               help="The cluster secret.")
-@click.option("--role", required=True, type=click.Choice(["client", "node", "admin"]),
+@click.option("--role", type=click.Choice(["client", "node", "admin"]),
               help="The role the key proves (client hosts: client; admin hosts may get admin).")
-def derive_key(secret_file, role):
+@click.option("--volume", metavar="NAME",
+              help="Instead of --role: a volume key file, the client role on volume NAME's partitions only.")
+def derive_key(secret_file, role, volume):
     """Print a role key file: it proves ROLE and nothing else (it cannot derive the other roles' keys).
-    Use it as the SDK's secret= / DATANODE_SECRET_FILE on hosts that must not administer the cluster."""
-    from .auth import ROLE_NAMES, AuthConfigError, Credentials
+    Use it as the SDK's secret= / DATANODE_SECRET_FILE on hosts that must not administer the cluster.
+    With --volume NAME: a volume key file (dnctl volume key NAME does the same)."""
+    from wire.auth import ROLE_NAMES, AuthConfigError, Credentials
+    if bool(role) == bool(volume):
+        raise click.UsageError("give one of --role ROLE or --volume NAME")
     try:
-        click.echo(Credentials.load(secret_file).role_key_file(ROLE_NAMES[role]), nl=False)
+        creds = Credentials.load(secret_file)
+        click.echo(creds.volume_key_file(volume) if volume else creds.role_key_file(ROLE_NAMES[role]), nl=False)
     except AuthConfigError as e:
         raise click.ClickException(str(e)) from None
 
@@ -126,11 +142,9 @@ def _table(config_path):
     import pathlib
 
     from .partition import PartitionTable
-    try:
-        cfg = config_mod.load(config_path)
-    except config_mod.ConfigError as e:
-        raise click.ClickException(str(e)) from None
-    return cfg, PartitionTable(pathlib.Path(cfg.data_dir), cfg.sync)
+    from .store import StoreOptions
+    cfg = _load(config_path)
+    return cfg, PartitionTable(pathlib.Path(cfg.data_dir), cfg.sync, options=StoreOptions.from_config(cfg))
 
 
 @trash.command("list")

@@ -8,64 +8,52 @@ extent: fdatasync data, write the CRC entries, fdatasync them -- the order of da
 wakes every waiter of that batch at once and starts the next batch, if one gathered meanwhile.  Appends that
 arrive while a flush runs wait for the next one, so under load each flush covers all the appends that queued
 behind the previous one: concurrent appends to one extent, and to other extents of the node, share their
-fdatasyncs.  ``sync = always`` keeps its meaning: the handler answers only after
-``durable`` returned (and, on the leader, after every follower answered the same).
+fdatasyncs.  ``sync = always`` keeps its meaning: the handler answers only after ``durable`` returned (and,
+on the leader, after every follower answered the same).  Which append waits for which flush is
+``batching.Batches``'s to say; this module runs the flushes and wakes the waiters.
 
 The flusher is one OS thread of its own, fed through a queue, handing each result back with
-``TrioToken.run_sync_soon`` -- no flusher task to wake in between.  At depth 1 there is a flush per write,
-and ``trio.to_thread.run_sync`` (a capacity limiter, the thread cache's hand-over, a context copy) plus a
-flusher task cost the event loop several times what this hand-over does (issue 12's profile:
-``start_thread_soon`` alone was 11% of the leader's samples).
+``TrioToken.run_sync_soon`` -- no flusher task to wake in between: at depth 1 there is a flush per write, and
+``trio.to_thread.run_sync`` (a capacity limiter, the thread cache's hand-over, a context copy) plus a flusher
+task cost the event loop several times what this hand-over does.
 
 **Alone, right here.**  When the waiter is the only request the node has in flight (``quiet()``, given by the
 node) and no flush is running, there is nobody to share a flush with and nothing for the event loop to do
 meanwhile: the flush runs right in the event loop, without the thread's hand-over (a queue put, the thread's
-wake-up, taking the GIL back, ``run_sync_soon``'s wake-up of the loop).  At depth 1 that was 15% of a
-follower's calls per request.  Nor does the loop go round after it: the handler goes straight on to its answer
-(a follower's ack one pass sooner; that pass was a quarter of a follower's passes per write) -- and a
-follower's lone inline append, flush and answer all, is done right where its forward arrives
-(``DataOps.append_now``, which asks ``here`` first).  A flush blocks the loop while it runs, so a flush done
-this way that takes longer than 5 ms (a busy or failing disk) sends the flushes of a while back to the thread,
-a while in proportion to its length (``aio.InlinePause``): slow flushes stall the loop at most 5% of the time.
+wake-up, taking the GIL back, ``run_sync_soon``'s wake-up of the loop).  Nor does the loop go round after it:
+the handler goes straight on to its answer (a follower's ack one pass sooner) -- and a follower's lone inline
+append, flush and answer all, is done right where its forward arrives (``DataOps.append_now``, which asks
+``here`` first).  A flush blocks the loop while it runs, so a flush done this way that takes longer than 5 ms
+(a busy or failing disk) sends the flushes of a while back to the thread, a while in proportion to its length
+(``aio.InlinePause``): slow flushes stall the loop at most 5% of the time.
 """
 from __future__ import annotations
 
-import dataclasses
 import queue
 import threading
 import time
 
 import trio
 
-from .aio import InlinePause
+from wire.aio import InlinePause
+from .batching import Batch, Batches, CommitCounters
 from .store import ExtentStore, StoreError
 
 
-@dataclasses.dataclass(eq=False)
-class _Batch:
-    want: dict = dataclasses.field(default_factory=dict)      # store -> {extent ids}
-    failed: dict = dataclasses.field(default_factory=dict)    # (store, extent) -> StoreError
-    done: trio.Event = dataclasses.field(default_factory=trio.Event)
-
-
-@dataclasses.dataclass
-class CommitCounters:
-    flushes: int = 0            # flusher rounds (each: one worker-thread call)
-    flushed_extents: int = 0    # extent flushes done (each: two fdatasyncs, or one: NODE_STATUS one_flushes)
-    commit_waits: int = 0       # appends that waited for a flush
-    inline_flushes: int = 0     # flushes run in the event loop (the only request in flight)
-    slow_inline_flushes: int = 0  # of those, slow ones (the next while's went to the thread: InlinePause)
-
-
 class GroupCommit:
+    """Runs the flushes ``batching.Batches`` decides on: in the flusher thread, or right here for a lone
+    request; wakes each batch's waiters with its result."""
+
     def __init__(self, quiet=None) -> None:
-        self._batch = _Batch()               # the appends waiting for the next flush
-        self._flushing = False               # a flush is in the thread now
+        self._batches = Batches()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._token = None
         self._quiet = quiet                  # () -> bool: this is the only request in flight (None: never)
         self.inline = InlinePause()          # when a flush may run right in the event loop
-        self.counters = CommitCounters()
+
+    @property
+    def counters(self) -> CommitCounters:
+        return self._batches.counters
 
     async def durable(self, store: ExtentStore, extent: int, end: int) -> None:
         """Return once ``[0, end)`` of ``extent`` is durable (StoreError if its flush failed)."""
@@ -76,13 +64,13 @@ class GroupCommit:
         if self.here():
             self.flush_here(store, extent)
             return
-        b = self._batch
-        b.want.setdefault(store, set()).add(extent)
-        self.counters.commit_waits += 1
-        if not self._flushing:
-            self._start()
-        await b.done.wait()
-        err = b.failed.get((store, extent))
+        b, start = self._batches.join(store, extent)
+        if b.wake is None:
+            b.wake = trio.Event()
+        if start is not None:
+            self._start(start)
+        await b.wake.wait()
+        err = b.error(store, extent)
         if err is not None:
             raise err
 
@@ -90,38 +78,30 @@ class GroupCommit:
         """May a flush run right here in the event loop now: the flusher is running, no flush is in it or
         gathering, this is the only request in flight (``quiet``), and no slow flush done so paused it
         (``aio.InlinePause``)?  (The module docstring: "Alone, right here".)"""
-        return (self._token is not None and not self._flushing and not self._batch.want and self._quiet is not None
-                and self._quiet() and self.inline.allowed(time.monotonic()))
+        return (self._token is not None and self._batches.idle() and self._quiet is not None and self._quiet()
+                and self.inline.allowed(time.monotonic()))
 
     def flush_here(self, store: ExtentStore, extent: int) -> None:
         """The flush of the only request in flight, right here in the event loop (``here`` said it may):
         StoreError if it failed."""
         t0 = time.monotonic()
-        self.counters.commit_waits += 1
-        self.counters.inline_flushes += 1
-        self.counters.flushes += 1
-        self.counters.flushed_extents += 1
+        self._batches.flushed_here()
         err = _flush_all({store: {extent}}).get((store, extent))
         if self.inline.took(t0):
             self.counters.slow_inline_flushes += 1
         if err is not None:
             raise err
 
-    def _start(self) -> None:
-        """Hand the waiting appends to the flusher thread (in the event loop; one flush at a time)."""
-        batch, self._batch = self._batch, _Batch()
-        self._flushing = True
+    def _start(self, batch: Batch) -> None:
+        """Hand a batch to the flusher thread (in the event loop; one flush at a time)."""
         self._jobs.put((batch.want, lambda failed: self._flushed(batch, failed)))
 
-    def _flushed(self, batch: _Batch, failed: dict) -> None:
+    def _flushed(self, batch: Batch, failed: dict) -> None:
         """The flusher thread's result, run in the event loop: wake the batch, start the next one."""
-        batch.failed = failed
-        self.counters.flushes += 1
-        self.counters.flushed_extents += sum(len(v) for v in batch.want.values())
-        self._flushing = False
-        batch.done.set()
-        if self._batch.want:
-            self._start()
+        nxt = self._batches.flushed(batch, failed)
+        batch.wake.set()
+        if nxt is not None:
+            self._start(nxt)
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Owns the flusher thread (one per node): runs in the node's nursery until it ends (``nursery.start``:

@@ -10,31 +10,42 @@ when etcd is unreachable the node keeps serving the map it has:
 * **watch** of ``parts/``: a view with a higher epoch than the local one is installed when it names this node
   (``Node.install_view``, the same path as ``PARTITION_UPDATE``) and the partition is dropped when it does
   not (this node was replaced while it was away: its copy is stale).  Partitions etcd does not know are left
-  alone (a cluster run by hand, or not yet adopted by the manager).
+  alone (a cluster run by hand, or not yet adopted by the manager).  Nothing read is obeyed unchecked
+  (wire/mapcheck.py): a view must be well-formed, carry the manager's MAC when the node has a secret, move
+  the epoch forward by a bounded step, and add only registered nodes; anything else is logged, counted
+  (``datanode_etcd_invalid_values_total``) and ignored.
 * **resync**: the whole ``parts/`` range is re-read after (re)registering, after a watch reconnect and every
   ``RESYNC_S``, so a missed event costs at most that long.
+* **leaving** (a controlled shutdown, datanode/drain.py): ``request_handoff`` puts ``handoff/<listen>`` under
+  the node's lease, asking the active manager to move every partition naming it to the other replicas
+  (manager/tasks.py); on the way out the lease is revoked (``_leave``), so the registration and that request
+  are gone at once instead of a lease TTL later.
 * **self-fencing** (``fence``, asked by a leader before it takes a write): while etcd has told us our lease
   expired -- or while we re-register after losing it -- leader writes of replicated partitions are refused
   (``NOT_LEADER``) until the map is re-read and we are registered again; when the lease may have lapsed by
   the local clock, a leader write first waits (one keepalive round at most) for etcd's verdict.  No etcd
-  member answering is no verdict: the node goes on serving.  Why: datanode/etcdmap.py, "Self-fencing".
+  member answering is no verdict: the node goes on serving.  Why: wire/etcdmap.py, "Self-fencing".
 
-The design of the map and why failover loses no acknowledged write: datanode/etcdmap.py.
+The design of the map and why failover loses no acknowledged write: wire/etcdmap.py.
 """
 from __future__ import annotations
 
-import json
 import math
 import logging
 import os
 import shutil
+import time
 
 import trio
 
-from .etcdmap import Etcd, EtcdError, Lease, PartView, open_channel
+from wire.etcdmap import Etcd, EtcdError, Lease, PartView, open_channel
+from wire.protocol import Role
+
+from .config import etcd_access
 
 log = logging.getLogger(__name__)
 RESYNC_S = 30.0           # a safety net under the watch (which delivers every change at once)
+LEAVE_S = 2.0             # a stopping node waits this long at most for etcd to revoke its lease
 REPUBLISH_S = 10.0
 
 
@@ -42,13 +53,16 @@ class EtcdAgent:
     def __init__(self, node):
         self.node = node
         cfg = node.cfg
-        self.etcd = Etcd(cfg.etcd, cfg.etcd_prefix, timeout=max(1.0, cfg.lease_ttl_s / 2))
+        creds = node.server_auth.creds           # the cluster secret: entries' MACs are made and checked with it
+        self.etcd = Etcd(cfg.etcd, cfg.etcd_prefix, timeout=max(1.0, cfg.lease_ttl_s / 2), access=etcd_access(cfg),
+                         admin_key=creds.key(Role.ADMIN) if creds is not None else None)
         self.registered = False
         self._changed = trio.Event()
         self.lease: Lease | None = None      # the lease of our current (or last) registration
         self.fenced: str | None = None       # why leader writes are refused now (None: they are not)
         self.checked_at = -math.inf          # when etcd last gave a verdict on our lease (any outcome)
         self._verdict = trio.Event()
+        self.left: str | None = None         # how the last registration ended (``_leave``), for the stop's log
 
     def changed(self) -> None:
         """The partitions held here changed: publish the registration now."""
@@ -114,9 +128,42 @@ class EtcdAgent:
                     delay = min(delay * 2, 5.0)
                 await trio.sleep(delay)
         finally:
-            await self.etcd.release(lease)          # a clean stop: leave the cluster at once
+            await self._leave(lease)
 
-    # -- self-fencing (the rule and why: datanode/etcdmap.py, "Self-fencing") ---------------------------
+    async def _leave(self, lease: Lease | None) -> None:
+        """A clean stop: revoke the lease now (shielded, bounded), so the manager learns at once that the node
+        is gone -- with its registration goes its hand-off request -- rather than a lease TTL later."""
+        if lease is None or not lease.ok:
+            self.left = "not registered in etcd"
+            return
+        why = f"no answer within {LEAVE_S:g}s"
+        with trio.move_on_after(LEAVE_S) as scope:
+            scope.shield = True
+            try:
+                await self.etcd.revoke(lease.id)
+                self.left = f"left etcd (lease {lease.id:x} revoked)"
+                return
+            except EtcdError as e:
+                why = str(e)
+        self.left = (f"could not revoke lease {lease.id:x} ({why}): etcd forgets this node when it expires, "
+                     f"within {lease.ttl}s")
+
+    async def request_handoff(self) -> None:
+        """Ask the active manager to move every partition naming this node to its other replicas (leadership
+        to an in-sync follower, epoch + 1): key ``handoff/<listen>`` under our lease, so the request ends with
+        our registration.  EtcdError when not registered or etcd refuses."""
+        lease = self.lease
+        if not self.registered or lease is None or not lease.ok:
+            raise EtcdError("not registered in etcd")
+        await self.etcd.put_entry(self.etcd.key("handoff", self.node.me),
+                                  {"pid": os.getpid(), "since": time.time()}, lease.id)
+
+    async def manager(self) -> str | None:
+        """The active manager's id in etcd (None: no manager is active)."""
+        got = await self.etcd.get(self.etcd.manager_key)
+        return got[0].decode(errors="replace") if got else None
+
+    # -- self-fencing (the rule and why: wire/etcdmap.py, "Self-fencing") ---------------------------
     def _fence(self, why: str) -> None:
         if not self.fenced:
             log.warning("self-fencing: no write is acknowledged as a leader until this node has re-registered "
@@ -156,7 +203,7 @@ class EtcdAgent:
 
     async def _publish(self, lease: Lease) -> dict:
         rec = self.record()
-        await self.etcd.put(self.etcd.node_key(self.node.me), json.dumps(rec, sort_keys=True), lease.id)
+        await self.etcd.put_entry(self.etcd.node_key(self.node.me), rec, lease.id)
         return rec
 
     async def _republish(self, lease: Lease, last: dict) -> None:
@@ -170,8 +217,7 @@ class EtcdAgent:
             try:
                 rec = self.record()
                 if _differs(rec, last):
-                    await self.etcd.put(self.etcd.node_key(self.node.me), json.dumps(rec, sort_keys=True),
-                                        lease.id)
+                    await self.etcd.put_entry(self.etcd.node_key(self.node.me), rec, lease.id)
                     last = rec
             except EtcdError as e:
                 log.warning("etcd: publishing this node failed: %s", e)
@@ -186,14 +232,9 @@ class EtcdAgent:
                     await self._try_resync()
                     continue
                 for typ, key, value, rev in batch:
-                    if typ != "PUT":
-                        continue
-                    try:
-                        view = PartView.decode(value, rev)
-                    except (ValueError, TypeError):
-                        log.warning("etcd key %s is not a partition view", key)
-                        continue
-                    await self.apply(view)
+                    view = self.etcd.open(key, value, rev) if typ == "PUT" else None
+                    if view is not None:
+                        await self.apply(view)
 
     async def _resync_loop(self) -> None:
         while True:
@@ -215,6 +256,9 @@ class EtcdAgent:
         A failure costs this view (the next resync tries again), never the node."""
         try:
             await self._apply(view)
+        except EtcdError as e:
+            log.warning("partition %d: etcd's epoch %d not installed now (checking its replicas: %s)", view.id,
+                        view.epoch, e)
         except Exception:  # noqa: BLE001 - e.g. a disk error saving meta.json
             log.exception("partition %d: installing etcd's epoch %d failed", view.id, view.epoch)
 
@@ -222,12 +266,15 @@ class EtcdAgent:
         part = self.node.table.get(view.id)
         if part is None or view.epoch <= part.epoch:
             return
+        registered = await self.etcd.registered_for(part.replicas, view)
+        if not self.etcd.follows(part.epoch, part.replicas, view, registered):
+            return
         if self.node.me in view.replicas:
             await self.node.install_view(view.id, view.replicas, view.epoch)
         else:
             log.warning("partition %d: etcd's epoch %d (replicas %s) no longer names this node; dropping our "
                         "epoch-%d copy", view.id, view.epoch, ",".join(view.replicas), part.epoch)
-            await self.node.drop_partition(view.id)
+            await self.node.drop_partition(view.id, view.replicas, view.epoch)
         self.changed()
 
 

@@ -2,7 +2,7 @@
 
 Two kinds:
 * **observed on the request path**: requests and bytes by op and result, request latency histograms by op
-  (``NodeMetrics.observe``, called once per answered request by ``Node._handle``);
+  (``NodeMetrics.observe``, called once per answered request by the request wrapper, ``ops.wrap.Wrap``);
 * **read at scrape time** from the components that own the numbers (``_NodeCollector``): the pool, the
   connections by transport, partitions with their role, health and bytes, replication failures by replica,
   forwarded bytes, repair and scrub, and the disk of ``data_dir``.  Nothing on the hot path pays for those.
@@ -12,92 +12,26 @@ node's own nursery.  The SDK's client-side families are in ``client/metrics.py``
 """
 from __future__ import annotations
 
-import bisect
-import itertools
 import logging
-import math
 
 import trio
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
-    HistogramMetricFamily,
     SummaryMetricFamily,
 )
-from prometheus_client.utils import floatToGoString
 
-from .protocol import Op, Result
+from wire.metrics import RequestFamilies, etcd_invalid_family
 
 log = logging.getLogger(__name__)
-
-LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
-                   2.5, 5.0, 10.0)
-_OP_NAMES = {op.value: op.name for op in Op}
-_RESULT_NAMES = {r.value: r.name for r in Result} | {-1: "NO_ANSWER"}   # -1: the peer was gone
-_BYTES_OPS = {Op.WRITE, Op.READ}
-
-
-class RequestFamilies:
-    """Requests and payload bytes by op and result, latency by op: the families the node (answered
-    requests) and the SDK (requests as the client sees them, client/metrics.py) both keep.  ``registry``
-    None: not registered, for a program to register the object (it is a collector) where it wants.
-
-    Counted in plain ints on the request path (``observe``: a dict lookup, a bisect and three additions) and
-    turned into prometheus-client metric families only when scraped: its Counter and Histogram children
-    take a lock and check their state on every increment, three times per request -- 13 Python calls, ~5%
-    of a follower's per-request calls (issue 12's profile)."""
-
-    def __init__(self, prefix: str, what: str, registry: CollectorRegistry | None, *,
-                 bytes_name: str = "request_payload_bytes"):
-        self._names = (f"{prefix}_requests", f"{prefix}_{bytes_name}", f"{prefix}_request_seconds")
-        self._what = what
-        self._series: dict = {}          # (opcode, result) -> [requests, bytes, per-bucket counts, seconds sum]
-        if registry is not None:
-            registry.register(self)
-
-    def observe(self, opcode: int, result: int, length: int, seconds: float) -> None:
-        s = self._series.get((opcode, result))
-        if s is None:
-            s = self._series[(opcode, result)] = [0, 0, [0] * (len(LATENCY_BUCKETS) + 1), 0.0]
-        s[0] += 1
-        if result == Result.OK and opcode in _BYTES_OPS:
-            s[1] += length
-        s[2][bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1     # bucket i: seconds <= LATENCY_BUCKETS[i]
-        s[3] += seconds
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        n_req, n_bytes, n_lat = self._names
-        requests = CounterMetricFamily(n_req, f"Requests {self._what}, by op and result", labels=["op", "result"])
-        nbytes = CounterMetricFamily(n_bytes, f"Payload bytes of OK requests {self._what}, by op", labels=["op"])
-        latency = HistogramMetricFamily(n_lat, f"Latency of requests {self._what}, by op", labels=["op"])
-        by_op: dict[str, list] = {}
-        for (opcode, result), (count, length, buckets, total) in sorted(self._series.items()):
-            op = _OP_NAMES.get(opcode, "unknown")
-            requests.add_metric([op, _RESULT_NAMES.get(result, "unknown")], count)
-            agg = by_op.setdefault(op, [0, [0] * len(buckets), 0.0, False])
-            agg[0] += length
-            agg[1] = [a + b for a, b in zip(agg[1], buckets)]
-            agg[2] += total
-            agg[3] = agg[3] or (result == Result.OK and opcode in _BYTES_OPS)
-        for op, (length, buckets, total, has_bytes) in by_op.items():
-            if has_bytes:
-                nbytes.add_metric([op], length)
-            cumulative = list(itertools.accumulate(buckets))
-            latency.add_metric([op], [(floatToGoString(b), c) for b, c in zip((*LATENCY_BUCKETS, math.inf),
-                                                                             cumulative)], total)
-        yield from (requests, nbytes, latency)
-
 
 WRITE_STAGES = ("fetch", "queue", "local", "durable", "replicas")
 
 
 class WriteStages:
     """Where an append's time goes on this node, stage by stage, for the leader's and the followers' part
-    (``DataOps.op_write`` times each one with ``time.perf_counter``):
+    (the WRITE handler notes each step in its request's recorder, ``ops.stages.Stages``, which adds them here):
 
     * ``fetch``    -- the payload in hand and its CRC checked: the one-sided READ from the client's (leader)
       or the leader's (follower) buffer; next to nothing for a payload that came inline;
@@ -111,13 +45,13 @@ class WriteStages:
     says on which side it was slow: its own disk (``durable``), its followers (``replicas``: their
     ``fetch`` + ``local`` + ``durable`` + the hops), the extent's other writers (``queue``).
 
-    A run of appends (``ops.data.AppendRun``: one append answering several requests) counts as that many
+    A run of appends (``ops.run.AppendRun``: one append answering several requests) counts as that many
     appends, each with the run's times: the means stay per request, what a client waited.
 
-    Counts and sums only (a summary: the mean per stage is what tells), kept in two plain lists the handler
-    adds to itself -- no call, no histogram bucket per stage: with buckets it cost the leader ~10 us per
-    append, 4% of its CPU at depth 16.  ``leader`` and ``follower``: [appends, fetch, queue, local, durable
-    seconds, appends that had followers, replicas seconds].  Exposed as
+    Counts and sums only (a summary: the mean per stage is what tells), kept in two plain lists the recorder
+    adds to -- no histogram bucket per stage: observing buckets on every append cost the leader a noticeable
+    share of its CPU.  ``leader`` and ``follower``: [appends, fetch, queue, local, durable seconds, appends
+    that had followers, replicas seconds].  Exposed as
     ``datanode_write_stage_seconds{role,stage}`` (``_count``, ``_sum``) and in NODE_STATUS (``to_dict``;
     ``dnctl bench`` breaks each write phase down with it: tools/bench.py ``stage_means_ms``)."""
 
@@ -160,9 +94,9 @@ class LoopLag:
     with the clients' latency says whether slow requests wait on the node's loop or elsewhere (the kernel,
     the CPU given to other processes).  While the node takes no request the probe wakes only once every
     ``IDLE_PERIOD``: a late wake-up of an idle loop delays nobody, and every wake-up of an idle process
-    costs CPU (here ~0.37 ms for a trio sleep's, so 1.9% of a core at ``PERIOD``, most of an idle node's)."""
-    PERIOD = 0.02            # 50 wake-ups a second: each costs the loop a pass (at 0.005 it was a tenth of an
-                             # idle node's CPU and ~30 Python calls per request at 250 requests/s)
+    costs CPU (most of an idle node's)."""
+    PERIOD = 0.02            # 50 wake-ups a second: each costs the loop a pass, so more would cost an idle
+                             # node and a busy one's requests visibly
     IDLE_PERIOD = 1.0        # after a sleep of the probe in which no request came
 
     def __init__(self, registry: CollectorRegistry | None = None):
@@ -289,7 +223,25 @@ class _NodeCollector:
             conns.add_metric([t], by_transport.get(t, 0))
         yield conns
 
+        # who may connect: alert on auth="off" (and on peers="any")
+        sec = GaugeMetricFamily("datanode_auth", "1; labels: whether peers must prove the cluster secret (auth) "
+                                "and which peers are taken without it (peers: none, loopback, any)",
+                                labels=["auth", "peers"])
+        sec.add_metric(["on" if n.server_auth.creds is not None else "off",
+                        "none" if n.open_to == "secret" else n.open_to], 1)
+        yield sec
+        a = n.admission.counts()
+        yield _gauge("datanode_pending_connections", "Connections still in their hello", a["pending_connections"])
+        yield _gauge("datanode_idle_client_connections", "Client connections with nothing in flight",
+                     a["idle_client_connections"])
+        yield _counter("datanode_refused_connections", "Connections refused (limits, loopback only)",
+                       a["refused_connections"])
+        yield _counter("datanode_connections_closed_for_room",
+                       "Pending or idle connections closed to make room for new ones", a["connections_closed_for_room"])
+
         c = n.counters
+        yield _counter("datanode_views_refused", "View changes refused: their leader is not known to hold every "
+                       "acknowledged byte (LAST_COPY)", c.views_refused)
         yield _counter("datanode_protocol_errors", "Malformed headers received", c.protocol_errors)
         yield _counter("datanode_answers_refused",
                        "READ answers (posted one-sided writes) a client refused: it had given up on the read",
@@ -333,6 +285,9 @@ class _NodeCollector:
                 healthy.add_metric([pid], sum(1 for s in p.health.get("followers", {}).values() if s == "healthy"))
                 behind.add_metric([pid], p.health.get("bytes_behind", 0))
         yield from (role, pbytes, healthy, behind)
+
+        if n.agent is not None:
+            yield etcd_invalid_family("datanode", n.agent.etcd.invalid)
 
         disk = n.disk()
         if "total" in disk:

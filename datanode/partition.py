@@ -3,8 +3,9 @@
 A partition's directory ``data_dir/partitions/<id>/`` holds ``meta.json`` (written atomically: temp file,
 fsync, rename, fsync dir) and the extent store.  Deleting a partition here (``PARTITION_DELETE``, or this node
 being removed from its replicas) moves the directory to ``data_dir/trash/<id>.<deleted unix ns>``, where it is
-kept for ``trash_retention_s`` (``purge_trash``) and can be put back with ``datanode trash restore``.  The replica list is ordered, leader first.  The epoch goes
-up on every replica-list change; a request carrying another epoch is refused (``STALE_EPOCH``).
+kept for ``trash_retention_s`` (``purge_trash``) and can be put back with ``datanode trash restore``.  The
+replica list is ordered, leader first.  The epoch goes up on every replica-list change; a request carrying
+another epoch is refused (``STALE_EPOCH``).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import json
 import logging
 import os
 import pathlib
+import secrets
 import shutil
 import stat
 import threading
@@ -22,8 +24,9 @@ from typing import Callable
 
 import trio
 
-from .protocol import BodyError, decode_view
-from .store import ExtentStore, StoreError, free_in_steps
+from wire.protocol import BodyError, decode_view, decode_volume
+from .lane import TURN, LaneState
+from .store import ExtentStore, StoreError, StoreOptions, free_in_steps
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +53,7 @@ def _fsync_dir(d: pathlib.Path) -> None:
         os.close(fd)
 
 
-def remove_tree(root: pathlib.Path) -> None:
+def remove_tree(root: pathlib.Path, step: int = StoreOptions.free_step_bytes) -> None:
     """``shutil.rmtree`` of a trash entry, its big files (extents) emptied in steps first
     (``store.free_in_steps``: a partition of many 128 MiB extents freed at once would hold the disk's other
     writers' fdatasyncs behind one long discard).  Errors are ignored, as a purge always did: what is left
@@ -61,7 +64,7 @@ def remove_tree(root: pathlib.Path) -> None:
             try:
                 st = os.stat(path, follow_symlinks=False)
                 if stat.S_ISREG(st.st_mode) and st.st_size:
-                    free_in_steps(path)          # (one of at most a step: truncated at once)
+                    free_in_steps(path, step)    # (one of at most a step: truncated at once)
             except OSError as e:
                 log.warning("trash: could not free %s before removing it: %s", path, e)
     shutil.rmtree(root, ignore_errors=True)
@@ -96,7 +99,7 @@ def _in_order(prev: _Link | None, link: _Link, fn, *args):
         link.done.set()
 
 
-class ExtentLane:
+class ExtentLane(LaneState):
     """Keeps appends to one extent in arrival order while letting their payload fetches overlap.
 
     The dispatcher takes a ticket when a request *arrives* (synchronously, so arrival order is ticket
@@ -105,21 +108,20 @@ class ExtentLane:
     (``hand_over``).  The write itself runs after the turn: each one waits in its thread for the one handed
     over before it, so writes reach the store in turn order, while the next append's turn already checks
     its offset against ``tail`` (where the extent ends once the handed-over writes are done).  So an
-    extent's appends wait for each other's ``pwrite`` only, not also for each other's thread hand-overs
-    (1 MiB x depth 8, 3 replicas: a leader's appends had waited 7.0 ms each for their turn, now 0.6; 5
-    interleaved rounds, bench/perf_ab.py: sync=always 290 -> 321 MiB/s, sync=none 360 -> 397, medians).
+    extent's appends wait for each other's ``pwrite`` only, not also for each other's thread hand-overs.
     Every other turn (``settle=True``, the default: repair, truncation) starts once no write is out, so
-    there the store's size *is* the extent's end, and nothing else needs to track it."""
+    there the store's size *is* the extent's end, and nothing else needs to track it.
+
+    The rules (tickets, turns, ``writing``, ``tail``, ``diverged``) are ``lane.LaneState``'s, inherited
+    rather than wrapped so that what callers read per append stays a plain attribute; this class adds the
+    waiting: it parks the tasks the rules make wait, wakes them, and chains the handed-over writes."""
+
+    __slots__ = ("_events", "_last", "_settled")
 
     def __init__(self, diverged: str | None = None):
-        self.diverged = diverged     # why appends are refused (replicas may differ), or None
-        self._issued = 0
-        self._serving = 0
-        self._events: dict[int, trio.Event] = {}
-        self._skipped: set[int] = set()
-        self.writing = 0             # local writes handed over and not back yet
-        self.tail: int | None = None  # where the extent ends once they are done (None while none is out)
-        self._last: _Link | None = None   # the newest of them: the next one waits for it
+        super().__init__(diverged)
+        self._events: dict[int, trio.Event] = {}   # ticket -> its waiting turn's wake-up
+        self._last: _Link | None = None   # the newest handed-over write: the next one waits for it
         self._settled: trio.Event | None = None
 
     def hand_over(self, workers, end: int, fn, *args):
@@ -128,14 +130,13 @@ class ExtentLane:
         them failed: ``EarlierWriteFailed``).  Returns the ``aio.Handed``; the turn may end at once.  Call
         ``handed_back`` once its result is in."""
         prev, link = self._last, _Link()
-        self._last, self.tail = link, end
-        self.writing += 1
+        self._last = link
+        self.handed(end)
         return workers.hand_over(_in_order, prev, link, fn, *args)
 
     def handed_back(self) -> None:
-        self.writing -= 1
-        if not self.writing:
-            self._last = self.tail = None
+        if self.back():
+            self._last = None
             if self._settled is not None:
                 self._settled.set()
                 self._settled = None
@@ -147,21 +148,6 @@ class ExtentLane:
                 self._settled = trio.Event()
             await self._settled.wait()
 
-    def ticket(self) -> int:
-        """Taken when a request arrives; every ticket must end with ``done`` (also on failure)."""
-        t = self._issued
-        self._issued += 1
-        return t
-
-    def up(self, ticket: int) -> bool:
-        """It is this ticket's turn and no handed-over write of the extent is out: an append holding it may
-        be done right away, with no turn to wait for (``DataOps.append_now``)."""
-        return ticket == self._serving and not self.writing
-
-    def newest(self, ticket: int) -> bool:
-        """No ticket was taken after ``ticket``."""
-        return self._issued == ticket + 1
-
     def turn(self, ticket: int | None = None, *, settle: bool = True) -> "_Turn":
         """Hold the extent's turn for ``ticket`` (taken at arrival), or for a new ticket taken now:
         ``async with lane.turn(ticket):`` (a plain class, not ``asynccontextmanager``: it runs per append).
@@ -171,18 +157,24 @@ class ExtentLane:
     def done(self, ticket: int) -> None:
         """Ends this ticket's turn.  Idempotent; a ticket ended before its turn (its request failed early)
         is skipped when its turn comes."""
-        if ticket < self._serving:
-            return
-        if ticket > self._serving:
-            self._skipped.add(ticket)
-            return
-        self._serving += 1
-        while self._serving in self._skipped:
-            self._skipped.discard(self._serving)
-            self._serving += 1
-        ev = self._events.pop(self._serving, None)
-        if ev is not None:
-            ev.set()
+        nxt = LaneState.done(self, ticket)
+        if nxt is not None:
+            ev = self._events.pop(nxt, None)
+            if ev is not None:
+                ev.set()
+
+    async def _begin(self, ticket: int, settle: bool) -> None:
+        """Until ``ticket``'s turn may begin; a wait given up (cancelled) ends the ticket."""
+        try:
+            while (why := self.blocker(ticket, settle)) is not None:
+                if why == TURN:
+                    await self._events.setdefault(ticket, trio.Event()).wait()
+                else:
+                    await self.settled()
+        except BaseException:
+            self._events.pop(ticket, None)
+            self.done(ticket)
+            raise
 
 
 class _Turn:
@@ -192,15 +184,8 @@ class _Turn:
         self.lane, self.t, self.settle = lane, t, settle
 
     async def __aenter__(self) -> None:
-        lane = self.lane
-        try:
-            if self.t != lane._serving:
-                await lane._events.setdefault(self.t, trio.Event()).wait()
-            if self.settle and lane.writing:
-                await lane.settled()
-        except BaseException:
-            lane.done(self.t)
-            raise
+        if self.lane.blocker(self.t, self.settle) is not None:
+            await self.lane._begin(self.t, self.settle)
 
     async def __aexit__(self, *exc) -> None:
         self.lane.done(self.t)
@@ -218,6 +203,18 @@ class Partition:
     health: dict = field(default_factory=dict)   # the leader's summary of its replicas (datanode/repair.py)
     unverified: bool = False   # opened without CRC-checking every block (open_verify = tail): the leader's
                                # first scrub after start checks them (datanode/repair.py), then clears this
+    dropped: bool = False      # deleted from this node (its directory is in the trash): nothing to persist
+    # This copy is known to hold every acknowledged byte: a new partition's, a leader's (only a synced copy
+    # may lead), a follower's once its leader confirmed it complete; lost by a cut (TRUNCATE) or by missing an
+    # epoch.  A view change whose leader is not known synced is refused (datanode/ops/partitions.py).
+    synced: bool = True
+    # bumped by every cut: a leader's confirmation names the count it saw, so one sent before a cut is void
+    cuts: int = field(default_factory=lambda: secrets.randbelow(1 << 31))
+    # leader: where each extent written since it took the lead ends as acknowledged (appends in flight beyond)
+    acked: dict[int, int] = field(default_factory=dict)
+    # the volume it belongs to ("": none): set when the copy is created, never changed; a connection proving
+    # a volume key reaches only its volume's partitions (ops/wrap.py)
+    volume: str = ""
 
     @property
     def leader(self) -> str:
@@ -235,12 +232,15 @@ class Partition:
         return ln
 
     def seal(self, extent: int, why: str) -> None:
-        """Refuse appends to this extent from now on, durably (its replicas may differ)."""
+        """Refuse appends to this extent from now on, durably (its replicas may differ) -- unless the partition
+        was dropped meanwhile: a write that was in flight then fails, and its meta.json is in the trash."""
         self.sealed[str(extent)] = why
-        self.save()
+        if not self.dropped:
+            self.save()
 
     def meta(self) -> dict:
-        return {"id": self.pid, "replicas": self.replicas, "epoch": self.epoch, "sealed": self.sealed}
+        return {"id": self.pid, "replicas": self.replicas, "epoch": self.epoch, "sealed": self.sealed,
+                "synced": self.synced, **({"volume": self.volume} if self.volume else {})}
 
     def save(self) -> None:
         write_json_atomic(self.root / "meta.json", self.meta())
@@ -297,11 +297,12 @@ def _trash_op(fn):
 
 
 class PartitionTable:
-    def __init__(self, data_dir: pathlib.Path, sync: str, verify: str = "full"):
+    def __init__(self, data_dir: pathlib.Path, sync: str, verify: str = "full", options: StoreOptions | None = None):
         self.root = data_dir / "partitions"
         self.root.mkdir(parents=True, exist_ok=True)
         self.sync = sync
-        self.verify = verify      # how stores are opened: "tail" or "full" (datanode/store.py)
+        self.verify = verify      # how stores are opened: "tail" or "full" (datanode/store/recovery.py)
+        self.options = options or StoreOptions()     # given to every store it opens
         self.parts: dict[int, Partition] = {}
         self._trash_lock = threading.Lock()        # see _trash_op
         self._deleted_counts = {"one_flushes": 0, "direct_writes": 0}   # of the stores of deleted partitions
@@ -336,13 +337,13 @@ class PartitionTable:
         try:
             for d in dirs:
                 try:
-                    pid, replicas, epoch, sealed = self._meta(d, d.name)
+                    pid, replicas, epoch, sealed, synced, volume = self._meta(d, d.name)
                 except (OSError, ValueError, KeyError, BodyError) as e:
                     log.error("partition directory %s: unusable meta.json (%s): not loaded, data left in place",
                               d, e)
                     prog.partitions_total -= 1
                     continue
-                loaded[pid] = self._open(d, pid, replicas, epoch, sealed, on_extent)
+                loaded[pid] = self._open(d, pid, replicas, epoch, sealed, on_extent, synced, volume)
                 prog.partitions += 1
                 if checkpoint is not None:
                     checkpoint()
@@ -354,32 +355,39 @@ class PartitionTable:
         prog.finished = time.monotonic()
 
     @staticmethod
-    def _meta(d: pathlib.Path, expect_id: str) -> tuple[int, list[str], int, dict]:
-        """(id, replicas, epoch, sealed) from a partition directory's meta.json, checked completely."""
+    def _meta(d: pathlib.Path, expect_id: str) -> tuple[int, list[str], int, dict, bool, str]:
+        """(id, replicas, epoch, sealed, synced, volume) from a partition directory's meta.json, checked
+        completely (a meta.json written before ``synced`` existed: synced, as every copy was then taken to be;
+        without ``volume``: in none)."""
         m = json.loads((d / "meta.json").read_text())
         replicas, epoch = decode_view(m)
-        pid, sealed = m["id"], m.get("sealed", {})
-        if not isinstance(pid, int) or str(pid) != expect_id or not isinstance(sealed, dict):
-            raise BodyError("other", f"id {pid!r} / sealed {type(sealed).__name__}")
-        return pid, replicas, epoch, sealed
+        pid, sealed, synced = m["id"], m.get("sealed", {}), m.get("synced", True)
+        if (not isinstance(pid, int) or str(pid) != expect_id or not isinstance(sealed, dict)
+                or not isinstance(synced, bool)):
+            raise BodyError("other", f"id {pid!r} / sealed {type(sealed).__name__} / synced {synced!r}")
+        return pid, replicas, epoch, sealed, synced, decode_volume(m)
 
     def _open(self, d: pathlib.Path, pid: int, replicas: list[str], epoch: int, sealed: dict,
-              on_extent=None) -> Partition:
-        store = ExtentStore(d / "store", sync=self.sync, verify=self.verify, on_extent=on_extent)
+              on_extent=None, synced: bool = True, volume: str = "") -> Partition:
+        store = ExtentStore(d / "store", sync=self.sync, verify=self.verify, on_extent=on_extent,
+                            options=self.options)
         marks = store.watermarks()
         log.info("partition %d loaded: epoch %d, replicas %s, %d extents, %d bytes (verify=%s)", pid,
                  epoch, ",".join(replicas), len(marks), sum(marks.values()), self.verify)
         return Partition(pid, replicas, epoch, d, store, sealed,
-                         unverified=self.verify != "full" and any(marks.values()))
+                         unverified=self.verify != "full" and any(marks.values()), synced=synced, volume=volume)
 
     def get(self, pid: int) -> Partition | None:
         return self.parts.get(pid)
 
-    def create(self, pid: int, replicas: list[str], epoch: int) -> Partition:
+    def create(self, pid: int, replicas: list[str], epoch: int, synced: bool = True, volume: str = "") -> Partition:
+        """A new, empty copy; ``synced``: it holds every acknowledged byte (a new partition's copies; not a
+        replica added to a partition that already has data); ``volume``: the volume it belongs to."""
         d = self.root / str(pid)
         d.mkdir(parents=True, exist_ok=True)
         p = Partition(pid, list(replicas), epoch, d,
-                      ExtentStore(d / "store", sync=self.sync, verify=self.verify))
+                      ExtentStore(d / "store", sync=self.sync, verify=self.verify, options=self.options),
+                      synced=synced, volume=volume)
         p.save()
         self.parts[pid] = p
         return p
@@ -398,6 +406,7 @@ class PartitionTable:
     def delete(self, pid: int) -> pathlib.Path:
         """Stop serving partition ``pid`` and move its data to the trash; returns where it went."""
         p = self.parts.pop(pid)
+        p.dropped = True
         p.store.close()
         for k in self._deleted_counts:
             self._deleted_counts[k] += getattr(p.store, k)
@@ -429,7 +438,7 @@ class PartitionTable:
         gone = []
         for e in self.list_trash():
             if now - e["deleted"] >= retention_s:
-                remove_tree(self.trash / e["name"])
+                remove_tree(self.trash / e["name"], self.options.free_step_bytes)
                 log.info("trash: purged %s (partition %d, %d bytes)", e["name"], e["partition"], e["bytes"])
                 gone.append(e["name"])
         return gone
@@ -467,12 +476,12 @@ class PartitionTable:
         if dest.exists():
             raise FileExistsError(f"partition {pid} exists again at {dest}: move it away first")
         try:
-            _, replicas, epoch, sealed = self._meta(src, pid_s)
+            _, replicas, epoch, sealed, synced, volume = self._meta(src, pid_s)
         except (OSError, KeyError, BodyError, ValueError) as e:
             raise ValueError(f"trash entry {name}: unusable meta.json ({e}): left in the trash") from None
         os.rename(src, dest)
         try:
-            part = self._open(dest, pid, replicas, epoch, sealed)
+            part = self._open(dest, pid, replicas, epoch, sealed, synced=synced, volume=volume)
         except BaseException:
             os.rename(dest, src)
             raise
@@ -490,7 +499,7 @@ class PartitionTable:
         gone = []
         for e in self.list_trash():
             if e["name"] in want:
-                remove_tree(self.trash / e["name"])
+                remove_tree(self.trash / e["name"], self.options.free_step_bytes)
                 log.info("trash: purged %s (partition %d, %d bytes)", e["name"], e["partition"], e["bytes"])
                 gone.append(e)
         return gone

@@ -58,11 +58,12 @@ from collections import deque
 
 import trio
 
-from .crc import crc32c
-from .pool import BuddyPool, PoolExhausted
-from .protocol import BodyError, Flag, Header, Op, Result, decode_view
+from wire.crc import crc32c
+from wire.pool import BuddyPool, PoolExhausted
+from wire.protocol import BodyError, Flag, Header, Op, Result, decode_view
+from . import viewguard
 from .store import BLOCK, StoreError
-from .transport.base import Access, TransportError
+from wire.transport.base import Access, TransportError
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
@@ -270,6 +271,11 @@ class Repairer:
         finally:
             self.landing.free(block)
 
+    async def replica_state(self, addr: str, pid: int) -> dict:
+        """``addr``'s REPLICA_STATE of partition ``pid`` (any epoch): its view, extents, and whether its copy
+        is known synced (a view's new leader is asked this: ops/partitions.py)."""
+        return await self.call_json(addr, Header(opcode=Op.REPLICA_STATE, partition=pid))
+
     async def scrub_local(self, part, extent: int, offset: int, length: int) -> dict:
         return await trio.to_thread.run_sync(scrub_range, part, extent, offset, length)
 
@@ -323,6 +329,7 @@ class PartitionWorker:
         self.progress: dict | None = None  # the replica being filled now
         self.last_repair: dict | None = None
         self.last_scrub: dict | None = None
+        self.suspended: str | None = None   # why repair and scrub wait (this leader's copy is not synced)
 
     # -- lifecycle --------------------------------------------------------------------------------------
     def part(self):
@@ -372,6 +379,7 @@ class PartitionWorker:
         part = self.rep.table.get(self.pid)
         order = part.replicas[1:] if part is not None else list(self.replicas)
         return {"followers": [self.replicas[a].to_dict() for a in order if a in self.replicas],
+                "synced": part.synced if part is not None else None, "suspended": self.suspended,
                 "repair": {"running": self.running == "repair", "passes": self.repair_done,
                            "requested": self.repair_requested, "current": prog, "last": self.last_repair,
                            "cap_mib_s": self.rep.cfg.repair_mib_s},
@@ -447,8 +455,42 @@ class PartitionWorker:
                 log.warning("partition %d: follower %s differs from this leader: %s (%d extents)", self.pid, addr,
                             d.first, d.extents)
             h.state = "lagging"          # any difference that is not appends in flight: never "healthy"
-        else:
+        elif await self._confirm(part, addr, st):
             h.state = "healthy"
+        else:
+            h.state, h.error = "lagging", "complete, but not confirmed synced yet"
+
+    async def _confirm(self, part, addr: str, st: dict) -> bool:
+        """A follower whose REPLICA_STATE answer ``st`` shows nothing missing but appends in flight: make sure
+        it knows its copy holds every acknowledged byte.  Not on ``st`` -- appends in flight are told from a
+        gap only by the next probe -- but on a fresh look: our extents first (each up to its acknowledged
+        end), then the follower's; holding at least that before it answered, it holds every byte
+        acknowledged by then, and every later one reached it (a write is acknowledged only once every
+        replica has it).  Then tell it, naming the cut count it answered, so a confirmation that crosses a cut
+        is void.  Only a synced leader confirms; a follower counts as healthy (so, for the manager, as synced)
+        only once it is confirmed."""
+        if st.get("synced") is not False:
+            return True                  # (a node without the field predates it)
+        if not part.synced:
+            return False
+        try:
+            acked = dict(part.acked)           # (before the sizes: an end acknowledged meanwhile is in them)
+            ours = viewguard.acknowledged(await trio.to_thread.run_sync(part.store.digests), acked)
+            st = await self.rep.call_json(addr, Header(opcode=Op.REPLICA_STATE, partition=self.pid,
+                                                       epoch=part.epoch))
+            cuts = st.get("cuts")
+            if (st.get("epoch") != part.epoch or not isinstance(cuts, int) or not 0 <= cuts < 1 << 62
+                    or viewguard.covers(ours, st)):
+                return False
+            got = await self.rep.call_json(addr, Header(opcode=Op.REPLICA_STATE, partition=self.pid,
+                                                        epoch=part.epoch, arg=cuts + 1))
+        except RepairAbort as e:
+            log.info("partition %d: confirming %s synced failed: %s", self.pid, addr, e)
+            return False
+        if got.get("synced") is True:
+            log.info("partition %d: %s holds every acknowledged byte (confirmed)", self.pid, addr)
+            return True
+        return False
 
     async def _compare(self, part, st: dict, prev: dict | None) -> "Difference":
         """A follower's REPLICA_STATE answer ``st`` against our copy: sizes, and digests where sizes match."""
@@ -482,13 +524,17 @@ class PartitionWorker:
             return
         if self.part() is None or epoch <= part.epoch:
             return
-        log.warning("partition %d: %s is at epoch %d (we are at %d): stepping down; replicas now %s",
-                    self.pid, addr, epoch, part.epoch, ",".join(replicas))
+        # (refused -- the new leader is not known to hold every acknowledged byte -- it is logged and counted
+        # there; we go on as we were, and ask again at the next heartbeat)
+        was = part.epoch
         if self.rep.me in replicas:
-            await self.rep.views.install_view(self.pid, replicas, epoch)
+            took = await self.rep.views.install_view(self.pid, replicas, epoch)
         else:
-            log.warning("partition %d: this node is no longer a replica: dropping its data", self.pid)
-            await self.rep.views.drop_partition(self.pid)
+            took = await self.rep.views.drop_partition(self.pid, replicas, epoch)
+        if took:
+            log.warning("partition %d: %s is at epoch %d (we were at %d): stepped down; replicas now %s%s",
+                        self.pid, addr, epoch, was, ",".join(replicas),
+                        "" if self.rep.me in replicas else " (no longer one: our copy went to the trash)")
 
     # -- the repair loop --------------------------------------------------------------------------------
     async def _repair_loop(self) -> None:
@@ -506,6 +552,15 @@ class PartitionWorker:
             part = self.part()
             if part is None:
                 return
+            if not part.synced:
+                # repair and scrub cut followers back to this copy, which may lack acknowledged bytes
+                if self.suspended is None:
+                    self.suspended = ("this leader's copy is not known to hold every acknowledged byte: repair "
+                                      "and scrub wait (they would cut its followers back to it)")
+                    log.error("partition %d: %s", self.pid, self.suspended)
+                await trio.sleep(self.rep.cfg.heartbeat_s)
+                continue
+            self.suspended = None
             now = trio.current_time()
             if self.scrub_requested > self.scrub_done or now >= next_scrub:
                 want = self.scrub_started = max(self.scrub_requested, self.scrub_done + 1)
@@ -622,6 +677,8 @@ class PartitionWorker:
         if d.extents:
             raise RepairAbort(f"{d.extents} extent(s) still differ after the pass ({d.behind} bytes): "
                               f"{d.first}")
+        if not await self._confirm(part, addr, st):
+            raise RepairAbort("complete, but it did not take the confirmation that it is synced")
         h.state = "healthy"
 
     async def _forward(self, part, addr: str, h: Header, *, ok_if_exists: bool = False) -> Header:

@@ -19,9 +19,9 @@ import logging
 
 
 from .partition import ExtentLane, Partition
-from .protocol import Flag, Header, Op, Result
-from .rpc import AnswerGroup, Links, Pending
-from .transport.base import TransportError
+from wire.protocol import Flag, Header, Op, Result
+from wire.rpc import AnswerGroup, Links, Pending
+from wire.transport.base import TransportError
 
 log = logging.getLogger(__name__)
 

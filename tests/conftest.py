@@ -1,7 +1,7 @@
 """Shared fixtures: real datanode processes (tools.cluster.NodeProc) on free 127.0.0.1 ports, per transport.
 
 * ``transport``   -- "tcp", and "verbs" (marked ``verbs``; skipped unless DATANODE_RDMA_DEVICE names a device
-                     and ``datanode.transport.verbs`` imports).
+                     and ``wire.transport.verbs`` imports).
 * ``nodes``       -- a factory: ``nodes(n, **cfg)`` starts n datanodes (in parallel) with the test's transport
                      and a small, fast config; every node is stopped at teardown, killed if it does not stop.
 * ``client(...)`` -- ``DataClient.open`` with the test's transport (and, for verbs, an RDMA-attached domain).
@@ -26,11 +26,16 @@ import trio
 REPO = pathlib.Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+# The processes a test starts (datanodes under ``python -P``, the CLIs) import the installed package: in a
+# checkout other than the one the venv's editable install names (a git worktree), that is another tree's code.
+# They run this tree too.  (tests/test_install.py unsets it: there the wheel alone must do.)
+if str(REPO) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 
 from client.sdk import DataClient  # noqa: E402
-from datanode.protocol import Op  # noqa: E402
-from datanode.transport.base import Domain  # noqa: E402
-from datanode.transport.connect import make_domain  # noqa: E402
+from wire.protocol import Op  # noqa: E402
+from wire.transport.base import Domain, TransportOptions  # noqa: E402
+from wire.transport.connect import make_domain  # noqa: E402
 from tools.cluster import NodeProc, free_port  # noqa: E402
 
 REPLICA_TIMEOUT = 2.0     # seconds: how long a leader waits for a follower's ack
@@ -45,9 +50,9 @@ def _verbs_skip_reason() -> str | None:
     if not os.environ.get("DATANODE_RDMA_DEVICE"):
         return "no RDMA device: set DATANODE_RDMA_DEVICE (run inside the Soft-RoCE VM)"
     try:
-        from datanode.transport import verbs  # noqa: F401
+        from wire.transport import verbs  # noqa: F401
     except ImportError as e:
-        return f"datanode.transport.verbs is not importable: {e}"
+        return f"wire.transport.verbs is not importable: {e}"
     return None
 
 
@@ -70,8 +75,9 @@ def transport_cfg(transport: str) -> dict:
 
 
 def client_domain(transport: str) -> Domain:
-    """The memory domain a test client registers in (with the RDMA device attached for verbs)."""
-    return make_domain(transport)
+    """The memory domain a test client registers in (with the RDMA device attached for verbs), set up as a
+    script's client is: by the environment's $DATANODE_<OPTION> (e.g. DATANODE_RDMA_DEVICE)."""
+    return make_domain(transport, TransportOptions.from_env(os.environ))
 
 
 @asynccontextmanager

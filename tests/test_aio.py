@@ -1,4 +1,4 @@
-"""datanode/aio.py: Workers (the threads a node's store calls run in) and InlinePause (when blocking work may
+"""wire/aio.py: Workers (the threads a node's store calls run in) and InlinePause (when blocking work may
 run in the event loop instead)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import pytest
 import trio
 
-from datanode.aio import InlinePause, Workers
+from wire.aio import InlinePause, Workers
 
 
 def test_calls_run_at_once_in_threads_up_to_most_and_the_rest_wait_their_turn():

@@ -22,7 +22,7 @@ import time
 import pytest
 
 from tools import cluster as cl
-from datanode.transport.tcp import congestion_of, tune_socket
+from wire.transport.tcp import congestion_of, tune_socket
 from tools.cluster import free_port
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -148,11 +148,12 @@ def test_version_print_config_and_dev_help():
 # -- presentation -------------------------------------------------------------------------------------
 def test_node_status_and_partition_list_present_transport_units_health(live):
     a = live["addrs"][0]
-    p = dnctl("node", "status", a, check=True)
+    sf = ("--secret-file", live["root"] / "cluster.secret")     # a command that names a node, not DIR
+    p = dnctl(*sf, "node", "status", a, check=True)
     conns = [ln for ln in p.out.splitlines() if ln.startswith("  127.0.0.1:")]
     assert conns and all(" tcp " in ln for ln in conns), p.out
     assert re.search(r"\d+(\.\d)? (B|KiB|MiB|GiB)", p.out), p.out
-    raw = json.loads(dnctl("node", "status", a, "--json", check=True).out)
+    raw = json.loads(dnctl(*sf, "node", "status", a, "--json", check=True).out)
     assert isinstance(raw["uptime_s"], (int, float)) and all(c["transport"] == "tcp" for c in raw["connections"])
     with socket.socket() as probe:        # each connection's congestion control, as this machine gives it
         tune_socket(probe)
@@ -164,10 +165,10 @@ def test_node_status_and_partition_list_present_transport_units_health(live):
     assert raw["write_stages"]["leader"]["durable"]["count"] >= 1, raw["write_stages"]
     assert re.search(r"^appends as leader \(\d+\), mean ms per stage: fetch \d+\.\d{3}, queue .*, durable "
                      r"\d+\.\d{3}, replicas \d+\.\d{3}$", p.out, re.M), p.out
-    p = dnctl("partition", "list", a, check=True)
+    p = dnctl(*sf, "partition", "list", a, check=True)
     row = next(ln for ln in p.out.splitlines() if ln.split()[0] == "1")
     assert "leader" in row and "healthy" in row and live["addrs"][1] in row, p.out
-    p = dnctl("partition", "show", "--id", 1, a, check=True)
+    p = dnctl(*sf, "partition", "show", "--id", 1, a, check=True)
     assert "follower health:" in p.out and "healthy" in p.out and "state read-write" in p.out, p.out
 
 
@@ -226,7 +227,7 @@ def test_cluster_follows_real_process_and_restarts_one_node(tmp_path):
         hand = subprocess.Popen([str(BIN / "datanode"), "serve", "--config", str(root / "node2" / "node.toml")],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         try:
-            cl.wait_listening(b, proc=hand)
+            cl.wait_listening(b, proc=hand, secret=str(root / "cluster.secret"))
             s = json.loads(dnctl("cluster", "status", "--cluster", root, "--json", check=True).out)
             nb = s["nodes"][1]
             assert nb["health"] == "up" and nb["pid"] == hand.pid, nb
@@ -277,6 +278,13 @@ def test_cluster_down_stops_a_cluster_whose_directory_was_removed_under_it(tmp_p
     info = json.loads((root / "cluster.json").read_text())
     pids = [n["pid"] for n in info["nodes"]] + [info["etcd"]["pid"]] + [m["pid"] for m in info["managers"]]
     try:
+        # a manager still starting when its directory goes cannot read its credentials and exits by itself:
+        # remove the directory under one that runs
+        mlog = pathlib.Path(info["managers"][0]["log"])
+        deadline = time.monotonic() + 60
+        while "ACTIVE" not in (mlog.read_text(errors="replace") if mlog.exists() else ""):
+            assert time.monotonic() < deadline, "the manager never became active"
+            time.sleep(0.1)
         shutil.rmtree(root)
         p = dnctl("cluster", "up", "--nodes", 1, "--cluster", root, "--base-port", port, *FAST)
         refused(p, "already in use", f"dnctl cluster down --cluster {root}", str(info["nodes"][0]["pid"]))
@@ -307,8 +315,8 @@ def test_put_with_dead_follower_leaks_no_extent_and_partition_is_degraded(tmp_pa
         dnctl("cluster", "stop-node", c, "--cluster", root, check=True)
 
         def leader_view():
-            return next(p for p in json.loads(dnctl("partition", "list", a, "--json", check=True).out)
-                        if p["id"] == 1)
+            return next(p for p in json.loads(dnctl("--secret-file", root / "cluster.secret", "partition", "list",
+                                                    a, "--json", check=True).out) if p["id"] == 1)
         deadline = time.monotonic() + 30
         while (leader_view().get("health") or {}).get("followers", {}).get(c) != "unreachable":
             assert time.monotonic() < deadline, "the leader never noticed the dead follower"
@@ -318,7 +326,7 @@ def test_put_with_dead_follower_leaks_no_extent_and_partition_is_degraded(tmp_pa
             p = dnctl("put", "--cluster", root, "--partition", 1, src)
             refused(p, c)
         assert leader_view()["extents"] == before
-        p = dnctl("partition", "show", "--id", 1, a, check=True)
+        p = dnctl("--secret-file", root / "cluster.secret", "partition", "show", "--id", 1, a, check=True)
         assert "state degraded" in p.out and f"{c} unreachable" in p.out, p.out
         # the follower back: writes work again
         dnctl("cluster", "start-node", c, "--cluster", root, check=True)
@@ -339,7 +347,8 @@ def test_bench_uses_a_scratch_partition_and_leaves_nothing(tmp_path):
     dnctl("cluster", "up", "--nodes", 2, "--cluster", root, "--no-etcd", *FAST, check=True)
     try:
         a = json.loads((root / "cluster.json").read_text())["nodes"][0]["addr"]
-        before = json.loads(dnctl("partition", "list", a, "--json", check=True).out)
+        sf = ("--secret-file", root / "cluster.secret")
+        before = json.loads(dnctl(*sf, "partition", "list", a, "--json", check=True).out)
         png = tmp_path / "bench.png"
         p = dnctl("bench", "--cluster", root, "--size", "64KiB", "--total-mib", 4, "--json", "--plot", png,
                   "--dd", "--fio", "--dd-mib", 8, timeout=300)
@@ -363,13 +372,13 @@ def test_bench_uses_a_scratch_partition_and_leaves_nothing(tmp_path):
             assert st[leader]["leader"]["appends"] == r["requests"], (st, r["requests"])
             assert set(st[leader]["leader"]) == {"appends", "fetch", "queue", "local", "durable",
                                                  *(["replicas"] if followers else [])}
-            for f in followers:      # a leader forwards a run of appends as one (ops/data.py AppendRun)
+            for f in followers:      # a leader forwards a run of appends as one (ops/run.py AppendRun)
                 assert list(st[f]) == ["follower"] and 1 <= st[f]["follower"]["appends"] <= r["requests"]
                 assert "replicas" not in st[f]["follower"]
             assert sum(v for k, v in st[leader]["leader"].items() if k != "appends") <= r["latency_ms"]["max"]
         assert "ms per append" in dnctl("bench", "--cluster", root, "--size", "64KiB", "--total-mib", 1,
                                         "--mode", "write", timeout=120).out
-        after = json.loads(dnctl("partition", "list", a, "--json", check=True).out)
+        after = json.loads(dnctl(*sf, "partition", "list", a, "--json", check=True).out)
         assert [(q["id"], q["extents"], q["bytes"]) for q in after] == [(q["id"], q["extents"], q["bytes"])
                                                                         for q in before]
         assert not list(root.glob("bench-worker*")), list(root.iterdir())

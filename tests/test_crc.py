@@ -8,8 +8,8 @@ import textwrap
 import crcmod.predefined
 import pytest
 
-from datanode import crc as crcmodule
-from datanode.crc import BACKEND, crc32c, crc32c_combine, crcmod_crc32c, hw_crc32c, measure_gibps
+from wire import crc as crcmodule
+from wire.crc import BACKEND, crc32c, crc32c_combine, crcmod_crc32c, hw_crc32c, measure_gibps
 
 # the independent oracle: crcmod's own predefined CRC-32C, called directly
 ORACLE = crcmod.predefined.mkCrcFun("crc-32c")
@@ -99,7 +99,7 @@ def test_fallback_backend_when_crc32c_missing():
     code = textwrap.dedent("""
         import sys
         sys.modules["crc32c"] = None          # makes "import crc32c" raise ImportError
-        from datanode import crc
+        from wire import crc
         assert crc.BACKEND == "crcmod", crc.BACKEND
         assert crc.hw_crc32c is None
         assert crc.crc32c(b"123456789") == 0xE3069283

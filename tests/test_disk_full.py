@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from client.sdk import ClientError
-from datanode.protocol import Op, Result
+from wire.protocol import Op, Result
 from tests.conftest import create_partition, open_client, pattern
 
 PID = 7

@@ -430,6 +430,33 @@ def test_unlink_open_file_then_extents_freed(mnt):
     mnt.mount()
 
 
+def test_a_mount_authenticates_with_the_secret_file_it_is_given(tmp_path):
+    """dnfs mount --secret-file: the background mount process authenticates with it (so does fsck); without it,
+    a node that holds a secret refuses the mount."""
+    from wire.auth import gen_secret
+    secret = tmp_path / "secret"
+    secret.write_text(gen_secret())
+    node = NodeProc(tmp_path / "node", f"127.0.0.1:{free_port()}", **NODE_DEFAULTS, secret_file=str(secret)).start()
+    try:
+        async def mkpart():
+            async with DataClient.open(timeout=10, secret=str(secret)) as dc:
+                await create_partition(dc, 1, [node.addr])
+        trio.run(mkpart)
+        m = Mount([node.addr], tmp_path)
+        r = dnfs("mount", *m.node_args, "--meta", m.meta, "--timeout", "5", m.path, check=False)
+        assert r.returncode != 0 and "requires authentication" in r.stderr, r.stderr
+        m.mount("--secret-file", secret)
+        try:
+            data = pattern(31, 300 << 10)
+            (m.path / "f").write_bytes(data)
+            assert (m.path / "f").read_bytes() == data
+        finally:
+            m.cleanup()
+        assert json.loads(m.fsck("--secret-file", secret, "--json").stdout)["problems"] == []
+    finally:
+        node.stop()
+
+
 def test_second_mount_on_same_metadata_is_refused(mnt, tmp_path):
     other = tmp_path / "mnt2"
     other.mkdir()
@@ -497,7 +524,7 @@ def test_with_writeback_a_close_returns_before_the_cluster_has_the_bytes_and_unm
     bytes are read back from the mount's buffer meanwhile, and ``dnfs stats`` counts them as unwritten --;
     ``dnfs sync`` returns once they are written (the nodes running again); an fsync waits for them; after an
     unmount every file is whole."""
-    m = Mount(cluster, tmp_path).mount("--writeback")
+    m = Mount(cluster, tmp_path).mount("--writeback", "--inline-kib", "0")     # every byte for the datanodes
     try:
         files = {f"f{i:02d}": pattern(i, 1000 + 997 * i) for i in range(40)}
         closed = threading.Event()

@@ -1,5 +1,5 @@
 """dnfs under cluster faults: a real FUSE mount, real datanodes registered in a real etcd, a real cluster
-manager (tools/manager.py) that shrinks a replica set when a member dies."""
+manager (manager/service.py) that shrinks a replica set when a member dies."""
 from __future__ import annotations
 
 import filecmp

@@ -69,8 +69,7 @@ def _eventually(check, timeout=15.0):
 def test_statfs_tracks_the_datanodes_disks(small_cluster):
     m, disks = small_cluster
     v = os.statvfs(m.path)
-    disk_total = os.statvfs(disks[0]).f_blocks * os.statvfs(disks[0]).f_frsize
-    assert v.f_blocks * v.f_frsize == disk_total          # three replicas of one disk's worth
+    assert v.f_blocks - v.f_bfree <= 1                    # used: the files' bytes (none yet) -- used + free = size
     assert abs(_free(m.path) - min(_free(d) for d in disks)) <= 3 * MiB
     before = _free(m.path)
     data = pattern(1, 12 * MiB)

@@ -1,4 +1,4 @@
-"""The cluster manager on etcd: real etcd, real managers, real datanodes (tools/manager.py, datanode/etcdmap.py).
+"""The cluster manager on etcd: real etcd, real managers, real datanodes (manager/service.py, wire/etcdmap.py).
 
 Each test starts its own single-member etcd on free ports with its data under the test's tmp_path.
 """
@@ -11,8 +11,8 @@ import signal
 import pytest
 import trio
 
-from datanode.etcdmap import Etcd, _b64
-from datanode.protocol import Op, Result
+from wire.etcdmap import Etcd, _b64
+from wire.protocol import Op, Result
 from tests.conftest import create_partition, open_client, pattern, run
 from tools.etcd_cluster import EtcdProc, ManagerProc, etcd_binary, etcd_cluster, urls
 
@@ -85,11 +85,12 @@ async def view(et: Etcd, pid: int):
     return v if v is not None and v.state == "writable" else None
 
 
-def managed_partition(nodes, etcd, managers, n: int = 3, pid: int = 1):
-    """``n`` datanodes registered in a fresh etcd, partition ``pid`` on all of them, a manager that has
-    adopted it (writable).  Returns (etcd proc, node procs, Etcd client)."""
+def managed_partition(nodes, etcd, managers, n: int = 3, pid: int = 1, **node_cfg):
+    """``n`` datanodes registered in a fresh etcd (``node_cfg``: node.toml keys beyond ETCD_NODE), partition
+    ``pid`` on all of them, a manager that has adopted it (writable).  Returns (etcd proc, node procs, Etcd
+    client)."""
     e = etcd()
-    ns = nodes(n, etcd=e.url, **ETCD_NODE)
+    ns = nodes(n, etcd=e.url, **{**ETCD_NODE, **node_cfg})
     et = Etcd(e.url)
 
     async def setup():
@@ -311,7 +312,7 @@ async def _manager_named(et, prefix):
 
 def test_map_snapshot_json(nodes, etcd, managers):
     """The admin view (for `dnctl partition list --etcd URL --json`) lists nodes, partitions, manager."""
-    from datanode.etcdmap import snapshot
+    from wire.etcdmap import snapshot
     e = etcd()
     ns = nodes(2, etcd=e.url, **ETCD_NODE)
     et = Etcd(e.url)
@@ -321,7 +322,7 @@ def test_map_snapshot_json(nodes, etcd, managers):
             await create_partition(dc0, 3, [n.addr for n in ns])
         managers(e.url)
         await wait_for("partition 3 adopted and writable", lambda: view(et, 3))
-        snap = json.loads(json.dumps(await snapshot(e.url)))
+        snap = json.loads(json.dumps(await snapshot(et)))
         assert [p["id"] for p in snap["partitions"]] == [3]
         p = snap["partitions"][0]
         assert p["leader"] == ns[0].addr and p["epoch"] == 1 and p["state"] == "writable"

@@ -1,9 +1,9 @@
-"""Cluster soak on etcd (tools/etcd_torture.py), short and bounded: SDK clients following the map in etcd
+"""Cluster soak on etcd (lab/etcd_torture.py), short and bounded: SDK clients following the map in etcd
 write and read back while datanodes (leaders too), the active manager and one of 3 etcd members are killed
 with SIGKILL and restarted; afterwards every acknowledged write reads back right from every replica of the
 final views, every extent is identical on them, and no read during the run returned wrong bytes.
 
-The long soak: ``python -m tools.etcd_torture --seed S --seconds 600``.
+The long soak: ``python -m lab.etcd_torture --seed S --seconds 600``.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from tools import etcd_torture
+from lab import etcd_torture
 from tools.etcd_cluster import etcd_binary
 
 SECONDS = float(os.environ.get("ETCD_TORTURE_SECONDS", "30"))

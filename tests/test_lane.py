@@ -1,6 +1,8 @@
 """datanode/partition.py ExtentLane: an extent's appends keep arrival order, and an append's turn ends once its
 local write is handed to a worker thread -- the writes themselves still reach the store in turn order, a write
-behind a failed one is not done, and every other turn waits until no write is out."""
+behind a failed one is not done, and every other turn waits until no write is out.  Its rules
+(datanode/lane.py ``LaneState``) are also checked alone, with no event loop: tasks taking tickets, waiting,
+giving up, handing writes over in any order hypothesis finds."""
 from __future__ import annotations
 
 import threading
@@ -8,8 +10,12 @@ import time
 
 import pytest
 import trio
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from datanode.aio import Workers
+from wire.aio import Workers
+from datanode.lane import TURN, WRITES, LaneState
 from datanode.partition import EarlierWriteFailed, ExtentLane
 
 
@@ -111,3 +117,142 @@ def test_a_settling_turn_starts_only_once_no_write_is_out(settle):
             n.start_soon(other)
     trio.run(main)
     assert seen["write done at turn start"] is settle
+
+
+class LaneRules(RuleBasedStateMachine):
+    """Requests driving a ``LaneState`` as ``ExtentLane`` does -- a ticket at arrival; at the turn, wait for
+    what ``blocker`` names; woken only by the ticket ``done`` returns or by the last write coming back -- in
+    any order.  Turns begin in ticket order, one at a time; no waiter is left waiting for a turn that has
+    passed it (a lost wake-up); a settling turn never begins while a write is out; ``tail`` is where the last
+    handed-over write ends while any is out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lane = LaneState()
+        self.settle: dict[int, bool] = {}   # ticket -> its turn settles (not an append's)
+        self.arrived: set[int] = set()      # taken, not at the turn yet
+        self.parked: set[int] = set()       # waiting for their turn (TURN)
+        self.settling: set[int] = set()     # their turn, waiting for the writes to be back (WRITES)
+        self.woken: set[int] = set()        # woken, not run yet
+        self.holding: int | None = None
+        self.began: list[int] = []
+        self.ended: set[int] = set()
+        self.out = 0                         # writes handed over, not back
+        self.end = 0                         # where the last handed-over write ends
+
+    def _try(self, t: int) -> None:
+        why = self.lane.blocker(t, self.settle[t])
+        if why is None:
+            assert self.holding is None, (self.holding, t)
+            assert not (self.settle[t] and self.out)
+            self.holding = t
+            self.began.append(t)
+        elif why == TURN:
+            self.parked.add(t)
+        else:
+            assert why == WRITES and self.out
+            self.settling.add(t)
+
+    def _done(self, t: int) -> None:
+        self.ended.add(t)
+        nxt = self.lane.done(t)
+        if nxt is not None:
+            assert nxt == self.lane.serving
+            if nxt in self.parked:
+                self.parked.remove(nxt)
+                self.woken.add(nxt)
+
+    @rule(settle=st.booleans())
+    def arrive(self, settle):
+        t = self.lane.ticket()
+        assert t == len(self.settle)
+        self.settle[t] = settle
+        self.arrived.add(t)
+
+    @precondition(lambda self: self.arrived or self.woken)
+    @rule(data=st.data())
+    def go(self, data):
+        t = data.draw(st.sampled_from(sorted(self.arrived | self.woken)))
+        self.arrived.discard(t)
+        self.woken.discard(t)
+        self._try(t)
+
+    @precondition(lambda self: self.arrived or self.parked or self.settling or self.woken)
+    @rule(data=st.data())
+    def give_up(self, data):
+        """A request fails, or its wait is cancelled, before its turn begins."""
+        t = data.draw(st.sampled_from(sorted(self.arrived | self.parked | self.settling | self.woken)))
+        for waiting in (self.arrived, self.parked, self.settling, self.woken):
+            waiting.discard(t)
+        self._done(t)
+
+    @precondition(lambda self: self.holding is not None and not self.settle[self.holding])
+    @rule(n=st.integers(1, 1 << 20))
+    def hand_over(self, n):
+        self.end += n
+        self.lane.handed(self.end)
+        self.out += 1
+
+    @precondition(lambda self: self.out)
+    @rule()
+    def write_back(self):
+        self.out -= 1
+        settled = self.lane.back()
+        assert settled == (self.out == 0)
+        if settled:
+            self.woken |= self.settling
+            self.settling.clear()
+
+    @precondition(lambda self: self.holding is not None)
+    @rule()
+    def end_turn(self):
+        t, self.holding = self.holding, None
+        self._done(t)
+
+    @precondition(lambda self: self.ended)
+    @rule(data=st.data())
+    def done_again(self, data):
+        serving = self.lane.serving
+        assert self.lane.done(data.draw(st.sampled_from(sorted(self.ended)))) is None
+        assert self.lane.serving == serving
+
+    @invariant()
+    def turns_in_ticket_order_one_at_a_time(self):
+        assert self.began == sorted(self.began) and len(set(self.began)) == len(self.began)
+        assert self.holding is None or self.holding == self.lane.serving
+        assert all(t in self.ended or t == self.holding for t in range(self.lane.serving))
+
+    @invariant()
+    def no_lost_wake_up(self):
+        assert all(t > self.lane.serving for t in self.parked), (self.parked, self.lane.serving)
+        assert all(t == self.lane.serving and self.out for t in self.settling)
+        if self.holding is None and not self.woken and not self.settling:
+            # nobody can move: the ticket whose turn it is has yet to come to it, or was never taken
+            assert self.lane.serving in self.arrived or self.lane.serving == self.lane.issued
+
+    @invariant()
+    def the_extent_ends_where_the_last_write_out_ends(self):
+        assert self.lane.writing == self.out
+        assert self.lane.tail == (self.end if self.out else None)
+        assert self.lane.up(self.lane.serving) == (not self.out)
+
+
+TestLaneRules = LaneRules.TestCase
+TestLaneRules.settings = settings(max_examples=300, stateful_step_count=60, deadline=None,
+                                  suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_a_sealed_lane_keeps_its_first_reason():
+    lane = LaneState()
+    assert lane.seal("replica 2 failed a write") and not lane.seal("local flush failed")
+    assert lane.diverged == "replica 2 failed a write"
+    assert not LaneState("sealed at open").seal("again")
+
+
+def test_a_write_back_that_was_never_handed_over_is_refused():
+    lane = LaneState()
+    lane.handed(10)
+    assert lane.back()
+    with pytest.raises(RuntimeError):
+        lane.back()
+    assert lane.writing == 0 and lane.tail is None

@@ -102,7 +102,7 @@ def test_status_reports_disk_and_does_not_count_itself(nodes):
 
     async def body():
         async with open_client("tcp", []) as dc:
-            from datanode.protocol import Op
+            from wire.protocol import Op
             st = await dc.admin(a.addr, Op.NODE_STATUS)
             assert st["inflight"] == 0, st["inflight"]
             assert st["disk"]["total"] > 0 and 0 <= st["disk"]["free"] <= st["disk"]["total"]
@@ -146,7 +146,7 @@ def test_a_failing_exposition_is_a_500_and_the_server_serves_on():
 
 
 def test_a_traced_cluster_gives_every_append_its_steps_in_causal_order():
-    """bench/write_timeline.py (DATANODE_TRACE, datanode/trace.py): a real cluster and bench, each append's steps
+    """bench/write_timeline.py (DATANODE_TRACE, wire/trace.py): a real cluster and bench, each append's steps
     on the client, the leader and both followers -- and each median after the step that causes it (true of every
     append, so of the medians: times are CLOCK_MONOTONIC on one machine)."""
     root = pathlib.Path(__file__).resolve().parent.parent
@@ -206,3 +206,23 @@ def test_the_loop_lag_probe_wakes_once_a_second_while_no_request_comes():
     idle, busy = trio.run(main, clock=MockClock(autojump_threshold=0))
     assert idle <= 12                                # ~1 + 10 s / IDLE_PERIOD, not 10 s / PERIOD = 500
     assert busy >= 1 / LoopLag.PERIOD - 5           # ~50: the probe at PERIOD while requests come
+
+
+def test_who_may_connect_is_a_gauge_and_in_node_status(nodes, tmp_path):
+    """Without a secret: auth off, loopback peers only (insecure = true: any host), in /metrics and in
+    `dnctl node status`; with the secret: auth on."""
+    from wire.auth import gen_secret
+    sec = tmp_path / "secret"
+    sec.write_text(gen_secret())
+    sec.chmod(0o600)
+    maddrs = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    plain, = nodes(1, metrics_listen=maddrs[0])
+    nodes(1, metrics_listen=maddrs[1], insecure=True)
+    nodes(1, metrics_listen=maddrs[2], secret_file=str(sec))
+    assert value(scrape(maddrs[0]), "datanode_auth", auth="off", peers="loopback") == 1
+    assert value(scrape(maddrs[1]), "datanode_auth", auth="off", peers="any") == 1
+    assert value(scrape(maddrs[2]), "datanode_auth", auth="on", peers="none") == 1
+    p = subprocess.run([sys.executable, "-m", "tools.dnctl", "node", "status", plain.addr],
+                       capture_output=True, text=True, timeout=60, cwd=pathlib.Path(__file__).parent.parent)
+    assert p.returncode == 0, p.stderr
+    assert "authentication off; takes peers: this host only, unauthenticated (no secret)" in p.stdout, p.stdout

@@ -15,7 +15,7 @@ import time
 import pytest
 import trio
 
-from datanode.etcdmap import Etcd
+from wire.etcdmap import Etcd
 from tests.conftest import NODE_DEFAULTS, create_partition, open_client, run
 from tests.test_etcd import TTL, _true, _verify, _view_where, _writer, view, wait_for
 from tools.cluster import NodeProc, free_port
@@ -104,7 +104,8 @@ def test_isolated_leader_cut_then_healed(netns, nodes, tmp_path):
     mgr = None
     ns_client = None
     try:
-        cfg = {**NODE_DEFAULTS, "transport": "tcp", "etcd": e.url, "lease_ttl_s": TTL, "heartbeat_s": 0.5}
+        cfg = {**NODE_DEFAULTS, "transport": "tcp", "etcd": e.url, "lease_ttl_s": TTL, "heartbeat_s": 0.5,
+               "insecure": True}                # hosts of their own, no secret
         iso = NodeProc(tmp_path / "iso", f"{inner}:{7400 + os.getpid() % 1000}", **cfg)
         iso.argv_prefix = ["ip", "netns", "exec", ns]
         others = [NodeProc(tmp_path / f"n{i}", f"{host}:{free_port(host)}", **cfg) for i in range(3)]

@@ -17,15 +17,15 @@ import pytest
 import trio
 
 from client.sdk import ClientError
-from datanode import rpc
-from datanode.crc import crc32c
-from datanode.pool import BuddyPool
-from datanode.protocol import (HEADER_SIZE, HELLO_SIZE, MAX_PAYLOAD, PROTOCOL_REASONS, Header, Hello, Op, Result,
+from wire import rpc
+from wire.crc import crc32c
+from wire.pool import BuddyPool
+from wire.protocol import (HEADER_SIZE, HELLO_SIZE, MAX_PAYLOAD, PROTOCOL_REASONS, Header, Hello, Op, Result,
                                Transport, decode, decode_hello)
 from datanode.store import BLOCK
-from datanode.transport.base import Access, ConnectionClosed, RemoteAccessError
-from datanode.transport.connect import dial
-from datanode.transport.tcp import CTRL, FRAME, READ_REQ, READ_RESP, recv_exactly, send_all
+from wire.transport.base import Access, ConnectionClosed, RemoteAccessError
+from wire.transport.connect import dial
+from wire.transport.tcp import CTRL, FRAME, READ_REQ, READ_RESP, recv_exactly, send_all
 from tests.conftest import REPO, client_domain, create_partition, open_client, pattern, run
 from tools.cluster import free_port
 
@@ -766,7 +766,9 @@ async def _tcp_session(host: str, port: int):
     await send_all(sock, Hello(transport=Transport.TCP, has_device=False, slots=8).encode())
     buf = bytearray(HELLO_SIZE)
     await recv_exactly(sock, memoryview(buf))
-    assert decode_hello(buf).transport == Transport.TCP
+    answer = decode_hello(buf)
+    assert answer.transport == Transport.TCP
+    await recv_exactly(sock, memoryview(bytearray(answer.ident_len + answer.ext_len)))   # identity, extensions
     return sock
 
 

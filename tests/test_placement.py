@@ -1,11 +1,11 @@
-"""Placement decisions (tools/placement.py), table-tested: pure functions, no processes."""
+"""Placement decisions (manager/placement.py), table-tested: pure functions, no processes."""
 from __future__ import annotations
 
 from collections import Counter
 
 import pytest
 
-from tools.placement import PlacementError, eligible, pick_spare, place
+from manager.placement import PlacementError, eligible, pick_spare, place
 
 G = 1 << 30
 
@@ -94,8 +94,8 @@ import pathlib  # noqa: E402
 import trio  # noqa: E402
 
 from client import admin  # noqa: E402
-from datanode.etcdmap import Etcd, PartView  # noqa: E402
-from datanode.protocol import Op  # noqa: E402
+from wire.etcdmap import Etcd, PartView  # noqa: E402
+from wire.protocol import Op  # noqa: E402
 from tests.conftest import open_client, pattern, run  # noqa: E402
 from tests.test_etcd import ETCD_NODE, etcd, managers, wait_for  # noqa: E402,F401 - fixtures used below
 
@@ -191,7 +191,7 @@ def test_a_create_request_half_served_by_a_dead_manager_is_finished_not_repeated
         first = PartView(1, addrs, 1, want=3, synced=list(addrs), state="writable", installed=True)
         key = et.key("requests", "half-served")
         body = {"op": "create", "count": 3, "replicas": 3, "state": "pending", "made": [first.to_dict()]}
-        assert await et.cas_part(first, expect_rev=0, also=(key, json.dumps(body)))
+        assert await et.cas_part(first, expect_rev=0, also=(key, body))
         managers(e.url, **MGR)
 
         async def answered():
@@ -403,15 +403,15 @@ async def _dropped(et, addr, pids):
 
 
 def test_one_command_cluster_put_without_partition(tmp_path):
-    """`dnctl cluster up --secret` runs etcd + a manager + nodes, all authenticated; `put` without --partition
+    """`dnctl cluster up` runs etcd + a manager + nodes, all authenticated; `put` without --partition
     goes where the client picks and reads back; status lists etcd and the manager with pids; `cluster down` stops all of them."""
     from tools import cluster as cl
     root = tmp_path / "c"
-    p = dnctl("cluster", "up", "--nodes", 3, "--cluster", root, "--replica-timeout", 2, "--secret", "--json")
+    p = dnctl("cluster", "up", "--nodes", 3, "--cluster", root, "--replica-timeout", 2, "--json")
     assert p.returncode == 0, p.stderr
     up = json.loads(p.stdout)
     try:
-        # with --secret: the nodes refuse whoever lacks it, so the manager's min_writable partition below
+        # with the secret: the nodes refuse whoever lacks it, so the manager's min_writable partition below
         # proves the manager authenticates as admin, and dnctl --cluster picks the secret up by itself
         assert (root / "cluster.secret").exists() and up["config"]["secret_file"]
         assert up["etcd"]["managed"] and cl.pid_alive(up["etcd"]["pid"]) and len(up["managers"]) == 1

@@ -1,4 +1,4 @@
-"""Tests for datanode.pool (buddy allocator over one registered arena)."""
+"""Tests for wire.pool (buddy allocator over one registered arena)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from datanode.pool import HUGE_PAGE, Block, BuddyPool, PoolExhausted
+from wire.pool import HUGE_PAGE, Block, BuddyPool, PoolExhausted
 
 KiB = 1 << 10
 MiB = 1 << 20

@@ -1,4 +1,4 @@
-"""The wire codec (datanode.protocol): round trips over every field, and fuzzing that may only ever produce
+"""The wire codec (wire.protocol): round trips over every field, and fuzzing that may only ever produce
 ProtocolError -- a malformed header must never crash the decoder with another exception."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from datanode.crc import crc32c
-from datanode.protocol import (BODY_OPS, BODY_REASONS, HEADER_SIZE, HELLO_SIZE, MAGIC, MAX_EPOCH, MAX_PAYLOAD,
+from wire.crc import crc32c
+from wire.protocol import (BODY_OPS, BODY_REASONS, HEADER_SIZE, HELLO_SIZE, MAGIC, MAX_EPOCH, MAX_PAYLOAD,
                                PROTOCOL_REASONS, VERSION, BodyError, Header, Hello, Op, ProtocolError, Result,
                                INLINE_MAX, Flag, Transport, decode, decode_hello, decode_message, decode_view,
                                encode_message, peek_req_id)
@@ -316,7 +316,7 @@ def test_hello_bit_flips_only_protocol_error(hello, bits):
 @pytest.mark.parametrize("mutate,reason", [
     (lambda b: b[:-1], "truncated"),
     (lambda b: b"XXXX" + b[4:], "bad_magic"),
-    (lambda b: b[:4] + bytes([VERSION + 1]) + b[5:], "bad_version"),
+    (lambda b: b[:10] + bytes([VERSION + 1]) + b[11:], "bad_version"),      # oldest spoken above the newest
     (lambda b: b[:5] + bytes([9]) + b[6:], "bad_transport"),
     (lambda b: b[:12] + struct.pack(">I", 0) + b[16:], "bad_slots"),       # slots at 12 (v3)
     (lambda b: b[:12] + struct.pack(">I", 4097) + b[16:], "bad_slots"),

@@ -1,4 +1,4 @@
-"""Replica health, repair, scrub and leader changes with real datanode processes (issue #5).
+"""Replica health, repair, scrub and leader changes with real datanode processes.
 
 Every test ends by checking that each extent is byte-identical on every replica (read back from each one
 by itself) and that every acknowledged write reads back right from every replica.
@@ -14,8 +14,8 @@ import sys
 import trio
 
 from client.sdk import ClientError, PartitionInfo
-from datanode.crc import crc32c
-from datanode.protocol import Flag, Header, Op, Result
+from wire.crc import crc32c
+from wire.protocol import Flag, Header, Op, Result, Role
 from datanode.store import BLOCK
 from tests.conftest import REPO, create_partition, pattern, run
 from client import admin as dr
@@ -269,13 +269,14 @@ def test_racing_creates_of_one_extent_on_a_follower_both_succeed(nodes, client):
     a, b = nodes(2, **FAST)
 
     async def body():
-        async with client([]) as dc:
+        async with client([]) as dc, client([]) as as_a:
             await create_partition(dc, PID, [a.addr, b.addr])
             results = []
+            as_a.auth.role, as_a.auth.identity = Role.NODE, a.addr     # forwards come from the leader
 
             async def create(e):
-                r, _ = await dc.request(b.addr, Header(opcode=Op.CREATE_EXTENT, partition=PID, extent=e,
-                                                       epoch=1, flags=Flag.FORWARDED | Flag.REPAIR))
+                r, _ = await as_a.request(b.addr, Header(opcode=Op.CREATE_EXTENT, partition=PID, extent=e,
+                                                         epoch=1, flags=Flag.FORWARDED | Flag.REPAIR))
                 results.append((e, Result(r.result).name))
             async with trio.open_nursery() as n:
                 for e in range(100, 130):

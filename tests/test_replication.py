@@ -2,6 +2,7 @@
 zero-copy forward, and per-extent ordering under a deep pipeline."""
 from __future__ import annotations
 
+import os
 import random
 import signal
 
@@ -9,9 +10,9 @@ import pytest
 import trio
 
 from client.sdk import ClientError, ReplicationError
-from datanode.crc import crc32c
-from datanode.protocol import INLINE_MAX, Flag, Header, Op, Result
-from datanode.store import MAX_EXTENT
+from wire.crc import crc32c
+from wire.protocol import INLINE_MAX, Flag, Header, Op, Result
+from wire.protocol import MAX_EXTENT
 from tests.conftest import REPLICA_TIMEOUT, SLACK, create_partition, pattern, run
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -257,9 +258,10 @@ def test_stale_epoch_is_refused_by_leader_and_followers(nodes, client):
 
 # -------------------------------------------------------------------------------------------- zero copy
 def verbs_inline() -> int:
-    """The payload a verbs SEND carries after its header in this process (the nodes share the environment)."""
-    from datanode.transport import verbs
-    return verbs._env_int(verbs.INLINE_ENV, verbs.VERBS_INLINE, 0, INLINE_MAX)
+    """The payload a verbs SEND carries after its header on the nodes (they take $DATANODE_VERBS_INLINE from
+    the environment they share with this process)."""
+    from datanode.config import load
+    return load(None, os.environ).verbs_inline
 
 
 def test_forwarded_payload_is_fetched_from_the_leaders_pool(nodes, client, transport):
@@ -332,7 +334,7 @@ def test_deep_pipeline_keeps_extent_order(nodes, client):
 
 def test_appends_that_queue_up_go_as_one_append_and_each_is_answered_as_if_alone(nodes, client):
     """Inline appends that queue up at the leader (here: sent while it is stopped) are appended as one run
-    (datanode/ops/data.py, AppendRun): one forward to each follower, one append there; yet every request gets
+    (datanode/ops/run.py, AppendRun): one forward to each follower, one append there; yet every request gets
     its own answer, and the bytes are the same on every replica.  A request whose payload does not match its
     CRC is refused alone, and the one behind it meets the extent's real end -- the answers each would have
     had alone."""

@@ -19,7 +19,7 @@ import trio
 from client.sdk import ClientError
 from datanode import config as config_mod
 from datanode.partition import PartitionTable
-from datanode.protocol import Header, Op, Result
+from wire.protocol import Header, Op, Result
 from datanode.store import BLOCK
 from tests.conftest import create_partition, open_client, pattern, run
 

@@ -1,5 +1,5 @@
-"""``dnctl soak`` (tools/abuse.py), bounded: every abuser at once beside well-behaved clients, in alternating
-unloaded/loaded pairs.  The p99 goal is a benchmark's (``dnctl soak --pairs 5``), not a test's: this checks
+"""``python -m lab soak`` (lab/abuse.py), bounded: every abuser at once beside well-behaved clients, in alternating
+unloaded/loaded pairs.  The p99 goal is a benchmark's (``python -m lab soak --pairs 5``), not a test's: this checks
 what must hold whatever the machine's speed -- the clients' appends all succeed in both phases, the abusers
 really ran (idle connections held), the node survives without a traceback, and the report carries each
 pair's ratio, the median and where the node's time went."""
@@ -9,7 +9,7 @@ import pathlib
 import subprocess
 import sys
 
-from tools import abuse
+from lab import abuse
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -31,10 +31,10 @@ def test_soak_pairs_all_abusers_at_once():
 
 
 def test_soak_cli_refuses_unknown_abusers():
-    p = subprocess.run([sys.executable, "-m", "tools.dnctl", "soak", "--abusers", "unread,nosuch"],
+    p = subprocess.run([sys.executable, "-m", "lab", "soak", "--abusers", "unread,nosuch"],
                        capture_output=True, text=True, cwd=REPO, timeout=60)
     assert p.returncode == 2 and "one or more of unserved, unread, slowloris, idle" in p.stderr
     assert "Traceback" not in p.stderr
-    p = subprocess.run([sys.executable, "-m", "tools.dnctl", "soak", "--help"], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "lab", "soak", "--help"], capture_output=True, text=True,
                        cwd=REPO, timeout=60)
     assert "--pairs" in p.stdout and "median" in p.stdout

@@ -13,10 +13,10 @@ import time
 import crcmod.predefined
 import pytest
 
-import datanode.store as store_mod
-from datanode.store import BLOCK, MAX_EXTENT, ONE_FLUSH, SLOT_SIZE, ExtentStore, StoreError
+from datanode.store import BLOCK, MAX_EXTENT, SLOT_SIZE, ExtentStore, StoreError, StoreOptions
+from datanode.store.files import has_sync_file_range
 
-ORACLE = crcmod.predefined.mkCrcFun("crc-32c")   # independent of datanode.crc
+ORACLE = crcmod.predefined.mkCrcFun("crc-32c")   # independent of wire.crc
 MiB_ = 1 << 20
 SLOTS_END = MAX_EXTENT // BLOCK * 8 + 2 * SLOT_SIZE    # the CRC file's tail slots end here
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -411,7 +411,7 @@ def test_a_power_cut_during_a_one_flush_never_loses_an_acknowledged_byte(tmp_pat
     start) is never lost."""
     acked_len, flush = ONE_FLUSH_CASES[case]
     live = tmp_path / "live"
-    s = ExtentStore(live, sync="always", one_flush=True)
+    s = ExtentStore(live, sync="always", options=StoreOptions(one_flush=True))
     eid = s.create_extent()
     data = rng.randbytes(acked_len + sum(flush))
     pos = 0
@@ -468,7 +468,7 @@ def test_a_growing_flush_takes_one_fdatasync_only_once_this_process_synced_the_c
     hold pages never synced (the page cache survived, a power cut would not), so its first flush syncs
     both files, as the first flush after create does; the next one takes one fdatasync again."""
     live = tmp_path / "live"
-    s = ExtentStore(live, sync="always", one_flush=True)
+    s = ExtentStore(live, sync="always", options=StoreOptions(one_flush=True))
     eid = s.create_extent()
     data = rng.randbytes(4 * 300_000 + 4096)   # appends past the zeros written ahead grow the file
     for k in range(2):
@@ -477,7 +477,7 @@ def test_a_growing_flush_takes_one_fdatasync_only_once_this_process_synced_the_c
     crashed = tmp_path / "crashed"
     crash_copy(live, crashed)                  # kill -9: the page cache, as it is
     s.close()
-    r = ExtentStore(crashed, sync="always", one_flush=True)
+    r = ExtentStore(crashed, sync="always", options=StoreOptions(one_flush=True))
     size = 600_000                             # its last block partial: a small append rewrites only its entry
     # the first flush after open syncs both files; so does the next, whose entries reach past what the CRC
     # file had (its next page written ahead); the third takes one fdatasync
@@ -494,13 +494,13 @@ def test_a_file_system_without_sync_file_range_gets_two_flushes_not_errors(tmp_p
     data first instead -- this one and every later one -- and says so once; no write fails."""
     import ctypes
     import errno as errno_
-    from datanode import store as store_mod
+    from datanode.store import files
 
     def refuse(fd, pos, n, flags):
         ctypes.set_errno(errno_.EINVAL)
         return -1
-    monkeypatch.setattr(store_mod, "_sync_file_range", refuse)
-    s = ExtentStore(tmp_path / "live", sync="always", one_flush=True)
+    monkeypatch.setattr(files, "_sync_file_range", refuse)
+    s = ExtentStore(tmp_path / "live", sync="always", options=StoreOptions(one_flush=True))
     eid = s.create_extent()
     data = rng.randbytes(20 * 4096)
     with caplog.at_level(logging.WARNING, logger="datanode.store"):
@@ -562,7 +562,7 @@ def test_sync_none_appends_after_sync_always_are_not_undone_by_its_slots(tmp_pat
 # ----------------------------------------------------------------------------------------------- real crash
 CHILD = textwrap.dedent("""
     import os, random, sys
-    from datanode.crc import crc32c
+    from wire.crc import crc32c
     from datanode.store import ExtentStore
     root, seed, sync, total = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     stream = lambda e: random.Random(seed * 1000 + e).randbytes(total)
@@ -629,22 +629,22 @@ def test_kill9_crash_recovery(tmp_path, sync):
 
 def test_small_durable_appends_overwrite_zeros_written_ahead_and_a_crash_keeps_every_acked_byte(
         tmp_path, rng, caplog):
-    """sync=always: a small append also writes zeros up to the next PREFILL boundary, so the appends that
+    """sync=always: a small append also writes zeros up to the next prefill_bytes boundary, so the appends that
     follow land inside the file and their fdatasync has no size to commit (the file does not grow per
     write).  A crash (the files as a SIGKILL leaves them) loses no acknowledged byte, the zeros past the
     end are cut at the next open without a torn-tail warning, and a clean close leaves no zeros behind."""
-    from datanode.store import PREFILL
+    prefill = StoreOptions().prefill_bytes
     root = tmp_path / "live"
     s = ExtentStore(root, sync="always")
     eid = s.create_extent()
     data = rng.randbytes(40 * 4096 + 123)
     s.write(eid, 0, data[:4096])
     dat, crc = paths(root, eid)
-    assert dat.stat().st_size == PREFILL and crc.stat().st_size == SLOTS_END   # entries a page ahead, slots
+    assert dat.stat().st_size == prefill and crc.stat().st_size == SLOTS_END   # entries a page ahead, slots
     for off in range(4096, len(data), 4096):
         s.write(eid, off, data[off:off + 4096])
-        assert dat.stat().st_size == PREFILL          # overwrote zeros: the file never grew
-    assert s.one_flushes == (40 if ONE_FLUSH else 0)  # 41 flushes, all but the first: one fdatasync
+        assert dat.stat().st_size == prefill          # overwrote zeros: the file never grew
+    assert s.one_flushes == (40 if has_sync_file_range() else 0)  # 41 flushes, all but the first: one fdatasync
     assert read(s, eid, 0, len(data)) == data
     crashed = tmp_path / "crashed"                    # the files as they are now, the store still open
     crash_copy(root, crashed)
@@ -662,7 +662,6 @@ def test_small_durable_appends_overwrite_zeros_written_ahead_and_a_crash_keeps_e
 
 def test_a_small_append_that_fits_is_taken_when_the_zeros_ahead_do_not(tmp_path, rng):
     """On a nearly full disk the zeros written ahead are given up, not the append."""
-    from datanode.store import PREFILL
     mnt = tmp_path / "small"
     mnt.mkdir()
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True, text=True,
@@ -677,7 +676,7 @@ def test_a_small_append_that_fits_is_taken_when_the_zeros_ahead_do_not(tmp_path,
         with open(mnt / "filler", "wb") as f:         # leave 64 KiB: room for the data, not the zeros
             f.write(bytes(free - 64 * 1024))
         data = rng.randbytes(8192)
-        assert 64 * 1024 < PREFILL
+        assert 64 * 1024 < StoreOptions().prefill_bytes
         s.write(eid, 0, data)
         s.write(eid, 8192, data)
         assert read(s, eid, 0, 16384) == data + data
@@ -748,10 +747,9 @@ def _freed_in_steps(seen, start: int, step: int, end: int = 0) -> None:
 
 def test_a_deleted_big_extent_is_freed_in_steps_each_made_durable(tmp_path, monkeypatch, rng):
     """A discard-mounted disk discards what a journal commit freed while every other writer's fdatasync waits
-    (datanode/store.py FREE_STEP): an extent is freed at most a step per commit, and ends empty."""
+    (the store's free_step_bytes): an extent is freed at most a step per commit, and ends empty."""
     step = 256 << 10
-    monkeypatch.setattr(store_mod, "FREE_STEP", step)
-    s = ExtentStore(tmp_path, sync="always")
+    s = ExtentStore(tmp_path, sync="always", options=StoreOptions(free_step_bytes=step))
     a, b = s.create_extent(), s.create_extent()
     append_random(s, a, rng.randbytes(4 * step + 5000), rng)
     s.write(b, 0, b"small")
@@ -774,7 +772,6 @@ def test_a_tombstone_still_holding_data_is_emptied_at_open(tmp_path, monkeypatch
     """A crash while a delete freed the extent in steps leaves its tombstone holding the rest: the next open
     frees it (in steps too) instead of keeping the space for good."""
     step = 256 << 10
-    monkeypatch.setattr(store_mod, "FREE_STEP", step)
     s = ExtentStore(tmp_path, sync="always")
     a, b = s.create_extent(), s.create_extent()
     append_random(s, a, rng.randbytes(3 * step), rng)
@@ -787,7 +784,7 @@ def test_a_tombstone_still_holding_data_is_emptied_at_open(tmp_path, monkeypatch
     os.truncate(tomb, 2 * step)
     crc.unlink()
     seen = _io_spy(monkeypatch)
-    s = ExtentStore(tmp_path, sync="always")
+    s = ExtentStore(tmp_path, sync="always", options=StoreOptions(free_step_bytes=step))
     assert tomb.stat().st_size == 0 and tomb.stat().st_blocks == 0
     _freed_in_steps(seen, 2 * step, step)
     expect("not_found", s.size, a)
@@ -821,8 +818,7 @@ def test_a_truncate_that_cuts_much_frees_it_in_steps(tmp_path, monkeypatch, rng)
     """A repair may cut a follower's extent back by up to 128 MiB (``truncate``): the data file loses at most
     a step per commit too, and what is kept reads back."""
     step = 256 << 10
-    monkeypatch.setattr(store_mod, "FREE_STEP", step)
-    s = ExtentStore(tmp_path, sync="always")
+    s = ExtentStore(tmp_path, sync="always", options=StoreOptions(free_step_bytes=step))
     a = s.create_extent()
     data = rng.randbytes(3 * step + 999)
     append_random(s, a, data, rng)
@@ -842,7 +838,6 @@ def test_a_trash_purge_frees_big_files_in_steps_and_never_follows_a_link(tmp_pat
     the tree goes, and a symlink in it is removed, never followed (the file it names keeps its bytes)."""
     from datanode import partition
     step = 256 << 10
-    monkeypatch.setattr(store_mod, "FREE_STEP", step)
     entry = tmp_path / "trash" / "7.1700000000000000000"
     (entry / "store" / "extents").mkdir(parents=True)
     big = entry / "store" / "extents" / "3.dat"
@@ -852,7 +847,7 @@ def test_a_trash_purge_frees_big_files_in_steps_and_never_follows_a_link(tmp_pat
     outside.write_bytes(b"x" * (2 * step))
     (entry / "store" / "extents" / "9.dat").symlink_to(outside)
     seen = _io_spy(monkeypatch)
-    partition.remove_tree(entry)
+    partition.remove_tree(entry, step)
     assert not entry.exists()
     _freed_in_steps(seen, 3 * step + 77, step)
     assert outside.read_bytes() == b"x" * (2 * step)
@@ -1097,14 +1092,11 @@ def test_cold_read_of_a_flipped_bit_is_a_crc_error(tmp_path, rng):
 
 
 @pytest.mark.parametrize("sync", ["always", "none"])
-def test_big_aligned_appends_go_around_the_page_cache_and_keep_every_byte(tmp_path, rng, sync, monkeypatch):
+def test_big_aligned_appends_go_around_the_page_cache_and_keep_every_byte(tmp_path, rng, sync):
     """A big append from an aligned buffer (the node's pool) at an aligned offset is written with O_DIRECT:
     none of it lands in the page cache.  Mixed with small buffered appends -- under sync=always one that
     wrote zeros ahead into the range the direct write then covers -- every byte reads back, after a reopen
-    and after a crash (the files as a kill -9 leaves them) too, with no bad block.  (DIRECT_WRITES, the
-    default, forced on here for a build whose environment turned it off.)"""
-    import datanode.store as store_mod
-    monkeypatch.setattr(store_mod, "DIRECT_WRITES", bool(store_mod._O_DIRECT))
+    and after a crash (the files as a kill -9 leaves them) too, with no bad block."""
     root = tmp_path / "store"
     s = ExtentStore(root, sync=sync)
     eid = s.create_extent()
@@ -1131,11 +1123,9 @@ def test_big_aligned_appends_go_around_the_page_cache_and_keep_every_byte(tmp_pa
         t.close()
 
 
-def test_direct_writes_off_write_through_the_page_cache(tmp_path, rng, monkeypatch):
-    """DATANODE_DIRECT_WRITES=0 (DIRECT_WRITES False): a big aligned append lands in the page cache."""
-    import datanode.store as store_mod
-    monkeypatch.setattr(store_mod, "DIRECT_WRITES", False)
-    s = ExtentStore(tmp_path, sync="none")
+def test_direct_writes_off_write_through_the_page_cache(tmp_path, rng):
+    """direct_writes = false: a big aligned append lands in the page cache."""
+    s = ExtentStore(tmp_path, sync="none", options=StoreOptions(direct_writes=False))
     eid = s.create_extent()
     big = aligned(MiB_)
     big[:] = rng.randbytes(MiB_)
@@ -1148,11 +1138,9 @@ def test_direct_writes_off_write_through_the_page_cache(tmp_path, rng, monkeypat
     s.close()
 
 
-def test_direct_reads_off_reads_through_the_page_cache(tmp_path, rng, monkeypatch):
-    """DATANODE_DIRECT_READS=0 (DIRECT_READS False): a cold read fills the page cache, as before."""
-    import datanode.store as store_mod
-    monkeypatch.setattr(store_mod, "DIRECT_READS", False)
-    s = ExtentStore(tmp_path, sync="none")
+def test_direct_reads_off_reads_through_the_page_cache(tmp_path, rng):
+    """direct_reads = false: a cold read fills the page cache, as before."""
+    s = ExtentStore(tmp_path, sync="none", options=StoreOptions(direct_reads=False))
     eid = s.create_extent()
     data = rng.randbytes(MiB_)
     s.write(eid, 0, data)
@@ -1170,7 +1158,7 @@ def test_page_cache_probe_is_safe_from_many_threads_on_a_kernel_without_cachesta
     """The node's reader threads all probe the page cache; on a kernel without cachestat(2) (before 6.5, as
     in the Soft-RoCE VM) the first to learn so turns the probe off -- and no other thread, mid-probe, fails
     for it (a READ once got ERROR so: one thread saw the probe turned off under it)."""
-    import datanode.store as store
+    from datanode.store import direct as store
     monkeypatch.setattr(store, "_NR_CACHESTAT", 1023)        # no such syscall: ENOSYS, as on an older kernel
     real_range = store._CachestatRange
 

@@ -1,8 +1,8 @@
-"""Crash torture (tools/torture.py), short and bounded: clients write and read back continuously while
+"""Crash torture (lab/torture.py), short and bounded: clients write and read back continuously while
 random nodes -- leaders included -- are SIGKILLed and restarted; afterwards, once repair has settled, every
 acknowledged write reads back right from every replica and no read during the run returned wrong bytes.
 
-The longer soak: ``python -m tools.torture --seed S --seconds T`` (or ``dnctl torture``).
+The longer soak: ``python -m lab.torture --seed S --seconds T`` .
 Set TORTURE_SEED to replay the random-seed case.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import json
 import os
 import random
 
-from tools import torture
+from lab import torture
 
 SECONDS = float(os.environ.get("TORTURE_SECONDS", "25"))
 

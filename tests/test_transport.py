@@ -15,12 +15,13 @@ import pytest
 import trio
 import trio.testing
 
-from datanode.pool import BuddyPool
-from datanode.protocol import Flag, Header, Op, Result, Transport, decode, decode_message
-from datanode.rpc import AnswerGroup, Requester, RequestTimeout
-from datanode.transport.base import Access, ConnectionClosed, RemoteAccessError, TransportError, address_of
-from datanode.transport.connect import NegotiationError, accept, choose, dial
-from datanode.transport.tcp import FRAME, WRITE_REQ, send_all
+from wire.pool import BuddyPool
+from wire.protocol import Flag, Header, Op, Result, Transport, decode, decode_message
+from wire.rpc import AnswerGroup, Requester, RequestTimeout
+from wire.transport.base import (Access, ConnectionClosed, RemoteAccessError, TransportError, TransportOptions,
+                                 address_of)
+from wire.transport.connect import NegotiationError, accept, choose, dial, make_domain
+from wire.transport.tcp import FRAME, WRITE_REQ, send_all
 from tests.conftest import SLACK, TaskSteps, client_domain, open_client, pattern, run
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -29,8 +30,8 @@ KiB, MiB = 1 << 10, 1 << 20
 class End:
     """One side: a domain with a readable region (``src``) and a writable one (``dst``)."""
 
-    def __init__(self, transport: str):
-        self.domain = client_domain(transport)
+    def __init__(self, transport: str, options: TransportOptions | None = None):
+        self.domain = make_domain(transport, options) if options else client_domain(transport)
         self.src_pool, self.dst_pool = BuddyPool(8 * MiB, 8 * MiB), BuddyPool(8 * MiB, 8 * MiB)
         self.src = self.domain.register(self.src_pool.arena, self.src_pool.base_addr, Access.REMOTE_READ)
         self.dst = self.domain.register(self.dst_pool.arena, self.dst_pool.base_addr,
@@ -39,9 +40,10 @@ class End:
 
 
 @asynccontextmanager
-async def pair(transport: str, *, slots: int = 8):
-    """(client End, server End), connected through a real listening socket on 127.0.0.1."""
-    cli, srv = End(transport), End(transport)
+async def pair(transport: str, *, slots: int = 8, options: TransportOptions | None = None):
+    """(client End, server End), connected through a real listening socket on 127.0.0.1; both domains made
+    with ``options`` where given."""
+    cli, srv = End(transport, options), End(transport, options)
     got = trio.Event()
     done = trio.Event()
 
@@ -441,7 +443,7 @@ def test_answer_already_in_is_not_a_timeout(transport):
 async def landed(pending) -> None:
     """Until a request's answer has been taken in by its requester (without waiting for it as a caller)."""
     with trio.fail_after(SLACK):
-        while not pending.slot[0].is_set():
+        while not pending.ended:
             await trio.sleep(0.001)
 
 
@@ -631,13 +633,15 @@ def test_a_peer_failing_the_same_way_again_and_again_does_not_fill_the_log(nodes
 
 def test_oversized_control_frame_drops_only_that_connection(nodes):
     """A peer that sends a control message bigger than any slot is cut off; everybody else is served."""
-    from datanode.protocol import HELLO_SIZE, Hello
-    from datanode.transport.tcp import CTRL, FRAME, MAX_CTRL
+    from lab.fuzz import recv_exactly
+    from wire.protocol import HELLO_SIZE, Hello, decode_hello
+    from wire.transport.tcp import CTRL, FRAME, MAX_CTRL
     [node] = nodes(1, transport="tcp")
     host, port = node.addr.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=10) as s:
         s.sendall(Hello(transport=Transport.TCP, has_device=False, slots=4).encode())
-        s.recv(HELLO_SIZE)
+        answer = decode_hello(recv_exactly(s, HELLO_SIZE))
+        recv_exactly(s, answer.ident_len + answer.ext_len)
         s.sendall(FRAME.pack(CTRL, 0, 0, MAX_CTRL + 1, 0, 0, 0, 0) + b"\0" * (MAX_CTRL + 1))
         s.settimeout(10)
         try:
@@ -656,7 +660,7 @@ def test_oversized_control_frame_drops_only_that_connection(nodes):
 _GC_SCRIPT = r"""
 import gc
 import trio
-from datanode.protocol import Header
+from wire.protocol import Header
 from tests.test_transport import pair
 
 async def refused_and_kept(transport):
@@ -694,18 +698,37 @@ def test_a_refused_one_sided_op_leaves_nothing_that_crashes_the_collector():
     assert "survived" in r.stdout
 
 
-def test_our_tcp_connections_use_cubic_where_the_kernel_lets_us_else_the_systems_default(monkeypatch):
+def test_our_tcp_connections_use_cubic_where_the_kernel_lets_us_else_the_systems_default():
     """tune_socket (every connection a node or client opens or accepts): cubic by default
-    (DATANODE_TCP_CONGESTION; see transport/tcp.py for why not a BBR system default), the system's own where
-    asked for "" or for a congestion control the kernel does not have."""
-    from datanode.transport import tcp
+    (tcp_congestion, $DATANODE_TCP_CONGESTION; see transport/tcp.py for why not a BBR system default), the
+    system's own where asked for "" or for a congestion control the kernel does not have."""
+    from wire.transport import tcp
     proc = pathlib.Path("/proc/sys/net/ipv4")
     system = (proc / "tcp_congestion_control").read_text().strip()
     cubic_ok = "cubic" in (proc / "tcp_available_congestion_control").read_text().split() and (
         os.geteuid() == 0 or "cubic" in (proc / "tcp_allowed_congestion_control").read_text().split())
-    assert tcp.TCP_CONGESTION == os.environ.get("DATANODE_TCP_CONGESTION", "cubic")
+    assert TransportOptions().tcp_congestion == "cubic"
+    assert TransportOptions.from_env(os.environ).tcp_congestion == os.environ.get("DATANODE_TCP_CONGESTION", "cubic")
     for asked, got in (("cubic", "cubic" if cubic_ok else system), ("", system), ("no-such-cc", system)):
-        monkeypatch.setattr(tcp, "TCP_CONGESTION", asked)
         with socket.socket() as s:
-            tcp.tune_socket(s)
+            tcp.tune_socket(s, asked)
             assert tcp.congestion_of(s) == got, (asked, system)
+
+
+@pytest.mark.parametrize("asked", ["reno", ""])
+def test_a_domains_options_set_up_every_connection_it_dials_or_accepts(asked):
+    """The congestion control a domain's TransportOptions name is the one its connections use, on both ends
+    ("": the system's own)."""
+    proc = pathlib.Path("/proc/sys/net/ipv4")
+    if asked and asked not in (proc / "tcp_available_congestion_control").read_text().split():
+        pytest.skip(f"this kernel has no {asked}")
+    if asked and os.geteuid() != 0 and asked not in (proc / "tcp_allowed_congestion_control").read_text().split():
+        pytest.skip(f"{asked} is not allowed to this user")
+    want = asked or (proc / "tcp_congestion_control").read_text().strip()
+    options = TransportOptions(tcp_congestion=asked)
+
+    async def body():
+        async with pair("tcp", options=options) as (cli, srv):
+            assert cli.domain.options is srv.domain.options is options
+            assert cli.conn.info()["congestion"] == srv.conn.info()["congestion"] == want
+    run(body)

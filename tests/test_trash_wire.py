@@ -1,4 +1,4 @@
-"""The trash over the wire (issue 11): a running node lists, restores and purges its deleted partitions for an
+"""The trash over the wire: a running node lists, restores and purges its deleted partitions for an
 admin (TRASH_LIST / TRASH_RESTORE / TRASH_PURGE, audit-logged), through the admin library and ``dnctl trash
 ... --node ADDR``; other roles get FORBIDDEN, bad bodies BAD_BODY, and a live partition is never clobbered."""
 from __future__ import annotations
@@ -13,11 +13,11 @@ import trio
 
 from client import admin
 from client.sdk import ClientError
-from datanode.auth import Credentials, DialAuth
-from datanode.protocol import BODY_REASONS, Header, Op, Result, Role
+from wire.auth import Credentials, DialAuth
+from wire.protocol import BODY_REASONS, Header, Op, Result, Role
 from tests.conftest import create_partition, open_client, pattern, run
 from tests.test_trust import secret  # noqa: F401 - the fixture (a cluster secret file, mode 0600)
-from tools import fuzz
+from lab import fuzz
 
 KiB = 1 << 10
 PID = 7
@@ -83,7 +83,8 @@ def test_delete_list_restore_read_back_over_the_wire(nodes, secret):
     assert ("TRASH_LIST", "OK", "") in log
     assert any(op == "TRASH_RESTORE" and r == "OK" and f"as partition {PID}" in d for op, r, d in log), log
     assert any(op == "TRASH_RESTORE" and r == "EXISTS" and "is live" in d for op, r, d in log), log
-    assert ("TRASH_PURGE", "OK", f"purged (names): {name}") in log
+    assert any(op == "TRASH_PURGE" and r == "CONFIRM" and "needs confirmation" in d for op, r, d in log), log
+    assert ("TRASH_PURGE", "OK", f"purged (names, confirmed): {name}") in log
     assert "Traceback" not in n.log_path.read_text()
 
 
@@ -131,6 +132,40 @@ def test_trash_ops_need_the_admin_role_and_a_whole_valid_body(nodes, secret):
     assert {a["role"] for a in forbidden} == {"client", "node"} and len(forbidden) == 6
 
 
+def test_a_purge_needs_its_confirmation_token(nodes, secret):
+    """TRASH_PURGE alone purges nothing: the node answers CONFIRM with a token for exactly what it would purge
+    and for that asker; only the same request with that token purges, once.  A token of another request or a
+    made-up one gets a new CONFIRM, and the entries stay."""
+    [n] = nodes(1, secret_file=str(secret))
+
+    async def body():
+        async with open_client("tcp", [], secret=str(secret)) as adm:
+            for pid in (PID, PID + 1):
+                await create_partition(adm, pid, [n.addr])
+                await adm.write(pid, b"y" * 5000)
+                await adm.admin(n.addr, Op.PARTITION_DELETE, partition=pid)
+            names = sorted(e["name"] for e in await admin.trash_list(adm, n.addr))
+
+            async def purge(b):
+                resp, _ = await adm.request(n.addr, Header(opcode=Op.TRASH_PURGE), body=json.dumps(b).encode())
+                return resp
+            r = await purge({"all": True})                      # blind: nothing purged, a token given
+            assert r.result == Result.CONFIRM and r.arg
+            token = f"{r.arg:016x}"
+            assert sorted(e["name"] for e in await admin.trash_list(adm, n.addr)) == names
+            for b in ({"names": names[:1], "token": token},      # another request
+                      {"all": True, "token": f"{(r.arg ^ 1):016x}"}):   # a made-up token
+                again = await purge(b)
+                assert again.result == Result.CONFIRM and again.arg not in (0, r.arg)
+            assert sorted(e["name"] for e in await admin.trash_list(adm, n.addr)) == names
+            r2 = await purge({"all": True, "token": token})
+            assert r2.result == Result.OK and r2.arg == len(names)
+            assert await admin.trash_list(adm, n.addr) == []
+            r3 = await purge({"all": True, "token": token})    # used up (and nothing left to purge)
+            assert r3.result == Result.OK and r3.arg == 0
+    run(body)
+
+
 def test_dnctl_trash_over_the_wire(nodes, secret, tmp_path):
     """``dnctl trash list|restore|purge --node ADDR`` on a running node, with --json and clear errors."""
     [n] = nodes(1, secret_file=str(secret))
@@ -168,6 +203,19 @@ def test_dnctl_trash_over_the_wire(nodes, secret, tmp_path):
     assert run(read) == data
     p = dnctl("purge", "--all", "--node", n.addr, "--json")
     assert p.returncode == 0 and json.loads(p.stdout) == [], p.stderr
+
+    async def delete_again():
+        async with open_client("tcp", [], secret=str(secret)) as adm:
+            await adm.admin(n.addr, Op.PARTITION_DELETE, partition=PID)
+    run(delete_again)
+    p = dnctl("purge", "--all", "--node", n.addr)              # no terminal to ask on, no --yes
+    assert p.returncode == 2 and "--yes" in p.stderr and "Traceback" not in p.stderr
+    p = dnctl("list", "--node", n.addr, "--json")
+    assert [r["partition"] for r in json.loads(p.stdout)] == [PID]      # nothing purged
+    p = dnctl("purge", "--all", "--node", n.addr, "--yes", "--json")
+    assert p.returncode == 0, p.stderr
+    assert [(g["node"], g["via"]) for g in json.loads(p.stdout)] == [(n.addr, "node")]
+    assert json.loads(dnctl("list", "--node", n.addr, "--json").stdout) == []
     p = dnctl("purge", "7.5", "--node", n.addr)
     assert p.returncode == 1 and "no trash entry 7.5" in p.stderr
 

@@ -32,10 +32,10 @@ from collections import Counter
 
 import click
 
-from datanode.config import TransportChoice
-from datanode.protocol import INLINE_MAX
+from wire.transport.base import TransportChoice
+from wire.protocol import INLINE_MAX
 from datanode.store import free_in_steps
-from tools.clikit import ADDR, ADDRS, CTX, Command, cluster_nodes, cluster_option
+from tools.clikit import ADDR, ADDRS, CTX, Command, cluster_nodes, cluster_option, credentials, login
 
 MIB = 1 << 20
 GB = 1e9
@@ -77,7 +77,7 @@ async def _worker_main(spec: dict) -> None:
     import trio
 
     from client.sdk import ClientError, DataClient
-    from datanode.store import MAX_EXTENT
+    from wire.protocol import MAX_EXTENT
 
     out_lock = trio.Lock()
 
@@ -95,6 +95,7 @@ async def _worker_main(spec: dict) -> None:
     async with DataClient.open(spec["nodes"], block_size=block, depth=depth, pool_mib=pool_mib,
                                transport=spec.get("transport", "auto"), timeout=spec.get("timeout", 30),
                                inline_max=spec.get("inline_max", INLINE_MAX),
+                               secret=spec.get("secret_file"), tls_ca=spec.get("tls_ca"),
                                read_from="spread" if spec.get("read_from") == "spread" else "leader") as dc:
         part = dc.partition(pid)
         replicas = part.replicas
@@ -329,7 +330,7 @@ def stage_snapshot(addrs: list[str]) -> dict:
 
     async def snap():
         out = {}
-        async with DataClient.open(timeout=10) as dc:
+        async with DataClient.open(timeout=10, **credentials()) as dc:
             for a in addrs:
                 try:
                     st = (await admin.node_status(dc, a)).get("write_stages")
@@ -383,7 +384,7 @@ def run_config(*, nodes: list[str], pid: int, size: int, clients: int, depth: in
         for i in range(clients):
             spec = {"nodes": nodes, "partition": pid, "size": size, "depth": depth, "index": i,
                     "read_from": read_from, "transport": transport, "inline_max": inline_max,
-                    "prefill": min(256 * MIB, max(64 * MIB, size * depth * 64))}
+                    "prefill": min(256 * MIB, max(64 * MIB, size * depth * 64)), **login().paths()}
             workers.append(Worker(i, spec, q, log_dir))
         _collect(workers, q, "ready", 60)
         for phase in phases:
@@ -530,7 +531,7 @@ def dd_summary(rounds: list[dict]) -> dict:
 
 def remove_file(path: pathlib.Path) -> None:
     """Remove a baseline's scratch file (dd's, fio's: up to a GiB), emptied in steps first as the nodes free
-    a deleted extent (datanode/store.py ``free_in_steps``): on a discard-mounted disk shared with a running
+    a deleted extent (datanode/store/files.py ``free_in_steps``): on a discard-mounted disk shared with a running
     cluster, freeing it at once would hold every node's fdatasync behind one long discard."""
     try:
         free_in_steps(path)
@@ -715,8 +716,8 @@ def run_warm(command: str) -> dict:
 
 def fresh_memory_gib_s(mib: int = 256) -> float:
     """How fast this machine hands out memory nobody touched lately: GiB/s of a first write to every page of a
-    new anonymous mapping (each a page fault).  On our VMs it is 0.3-0.4 GiB/s on memory the guest has given
-    back to the host and several GiB/s on memory touched recently -- and a page-cache-bound figure follows it.
+    new anonymous mapping (each a page fault).  On a VM, memory the guest has given back to the host is several
+    times slower than memory touched recently -- and a page-cache-bound figure follows it.
     The bench takes it at its start and its end, so a reader sees which memory the run had."""
     import mmap
     n = mib << 20
@@ -1089,7 +1090,7 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
         phases = [p for p in phases if p != "read"] + ["read"] * cold_rounds_n
 
     async def setup():
-        async with DataClient.open(timeout=10) as dc:
+        async with DataClient.open(timeout=10, **credentials()) as dc:
             status = {}
             for a in addrs:
                 try:
@@ -1125,7 +1126,7 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
             return status, infos
 
     async def cleanup(infos):
-        async with DataClient.open(timeout=10) as dc:
+        async with DataClient.open(timeout=10, **credentials()) as dc:
             for tpid, members in infos:
                 await _drop_scratch(dc, tpid, members)
 

@@ -9,9 +9,11 @@ last net: an exception nobody expected is printed as one line naming its type, n
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
+import ssl
 import sys
 import time
 
@@ -20,7 +22,10 @@ import trio
 
 from client import admin
 from client.sdk import ClientError
-from datanode import aio
+from wire import aio
+from wire.auth import AuthConfigError, Credentials
+from wire.etcdmap import ACCESS_OPTIONS, Etcd, EtcdAccess
+from wire.protocol import Role
 
 CTX = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -127,12 +132,75 @@ def cluster_option(required: bool = False, help: str = "A local cluster director
                         metavar="DIR", help=help + " Alias: --dir.")
 
 
+@dataclasses.dataclass
+class Login:
+    """What a command authenticates with, loaded once: --secret-file / --tls-ca / --etcd-* (click reads
+    $DATANODE_SECRET_FILE, $DATANODE_TLS_CA, $DATANODE_ETCD_* for them), else a local cluster's own secret
+    and etcd user (``load_cluster``).  Every client the command makes is given it (``credentials``); worker
+    processes get the paths."""
+    secret: Credentials | None = None
+    tls: ssl.SSLContext | None = None
+    secret_file: str | None = None
+    tls_ca: str | None = None
+    etcd_files: dict = dataclasses.field(default_factory=dict)   # EtcdAccess.load's arguments given
+
+    def use_etcd(self, **files) -> None:
+        """Reach etcd with these files (EtcdAccess.load's arguments)."""
+        self.etcd_files = {**self.etcd_files, **{k: v for k, v in files.items() if v}}
+
+    @property
+    def etcd(self) -> EtcdAccess:
+        try:
+            return EtcdAccess.load(**self.etcd_files)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+
+    def use_secret(self, path: str) -> None:
+        """Authenticate with the secret or role key file at ``path`` (AuthConfigError if unusable)."""
+        self.secret, self.secret_file = Credentials.load(path), os.path.abspath(path)
+
+    def use_tls_ca(self, path: str) -> None:
+        """Speak TLS, checking nodes against the CA bundle at ``path`` (TlsConfigError if unusable)."""
+        from wire.transport.tls import client_context
+        self.tls, self.tls_ca = client_context(path), os.path.abspath(path)
+
+    def paths(self) -> dict:
+        """The files it was loaded from (secret_file, tls_ca), for another process: a manager, a bench worker."""
+        return {k: v for k, v in (("secret_file", self.secret_file), ("tls_ca", self.tls_ca)) if v}
+
+
+def login() -> Login:
+    """The running command's Login (click's context object), empty outside a command."""
+    ctx = click.get_current_context(silent=True)
+    return ctx.ensure_object(Login) if ctx is not None else Login()
+
+
+def credentials() -> dict:
+    """DataClient arguments for the running command's Login (None: the SDK's own default)."""
+    lg = login()
+    return {"secret": lg.secret, "tls_ca": lg.tls, "etcd_access": lg.etcd if lg.etcd_files else None}
+
+
+def default_secret(path: str | None) -> None:
+    """Authenticate with ``path`` (a local node's or cluster's own secret_file) unless --secret-file /
+    $DATANODE_SECRET_FILE named one."""
+    lg = login()
+    if path and lg.secret is None:
+        try:
+            lg.use_secret(path)
+        except AuthConfigError as e:
+            raise click.ClickException(str(e)) from None
+
+
 def use_cluster_secret(info: dict) -> None:
-    """A local cluster made with ``cluster up --secret`` names its secret in its config: this command then
-    authenticates with it (unless --secret-file / $DATANODE_SECRET_FILE says otherwise)."""
-    path = info.get("config", {}).get("secret_file")
-    if path and not os.environ.get("DATANODE_SECRET_FILE"):
-        os.environ["DATANODE_SECRET_FILE"] = path
+    """A local cluster names its secret in its config, and its etcd's admin user in its etcd record
+    (``cluster up`` without --insecure): this command then authenticates with them (unless --secret-file,
+    --etcd-credentials or their variables say otherwise)."""
+    default_secret(info.get("config", {}).get("secret_file"))
+    auth = (info.get("etcd") or {}).get("auth")
+    lg = login()
+    if auth and "credentials" not in lg.etcd_files:
+        lg.use_etcd(credentials=str(pathlib.Path(auth) / "admin"))
 
 
 def load_cluster(cluster_dir: str) -> dict:
@@ -151,6 +219,21 @@ def cluster_nodes(cluster_dir: str) -> list[str]:
     return [n["addr"] for n in load_cluster(cluster_dir)["nodes"]]
 
 
+def etcd_access_options(fn):
+    """--etcd-credentials / --etcd-ca / --etcd-cert / --etcd-key (wire/etcdmap.py ``ACCESS_OPTIONS``), loaded
+    at once into the command's Login."""
+    def load(ctx, param, value):
+        if value:
+            if not os.path.isfile(value):
+                raise click.BadParameter(f"{value}: no such file")
+            ctx.ensure_object(Login).use_etcd(**{param.name: value})
+        return value
+    for opt, env, name, text in reversed(ACCESS_OPTIONS):
+        fn = click.option(opt, name, type=click.Path(dir_okay=False), callback=load, expose_value=False,
+                          is_eager=True, envvar=env, show_envvar=True, help=text)(fn)
+    return fn
+
+
 def etcd_option(fn):
     """``--etcd URL[,URL...]``: the cluster map in etcd (instead of, or besides, --cluster DIR)."""
     return click.option("--etcd", metavar="URL[,URL...]",
@@ -161,7 +244,7 @@ def etcd_option(fn):
 def etcd_url(etcd: str | None, cluster: str | None, *, what: str = "this command") -> str:
     """The etcd endpoints: --etcd URL, else the cluster directory's own etcd; a clear error otherwise."""
     if etcd:
-        from datanode.etcdmap import parse_urls
+        from wire.etcdmap import parse_urls
         try:
             parse_urls(etcd)
         except ValueError as e:
@@ -174,6 +257,14 @@ def etcd_url(etcd: str | None, cluster: str | None, *, what: str = "this command
         raise click.UsageError(f"{what} needs the cluster map in etcd, and {cluster} was started without etcd "
                                f"(`dnctl cluster up --no-etcd`); give --etcd URL")
     raise click.UsageError(f"{what} needs the cluster map in etcd: give --etcd URL or --cluster DIR")
+
+
+def etcd_map(etcd: str | None, cluster: str | None, *, what: str = "this command") -> Etcd:
+    """The cluster map in etcd as this command reaches it (``etcd_url``, the Login's etcd user and TLS, and
+    its admin key for the entries' MACs)."""
+    url = etcd_url(etcd, cluster, what=what)
+    lg = login()
+    return Etcd(url, access=lg.etcd, admin_key=lg.secret.key(Role.ADMIN) if lg.secret is not None else None)
 
 
 def seeds(via: str | None, cluster: str | None) -> list[str]:

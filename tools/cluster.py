@@ -49,7 +49,7 @@ def wait_listening(addr: str, timeout: float = START_TIMEOUT, proc: subprocess.P
     import trio
 
     from client.sdk import ClientError, DataClient
-    from datanode.protocol import Op
+    from wire.protocol import Op
 
     host, _, port = addr.rpartition(":")
     deadline = time.monotonic() + timeout
@@ -91,19 +91,28 @@ def wait_listening(addr: str, timeout: float = START_TIMEOUT, proc: subprocess.P
                     raise TimeoutError(f"datanode {addr} made no progress starting for {timeout}s ({seen})")
                 await trio.sleep(0.05)
 
+    run_in_thread(until_serving, name=f"wait-serving-{addr}")
+
+
+def run_in_thread(async_fn, *args, name: str = "trio"):
+    """``trio.run(async_fn, *args)`` in a thread of its own -- callers may be inside a trio run themselves
+    (tests, torture) -- returning its result or raising its exception."""
+    import trio
+    out: list = []
     failure: list[BaseException] = []
 
-    def in_own_thread() -> None:      # callers may be inside a trio run themselves (tests, torture)
+    def body() -> None:
         try:
-            trio.run(until_serving)
+            out.append(trio.run(async_fn, *args))
         except BaseException as e:    # noqa: BLE001 - handed to the caller's thread
             failure.append(e)
 
-    t = threading.Thread(target=in_own_thread, name=f"wait-serving-{addr}")
+    t = threading.Thread(target=body, name=name)
     t.start()
     t.join()
     if failure:
         raise failure[0]
+    return out[0]
 
 
 class NodeProc:
@@ -115,7 +124,7 @@ class NodeProc:
         self.cfg = {"listen": addr, "data_dir": str(root / "data"), "pool_mib": 128, **cfg}
         self.proc: subprocess.Popen | None = None
         self.pid: int | None = None
-        self.argv_prefix: list[str] = []      # e.g. ["ip", "netns", "exec", NS]: run the node in a namespace
+        self.argv_prefix: list[str] = []      # e.g. tools.netns.Network.prefix(host): run the node on that host
 
     @property
     def log_path(self) -> pathlib.Path:
@@ -126,8 +135,9 @@ class NodeProc:
         cfg = config_mod.from_dict(self.cfg)       # validate before spawning
         (self.root / "node.toml").write_text(config_mod.to_toml(cfg))
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([*self.argv_prefix, sys.executable, "-m", "datanode.cli", "serve", "--config",
-                                      str(self.root / "node.toml")], stdout=log, stderr=subprocess.STDOUT,
+        # -P: a source checkout in the working directory must not stand in for the installed package
+        self.proc = subprocess.Popen([*self.argv_prefix, sys.executable, "-P", "-m", "datanode.cli", "serve",
+                                      "--config", str(self.root / "node.toml")], stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
         self.pid = self.proc.pid
@@ -166,6 +176,29 @@ def load(root: pathlib.Path) -> dict:
         raise FileNotFoundError(f"{root} is not a cluster directory (no cluster.json); "
                                 f"start one with: dnctl cluster up --cluster {root}")
     return json.loads(path.read_text())
+
+
+def client_login(info: dict) -> dict:
+    """DataClient arguments that reach a local cluster as its admin: its secret, TLS CA and etcd admin user."""
+    from wire.etcdmap import EtcdAccess
+    cfg = info.get("config", {})
+    auth = (info.get("etcd") or {}).get("auth")
+    return {"secret": cfg.get("secret_file") or None, "tls_ca": cfg.get("tls_ca") or None,
+            "etcd_access": EtcdAccess.load(credentials=str(pathlib.Path(auth) / "admin")) if auth else None}
+
+
+def cluster_map(info: dict):
+    """The cluster map of a local cluster (a wire.etcdmap.Etcd reached as its admin: the etcd admin user,
+    the secret's admin key for the entries' MACs), None when it has no etcd."""
+    from wire.auth import Credentials
+    from wire.etcdmap import Etcd
+    from wire.protocol import Role
+    url = (info.get("etcd") or {}).get("url")
+    if not url:
+        return None
+    login = client_login(info)
+    key = Credentials.load(login["secret"]).key(Role.ADMIN) if login["secret"] else None
+    return Etcd(url, access=login["etcd_access"], admin_key=key)
 
 
 def save(root: pathlib.Path, info: dict) -> None:
@@ -473,7 +506,7 @@ def strays(root: pathlib.Path) -> list[dict]:
             nodes.append({"kind": "datanode", "pid": pid, "what": _opt(argv, "--config")})
         elif argv[0].endswith("etcd") and _under(pid, _opt(argv, "--data-dir"), root):
             etcds.append({"kind": "etcd", "pid": pid, "what": _opt(argv, "--listen-client-urls") or "?"})
-        elif "tools.manager" in argv and "manager" in argv:
+        elif "manager.cli" in argv:
             managers.append({"kind": "manager", "pid": pid, "what": _opt(argv, "--etcd") or "?"})
     urls = {u for e in etcds for u in e["what"].split(",")}
     return [m for m in managers if m["what"] in urls] + nodes + etcds
@@ -498,7 +531,7 @@ def aux_process(rec: dict, kind: str) -> int | None:
     if argv is None:
         return None
     if kind == "manager":
-        ok = "tools.manager" in argv and "manager" in argv
+        ok = "manager.cli" in argv
     else:
         ok = argv[0].endswith("etcd") and rec.get("dir", "") in " ".join(argv)
     return pid if ok else None
@@ -591,3 +624,131 @@ def status_pids(root: pathlib.Path) -> list[dict]:
         pid, note = node_process(n)
         out.append({**n, "pid": pid, "recorded_pid": n.get("pid"), "note": note})
     return out
+
+
+# -- rolling restart (dnctl cluster rolling-restart) ----------------------------------------------------------
+class RolloutError(RuntimeError):
+    """A rolling restart stopped; ``done``: the per-node records of the nodes restarted before it."""
+
+    def __init__(self, message: str, done: list[dict]):
+        super().__init__(message)
+        self.done = done
+
+
+def sync_pending(snap: dict, baseline: dict[int, int], addr: str | None = None, pid: int | None = None) -> list[str]:
+    """What keeps a cluster map snapshot (``wire.etcdmap.snapshot``) from being back in sync: node ``addr``
+    (process ``pid``) not registered, a partition whose view is being installed, has replicas being filled,
+    or has fewer replicas than ``baseline`` (partition -> replica count it had in sync; one not there: its
+    ``want``).  Empty: in sync."""
+    out = []
+    if snap.get("manager") is None:
+        out.append("no active manager in etcd")
+    if addr is not None:
+        reg = next((n for n in snap["nodes"] if n["addr"] == addr), None)
+        if reg is None or (pid is not None and reg.get("pid") != pid):
+            out.append(f"{addr} not registered in etcd yet")
+    for p in snap["partitions"]:
+        unsynced = [a for a in p["replicas"] if a not in p["synced"]]
+        want = baseline.get(p["id"], p.get("want") or len(p["replicas"]))
+        if not p["installed"]:
+            out.append(f"partition {p['id']}: installing epoch {p['epoch']}")
+        elif unsynced:
+            out.append(f"partition {p['id']}: filling {','.join(unsynced)}")
+        elif len(p["replicas"]) < want:
+            out.append(f"partition {p['id']}: {len(p['replicas'])} of {want} replicas")
+    return out
+
+
+async def _unsettled_leaders(addrs: list[str], login: dict) -> list[str]:
+    """Without etcd: what keeps the partitions from being in sync, asked of their leaders (every follower
+    healthy, no repair running)."""
+    from client import admin
+    from client.sdk import ClientError, DataClient
+    out = []
+    async with DataClient.open(timeout=5, pool_mib=2, **login) as dc:
+        for addr in addrs:
+            try:
+                for p in await admin.partition_list(dc, addr):
+                    if p["replicas"][0] == addr and not admin.settled(await admin.health(dc, addr, p["id"])):
+                        out.append(f"partition {p['id']}: its leader {addr} is repairing a follower")
+            except ClientError as e:
+                out.append(f"{addr}: {e}")
+    return out
+
+
+def rolling_restart(root: pathlib.Path, *, timeout: float = 60.0, start_timeout: float = START_TIMEOUT,
+                    sync_timeout: float = 600.0, on_progress=None) -> list[dict]:
+    """Restart every node of the cluster in ``root``, one at a time: SIGTERM (it hands its partitions off
+    and drains: datanode/drain.py), start it again, and wait until it is registered and every partition is
+    back in sync (``sync_pending``; without etcd: its leaders report every follower healthy) before the
+    next.  ``on_progress(dict)`` hears each step.  Returns a record per node; RolloutError (naming the node,
+    with the records so far) when a node does not stop within ``timeout``, does not come back, or the
+    partitions are not in sync within ``sync_timeout`` -- the nodes after it are left alone."""
+    from client.mapadmin import map_snapshot
+    from client.sdk import ClientError
+    info = load(root)
+    et = cluster_map(info)
+    login = client_login(info)
+    nodes = [n["addr"] for n in info["nodes"]]
+    say = on_progress or (lambda p: None)
+    down = [r["addr"] for r in status_pids(root) if r["pid"] is None]
+    if down:
+        raise RolloutError(f"node(s) {', '.join(down)} not running: start them first (dnctl cluster start-node "
+                           f"ADDR --cluster {root})", [])
+
+    def pending(addr=None, pid=None) -> list[str]:
+        if et is None:
+            return run_in_thread(_unsettled_leaders, nodes, login)
+        try:
+            return sync_pending(run_in_thread(map_snapshot, et), baseline, addr, pid)
+        except ClientError as e:         # etcd unreachable: not in sync as far as we can tell
+            return [str(e)]
+
+    baseline: dict[int, int] = {}
+    if et is not None:
+        try:
+            snap = run_in_thread(map_snapshot, et)
+        except ClientError as e:
+            raise RolloutError(f"the cluster map: {e}", []) from None
+        baseline = {p["id"]: len(p["replicas"]) for p in snap["partitions"]}
+    left = pending()
+    if left:
+        raise RolloutError("not in sync before the restart (a rolling restart takes one replica away at a time, "
+                           "so it starts only from a settled cluster): " + "; ".join(left[:5]), [])
+    done: list[dict] = []
+    for i, addr in enumerate(nodes, 1):
+        where = {"index": i, "of": len(nodes), "addr": addr}
+        rec = {"addr": addr, "old_pid": node_process(_find(info, addr))[0], "stopping_at": round(time.time(), 3)}
+        say({**where, "step": "stopping"})
+        t0 = time.monotonic()
+        stopped = stop_node(root, addr, timeout)
+        rec.update(stop=stopped["result"], stop_s=round(time.monotonic() - t0, 2))
+        if stopped["result"].startswith("killed"):
+            raise RolloutError(f"{addr} did not stop within {timeout:g}s of SIGTERM and was killed; rolling "
+                               f"restart stopped after {i - 1} of {len(nodes)} nodes (its log: "
+                               f"{_find(info, addr)['log']})", done + [rec])
+        say({**where, "step": "stopped", "seconds": rec["stop_s"]})
+        t0 = time.monotonic()
+        try:
+            started = start_node(root, addr, start_timeout)
+        except (RuntimeError, TimeoutError, ValueError, OSError, config_mod.ConfigError) as e:
+            raise RolloutError(f"{addr} did not come back: {e}; rolling restart stopped after {i - 1} of "
+                               f"{len(nodes)} nodes (the ones after it were not touched)", done + [rec]) from None
+        rec.update(pid=started["pid"], start_s=round(time.monotonic() - t0, 2))
+        say({**where, "step": "started", "seconds": rec["start_s"], "pid": rec["pid"]})
+        t0 = time.monotonic()
+        while True:
+            left = pending(addr, rec["pid"])
+            waited = time.monotonic() - t0
+            if not left:
+                break
+            if waited > sync_timeout:
+                raise RolloutError(f"not back in sync {sync_timeout:g}s after {addr} restarted: "
+                                   + "; ".join(left[:5]) + f"; rolling restart stopped after {i} of "
+                                   f"{len(nodes)} nodes", done + [rec])
+            say({**where, "step": "syncing", "seconds": round(waited, 2), "pending": left})
+            time.sleep(0.25)
+        rec.update(sync_s=round(time.monotonic() - t0, 2), in_sync_at=round(time.time(), 3))
+        say({**where, "step": "in sync", "seconds": rec["sync_s"]})
+        done.append(rec)
+    return done

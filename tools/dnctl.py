@@ -3,8 +3,8 @@
 Presentation only: every action is a call into ``client/admin.py`` (partition membership, health, repair
 and scrub passes, node queries) or ``tools/cluster.py`` (local processes); this file parses options,
 renders the results (text with human units, or ``--json`` with raw numbers) and turns errors into one
-line.  Each command is defined here exactly once; ``demo``, ``bench`` and ``torture`` come from their own
-modules (tools/demo.py, tools/bench.py, tools/torture.py), which do not import this one.
+line.  Each command is defined here exactly once; ``demo``, ``bench`` and ``trash`` come from their own
+modules (tools/demo.py, tools/bench.py, tools/trash.py), which do not import this one.
 """
 from __future__ import annotations
 
@@ -14,46 +14,43 @@ import sys
 
 import click
 
-from client import admin
+from client import admin, mapadmin
 from client.sdk import ClientError, DataClient, Location
-from datanode.config import SyncMode, TransportChoice
-from datanode.protocol import Op
+from datanode.config import SyncMode
+from wire.transport.base import TransportChoice
+from wire.protocol import Op
 from tools import cluster as cl
-from tools.abuse import soak_command
 from tools.bench import bench_command
-from tools.clikit import (ADDR, ADDRS, CTX, Group, ProgressLine, bar, cluster_nodes, cluster_option, emit,
-                          etcd_option, etcd_url, fmt_bytes, fmt_count, fmt_seconds, load_cluster, run, seeds,
-                          use_cluster_secret, version)
+from tools.clikit import (ADDR, ADDRS, CTX, Group, Login, ProgressLine, bar, cluster_nodes, cluster_option,
+                          credentials, emit, etcd_access_options, etcd_map, etcd_option, etcd_url, fmt_bytes,
+                          fmt_count, fmt_seconds, load_cluster, login, run, seeds, use_cluster_secret, version)
 from tools.demo import demo_command
-from tools.fuzz import fuzz_command
-from tools.torture import torture_command
 from tools.trash import trash_group
+from tools.volume import VOLUME, volume_group
 
 MiB = 1 << 20
 
 
 def _secret_file(ctx, param, value):
-    """--secret-file: checked now (one clear line if unusable), then handed to every SDK call of this command
-    through $DATANODE_SECRET_FILE (which the SDK reads)."""
+    """--secret-file: loaded now (one clear line if unusable) into the command's Login, which every client it
+    makes is given."""
     if value:
-        from datanode.auth import AuthConfigError, Credentials
+        from wire.auth import AuthConfigError
         try:
-            Credentials.load(value)
+            ctx.ensure_object(Login).use_secret(value)
         except AuthConfigError as e:
             raise click.BadParameter(str(e)) from None
-        os.environ["DATANODE_SECRET_FILE"] = os.path.abspath(value)
     return value
 
 
 def _tls_ca(ctx, param, value):
-    """--tls-ca: checked now, then handed to every SDK call through $DATANODE_TLS_CA."""
+    """--tls-ca: loaded now into the command's Login, as --secret-file."""
     if value:
-        from datanode.transport.tls import TlsConfigError, client_context
+        from wire.transport.tls import TlsConfigError
         try:
-            client_context(value)
+            ctx.ensure_object(Login).use_tls_ca(value)
         except TlsConfigError as e:
             raise click.BadParameter(str(e)) from None
-        os.environ["DATANODE_TLS_CA"] = os.path.abspath(value)
     return value
 
 
@@ -64,8 +61,10 @@ def _tls_ca(ctx, param, value):
               help="CA bundle (PEM): speak TLS to the nodes and check their certificates against it.")
 @click.option("--secret-file", type=click.Path(dir_okay=False), callback=_secret_file, expose_value=False,
               is_eager=True, envvar="DATANODE_SECRET_FILE", show_envvar=True,
-              help="The cluster secret (or an admin/client role key file) to authenticate with, for nodes that "
-                   "have secret_file set.")
+              help="The cluster secret (or an admin/client role key file, or a volume key file: `dnctl volume "
+                   "key`) to authenticate with, for nodes that have secret_file set; with the secret or an admin "
+                   "key, etcd entries are sealed and checked with it too.")
+@etcd_access_options
 def main():
     """Administer datanodes: local clusters, partitions and their replicas, data, pools, benchmarks.
 
@@ -115,6 +114,7 @@ def cluster():
     dnctl cluster stop-node ADDR --cluster /tmp/dn          # stop one node (it drains first)
     dnctl cluster start-node ADDR --cluster /tmp/dn         # start it again (same address and data)
     dnctl cluster restart-node ADDR --cluster /tmp/dn       # both
+    dnctl cluster rolling-restart --cluster /tmp/dn         # every node, one by one, with no write error
     dnctl cluster down --cluster /tmp/dn                    # SIGTERM: each node drains, then exits
 
     The directory holds cluster.json and node1/, node2/, ... (node.toml, data/, node.log).  The nodes are
@@ -130,7 +130,7 @@ _start_timeout = click.option("--start-timeout", type=click.FloatRange(1, 3600),
 
 def _cluster_secret(root: pathlib.Path) -> str:
     """DIR/cluster.secret, made now (0600) unless it exists; its absolute path."""
-    from datanode.auth import gen_secret
+    from wire.auth import gen_secret
     path = root.resolve() / "cluster.secret"
     if not path.exists():
         root.mkdir(parents=True, exist_ok=True)
@@ -160,13 +160,14 @@ def _cluster_secret(root: pathlib.Path) -> str:
               help="No etcd and no manager: the map is what admins set (dnctl replica/partition commands).")
 @click.option("--min-writable", type=click.IntRange(0), default=2, show_default=True,
               help="The manager keeps at least this many writable partitions (it creates more).")
-@click.option("--secret", is_flag=True,
-              help="Authenticate: make DIR/cluster.secret (a new cluster secret, mode 0600) and give it to every "
-                   "node (secret_file) and the manager; dnctl commands with --cluster DIR then use it.")
+@click.option("--insecure", is_flag=True,
+              help="No cluster secret and no etcd authentication: anyone who reaches a node or etcd may read, "
+                   "write and move data (for a throwaway cluster on a machine of your own).")
+@click.option("--secret", is_flag=True, hidden=True)       # the default now; kept for scripts
 @_start_timeout
 @click.option("--json", "as_json", is_flag=True)
 def cluster_up(count, cluster, base_port, sync, transport, pool_mib, replica_timeout, pid, etcd, no_etcd,
-               min_writable, secret, start_timeout, as_json):
+               min_writable, insecure, secret, start_timeout, as_json):
     """Start a local cluster: one etcd member, N datanodes (a partition on all of them, leader node1) and
     a cluster manager.
 
@@ -179,12 +180,24 @@ def cluster_up(count, cluster, base_port, sync, transport, pool_mib, replica_tim
 
     The etcd member keeps its data in DIR/etcd (its log: DIR/etcd/etcd.log); the manager (DIR/manager-m1.log)
     fails over dead leaders, re-replicates, keeps --min-writable partitions.  `cluster down` stops them all.
+
+    \b
+    Secure unless --insecure:
+      DIR/cluster.secret   a new cluster secret (0600): nodes, the manager and every
+                           `--cluster DIR` command authenticate with it, and the map's
+                           entries in etcd carry its MAC
+      DIR/etcd-auth/       the etcd member's users (0600 each): authentication is on,
+                           one user per component (datanode, manager, admin, mount),
+                           each allowed only its keys; root only for setting it up
+    An existing etcd (--etcd URL) is used as it is: its authentication is yours to set up.
     """
     from datanode.config import ConfigError
     from tools import etcd_cluster as ec
     rootp = pathlib.Path(cluster)
     if etcd and no_etcd:
         raise click.UsageError("give --etcd URL or --no-etcd, not both")
+    if insecure and secret:
+        raise click.UsageError("give --insecure or --secret, not both")
     prev = cl.load(rootp) if (rootp / "cluster.json").exists() else None
     if prev is not None:
         running = [n["addr"] for n in prev["nodes"] if cl.node_process(n)[0] is not None]
@@ -206,12 +219,15 @@ def cluster_up(count, cluster, base_port, sync, transport, pool_mib, replica_tim
             etcd_rec = {"url": etcd_url(etcd, None), "managed": False}
         elif not no_etcd:
             rootp.mkdir(parents=True, exist_ok=True)
-            etcd_rec, started_etcd = ec.start_local_etcd(rootp), True
+            etcd_rec, started_etcd = ec.start_local_etcd(rootp, auth=not insecure), True
     except (RuntimeError, TimeoutError, FileNotFoundError, OSError) as e:
         raise click.ClickException(f"etcd: {e}") from None
+    auth = pathlib.Path(etcd_rec["auth"]) if etcd_rec and etcd_rec.get("auth") else None
     extra = {"etcd": etcd_rec["url"]} if etcd_rec and prev is None else {}
-    if secret:
+    if prev is None and not insecure:
         extra["secret_file"] = _cluster_secret(rootp)
+    if prev is None and auth is not None:
+        extra["etcd_credentials"] = str(auth / "datanode")
     try:
         info = cl.up(rootp, count, base_port, sync=sync, transport=transport, pool_mib=pool_mib,
                      replica_timeout=replica_timeout, start_timeout=start_timeout, **extra)
@@ -223,7 +239,7 @@ def cluster_up(count, cluster, base_port, sync, transport, pool_mib, replica_tim
     use_cluster_secret(info)
 
     async def go():
-        async with DataClient.open(timeout=10) as dc:
+        async with DataClient.open(timeout=10, **credentials()) as dc:
             part = None
             if not info.get("restarted"):
                 part = await admin.create_partition(dc, pid, addrs)
@@ -235,6 +251,9 @@ def cluster_up(count, cluster, base_port, sync, transport, pool_mib, replica_tim
             info["etcd"] = etcd_rec
             live = [m for m in info.get("managers", []) if cl.aux_process(m, "manager") is not None]
             opts = (info.get("managers") or [{}])[0].get("opts") or {"min_writable": min_writable}
+            opts = {**opts, **login().paths()}       # the manager authenticates as this command does
+            if auth is not None:
+                opts["etcd_credentials"] = str(auth / "manager")    # with its own etcd user
             info["managers"] = live or [ec.start_manager(rootp, etcd_rec["url"], "m1", **opts)]
             cl.save(rootp, info)
     except (click.ClickException, RuntimeError) as e:
@@ -274,6 +293,9 @@ def cluster_up(count, cluster, base_port, sync, transport, pool_mib, replica_tim
               f"  dnctl demo --cluster {d} --mib 300",
               f"  dnctl cluster status --cluster {d}",
               f"  dnctl cluster down --cluster {d}"]
+    if cfg.get("secret_file"):
+        lines.append(f"  export DATANODE_SECRET_FILE={cfg['secret_file']}   # for commands that name a node "
+                     f"instead of --cluster")
     emit(res, as_json, "\n".join(lines))
 
 
@@ -394,6 +416,74 @@ def cluster_restart_node(addr, cluster, timeout, start_timeout, as_json):
     emit(rec, as_json, _stop_line(stopped) + f"\n{addr} started (pid {rec['pid']}, log {rec['log']})")
 
 
+@cluster.command("rolling-restart")
+@cluster_option(required=True)
+@click.option("--timeout", type=click.FloatRange(1, 3600), default=60.0, show_default=True,
+              help="Seconds each node may take to stop (hand-off and drain) before it is killed, which stops "
+                   "the rolling restart.")
+@_start_timeout
+@click.option("--sync-timeout", type=click.FloatRange(1), default=600.0, show_default=True,
+              help="Seconds to wait, after a node is back, for every partition to be in sync again.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress lines on stderr.")
+@click.option("--json", "as_json", is_flag=True, help="Per node: pids, seconds to stop, start, get in sync.")
+def cluster_rolling_restart(cluster, timeout, start_timeout, sync_timeout, quiet, as_json):
+    """Restart every node of the cluster, one at a time, with no error for the applications writing to it.
+
+    \b
+    dnctl cluster rolling-restart --cluster /tmp/dn
+    dnctl cluster rolling-restart --cluster /tmp/dn --json > restart.json
+
+    Each node gets SIGTERM: it hands its partitions to their other replicas through the manager (writes
+    move to the new leaders at once), finishes its requests, leaves etcd and exits.  It is started again
+    (same address, config, data); the next node goes only once it is serving, registered, and every
+    partition is back in sync (the manager refills the partitions it left: `dnctl partition list` shows
+    them writable).  It starts only from a settled cluster, and stops at the first node that does not stop,
+    come back or get back in sync, saying which and why (exit status 1; the nodes after it are untouched).
+    Without etcd (--no-etcd clusters) nothing can be handed off: writes to a node's partitions wait while
+    it restarts.
+    """
+    info = load_cluster(cluster)
+    total = len(info["nodes"])
+    if not info.get("etcd") and not quiet:
+        _warn("this cluster has no etcd (--no-etcd): nothing can be handed off; the writes to each node's "
+              "partitions wait while it restarts")
+    line = None             # the "syncing" line, rewritten in place on a terminal; each other step: a line
+
+    def progress(p):
+        nonlocal line
+        if quiet:
+            return
+        head = f"[{p['index']}/{p['of']}] {p['addr']}"
+        if p["step"] == "syncing":
+            line = line or ProgressLine()
+            line.update(f"{head} syncing for {fmt_seconds(p['seconds'])}: " + "; ".join(p["pending"][:3]))
+            return
+        if line is not None:
+            line.close()
+            line = None
+        click.echo(f"{head} " + {"stopping": "stopping (hand-off, drain)",
+                                 "stopped": f"stopped in {fmt_seconds(p.get('seconds'))}",
+                                 "started": f"started again (pid {p.get('pid')}) in {fmt_seconds(p.get('seconds'))}",
+                                 "in sync": f"back in sync in {fmt_seconds(p.get('seconds'))}"}[p["step"]], err=True)
+
+    try:
+        done = cl.rolling_restart(pathlib.Path(cluster), timeout=timeout, start_timeout=start_timeout,
+                                  sync_timeout=sync_timeout, on_progress=progress)
+    except cl.RolloutError as e:
+        if line is not None:
+            line.close()
+        if as_json:
+            emit({"nodes": e.done, "restarted": len([r for r in e.done if "sync_s" in r]), "of": total,
+                  "error": str(e)}, True)
+            click.echo(f"Error: {e}", err=True)
+            sys.exit(1)
+        raise click.ClickException(str(e)) from None
+    text = "\n".join(f"{r['addr']:21} pid {r['old_pid']} -> {r['pid']}: stopped in {fmt_seconds(r['stop_s'])}, "
+                     f"serving in {fmt_seconds(r['start_s'])}, in sync in {fmt_seconds(r['sync_s'])}" for r in done)
+    emit({"nodes": done, "restarted": len(done), "of": total}, as_json,
+         text + f"\nall {total} node(s) restarted, one at a time")
+
+
 @cluster.command("status")
 @cluster_option(required=True)
 @click.option("--timeout", type=click.FloatRange(0.1, 60), default=2.0, show_default=True,
@@ -444,7 +534,7 @@ def cluster_status(cluster, timeout, as_json):
 
     async def go():
         out: list = []
-        async with DataClient.open(timeout=timeout) as dc:
+        async with DataClient.open(timeout=timeout, **credentials()) as dc:
             for n in procs:      # one at a time: a hung node costs --timeout, not the others' answers
                 await probe(dc, n, out)
         return out
@@ -497,7 +587,7 @@ def _aux_status(info: dict, timeout: float) -> tuple[list[dict], list[dict]]:
         etcd_st.append(rec)
     if any(r["health"] == "up" for r in etcd_st):
         async def who():
-            return (await admin.map_snapshot(e["url"]))["manager"]
+            return (await mapadmin.map_snapshot(etcd_map(e["url"], None)))["manager"]
         try:
             active = run(who)
         except click.ClickException:
@@ -511,6 +601,47 @@ def _aux_status(info: dict, timeout: float) -> tuple[list[dict], list[dict]]:
     return etcd_st, mgr_st
 
 
+# -- etcd ---------------------------------------------------------------------------------------------
+@main.group(context_settings=CTX)
+def etcd():
+    """The cluster's etcd: its users.
+
+    \b
+    dnctl etcd setup-auth --etcd https://10.0.0.1:2379 --etcd-ca ca.pem --out /etc/datanode/etcd-auth
+    """
+
+
+@etcd.command("setup-auth")
+@etcd_option
+@click.option("--prefix", default="/datanode", show_default=True, help="The cluster's key prefix in etcd.")
+@click.option("--out", type=click.Path(file_okay=False), required=True,
+              help="Directory for the users' credentials (made 0700; one USER:PASSWORD file each, 0600).")
+@click.option("--json", "as_json", is_flag=True)
+def etcd_setup_auth(etcd, prefix, out, as_json):
+    """Turn etcd's authentication on for a cluster: one etcd user and role per component, each allowed only
+    its keys under --prefix, and the root user (for this setup only; keep its file offline).
+
+    \b
+      datanode   reads partition views, writes its registration   node.toml: etcd_credentials
+      manager    reads the map, writes views and its election key  dnmanager --etcd-credentials
+      admin      reads the map, writes requests and drain marks   dnctl --etcd-credentials
+      mount      reads views and registrations, dnfs metadata     dnfs --etcd-credentials, the SDK
+    Copy each file to the hosts of its component only.  On an etcd whose authentication is on already
+    (another cluster's), give its root user: dnctl --etcd-credentials ROOT_FILE etcd setup-auth ...
+    Example:
+      dnctl --etcd-ca ca.pem etcd setup-auth --etcd https://10.0.0.1:2379 --out ./etcd-auth
+    """
+    from tools import etcd_cluster as ec
+    url = etcd_url(etcd, None, what="etcd setup-auth")
+    lg = login()
+    try:
+        paths = ec.setup_auth(url, pathlib.Path(out), prefix, access=lg.etcd)
+    except (RuntimeError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    emit(paths, as_json, "\n".join(f"{who:9} {path}" for who, path in paths.items())
+         + f"\netcd {url}: authentication on; prefix {prefix}")
+
+
 # -- partitions ---------------------------------------------------------------------------------------
 @main.group(context_settings=CTX)
 def partition():
@@ -518,6 +649,7 @@ def partition():
 
     \b
     dnctl partition create --id 2 --replicas 127.0.0.1:17310,127.0.0.1:17311
+    dnctl partition create --count 2 --replicas 3 --volume photos --cluster /tmp/dn
     dnctl partition list 127.0.0.1:17310
     dnctl partition show --id 2 127.0.0.1:17311
     dnctl partition health --id 2 --via 127.0.0.1:17310      # the leader's view of every replica
@@ -534,20 +666,23 @@ def partition():
 @click.option("--replicas", required=True, metavar="N | HOST:PORT,...",
               help="A replica count (the manager places them: needs etcd) or a HOST:PORT list, leader first.")
 @click.option("--count", type=click.IntRange(1, 1000), help="How many partitions the manager places (default 1).")
+@click.option("--volume", type=VOLUME, help="The volume the partitions belong to (fixed for their life): a "
+                                            "volume key for it reaches them, and no other partition.")
 @etcd_option
 @cluster_option()
 @click.option("--timeout", type=click.FloatRange(1), default=60, show_default=True,
               help="Seconds to wait for the manager's answer.")
 @click.option("--json", "as_json", is_flag=True)
-def partition_create(pid, replicas, count, etcd, cluster, timeout, as_json):
+def partition_create(pid, replicas, count, volume, etcd, cluster, timeout, as_json):
     """Create partitions: placed by the manager, or on the replicas you name.
 
     
     dnctl partition create --count 4 --replicas 3 --cluster /tmp/dn     # the manager places them
     dnctl partition create --count 4 --replicas 3 --etcd http://10.0.0.1:2379
     dnctl partition create --id 2 --replicas 127.0.0.1:17310,127.0.0.1:17311
+    dnctl partition create --count 2 --replicas 3 --volume photos --cluster /tmp/dn
 
-    Placed (a count): the active manager (datanode manager) picks the nodes -- never two replicas of a
+    Placed (a count): the active manager (dnmanager) picks the nodes -- never two replicas of a
     partition on one node, replicas in different zones while there are enough, the nodes with the most
     free space first, leaders spread -- creates each partition on them and publishes it in etcd.
     Named (a list): created on every replica, all or nothing (undone everywhere if one node fails).
@@ -558,14 +693,14 @@ def partition_create(pid, replicas, count, etcd, cluster, timeout, as_json):
             raise click.BadParameter("a replica count must be 1..16", param_hint="--replicas")
         if pid is not None:
             raise click.UsageError("--id goes with a HOST:PORT list; with a replica count the manager picks ids")
-        url = etcd_url(etcd, cluster, what="placing partitions (--replicas N)")
+        et = etcd_map(etcd, cluster, what="placing partitions (--replicas N)")
 
         async def place():
-            return await admin.place_partitions(url, count or 1, n, timeout=timeout)
+            return await mapadmin.place_partitions(et, count or 1, n, timeout=timeout, volume=volume or "")
         made = run(place)
-        emit({"partitions": made}, as_json, "\n".join(
+        emit({"partitions": made, **({"volume": volume} if volume else {})}, as_json, "\n".join(
             f"partition {p['id']} created: replicas {','.join(p['replicas'])} (leader {p['leader']}, "
-            f"epoch {p['epoch']}, {p['state']})" for p in made))
+            f"epoch {p['epoch']}, {p['state']})" + (f" in volume {volume}" if volume else "") for p in made))
         return
     try:
         replicas = admin.parse_addrs(replicas)
@@ -578,11 +713,12 @@ def partition_create(pid, replicas, count, etcd, cluster, timeout, as_json):
         raise click.UsageError("--count goes with a replica count (--replicas 3), not with a HOST:PORT list")
 
     async def go():
-        async with DataClient.open() as dc:
-            return await admin.create_partition(dc, pid, replicas)
+        async with DataClient.open(**credentials()) as dc:
+            return await admin.create_partition(dc, pid, replicas, volume=volume or "")
     res = run(go)
     emit(res, as_json, f"partition {pid} {'already exists' if res['existed'] else 'created'} on "
-                       f"{', '.join(replicas)} (leader {replicas[0]}, epoch {res['epoch']})")
+                       f"{', '.join(replicas)} (leader {replicas[0]}, epoch {res['epoch']})"
+                       + (f" in volume {volume}" if volume else ""))
 
 
 @partition.command("delete")
@@ -595,7 +731,7 @@ def partition_delete(pid, replicas, via, cluster, as_json):
     where = None if replicas else seeds(via, cluster)
 
     async def go():
-        async with DataClient.open() as dc:
+        async with DataClient.open(**credentials()) as dc:
             addrs = replicas or (await admin.current_view(dc, pid, where)).replicas
             return await admin.delete_partition(dc, pid, addrs)
     res = run(go)
@@ -620,7 +756,7 @@ def partition_set_leader(pid, addr, via, cluster, as_json):
     others = [a for a in (seeds(via, cluster) if (via or cluster) else []) if a != addr]
 
     async def go():
-        async with DataClient.open(timeout=5) as dc:
+        async with DataClient.open(timeout=5, **credentials()) as dc:
             return await admin.set_leader(dc, pid, addr, others)
     res = run(go)
     if res.get("unchanged"):
@@ -638,7 +774,7 @@ def partition_sync(pid, via, cluster, as_json):
     where = seeds(via, cluster)
 
     async def go():
-        async with DataClient.open() as dc:
+        async with DataClient.open(**credentials()) as dc:
             return await admin.sync_partition(dc, pid, where)
     res = run(go)
     emit(res, as_json, f"partition {pid} epoch {res['epoch']} (leader {res['replicas'][0]})\n"
@@ -668,10 +804,10 @@ def partition_list(addr, etcd, cluster, as_json):
     dnctl partition list 127.0.0.1:17310                # role, state, epoch, size, follower health
     """
     if addr is None:
-        url = etcd_url(etcd, cluster, what="partition list without ADDR")
+        et = etcd_map(etcd, cluster, what="partition list without ADDR")
 
         async def snap():
-            return await admin.map_snapshot(url)
+            return await mapadmin.map_snapshot(et)
         m = run(snap)
         rows = [{k: p[k] for k in ("id", "replicas", "leader", "epoch", "state", "want", "synced", "installed")}
                 for p in m["partitions"]]
@@ -682,19 +818,24 @@ def partition_list(addr, etcd, cluster, as_json):
             lines.append("(no partitions in etcd yet)")
         lines.append(f"manager: {m['manager'] or 'none active'}; {len(m['nodes'])} node(s) registered"
                      + (f"; decommissioning: {', '.join(m['draining'])}" if m["draining"] else ""))
+        if m["ignored"]:
+            lines.append("warning: etcd entries ignored as invalid (not shown): " + ", ".join(
+                f"{k} {v}" for k, v in sorted(m["ignored"].items())))
         emit(rows, as_json, "\n".join(lines))
         return
     if etcd or cluster:
         raise click.UsageError("give ADDR (a node's own list) or --cluster/--etcd (etcd's map), not both")
 
     async def go():
-        async with DataClient.open() as dc:
+        async with DataClient.open(**credentials()) as dc:
             return await admin.partition_list(dc, addr)
     parts = run(go)
-    lines = [f"{'id':>4} {'role':9} {'state':10} {'epoch':>5} {'extents':>7} {'size':>10}  replicas  [follower health]"]
+    lines = [f"{'id':>4} {'role':9} {'state':10} {'epoch':>5} {'extents':>7} {'size':>10} {'volume':12}  replicas  "
+             f"[follower health]"]
     for p in parts:
         lines.append(f"{p['id']:>4} {p['role']:9} {admin.partition_state(p):10} {p['epoch']:>5} {p['extents']:>7} "
-                     f"{fmt_bytes(p['bytes']):>10}  {','.join(p['replicas'])}  [{_replica_health(p)}]")
+                     f"{fmt_bytes(p['bytes']):>10} {p.get('volume') or '-':12}  {','.join(p['replicas'])}  "
+                     f"[{_replica_health(p)}]")
     if not parts:
         lines.append(f"(no partitions on {addr})")
     emit(parts, as_json, "\n".join(lines))
@@ -707,13 +848,14 @@ def partition_list(addr, etcd, cluster, as_json):
 def partition_show(pid, addr, as_json):
     """Show one partition as a node sees it: state, replicas and their health, epoch, extents and sizes."""
     async def go():
-        async with DataClient.open() as dc:
+        async with DataClient.open(**credentials()) as dc:
             return await admin.partition_show(dc, addr, pid)
     p = run(go)
     h = p.get("health") or {}
     sizes = p.get("extent_sizes") or {}
     text = (f"partition {p['id']} on {addr}: {p['role']}, epoch {p['epoch']}, state {admin.partition_state(p)}\n"
             f"  replicas: {', '.join(p['replicas'])} (leader {p['replicas'][0]})\n"
+            f"  volume: {p.get('volume') or '(none)'}\n"
             f"  follower health: {_replica_health(p)}"
             + (f"; {fmt_bytes(h['bytes_behind'])} behind" if h.get("bytes_behind") else "") + "\n"
             f"  extents: {p['extents']}, size: {fmt_bytes(p['bytes'])}\n"
@@ -763,7 +905,7 @@ def partition_health(pid, via, cluster, as_json):
     where = seeds(via, cluster)
 
     async def go():
-        async with DataClient.open(timeout=5) as dc:
+        async with DataClient.open(timeout=5, **credentials()) as dc:
             return await admin.health(dc, await admin.find_leader(dc, pid, where), pid)
     h = run(go)
     emit(h, as_json, _health_text(h))
@@ -848,7 +990,7 @@ def _run_pass(op: Op, name: str, pid, via, cluster, wait, timeout, as_json, quie
 
     async def go():
         import trio
-        async with DataClient.open(timeout=10) as dc:
+        async with DataClient.open(timeout=10, **credentials()) as dc:
             view = await admin.current_view(dc, pid, where)
             prog = _PassProgress(name, dc, view) if wait and not quiet else None
             if prog:
@@ -923,7 +1065,7 @@ def replica_add(pid, addr, via, cluster, wait, timeout, quiet, as_json):
     where = seeds(via, cluster)
 
     async def go():
-        async with DataClient.open(timeout=10) as dc:
+        async with DataClient.open(timeout=10, **credentials()) as dc:
             prog = None if quiet else _PassProgress("repair")
             try:
                 return await admin.add_replica(dc, pid, addr, where, wait=wait, timeout=timeout,
@@ -955,7 +1097,7 @@ def replica_remove(pid, addr, via, cluster, as_json):
     where = seeds(via, cluster)
 
     async def go():
-        async with DataClient.open(timeout=5) as dc:
+        async with DataClient.open(timeout=5, **credentials()) as dc:
             return await admin.remove_replica(dc, pid, addr, where, warn=_warn)
     res = run(go)
     emit(res, as_json, _change_text(res))
@@ -1009,7 +1151,7 @@ def put(node, cluster, etcd, pid, timeout, file, as_json):
         url = etcd_url(etcd, cluster, what="put without --partition")
 
         async def anywhere():
-            async with DataClient.open(etcd=url, timeout=timeout) as dc:
+            async with DataClient.open(etcd=url, timeout=timeout, **credentials()) as dc:
                 return await dc.put(data, timeout=timeout)
         locs = run(anywhere)
         out = {"size": len(data), "locations": [loc.to_dict() for loc in locs],
@@ -1021,7 +1163,7 @@ def put(node, cluster, etcd, pid, timeout, file, as_json):
     nodes = _nodes(node, cluster)
 
     async def go():
-        async with admin.open_client(nodes) as dc:
+        async with admin.open_client(nodes, **credentials()) as dc:
             return await dc.write(pid, data)
     locs = run(go)
     out = {"size": len(data), "locations": [loc.to_dict() for loc in locs]}
@@ -1032,7 +1174,7 @@ def put(node, cluster, etcd, pid, timeout, file, as_json):
 
 def _merge(locs: list[Location]) -> list[Location]:
     """Adjacent pieces of one extent shown as one range (CRC of the whole range)."""
-    from datanode.crc import crc32c_combine
+    from wire.crc import crc32c_combine
     out: list[Location] = []
     for loc in locs:
         if (out and out[-1].partition == loc.partition and out[-1].extent == loc.extent
@@ -1065,14 +1207,14 @@ def get(node, cluster, pid, extent, offset, length, replica, out, as_json):
     dnctl get --node 127.0.0.1:17310 --partition 1 --extent 1 --offset 4096 --length 100 --out -
     dnctl get --cluster /tmp/dn --partition 1 --extent 1 --out copy.bin --json
     """
-    from datanode.crc import crc32c
+    from wire.crc import crc32c
     to_stdout = out is sys.stdout.buffer or getattr(out, "name", "-") in ("-", "<stdout>")
     if as_json and to_stdout:
         raise click.UsageError("--json prints to stdout: give --out FILE for the data")
     nodes = _nodes(node, cluster)
 
     async def go():
-        async with admin.open_client(nodes) as dc:
+        async with admin.open_client(nodes, **credentials()) as dc:
             return await admin.read_range(dc, pid, extent, offset, length, replica)
     data = run(go)
     out.write(data)
@@ -1097,7 +1239,7 @@ def pool():
 def pool_stats(addr, as_json):
     """A node's pool: arena size, bytes in use, high-water mark, free blocks per order, waits."""
     async def go():
-        async with DataClient.open() as dc:
+        async with DataClient.open(**credentials()) as dc:
             return await admin.pool_stats(dc, addr)
     s = run(go)
     free = ", ".join(f"{fmt_bytes(int(k))} x{v}" for k, v in sorted(s["free_blocks_per_order"].items(),
@@ -1129,10 +1271,19 @@ def _status_text(s: dict) -> str:
              + f"; configured transport {s['transport']}, sync {s['sync']}, rdma device "
              f"{s.get('rdma_device') or 'none'}"
              + (f" (memory windows {s['rdma_windows']})" if s.get("rdma_device") and s.get("rdma_windows") else ""),
-             f"partitions {len(s['partitions']) if isinstance(s['partitions'], list) else s['partitions']}, "
-             f"requests in flight {s['inflight']}"]
+             f"partitions {len(s['partitions']) if isinstance(s['partitions'], list) else s['partitions']}"
+             + "".join(f", volume {v}: {','.join(map(str, ps))}" for v, ps in (s.get("volumes") or {}).items())
+             + f", requests in flight {s['inflight']}"]
     if s.get("data_dir_lost"):
         lines.insert(1, s["data_dir_lost"])
+    if "peers" in s:             # who may connect (a node of an older version does not say)
+        lines.append(f"authentication {s.get('auth')}" + (f" (tls {s['tls']})" if s.get("tls") != "off" else "")
+                     + f"; takes peers: {s['peers']}" + ("  !!! INSECURE" if s.get("insecure") else "")
+                     + f"; connections: {s.get('client_connections', 0)} client "
+                       f"({s.get('idle_client_connections', 0)} idle), "
+                       f"{s.get('node_admin_connections', 0)} node/admin, "
+                       f"{s.get('pending_connections', 0)} in their hello; {s.get('refused_connections', 0)} refused, "
+                       f"{s.get('connections_closed_for_room', 0)} closed for room")
     o = s.get("opening") or {}
     if s.get("state") == "starting" and o:
         lines.append(f"opening ({o.get('verify')} check): partitions {o.get('partitions')}/"
@@ -1160,7 +1311,9 @@ def _status_text(s: dict) -> str:
     lines.append(f"connections ({len(conns)}):" if conns else "connections: none")
     for conn in conns:
         kind = conn["transport"] + (f" ({conn['congestion']})" if conn.get("congestion") else "")
-        lines.append(f"  {conn['peer']:22} {kind:12} sends {fmt_count(conn.get('sends'))} "
+        lines.append(f"  {conn['peer']:22} {kind:12} protocol {conn.get('version', '?')} "
+                     + (f"volume {conn['volume']} " if conn.get("volume") else "") +
+                     f"sends {fmt_count(conn.get('sends'))} "
                      f"recvs {fmt_count(conn.get('recvs'))} served reads {fmt_count(conn.get('served_reads'))} "
                      f"({fmt_bytes(conn.get('served_read_bytes'))})")
     return "\n".join(lines)
@@ -1173,10 +1326,87 @@ def node_status(addr, as_json):
     """Health, partitions, counters, disk, pool and each connection's transport (the one actually in
     use: tcp or verbs, per connection), in human units; --json has the raw numbers."""
     async def go():
-        async with DataClient.open() as dc:
+        async with DataClient.open(**credentials()) as dc:
             return await admin.node_status(dc, addr)
     s = run(go)
     emit(s, as_json, _status_text(s))
+
+
+@node.command("drain")
+@click.argument("addr", type=ADDR)
+@cluster_option(help="The node's local cluster directory (its secret; its etcd, to check the map afterwards).")
+@etcd_option
+@click.option("--wait/--no-wait", default=True, show_default=True, help="Follow the node until it has stopped.")
+@click.option("--timeout", type=click.FloatRange(1), default=120, show_default=True,
+              help="Seconds to wait for it to stop (the node itself gives up on a hand-off after its "
+                   "drain_timeout_s and stops anyway).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress line on stderr.")
+@click.option("--json", "as_json", is_flag=True)
+def node_drain(addr, cluster, etcd, wait, timeout, quiet, as_json):
+    """Stop node ADDR the way SIGTERM does, without a shell on its host: it hands its partitions to their
+    other replicas first, so writes move on with no error and almost no stall.
+
+    \b
+    dnctl node drain 127.0.0.1:17312 --cluster /tmp/dn
+    dnctl node drain 10.0.0.7:17310 --etcd http://10.0.0.1:2379 --json
+
+    With the cluster map in etcd and an active manager, the manager moves every partition naming ADDR off it
+    (where ADDR leads, an in-sync follower leads at epoch + 1, the fencing of a failover; where it follows,
+    it is left out until it is back); then ADDR finishes its requests in flight, revokes its etcd lease and
+    exits.  Without etcd or a manager it cannot hand off: it says so (the partitions it led take no writes
+    until it is back) and stops.  After its drain_timeout_s (node.toml) it stops whatever is left.  When it
+    starts again, the manager refills the partitions it left (`dnctl partition list` shows them writable
+    again).  Progress (phase, partitions moved, what is left and why) goes to stderr.
+    """
+    if cluster:
+        load_cluster(cluster)
+    et = etcd_map(etcd, cluster) if etcd or (cluster and (cl.load(pathlib.Path(cluster)).get("etcd") or {})
+                                             .get("url")) else None
+    line = ProgressLine() if wait and not quiet else None
+
+    def progress(p):
+        if not p:
+            return
+        left = p["left"]
+        line.update(f"drain {addr}: {p['phase']}, {len(p['handed_off'])} partition(s) handed off"
+                    + (f", {len(left)} to go ({','.join(left)})" if left else "") + f", {fmt_seconds(p['seconds'])}")
+
+    def named(snap) -> list[int]:
+        return [p["id"] for p in snap["partitions"] if addr in p["replicas"]]
+
+    async def go():
+        try:
+            async with DataClient.open(**credentials()) as dc:
+                res = await admin.drain_node(dc, addr, wait=wait, timeout=timeout,
+                                             on_progress=progress if line else None)
+        finally:
+            if line:
+                line.close()
+        if et is not None and res["stopped"]:       # what the map says now
+            snap = await mapadmin.map_snapshot(et)
+            res["etcd"] = {"registered": any(n["addr"] == addr for n in snap["nodes"]), "named_by": named(snap)}
+        return res
+    res = run(go)
+    if not wait:
+        emit(res, as_json, f"{addr} is stopping" + (" (it was already)" if res["already_stopping"] else "")
+             + f"; follow it with: dnctl node status {addr}")
+        return
+    moved = ",".join(map(str, res["handed_off"])) or "none"
+    text = [f"{addr} " + ("stopped" if res["stopped"] else "answered its drain but still runs")
+            + f" after {fmt_seconds(res['seconds'])}" + (" (and runs again: a new process answers)"
+                                                          if res["restarted"] else "")
+            + f"; partitions handed off: {moved}"]
+    text += [f"warning: partition {k} was not handed off: {v}" for k, v in res["left"].items()]
+    text += [f"warning: {n}" for n in res["notes"]]
+    e = res.get("etcd")
+    if e:
+        text.append("etcd: " + ("registration gone" if not e["registered"] else
+                                "still registered (its lease was not revoked: it expires within lease_ttl_s)")
+                    + ("; no partition names it" if not e["named_by"] else
+                       f"; named by partition(s) {','.join(map(str, e['named_by']))}"))
+    emit(res, as_json, "\n".join(text))
+    if not res["stopped"]:
+        sys.exit(1)
 
 
 @node.command("decommission")
@@ -1203,10 +1433,11 @@ def node_decommission(addr, etcd, cluster, wait, timeout, stuck_after, cancel, q
     It takes no new replicas afterwards, until --cancel.  Progress (partitions left, what each waits for)
     goes to stderr; the end state is "ADDR holds no partitions: it can be stopped".
     """
-    url = etcd_url(etcd, cluster, what="node decommission")
+    et = etcd_map(etcd, cluster, what="node decommission")
+    url = et.urls
     if cancel:
         async def undo():
-            await admin.cancel_decommission(url, addr)
+            await mapadmin.cancel_decommission(et, addr)
         run(undo)
         emit({"node": addr, "draining": False}, as_json, f"{addr} takes replicas again")
         return
@@ -1222,8 +1453,8 @@ def node_decommission(addr, etcd, cluster, wait, timeout, stuck_after, cancel, q
 
     async def go():
         try:
-            return await admin.decommission(url, addr, wait=wait, timeout=timeout, stuck_after=stuck_after,
-                                            on_progress=progress if line else None)
+            return await mapadmin.decommission(et, addr, wait=wait, timeout=timeout, stuck_after=stuck_after,
+                                               on_progress=progress if line else None)
         finally:
             if line:
                 line.close()
@@ -1240,10 +1471,8 @@ def node_decommission(addr, etcd, cluster, wait, timeout, stuck_after, cancel, q
 # -- demo, benchmarks, torture (each in its own module) -------------------------------------------------
 main.add_command(demo_command, "demo")
 main.add_command(bench_command, "bench")
-main.add_command(torture_command, "torture")
-main.add_command(fuzz_command, "fuzz")
 main.add_command(trash_group, "trash")
-main.add_command(soak_command, "soak")
+main.add_command(volume_group, "volume")
 
 
 if __name__ == "__main__":

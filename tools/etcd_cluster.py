@@ -1,26 +1,37 @@
 """Local etcd members and cluster managers as real processes (for tests, benchmarks, local clusters).
 
 ``EtcdProc`` runs Debian's ``etcd`` binary (etcd-server 3.4) on free 127.0.0.1 ports with its data under a
-directory of its own; ``ManagerProc`` runs ``datanode manager``.  Both are stopped (or killed) by ``stop``.
+directory of its own (optionally serving TLS); ``ManagerProc`` runs ``dnmanager``.  Both are stopped (or
+killed) by ``stop``.  ``setup_auth`` turns etcd's authentication on with one user per component
+(wire/etcdmap.py ``permissions``) and keeps their credentials in a directory.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import pathlib
+import secrets
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import time
 import urllib.request
 
 from tools.cluster import START_TIMEOUT, free_port
+from wire.etcdmap import (COMPONENTS, DEFAULT_PREFIX, EtcdAccess, EtcdError, auth_request, client, permission,
+                          permissions)
+
+AUTH_DIR = "etcd-auth"      # in a cluster directory: one USER:PASSWORD file per etcd user (0600, in a 0700 dir)
 
 
 def etcd_binary() -> str:
-    path = shutil.which("etcd") or ("/usr/bin/etcd" if pathlib.Path("/usr/bin/etcd").exists() else None)
+    path = shutil.which("etcd")
     if path is None:
-        raise FileNotFoundError("no etcd binary: install Debian's etcd-server (./dev setup does)")
+        raise FileNotFoundError("no etcd on PATH: install it (Debian/Ubuntu: apt install etcd-server), or give "
+                                "--etcd URL of a running one, or --no-etcd")
     return path
 
 
@@ -29,7 +40,8 @@ class EtcdProc:
     or one of an ``etcd_cluster``."""
 
     def __init__(self, root: pathlib.Path, host: str = "127.0.0.1", name: str = "m0", *,
-                 client_port: int | None = None, peer_port: int | None = None):
+                 client_port: int | None = None, peer_port: int | None = None, tls: "ServerTls | None" = None,
+                 args: tuple[str, ...] = ()):
         self.root = root
         self.host = host
         self.name = name
@@ -38,7 +50,10 @@ class EtcdProc:
         self.initial_cluster = f"{name}={self.peer_url}"
         self.token = f"dn-{self.peer_port}"
         self.existing = (root / "etcd.data" / "member").is_dir()    # a restart: keep its cluster      # members of one cluster share it
+        self.tls = tls
+        self.args = tuple(args)
         self.proc: subprocess.Popen | None = None
+        self.argv_prefix: list[str] = []      # e.g. tools.netns.Network.prefix(host): run it on that host
 
     @property
     def peer_url(self) -> str:
@@ -46,7 +61,7 @@ class EtcdProc:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.client_port}"
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.client_port}"
 
     @property
     def log_path(self) -> pathlib.Path:
@@ -61,10 +76,14 @@ class EtcdProc:
                 "--initial-cluster", self.initial_cluster,
                 "--initial-cluster-state", "existing" if self.existing else "new",
                 "--initial-cluster-token", self.token,
-                "--heartbeat-interval", "100", "--election-timeout", "1000", "--log-level", "warn"]
+                "--heartbeat-interval", "100", "--election-timeout", "1000", "--log-level", "warn", *self.args]
+        if self.tls:
+            argv += ["--cert-file", self.tls.cert, "--key-file", self.tls.key]
+            if self.tls.client_ca:
+                argv += ["--client-cert-auth", "--trusted-ca-file", self.tls.client_ca]
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen([*self.argv_prefix, *argv], stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
         if wait:
             self.wait_healthy(timeout)
@@ -76,13 +95,21 @@ class EtcdProc:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"etcd exited with status {self.proc.returncode}; see {self.log_path}")
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+                with urllib.request.urlopen(self.url + "/health", timeout=1, context=self._health_tls()) as r:
                     if json.loads(r.read()).get("health") in ("true", True):
                         return
             except OSError:
                 pass
             time.sleep(0.1)
         raise TimeoutError(f"etcd on {self.url} not healthy within {timeout}s; see {self.log_path}")
+
+    def _health_tls(self) -> ssl.SSLContext | None:
+        if not self.tls:
+            return None
+        ctx = ssl.create_default_context(cafile=self.tls.ca)
+        if self.tls.client_ca:
+            ctx.load_cert_chain(self.tls.client_cert, self.tls.client_key)
+        return ctx
 
     def stop(self, timeout: float = 10.0) -> None:
         _stop(self.proc, timeout)
@@ -94,6 +121,19 @@ class EtcdProc:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerTls:
+    """An etcd member serving TLS: its certificate and key, the CA that signed it (``ca``, for checking it),
+    and -- ``client_ca`` set -- client certificates required, signed by that CA (``client_cert``/``client_key``
+    one of them, for the health check)."""
+    cert: str
+    key: str
+    ca: str
+    client_ca: str = ""
+    client_cert: str = ""
+    client_key: str = ""
 
 
 def etcd_cluster(root: pathlib.Path, n: int = 3, host: str = "127.0.0.1") -> list[EtcdProc]:
@@ -113,7 +153,7 @@ def urls(members: list[EtcdProc]) -> str:
 
 
 class ManagerProc:
-    """``datanode manager --etcd URL`` with its log in ``root/manager-<name>.log``."""
+    """``dnmanager --etcd URL`` with its log in ``root/manager-<name>.log``."""
 
     def __init__(self, root: pathlib.Path, etcd: str, name: str = "m1", **opts):
         self.root = root
@@ -121,6 +161,7 @@ class ManagerProc:
         self.name = name
         self.opts = opts
         self.proc: subprocess.Popen | None = None
+        self.argv_prefix: list[str] = []      # e.g. tools.netns.Network.prefix(host): run it on that host
 
     @property
     def log_path(self) -> pathlib.Path:
@@ -128,7 +169,8 @@ class ManagerProc:
 
     def start(self) -> "ManagerProc":
         self.root.mkdir(parents=True, exist_ok=True)
-        argv = [sys.executable, "-m", "tools.manager", "manager", "--etcd", self.etcd, "--name", self.name]
+        argv = [*self.argv_prefix, sys.executable, "-P", "-m", "manager.cli", "--etcd", self.etcd,
+                "--name", self.name]
         for k, v in self.opts.items():
             argv += [f"--{k.replace('_', '-')}", str(v)]
         log = open(self.log_path, "ab")
@@ -162,18 +204,86 @@ def _stop(proc: subprocess.Popen | None, timeout: float) -> None:
 
 
 # -- a local cluster directory's own etcd member and manager (dnctl cluster up/down/status) ----------------------
-def start_local_etcd(root: pathlib.Path, rec: dict | None = None) -> dict:
+def start_local_etcd(root: pathlib.Path, rec: dict | None = None, *, auth: bool = False) -> dict:
     """Start the cluster directory's single etcd member (data in ``root/etcd``), detached; ``rec`` (from
-    cluster.json) restarts it on the same ports.  Returns its record for cluster.json."""
+    cluster.json) restarts it on the same ports.  ``auth``: a new member gets authentication on
+    (``setup_auth``, credentials in ``root/etcd-auth``).  Returns its record for cluster.json."""
     rec = rec or {}
     e = EtcdProc(root / "etcd", client_port=rec.get("client_port"), peer_port=rec.get("peer_port"))
     e.start()
-    return {"url": e.url, "pid": e.proc.pid, "dir": str(e.root), "log": str(e.log_path), "managed": True,
-            "client_port": e.client_port, "peer_port": e.peer_port}
+    out = {"url": e.url, "pid": e.proc.pid, "dir": str(e.root), "log": str(e.log_path), "managed": True,
+           "client_port": e.client_port, "peer_port": e.peer_port}
+    if rec.get("auth"):
+        out["auth"] = rec["auth"]
+    elif auth:
+        root_user = root / AUTH_DIR / "root"
+        try:           # a member left by an earlier `up` that failed may have its authentication on already
+            setup_auth(e.url, root / AUTH_DIR,
+                       access=EtcdAccess.load(root_user) if e.existing and root_user.exists() else None)
+        except BaseException:
+            e.stop()
+            raise
+        out["auth"] = str((root / AUTH_DIR).resolve())
+    return out
+
+
+def user_name(component: str, prefix: str = DEFAULT_PREFIX) -> str:
+    """The etcd user (and role) of a component of the cluster at ``prefix`` (clusters sharing an etcd each
+    have their own)."""
+    p = prefix.strip("/")
+    return component if p == DEFAULT_PREFIX.strip("/") else f"{p.replace('/', '-')}-{component}"
+
+
+def setup_auth(url: str, out: pathlib.Path, prefix: str = DEFAULT_PREFIX, *,
+               access: EtcdAccess | None = None) -> dict[str, str]:
+    """Turn etcd's authentication on for the cluster at ``prefix``: one etcd user and role per component,
+    each allowed exactly its key ranges (wire/etcdmap.py ``permissions``), and the ``root`` user (setup only).
+    Each user's ``USER:PASSWORD`` goes to ``out/NAME`` (0600, ``out`` 0700) before etcd knows it.  ``access``:
+    client TLS and, on an etcd whose authentication is on already (another cluster's), its root user -- then
+    only this cluster's users are added.  Returns {component or "root": credentials path}.  RuntimeError
+    says what etcd refused."""
+    access = access or EtcdAccess()
+    out.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(out, 0o700)
+    c = client(url.split(",")[0].strip(), access, timeout=10)
+    enabled = access.user == "root"
+
+    def call(path: str, body: dict, exists_ok: bool = False) -> None:
+        try:
+            auth_request(c, path, body, exists_ok=exists_ok)
+        except EtcdError as e:
+            raise RuntimeError(str(e)) from None
+    users = {user_name(comp, prefix): comp for comp in COMPONENTS}
+    if not enabled:
+        users["root"] = "root"
+    paths = {}
+    for name, comp in users.items():
+        pw = secrets.token_urlsafe(24)
+        path = out / name
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{name}:{pw}\n")
+        os.chmod(path, 0o600)
+        paths[comp] = str(path.resolve())
+        role = comp if name == "root" else name
+        call("/auth/role/add", {"name": role}, exists_ok=True)
+        if name != "root":
+            for perm, key, end in permissions(prefix)[comp]:
+                call("/auth/role/grant", {"name": role, "perm": permission(perm, key, end)})
+        try:
+            call("/auth/user/add", {"name": name, "password": pw})
+        except RuntimeError as e:
+            if "already exists" not in str(e):
+                raise
+            call("/auth/user/changepw", {"name": name, "password": pw})
+        call("/auth/user/grant", {"user": name, "role": role})
+    if not enabled:
+        call("/auth/enable", {})
+    return paths
 
 
 def start_manager(root: pathlib.Path, etcd: str, name: str = "m1", **opts) -> dict:
-    """Start ``datanode manager`` for the cluster directory, detached; returns its record for cluster.json."""
+    """Start ``dnmanager`` for the cluster directory, detached; returns its record for cluster.json."""
     m = ManagerProc(root, etcd, name, **opts).start()
     time.sleep(0.3)
     if not m.alive():

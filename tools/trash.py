@@ -13,13 +13,13 @@ Two ways to reach a node's trash:
 from __future__ import annotations
 
 import dataclasses
-import os
 import pathlib
+import sys
 import time
 
 import click
 
-from tools.clikit import ADDR, CTX, cluster_option, emit, fmt_bytes, load_cluster, run
+from tools.clikit import ADDR, CTX, cluster_option, credentials, default_secret, emit, fmt_bytes, load_cluster, run
 
 
 @dataclasses.dataclass
@@ -53,15 +53,15 @@ def _targets(config_path, cluster, node) -> list[Target]:
             raise click.ClickException(str(e)) from None
         if config_path and node and node != cfg.listen:
             raise click.UsageError(f"--node {node} is not the node of {config_path} ({cfg.listen})")
-        if cfg.secret_file and not os.environ.get("DATANODE_SECRET_FILE"):
-            os.environ["DATANODE_SECRET_FILE"] = str(pathlib.Path(cfg.secret_file).resolve())
+        default_secret(cfg.secret_file)
         out.append(Target(cfg.listen, cfg, _running(cfg) is not None))
     return out
 
 
 def _table(cfg):
     from datanode.partition import PartitionTable
-    return PartitionTable(pathlib.Path(cfg.data_dir), cfg.sync)
+    from datanode.store import StoreOptions
+    return PartitionTable(pathlib.Path(cfg.data_dir), cfg.sync, options=StoreOptions.from_config(cfg))
 
 
 def _running(cfg) -> int | None:
@@ -77,7 +77,7 @@ def _over_wire(targets: list[Target], fn):
 
     async def go():
         from client.sdk import DataClient
-        async with DataClient.open(timeout=10) as dc:
+        async with DataClient.open(timeout=10, **credentials()) as dc:
             return [await fn(dc, t) for t in wired]
     return run(go)
 
@@ -144,7 +144,7 @@ def trash_restore(name, config_path, cluster, node, as_json):
     the directory is put back for its next start.  Then a leader's repair brings the copy up to date, or a
     newer view fences it."""
     from client import admin
-    from datanode.protocol import BodyError, check_trash_name
+    from wire.protocol import BodyError, check_trash_name
     try:
         check_trash_name(name)
     except BodyError as e:
@@ -186,11 +186,19 @@ def trash_restore(name, config_path, cluster, node, as_json):
 @where
 @click.option("--expired", is_flag=True, help="Only entries older than the node's trash_retention_s.")
 @click.option("--all", "everything", is_flag=True, help="Every entry (the data is gone for good).")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask: purge what is listed (for scripts).")
 @click.option("--json", "as_json", is_flag=True)
-def trash_purge(names, config_path, cluster, node, expired, everything, as_json):
-    """Delete trash entries for good: the NAMEs given, or --expired ones, or --all."""
+def trash_purge(names, config_path, cluster, node, expired, everything, yes, as_json):
+    """Delete trash entries for good: the NAMEs given, or --expired ones, or --all.  Shows what will go and
+    asks first (--yes: does not ask); a running node purges only on a second request carrying the
+    confirmation token it gave for exactly those entries.
+
+    \b
+    dnctl trash purge --expired --node 127.0.0.1:17311          # lists them, asks y/N
+    dnctl trash purge 7.1700000000000000000 --node 127.0.0.1:17311 --yes --json
+    """
     from client import admin
-    from datanode.protocol import BodyError, check_trash_name
+    from wire.protocol import BodyError, check_trash_name
     if sum(map(bool, (names, expired, everything))) != 1:
         raise click.UsageError("say which entries: NAME..., --expired or --all")
     try:
@@ -199,30 +207,51 @@ def trash_purge(names, config_path, cluster, node, expired, everything, as_json)
     except BodyError as e:
         raise click.BadParameter(e.detail, param_hint="NAMES") from None
     targets = _targets(config_path, cluster, node)
-    gone = []
-    for t in targets:
-        if t.wire:
-            continue
-        table = _table(t.cfg)
-        if expired:
-            gone += [{"node": t.addr, "name": n, "via": "disk"} for n in table.purge_trash(t.cfg.trash_retention_s)]
-            continue
-        want = [e["name"] for e in table.list_trash() if everything or e["name"] in names]
-        gone += [{"node": t.addr, "name": e["name"], "bytes": e["bytes"], "via": "disk"}
-                 for e in table.purge_names(want)]
+    now = time.time()
 
-    async def one(dc, t):
-        if names:            # only the names this node holds (the node refuses a list with one it lacks)
-            held = {e["name"] for e in await admin.trash_list(dc, t.addr)} & set(names)
-            if not held:
-                return []
-            got = await admin.trash_purge(dc, t.addr, names=sorted(held))
-        else:
-            got = await admin.trash_purge(dc, t.addr, expired=expired, everything=everything)
-        return [{"node": t.addr, "name": e["name"], "bytes": e["bytes"], "via": "node"} for e in got]
-    for got in _over_wire(targets, one):
-        gone += got
-    missing = set(names) - {g["name"] for g in gone}
+    def chosen(entries: list[dict]) -> list[dict]:
+        return [e for e in entries if everything or e["name"] in names or (expired and e["purge_in_s"] <= 0)]
+
+    # what each node would purge, as its trash lists it now (a running node: over the wire)
+    plan: dict[str, tuple[Target, list[dict]]] = {}
+    for t in targets:
+        if not t.wire:
+            plan[t.addr] = (t, chosen([{**e, "purge_in_s": t.cfg.trash_retention_s - (now - e["deleted"])}
+                                       for e in _table(t.cfg).list_trash()]))
+
+    async def listing(dc, t):
+        return t, chosen(await admin.trash_list(dc, t.addr))
+    for t, got in _over_wire(targets, listing):
+        plan[t.addr] = (t, got)
+    missing = set(names) - {e["name"] for _t, es in plan.values() for e in es}
     if missing:
         raise click.ClickException(f"no trash entry {', '.join(sorted(missing))} (see: dnctl trash list)")
+    todo = {a: (t, es) for a, (t, es) in plan.items() if es}
+    if not todo:
+        emit([], as_json, "nothing to purge")
+        return
+    if not yes:
+        if not sys.stdin.isatty():
+            raise click.UsageError("purging needs a yes: run it on a terminal to be asked, or give --yes")
+        for a, (_t, es) in sorted(todo.items()):
+            for e in es:
+                click.echo(f"{a:21}  {e['name']:32}  partition {e['partition']:<6}  {fmt_bytes(e['bytes']):>10}",
+                           err=True)
+        n = sum(len(es) for _t, es in todo.values())
+        if not click.confirm(f"purge these {n} trash entries for good (the data cannot be restored)?", err=True):
+            raise click.ClickException("nothing purged")
+    gone = []
+    for a, (t, es) in todo.items():
+        if not t.wire:
+            gone += [{"node": a, "name": e["name"], "bytes": e["bytes"], "via": "disk"}
+                     for e in _table(t.cfg).purge_names([e["name"] for e in es])]
+
+    async def one(dc, t):
+        es = todo.get(t.addr, (t, []))[1]
+        if not es:
+            return []
+        got = await admin.trash_purge(dc, t.addr, names=[e["name"] for e in es])
+        return [{"node": t.addr, "name": e["name"], "bytes": e["bytes"], "via": "node"} for e in got]
+    for got in _over_wire([t for t, _es in todo.values()], one):
+        gone += got
     emit(gone, as_json, "\n".join(f"purged {g['name']} on {g['node']}" for g in gone) or "nothing to purge")

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import time
@@ -22,8 +23,13 @@ import trio
 
 from client.fs.engines import open_meta
 from client.fs.meta import MetaBusy
-from client.fs.mount import MountError, mount_pid, serve, unmount
-from datanode import aio
+try:
+    from client.fs.mount import (MountError, check_mountpoint, fuse_conf, login_error, mount_options, mount_pid,
+                                 serve, unmount)
+except ImportError as e:        # pyfuse3 loads libfuse3: name the package, not a traceback
+    sys.exit(f"dnfs: {e}: install FUSE 3 (Debian/Ubuntu: apt install fuse3)")
+from wire import aio, sdnotify
+from wire.etcdmap import ACCESS_OPTIONS, EtcdAccess
 
 KNOWN = (MountError, MetaBusy, ValueError, OSError)
 
@@ -43,24 +49,63 @@ def _run(fn, *args, **kw):
         raise
 
 
-def _cluster(cluster_dir: str | None, node: tuple[str, ...], etcd: str | None = None) -> tuple[list[str], list[str]]:
-    """(datanode addresses, node directories) from a cluster directory and/or --node (none needed with
-    --etcd: the partition map is in etcd)."""
+def _need_fusermount() -> None:
+    """fusermount3 (Debian's fuse3) mounts for users other than root and unmounts for everyone."""
+    if shutil.which("fusermount3") is None:
+        raise click.ClickException("fusermount3 not found: install FUSE 3 (Debian/Ubuntu: apt install fuse3)")
+
+
+def _cluster_json(cluster_dir: str) -> dict:
+    path = pathlib.Path(cluster_dir) / "cluster.json"
+    try:
+        info = json.loads(path.read_text())
+        if not isinstance(info, dict) or not isinstance(info.get("config", {}), dict):
+            raise ValueError("not a cluster description")
+        return info
+    except FileNotFoundError:
+        raise click.ClickException(f"{cluster_dir} is not a cluster directory (no cluster.json); start one "
+                                   f"with: dnctl cluster up --dir {cluster_dir}") from None
+    except (OSError, ValueError) as e:
+        raise click.ClickException(f"{path} is unreadable: {e}") from None
+
+
+def _cluster(cluster_dir: str | None, node: tuple[str, ...], etcd: str | None = None,
+             access: dict | None = None) -> tuple[list[str], list[str], str | None]:
+    """(datanode addresses, node directories, etcd URL) from a cluster directory and/or --node (none needed
+    with --etcd: the partition map is in etcd).  A cluster directory with its own etcd gives its URL (unless
+    --etcd) and, in ``access`` (the --etcd-* options), its mount user (unless --etcd-credentials)."""
     addrs, dirs = list(node), []
     if cluster_dir:
-        path = pathlib.Path(cluster_dir) / "cluster.json"
         try:
-            info = json.loads(path.read_text())
+            info = _cluster_json(cluster_dir)
             addrs += [n["addr"] for n in info["nodes"]]
             dirs += [n["dir"] for n in info["nodes"]]
-        except FileNotFoundError:
-            raise click.ClickException(f"{cluster_dir} is not a cluster directory (no cluster.json); start one "
-                                       f"with: dnctl cluster up --dir {cluster_dir}") from None
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise click.ClickException(f"{path} is unreadable: {e}") from None
+            own = info.get("etcd") or {}
+            etcd = etcd or own.get("url")
+            if own.get("auth") and access is not None and not access.get("credentials"):
+                access["credentials"] = str(pathlib.Path(own["auth"]) / "mount")
+        except (KeyError, TypeError) as e:
+            raise click.ClickException(f"{cluster_dir}/cluster.json is unreadable: {e}") from None
     if not addrs and not etcd:
         raise click.UsageError("name the cluster: --cluster DIR, --node ADDR or --etcd URL")
-    return addrs, dirs
+    return addrs, dirs, etcd
+
+
+def _cluster_login(cluster_dir: str | None, secret_file: str | None,
+                   tls_ca: str | None) -> tuple[str | None, str | None]:
+    """(secret_file, tls_ca): what the command line left open, from a local cluster directory -- its secret
+    (DIR/cluster.secret, made by `dnctl cluster up`) and its nodes' TLS CA."""
+    if not cluster_dir:
+        return secret_file, tls_ca
+    cfg = _cluster_json(cluster_dir).get("config") or {}
+    if not secret_file:
+        own = pathlib.Path(cluster_dir) / "cluster.secret"
+        secret_file = str(own) if own.is_file() else cfg.get("secret_file") or None
+        if secret_file and not os.path.isfile(secret_file):
+            raise click.ClickException(f"the cluster in {cluster_dir} authenticates with the secret "
+                                       f"{secret_file} (its cluster.json says), and that file is gone: put it "
+                                       f"back, or pass the secret with --secret-file FILE")
+    return secret_file, tls_ca or cfg.get("tls_ca") or None
 
 
 def _meta_url(meta: str | None, cluster_dir: str | None, etcd: str | None = None) -> str:
@@ -77,21 +122,50 @@ def _meta_url(meta: str | None, cluster_dir: str | None, etcd: str | None = None
     return "sqlite:" + str(pathlib.Path(cluster_dir).resolve() / "dnfs.db")
 
 
-@click.group(help=__doc__)
+@click.group(help=__doc__, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="datanode", prog_name="dnfs")
 def main():
     pass
 
 
 cluster_opts = [
     click.option("--cluster", "cluster_dir", type=click.Path(file_okay=False),
-                 help="Local cluster directory (from `dnctl cluster up --dir`)."),
+                 help="Local cluster directory (from `dnctl cluster up --dir`): its nodes, its etcd (the "
+                      "partition map is followed from there), its secret and TLS CA, unless given below."),
     click.option("--node", multiple=True, help="A datanode address HOST:PORT (repeatable), instead of --cluster."),
     click.option("--etcd", help="The cluster's etcd (http://HOST:PORT[,...]), when a cluster manager keeps "
                       "the partition map there: writes follow its changes (a dead replica is dropped within "
                       "seconds).  Without --cluster also the default metadata store (etcd://HOST:PORT/default)."),
     click.option("--meta", help="Metadata store: sqlite:PATH (one mount; default sqlite:CLUSTER_DIR/dnfs.db) or "
                       "etcd://HOST:PORT[/VOLUME] (shared by many mounts)."),
-]
+    click.option("--secret-file", type=click.Path(dir_okay=False), envvar="DATANODE_SECRET_FILE", show_envvar=True,
+                 help="The cluster secret, a client role key file, or a volume key file (`dnctl volume key`: "
+                      "files then go to that volume's partitions only, and only those are readable), for nodes "
+                      "that have secret_file set (default with --cluster DIR: DIR/cluster.secret, if the "
+                      "cluster has one)."),
+    click.option("--tls-ca", type=click.Path(dir_okay=False), envvar="DATANODE_TLS_CA", show_envvar=True,
+                 help="CA bundle (PEM): speak TLS to the nodes and check their certificates against it "
+                      "(default with --cluster DIR: the nodes' tls_ca, if they have one)."),
+] + [click.option(opt, arg, type=click.Path(dir_okay=False), envvar=env, show_envvar=True, help=text)
+     for opt, env, arg, text in ACCESS_OPTIONS]     # etcd's user and TLS (with --cluster: DIR/etcd-auth/mount)
+
+
+def _login(secret_file: str | None, tls_ca: str | None, access: dict) -> dict:
+    """The credentials and TLS context for the cluster, and how to reach its etcd, loaded once (DataClient
+    arguments)."""
+    from wire.auth import AuthConfigError, Credentials
+    from wire.transport.tls import TlsConfigError, client_context
+    try:
+        return {"secret": Credentials.load(secret_file) if secret_file else None,
+                "tls_ca": client_context(tls_ca) if tls_ca else None, "etcd_access": EtcdAccess.load(**access)}
+    except (AuthConfigError, TlsConfigError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+
+
+def _access_args(access: dict) -> list[str]:
+    """The --etcd-* options again, for the mount's own process."""
+    return [a for opt, _env, arg, _h in ACCESS_OPTIONS if access.get(arg)
+            for a in (opt, os.path.abspath(access[arg]))]
 
 
 def with_cluster(fn):
@@ -110,7 +184,10 @@ def with_cluster(fn):
 @click.option("--chunk-mib", type=click.IntRange(1, 1024), default=16, show_default=True,
               help="A file's buffered bytes are flushed in the background at this size.")
 @click.option("--timeout", type=click.FloatRange(1, 3600), default=30.0, show_default=True,
-              help="Seconds a request to the cluster may take before it fails (EIO).")
+              help="Seconds a request to the cluster may take before it fails (EIO).  A node that answers "
+                   "nothing at all (hung, paused) is given up on sooner: after a few of its usual answer "
+                   "times (2-10 s), and the write goes on elsewhere or once the cluster manager moved the "
+                   "partition.")
 @click.option("--write-retry", type=click.FloatRange(0, 3600), default=30.0, show_default=True,
               help="Seconds a failed write is retried (in a new extent, on another partition or after the "
                    "replica set changed) before the application sees EIO.")
@@ -122,13 +199,24 @@ def with_cluster(fn):
                    "a local disk's unsynced writes are on a power cut, and `sync` does not reach them: `dnfs sync "
                    "MOUNTPOINT` does (`dnfs stats` shows what is still unwritten).  A failed background write is "
                    "logged and reported (EIO) by the file's next close or fsync here, and by `dnfs sync`.")
+@click.option("--inline-kib", type=click.IntRange(0, 1024), default=None,
+              help="With SQLite metadata: files of at most this many KiB keep their bytes in the metadata "
+                   "database, committed with the rest of the file's metadata in one local transaction -- what a "
+                   "close or fsync of a small file waits for -- instead of an append every replica acknowledges "
+                   "(as safe: the file is reachable only through that database anyway).  0: never.  "
+                   "[default: 64]")
+@click.option("--allow-other/--no-allow-other", default=None,
+              help="Whether users other than the one mounting may use the mount (the kernel checks each access "
+                   "against the files' modes and ACLs either way).  Default: yes when root mounts, no when an "
+                   "ordinary user does (--allow-other then needs 'user_allow_other' in /etc/fuse.conf).")
 @click.option("--foreground", "-f", is_flag=True, help="Stay in the foreground (logs to stderr).")
 @click.option("--log", "log_path", type=click.Path(dir_okay=False),
               help="Log file of the background mount (default: META_PATH.log).")
 @click.option("--debug", is_flag=True, help="Log every request.")
 @click.option("--json", "as_json", is_flag=True)
-def mount_cmd(cluster_dir, node, etcd, meta, mountpoint, partition, buffer_mib, chunk_mib, timeout, write_retry,
-              writeback, foreground, log_path, debug, as_json):
+def mount_cmd(cluster_dir, node, etcd, meta, secret_file, tls_ca, mountpoint, partition, buffer_mib, chunk_mib,
+              timeout, write_retry, writeback, inline_kib, allow_other, foreground, log_path, debug, as_json,
+              **access):
     """Mount the cluster at MOUNTPOINT.  Returns once the mount is up (the filesystem runs in a background
     process; `dnfs umount MOUNTPOINT` stops it).
 
@@ -138,14 +226,25 @@ def mount_cmd(cluster_dir, node, etcd, meta, mountpoint, partition, buffer_mib, 
       dnfs mount --cluster /tmp/dn /mnt/dn
       cp -r ~/src /mnt/dn/ && dnfs umount /mnt/dn
     """
-    addrs, _ = _cluster(cluster_dir, node, etcd)
+    _need_fusermount()
+    secret_file, tls_ca = _cluster_login(cluster_dir, secret_file, tls_ca)
+    addrs, _, map_etcd = _cluster(cluster_dir, node, etcd, access)
     url = _meta_url(meta, cluster_dir, etcd)
+    etcd = map_etcd
     mountpoint = os.path.abspath(mountpoint)
+    login = _login(secret_file, tls_ca, access)
+    try:                      # refused here in one line, not in the background process's log
+        check_mountpoint(mountpoint)
+        mount_options(os.getpid(), os.getuid(), allow_other, fuse_conf())
+    except MountError as e:
+        raise click.ClickException(str(e)) from None
     if foreground:
         logging.basicConfig(level=logging.DEBUG if debug else logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         _run(serve, mountpoint, addrs, url, partitions=list(partition) or None, budget=buffer_mib << 20,
-             chunk=chunk_mib << 20, timeout=timeout, write_retry_s=write_retry, etcd=etcd, writeback=writeback)
+             chunk=chunk_mib << 20, timeout=timeout, write_retry_s=write_retry, etcd=etcd, writeback=writeback,
+             inline_max=None if inline_kib is None else inline_kib << 10, login=login, allow_other=allow_other,
+             ready=lambda: sdnotify.ready(f"mounted {mountpoint}"))
         return
     if not log_path:
         log_path = (url.partition(":")[2] + ".log" if url.startswith("sqlite:") else
@@ -156,6 +255,11 @@ def mount_cmd(cluster_dir, node, etcd, meta, mountpoint, partition, buffer_mib, 
             str(write_retry)]
     if etcd:
         args += ["--etcd", etcd]
+    if secret_file:
+        args += ["--secret-file", os.path.abspath(secret_file)]
+    if tls_ca:
+        args += ["--tls-ca", os.path.abspath(tls_ca)]
+    args += _access_args(access)
     if cluster_dir:
         args += ["--cluster", cluster_dir]
     for a in node:
@@ -166,10 +270,20 @@ def mount_cmd(cluster_dir, node, etcd, meta, mountpoint, partition, buffer_mib, 
         args.append("--debug")
     if writeback:
         args.append("--writeback")
+    if inline_kib is not None:
+        args += ["--inline-kib", str(inline_kib)]
+    if allow_other is not None:
+        args.append("--allow-other" if allow_other else "--no-allow-other")
     args.append(mountpoint)
+    env = os.environ.copy()
+    src = pathlib.Path(__file__).resolve().parents[2]
+    if (src / "pyproject.toml").exists():
+        # run from a source checkout: the background process (its cwd is /) runs this checkout's code too, not
+        # whatever the interpreter has installed
+        env["PYTHONPATH"] = os.pathsep.join([str(src)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     with open(log_path, "ab") as logf:
         proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                                start_new_session=True, cwd="/")
+                                start_new_session=True, cwd="/", env=env)
     deadline = time.monotonic() + timeout + 30
     while mount_pid(mountpoint) != proc.pid:
         if proc.poll() is not None:
@@ -199,6 +313,7 @@ def _tail(path: str) -> str:
 @click.option("--json", "as_json", is_flag=True)
 def umount_cmd(mountpoint, lazy, timeout, as_json):
     """Unmount a dnfs mount and wait until its process has flushed and exited."""
+    _need_fusermount()
     try:
         res = unmount(mountpoint, timeout, lazy)
     except MountError as e:
@@ -295,19 +410,24 @@ def sync_cmd(mountpoint, timeout, as_json):
 @click.option("--repair", is_flag=True, help="Fix what is safe to fix (see dnfs fsck --help).")
 @click.option("--no-crc", is_flag=True, help="Do not read data back to check CRCs (metadata and sizes only).")
 @click.option("--json", "as_json", is_flag=True)
-def fsck_cmd(cluster_dir, node, etcd, meta, repair, no_crc, as_json):
+def fsck_cmd(cluster_dir, node, etcd, meta, secret_file, tls_ca, repair, no_crc, as_json, **access):
     """Check the metadata against itself and the datanodes (run it while unmounted).  Exit status 1 if
     problems remain."""
     from client.fs.fsck import fsck
-    from client.sdk import DataClient
-    addrs, _ = _cluster(cluster_dir, node, etcd)
+    from client.sdk import ClientError, DataClient
+    secret_file, tls_ca = _cluster_login(cluster_dir, secret_file, tls_ca)
+    addrs, _, map_etcd = _cluster(cluster_dir, node, etcd, access)
     url = _meta_url(meta, cluster_dir, etcd)
+    etcd = map_etcd
+    login = _login(secret_file, tls_ca, access)
 
     async def go():
-        m = await trio.to_thread.run_sync(open_meta, url)
+        m = await trio.to_thread.run_sync(open_meta, url, login["etcd_access"])
         try:
-            async with DataClient.open(addrs, etcd=etcd) as dc:
+            async with DataClient.open(addrs, etcd=etcd, **login) as dc:
                 return await fsck(m, dc, repair=repair, verify_crc=not no_crc)
+        except ClientError as e:
+            raise login_error(e, login) if e.auth else e from None
         finally:
             await m.close()
 
@@ -318,8 +438,8 @@ def fsck_cmd(cluster_dir, node, etcd, meta, repair, no_crc, as_json):
     if as_json:
         click.echo(json.dumps(rep))
     else:
-        click.echo(f"{rep['slices']} slices, {rep['pieces_crc_checked']} pieces CRC-checked, "
-                   f"deletion queue {rep['deletion_queue']}")
+        click.echo(f"{rep['slices']} slices ({rep['inline_slices']} inline), {rep['pieces_crc_checked']} pieces "
+                   f"CRC-checked, deletion queue {rep['deletion_queue']}")
         for p in rep["problems"]:
             click.echo("problem: " + " ".join(f"{k}={v}" for k, v in p.items()))
         for r in rep["repaired"]:

@@ -2,8 +2,9 @@
 
 The kernel passes neither ``sync`` nor a question like "how much is still buffered?" to a FUSE file system, so
 the mount answers them on a Unix socket of its own, ``RUN_DIR/PID.sock`` (PID: the mount's process, found from
-its fsname, :func:`client.fs.mount.mount_pid`).  The directory is created with mode 0700 and the socket 0600:
-only the mount's own user reaches it.  One request per connection: a JSON line ``{"op": "stats"}`` or
+its fsname, :func:`client.fs.mount.mount_pid`); RUN_DIR is /run/dnfs for root, the user's runtime directory
+(or /tmp/dnfs-UID) for an ordinary user's own mount.  The directory is created with mode 0700 and the socket
+0600: only the mount's own user reaches it.  One request per connection: a JSON line ``{"op": "stats"}`` or
 ``{"op": "sync"}``; one JSON line back (``{"error": "..."}`` when it failed).
 """
 from __future__ import annotations
@@ -17,7 +18,17 @@ import trio
 
 log = logging.getLogger(__name__)
 
-RUN_DIR = os.environ.get("DNFS_RUN_DIR", "/run/dnfs")
+
+
+def run_dir() -> str:
+    if "DNFS_RUN_DIR" in os.environ:
+        return os.environ["DNFS_RUN_DIR"]
+    if os.getuid() == 0:
+        return "/run/dnfs"
+    user = os.environ.get("XDG_RUNTIME_DIR") or f"/run/user/{os.getuid()}"
+    return os.path.join(user, "dnfs") if os.path.isdir(user) else f"/tmp/dnfs-{os.getuid()}"
+
+
 MAX_REQUEST = 4096            # bytes of a request line at most
 REQUEST_TIMEOUT = 10.0        # seconds a peer may take to send its request
 
@@ -27,7 +38,7 @@ class ControlError(Exception):
 
 
 def sock_path(pid: int) -> str:
-    return os.path.join(RUN_DIR, f"{pid}.sock")
+    return os.path.join(run_dir(), f"{pid}.sock")
 
 
 async def serve(ops: dict, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -37,7 +48,9 @@ async def serve(ops: dict, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     path = sock_path(os.getpid())
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        os.makedirs(RUN_DIR, mode=0o700, exist_ok=True)
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        if os.stat(os.path.dirname(path)).st_uid != os.getuid():     # /tmp: someone else's, made in our way
+            raise PermissionError(f"{os.path.dirname(path)} belongs to another user")
         try:
             os.unlink(path)               # a previous process with our pid (a reboot since) left it
         except FileNotFoundError:

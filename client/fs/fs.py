@@ -1,19 +1,19 @@
 """The FUSE operations of dnfs (pyfuse3, in the SDK's trio loop): POSIX calls -> metadata + data path.
 
-Data path.  ``write`` copies into the file's write-back buffer (:mod:`client.fs.writeback`); a buffer that
-reaches ``chunk`` bytes is flushed in the background (one at a time per file, a second full chunk waits for
-it), all buffers together are held under ``budget`` bytes, and ``flush`` (close), ``fsync`` and
-``release`` flush synchronously -- with ``writeback`` (opt-in) a close only starts the flush: the closed
-file's state stays until its bytes are written (``_settle``), unmounting writes what is left.  A flush is
-one ``DataClient.write`` (pipelined appends, acknowledged by every replica) followed by one metadata commit
-of the new slices (newer wins); ``fsync`` also makes the metadata durable.  ``read`` fetches the committed
-slices' bytes (holes are zeros) with sequential readahead, then lays the unflushed bytes over them.
+Data path.  ``write`` hands the bytes to the mount's writer (:mod:`client.fs.writer`: write-back buffers,
+flushes, retries, slices); ``flush`` (close), ``fsync`` and ``release`` flush synchronously -- with
+``writeback`` (opt-in) a close only starts the flush: the closed file's state stays until its bytes are
+written (``DataWriter.settle``), unmounting writes what is left.  ``read`` fetches the committed slices'
+bytes (holes are zeros) with sequential readahead, then lays the unflushed bytes over them.  ``statfs``
+reports what the files hold as used and the datanodes' free space (NODE_STATUS) divided by the replica count
+as available; the size is their sum, as ``df`` expects.
 
-Faults: a flush whose append fails (a replica died, a timeout, a stale epoch) writes the part not yet
-acknowledged again from the buffer -- in a new extent, on another writable partition when there is one,
-else once the map changed -- for ``write_retry_s`` before the file reports EIO (logged with the reason).
-A full datanode disk is ENOSPC (also when a follower's full disk shows only as a replication failure).
-``statfs`` reports the datanodes' disks (NODE_STATUS) divided by the replica count, cached briefly.
+Permissions: the kernel checks every access against the mode bits and the POSIX ACLs (default_permissions,
+FUSE_POSIX_ACL) -- sticky directories, chown/chmod/utimes rules and clearing set-user-ID bits on write,
+truncate and chown included.  What it leaves to the filesystem is done here and in :class:`Meta`: a new
+inode's group and set-group-ID bit in a set-group-ID directory, ACL inheritance and the ACL/mode coupling
+(:mod:`client.fs.acl`), clearing the set-group-ID bit when an ACL is set by a non-member, ENAMETOOLONG on
+lookup.
 
 Caching: the kernel page cache is kept across opens (``keep_cache``) while the file's mtime/ctime are those
 we saw at its last close.  Close-to-open: ``flush`` on close commits, ``open`` reloads the slice list.
@@ -35,11 +35,12 @@ from collections import Counter
 import pyfuse3
 import trio
 
-from client.fs.meta import Attr, Meta, MetaError, Slice
+from client.fs import acl
+from client.fs.meta import DIRENT, ROOT, Attr, Meta, MetaError, Slice
 from client.fs.reclaim import DataLock, Reclaimer
-from client.fs.writeback import DirtyMap
-from client.sdk import ClientError, DataClient, Location
-from datanode.protocol import Op, Result
+from client.fs.writer import DataWriter, FileWriter, data_errno
+from client.sdk import ClientError, DataClient
+from wire.protocol import Op
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +50,8 @@ COMPACT_SLICES = 256               # a file with this many slices is rewritten a
 COMPACT_MAX_BYTES = 256 << 20      # ... if it is no larger than this
 STATFS_CACHE_S = 2.0               # statfs answers from the datanodes' figures this old at most
 STATFS_TIMEOUT_S = 2.0             # a datanode that does not report its disk within this is left out
-FULL_BELOW = 2 << 20               # a datanode with less free disk than this counts as full
+INODES = 1 << 32                   # statfs: the inode count reported as the total (the metadata sets no limit)
 ORPHAN_SWEEP_S = 5.0               # shared engines: how often unlinked inodes of dead mounts are looked for
-AVOID_S = 10.0                     # a partition a write just failed on is passed over this long when others can take it
-RETRY_PAUSE = 1.0                  # a write that failed on every partition waits this long before the next try
-BACKGROUND_FLUSHES = 16            # background flushes (a full chunk, a closed file's bytes) running at once
 CAPS = b"security.capability"      # the kernel asks for it before every write to a file (see ``getxattr``)
 _UNKNOWN = object()
 
@@ -95,27 +93,12 @@ def fuse_op(fn):
     return wrapper
 
 
-def data_errno(e: ClientError, what: str) -> int:
-    if e.result == Result.NO_SPACE:
-        log.warning("%s: the datanodes are full: %s", what, e)
-        return errno.ENOSPC
-    log.error("%s: EIO: %s", what, e)
-    return errno.EIO
+class FileState(FileWriter):
+    """What the mount holds for a file that is open (or still has unflushed bytes): its write-back state
+    (:class:`client.fs.writer.FileWriter`) and what its reads keep."""
 
-
-class FileState:
-    """What the mount holds for a file that is open (or still has unflushed bytes)."""
-
-    def __init__(self, ino: int, size: int):
-        self.ino = ino
-        self.opens = 0
-        self.size = size                  # including unflushed bytes
-        self.dirty = DirtyMap()
-        self.flushing: DirtyMap | None = None
-        self.flush_lock = trio.Lock()
-        self.background = False
-        self.error: int | None = None     # errno of a failed background flush, reported once
-        self.mtime_ns = 0
+    def __init__(self, ino: int, size: int, writer: DataWriter):
+        super().__init__(ino, size, writer.budget)
         self.slices: list[Slice] | None = None
         self.starts: list[int] = []
         self.gen = 0                      # bumped whenever the committed content changes
@@ -128,18 +111,32 @@ class FileState:
         self.caps = _UNKNOWN                  # its security.capability (None: it has none), once asked ...
         self.caps_gen = 0                     # ... and the changes of it begun here (DnFS.getxattr)
 
-    @property
-    def pending_end(self) -> int:
-        return max(self.dirty.end, self.flushing.end if self.flushing else 0)
-
     def changed(self) -> None:
         self.gen += 1
         self.slices = None
         self.ra = self.ra_next = None
 
+    def committed(self, attr: Attr, nslices: int) -> None:
+        self.seen = (attr.mtime_ns, attr.ctime_ns)
+        self.committed_slices += nslices
+        self.changed()
+
+
+def keeps_sgid(ctx, gid: int) -> bool:
+    """May the caller of a request keep the set-group-ID bit of a file of group ``gid``?  (Asked of its
+    /proc/PID/status: the request names only its fs uid and gid; a caller gone meanwhile may not.)"""
+    try:
+        with open(f"/proc/{ctx.pid}/status") as f:
+            status = f.read()
+    except OSError:
+        return False
+    return acl.in_group_or_capable(status, gid)
+
 
 class DnFS(pyfuse3.Operations):
     enable_writeback_cache = False
+    enable_acl = acl.kernel_enforces(os.uname().release)   # the kernel enforces POSIX ACLs; Meta keeps the
+                                                            # mode in step (without: ACLs are refused)
 
     def __init__(self, meta: Meta, dc: DataClient, partitions: list[int], nursery: trio.Nursery, *,
                  budget: int = 256 << 20, chunk: int = 16 << 20, write_retry_s: float = 30.0,
@@ -148,22 +145,21 @@ class DnFS(pyfuse3.Operations):
         if not partitions:
             raise ValueError("no data partition to write to")
         self.meta, self.dc, self.partitions, self.nursery = meta, dc, partitions, nursery
-        self.budget, self.chunk = budget, min(chunk, budget)
         self.writeback = writeback        # close returns before its bytes are written (``flush``)
-        self._background = trio.Semaphore(BACKGROUND_FLUSHES)
         self._cap: tuple[float, tuple[int, int]] | None = None     # (when, (total, free)) for statfs
         self._cap_lock = trio.Lock()
-        self.write_retry_s = write_retry_s
-        self._avoid: dict[int, float] = {}     # partition -> until when writes prefer the others (a failure)
+        self._usage: tuple[float, tuple[int, int]] | None = None   # (when, meta.usage()) for statfs
         self.lock = DataLock()
         self.reclaimer = Reclaimer(meta, dc, self.lock)
-        self.files: dict[int, FileState] = {}
+        self.writer = DataWriter(meta, dc, partitions, nursery, self.lock, budget=budget, chunk=chunk,
+                                 write_retry_s=write_retry_s, forgotten=self._forgotten, lost=self._lost)
+        self.files: dict[int, FileState] = self.writer.files     # open, or holding bytes not yet written
         self.handles: dict[int, int] = {}
         self.next_fh = 1
         self.lookups: Counter[int] = Counter()
+        self.parents: dict[int, int] = {ROOT: ROOT}    # directory -> its parent, while the kernel knows it ("..")
         self.unlinked: set[int] = set()
         self.seen: dict[int, tuple[int, int]] = {}   # ino -> (mtime, ctime) at its last close
-        self.dirty_total = 0
         self.negative_cache = meta.single_mount    # only this mount changes the tree: cache "no such name"
         self.inflight = 0                          # FUSE requests being served (``fuse_op``)
         self.ops: dict[str, list] = {}             # FUSE request kind -> [count, answered with an errno, seconds]
@@ -204,217 +200,75 @@ class DnFS(pyfuse3.Operations):
         e.generation = 0
         e.entry_timeout = e.attr_timeout = self.timeout
         e.st_mode, e.st_nlink, e.st_uid, e.st_gid, e.st_rdev = a.mode, a.nlink, a.uid, a.gid, a.rdev
-        e.st_size = max(a.size, st.size) if st is not None and (st.dirty or st.flushing) else a.size
+        e.st_size = max(a.size, st.size) if st is not None and st.pending else a.size
+        if a.is_dir:
+            e.st_size = max(e.st_size, 2 * DIRENT)     # a directory written before sizes were kept
         e.st_blksize = 1 << 20
         e.st_blocks = (e.st_size + 511) // 512
         e.st_atime_ns, e.st_mtime_ns, e.st_ctime_ns = a.atime_ns, a.mtime_ns, a.ctime_ns
         return e
 
-    def _looked_up(self, a: Attr) -> pyfuse3.EntryAttributes:
+    def _looked_up(self, a: Attr, parent: int) -> pyfuse3.EntryAttributes:
         self.lookups[a.ino] += 1
+        if a.is_dir:
+            self.parents[a.ino] = parent
         return self.entry(a)
-
-    def _pid(self, ino: int) -> int:
-        return self.partitions[ino % len(self.partitions)]
 
     async def _maybe_remove(self, ino: int) -> None:
         st = self.files.get(ino)
         if ino in self.unlinked and self.lookups[ino] <= 0 and (st is None or st.opens == 0):
             self.unlinked.discard(ino)
             if st is not None:
-                self._drop_buffer(st)            # nobody can read them any more
+                st.buf.drop()                    # nobody can read them any more
                 async with st.flush_lock:        # a flush under way commits first, then the inode goes
                     pass
             self.files.pop(ino, None)
             await self.meta.remove(ino)
             self.reclaimer.kick()
 
-    def _drop_buffer(self, st: FileState) -> None:
-        """The bytes of a file that is gone need not be written (write-back keeps closed files' bytes)."""
-        if st.dirty:
-            self.dirty_total -= st.dirty.nbytes
-            st.dirty = DirtyMap()
-
     def _raise_error(self, st: FileState) -> None:
-        if st.error is not None:
-            err, st.error = st.error, None
+        err = st.take_error()
+        if err is not None:
             raise pyfuse3.FUSEError(err)
 
-    # -- flushing
-    async def _flush(self, st: FileState, *, durable: bool = False) -> bool:
-        """Write the file's dirty bytes and commit their slices; ``durable`` (an fsync): the commit, and every
-        one before it, durable on return.  Returns whether it committed (errors: ``st.error``)."""
-        async with st.flush_lock:
-            if not st.dirty:
-                return False
-            m = st.dirty
-            st.dirty, st.flushing = DirtyMap(), m
-            try:
-                ranges = m.ranges()
-                payload = ranges[0][1] if len(ranges) == 1 else b"".join(b for _, b in ranges)
-                await self.lock.acquire_shared()
-                try:
-                    locs = await self._write_data(st.ino, payload)
-                    slices = []
-                    it = iter(ranges)
-                    roff, rbuf = next(it)
-                    rpos = 0        # payload position where the current range starts
-                    q = 0           # payload position of the current location
-                    for loc in locs:
-                        x = q
-                        while x < q + loc.length:
-                            if x >= rpos + len(rbuf):
-                                rpos += len(rbuf)
-                                roff, rbuf = next(it)
-                                continue
-                            y = min(q + loc.length, rpos + len(rbuf))
-                            slices.append(Slice(roff + x - rpos, y - x, loc.partition, loc.extent,
-                                                loc.offset + x - q, loc.offset, loc.length, loc.crc))
-                            x = y
-                        q += loc.length
-                    a = await self.meta.commit(st.ino, slices, m.end, st.mtime_ns or time.time_ns(),
-                                               durable=durable)
-                    st.seen = (a.mtime_ns, a.ctime_ns)
-                    st.committed_slices += len(slices)
-                finally:
-                    await self.lock.release_shared()
-                st.changed()
-                return True
-            except (ClientError, MetaError) as e:
-                st.error = e.errno if isinstance(e, MetaError) else data_errno(e, "flush")
-                log.error("flush of inode %d (%d bytes) failed: %s", st.ino, m.nbytes, e)
-                return False
-            finally:
-                st.flushing = None
-                self.dirty_total -= m.nbytes
+    def _forgotten(self, st: FileState) -> None:
+        """The writer let go of a closed file: what it was at its close decides ``keep_cache`` at the next open."""
+        if st.ino not in self.unlinked:
+            self.seen[st.ino] = st.seen
 
-    def _writable(self, pid: int) -> bool:
-        """Can partition ``pid`` take writes, as far as the map says (without an etcd map: assume so)."""
-        v = self.dc.views.get(pid)
-        return v is None or v.state == "writable"
+    def _lost(self, st: FileState) -> None:
+        """A failed flush let go of bytes the cluster does not hold: what we and the kernel cache of the file
+        (its pages, its size) must not show them; its next open starts with an empty page cache."""
+        st.changed()
+        st.seen = (-1, -1)
+        self.nursery.start_soon(self._uncache, st.ino)
 
-    async def _write_data(self, ino: int, payload) -> list[Location]:
-        """Write ``payload`` into extents, acknowledged by every replica; returns its locations in order.
-
-        A failed append (a replica died, a timeout, a lost connection, a stale epoch) is not the
-        application's problem while the write-back buffer still holds the bytes: the part not yet
-        acknowledged is written again, in a new extent, on another writable partition when there is one,
-        else on the same one once the map has had time to change (the cluster manager shrinks a replica set
-        within seconds; the SDK follows etcd).  Only after ``write_retry_s`` does the error reach the caller
-        (EIO, logged with the reason).  A full disk (NO_SPACE) is reported at once (ENOSPC)."""
-        mv = memoryview(payload).cast("B")
-        out: list[Location] = []
-        pos = 0
-        home = self._pid(ino)
-        failed: set[int] = set()
-        full: set[int] = set()
-        deadline = trio.current_time() + self.write_retry_s
-        while True:
-            now = trio.current_time()
-            order = [p for p in [home] + [p for p in self.partitions if p != home] if p not in full]
-            cands = [p for p in order if p not in failed and self._writable(p)]
-            cands = [p for p in cands if self._avoid.get(p, 0) <= now] or cands
-            pid = cands[0] if cands else order[0]
-            try:
-                out += await self.dc.write(pid, mv[pos:])
-                if failed:
-                    log.info("inode %d: write went through on partition %d after retrying", ino, pid)
-                return out
-            except ClientError as e:
-                done = getattr(e, "done", [])
-                out += done
-                pos += sum(loc.length for loc in done)
-                if e.result == Result.FORBIDDEN:
-                    raise
-                if e.result != Result.NO_SPACE and await self._replica_full(pid):
-                    e = ClientError(f"partition {pid}: a replica's disk is full ({e})", Result.NO_SPACE, e.node)
-                if e.result == Result.NO_SPACE:      # another partition may have room; else ENOSPC at once
-                    full.add(pid)
-                    if all(p in full for p in self.partitions):
-                        raise e
-                    log.warning("inode %d: partition %d is full; writing to another one", ino, pid)
-                    continue
-                left = deadline - trio.current_time()
-                if left <= 0:
-                    log.error("inode %d: giving up on a write of %d bytes after %.0fs of retries: %s", ino,
-                              len(mv) - pos, self.write_retry_s, e)
-                    raise
-                log.warning("inode %d: write to partition %d failed (%s); %d bytes unacknowledged, retrying "
-                            "for %.0fs more", ino, pid, e, len(mv) - pos, left)
-                failed.add(pid)
-                self._avoid[pid] = trio.current_time() + AVOID_S
-                if not [p for p in self.partitions if p not in failed and self._writable(p)]:
-                    failed.clear()                      # every partition failed: wait for the map to change
-                    await trio.sleep(min(RETRY_PAUSE, left))
-
-    async def _replica_full(self, pid: int) -> bool:
-        """Does a replica of ``pid`` report a full disk?  (A follower's NO_SPACE reaches us only as a
-        replication failure.)"""
-        part = self.dc.partitions.get(pid)
-        if part is None:
-            return False
-        for addr in part.replicas:
-            with trio.move_on_after(STATFS_TIMEOUT_S):
-                try:
-                    d = (await self.dc.admin(addr, Op.NODE_STATUS)).get("disk") or {}
-                except ClientError:
-                    continue
-                if "free" in d and d["free"] < FULL_BELOW:
-                    log.warning("partition %d: %s reports a full disk (%d bytes free)", pid, addr, d["free"])
-                    return True
-        return False
-
-    def _flush_soon(self, st: FileState) -> None:
-        """Start a background flush of the file's buffered bytes (unless one is running)."""
-        if st.dirty and not st.background:
-            st.background = True
-            self.nursery.start_soon(self._background_flush, st)
-
-    async def _background_flush(self, st: FileState) -> None:
-        try:
-            async with self._background:
-                await self._flush(st)
-        except Exception:        # noqa: BLE001 - a task must not take the mount down; the file reports EIO
-            log.exception("background flush of inode %d", st.ino)
-            st.error = errno.EIO
-        finally:
-            st.background = False
-        if st.opens == 0:        # closed meanwhile (write-back): more to write, or nothing left to keep
-            if st.dirty and st.error is None:
-                self._flush_soon(st)
-            else:
-                self._settle(st)
-
-    def _settle(self, st: FileState) -> None:
-        """Forget a closed file whose bytes are all written (its last failure, if any, is kept for the next
-        open to report)."""
-        if (st.opens == 0 and not st.dirty and not st.flushing and not st.background and st.error is None
-                and self.files.get(st.ino) is st):
-            self.files.pop(st.ino)
-            if st.ino not in self.unlinked:
-                self.seen[st.ino] = st.seen
+    @staticmethod
+    async def _uncache(ino: int) -> None:
+        try:        # in a thread, never in the request that failed: the kernel may hold the pages it writes
+            await trio.to_thread.run_sync(pyfuse3.invalidate_inode, ino)
+        except OSError as e:
+            log.debug("invalidating inode %d: %s", ino, e)
 
     async def _truncate(self, st: FileState, size: int) -> Attr:
         await self._flush_checked(st)
         async with st.flush_lock:
             a = await self.meta.truncate(st.ino, size, time.time_ns())
             st.seen = (a.mtime_ns, a.ctime_ns)
-            before = st.dirty.nbytes
-            st.dirty.truncate(size)
-            self.dirty_total += st.dirty.nbytes - before
+            st.buf.truncate(size)
             st.size = size
             st.changed()
         return a
 
     async def _flush_checked(self, st: FileState) -> None:
-        await self._flush(st)
+        await self.writer.flush(st)
         self._raise_error(st)
 
     # -- attributes and names
     @fuse_op
     async def lookup(self, parent_inode, name, ctx=None):
         try:
-            return self._looked_up(await self.meta.lookup(parent_inode, name))
+            return self._looked_up(await self.meta.lookup(parent_inode, name), parent_inode)
         except MetaError as e:
             if e.errno != errno.ENOENT or not self.negative_cache:
                 raise
@@ -429,6 +283,8 @@ class DnFS(pyfuse3.Operations):
             self.lookups[ino] -= n
             if self.lookups[ino] <= 0:
                 del self.lookups[ino]
+                if ino != ROOT:
+                    self.parents.pop(ino, None)
                 await self._maybe_remove(ino)
 
     @fuse_op
@@ -465,21 +321,22 @@ class DnFS(pyfuse3.Operations):
 
     @fuse_op
     async def mknod(self, parent_inode, name, mode, rdev, ctx):
-        return self._looked_up(await self.meta.create(parent_inode, name, mode, ctx.uid, ctx.gid, rdev))
+        return self._looked_up(await self.meta.create(parent_inode, name, mode, ctx.uid, ctx.gid, rdev),
+                               parent_inode)
 
     @fuse_op
     async def mkdir(self, parent_inode, name, mode, ctx):
         return self._looked_up(await self.meta.create(parent_inode, name, stat.S_IFDIR | (mode & 0o7777),
-                                                      ctx.uid, ctx.gid))
+                                                      ctx.uid, ctx.gid), parent_inode)
 
     @fuse_op
     async def symlink(self, parent_inode, name, target, ctx):
         return self._looked_up(await self.meta.create(parent_inode, name, stat.S_IFLNK | 0o777, ctx.uid,
-                                                      ctx.gid, target=target))
+                                                      ctx.gid, target=target), parent_inode)
 
     @fuse_op
     async def link(self, inode, new_parent_inode, new_name, ctx):
-        return self._looked_up(await self.meta.link(inode, new_parent_inode, new_name))
+        return self._looked_up(await self.meta.link(inode, new_parent_inode, new_name), new_parent_inode)
 
     @fuse_op
     async def unlink(self, parent_inode, name, ctx):
@@ -500,6 +357,17 @@ class DnFS(pyfuse3.Operations):
         if replaced is not None and replaced.nlink <= 0:
             self.unlinked.add(replaced.ino)
             await self._maybe_remove(replaced.ino)
+        if parent_inode_old != parent_inode_new:       # a directory moved: its ".." is the new parent
+            moved = [(parent_inode_new, name_new)]
+            if flags & pyfuse3.RENAME_EXCHANGE:
+                moved.append((parent_inode_old, name_old))
+            for p, n in moved:
+                try:
+                    a = await self.meta.lookup(p, n)
+                except MetaError:
+                    continue
+                if a.is_dir and a.ino in self.parents:
+                    self.parents[a.ino] = p
 
     # -- directories
     @fuse_op
@@ -509,17 +377,32 @@ class DnFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         return inode
 
+    @staticmethod
+    def _dot(ino: int) -> pyfuse3.EntryAttributes:
+        """"." or "..": the kernel takes only the inode number and type (and counts no lookup of them)."""
+        e = pyfuse3.EntryAttributes()
+        e.st_ino, e.st_mode = ino, stat.S_IFDIR
+        return e
+
     @fuse_op
     async def readdir(self, fh, start_id, token):
+        """"." (cookie 1) and ".." (cookie 2) first, then the entries, each cookie the engine's plus 2."""
+        if start_id == 0 and not pyfuse3.readdir_reply(token, b".", self._dot(fh), 1):
+            return
+        if start_id <= 1 and not pyfuse3.readdir_reply(token, b"..", self._dot(self.parents.get(fh, fh)), 2):
+            return
+        after = max(start_id - 2, 0)
         while True:
-            batch = await self.meta.readdir(fh, start_id, 512)
+            batch = await self.meta.readdir(fh, after, 512)
             if not batch:
                 return
             for name, a, cookie in batch:
-                if not pyfuse3.readdir_reply(token, name, self.entry(a), cookie):
+                if not pyfuse3.readdir_reply(token, name, self.entry(a), cookie + 2):
                     return
                 self.lookups[a.ino] += 1
-                start_id = cookie
+                if a.is_dir:
+                    self.parents[a.ino] = fh
+                after = cookie
 
     async def releasedir(self, fh):
         pass
@@ -532,8 +415,8 @@ class DnFS(pyfuse3.Operations):
     async def _open(self, a: Attr) -> pyfuse3.FileInfo:
         st = self.files.get(a.ino)
         if st is None:
-            st = self.files[a.ino] = FileState(a.ino, a.size)
-        elif not (st.dirty or st.flushing):
+            st = self.files[a.ino] = FileState(a.ino, a.size, self.writer)
+        elif not st.pending:
             st.size = a.size
         if st.opens == 0:
             await self.meta.opened(a.ino)
@@ -565,7 +448,7 @@ class DnFS(pyfuse3.Operations):
         fi = await self._open(a)
         if self.meta.single_mount:
             self.files[a.ino].caps = None       # a new file has no xattrs: its first write need not ask
-        return fi, self._looked_up(a)
+        return fi, self._looked_up(a, parent_inode)
 
     async def _slices(self, st: FileState) -> list[Slice]:
         while st.slices is None:
@@ -591,6 +474,10 @@ class DnFS(pyfuse3.Operations):
             data = await self.dc.read(p.partition, p.extent, p.ext_off, p.length)
             out[p.off - off:p.end - off] = data
 
+        for p in pieces:
+            if p.inline:
+                out[p.off - off:p.end - off] = p.data
+        pieces = [p for p in pieces if not p.inline]
         if len(pieces) == 1:
             await fetch(pieces[0])
         elif pieces:
@@ -659,33 +546,14 @@ class DnFS(pyfuse3.Operations):
             nxt = ra[0] + len(ra[1])
             if nxt < st.size:
                 self.nursery.start_soon(self._prefetch, st, nxt, min(READAHEAD, st.size - nxt))
-        if st.flushing:
-            st.flushing.overlay(off, out)
-        if st.dirty:
-            st.dirty.overlay(off, out)
+        st.buf.overlay(off, out)
         return bytes(out)
 
     @fuse_op
     async def write(self, fh, off, buf):
         st = self.files[self.handles[fh]]
         self._raise_error(st)
-        before = st.dirty.nbytes
-        st.dirty.write(off, buf)
-        self.dirty_total += st.dirty.nbytes - before
-        st.size = max(st.size, off + len(buf))
-        st.mtime_ns = time.time_ns()
-        if st.dirty.nbytes >= self.chunk:
-            if st.background or st.flush_lock.locked():
-                if st.dirty.nbytes >= 2 * self.chunk:
-                    await self._flush(st)                   # backpressure: one chunk in flight at most
-            else:
-                st.background = True
-                self.nursery.start_soon(self._background_flush, st)
-        if self.dirty_total > self.budget:
-            for other in sorted(self.files.values(), key=lambda s: -s.dirty.nbytes):
-                if self.dirty_total <= self.budget // 2:
-                    break
-                await self._flush(other)
+        await self.writer.write(st, off, buf)
         return len(buf)
 
     @fuse_op
@@ -695,14 +563,14 @@ class DnFS(pyfuse3.Operations):
         st = self.files[self.handles[fh]]
         if self.writeback:
             self._raise_error(st)
-            self._flush_soon(st)
+            self.writer.flush_soon(st)
             return
         await self._flush_checked(st)
 
     @fuse_op
     async def fsync(self, fh, datasync):
         st = self.files[self.handles[fh]]
-        committed = await self._flush(st, durable=True)     # its commit made durable in the same step
+        committed = await self.writer.flush(st, durable=True)     # its commit made durable in the same step
         self._raise_error(st)
         if not committed:
             # nothing flushed here: an earlier commit (a close's, a background flush's) may not be durable yet
@@ -716,21 +584,21 @@ class DnFS(pyfuse3.Operations):
         if st.opens == 0:          # each first open here told the engine (opened), each last close does
             try:
                 if self.writeback:
-                    self._flush_soon(st)
+                    self.writer.flush_soon(st)
                 else:
-                    await self._flush(st)
+                    await self.writer.flush(st)
                 if st.committed_slices >= COMPACT_SLICES and self.meta.single_mount:
                     await self._compact(st)
             finally:
                 if ino in self.unlinked:                 # gone from the tree: its bytes need not be written,
-                    self._drop_buffer(st)
+                    st.buf.drop()
                     async with st.flush_lock:            # and one being written commits before it goes
                         pass
                 if await self.meta.closed(ino):          # its last link was gone: removed
                     self.unlinked.discard(ino)
                     self.seen.pop(ino, None)
                     self.reclaimer.kick()
-                self._settle(st)
+                self.writer.settle(st)
                 await self._maybe_remove(ino)
 
     async def _compact(self, st: FileState) -> None:
@@ -744,36 +612,20 @@ class DnFS(pyfuse3.Operations):
             if len(slices) < COMPACT_SLICES:
                 return
             a = await self.meta.getattr(st.ino)
-            if a.size > COMPACT_MAX_BYTES or st.dirty:
+            if a.size > COMPACT_MAX_BYTES or st.buf.dirty:
                 return
             st.changed()
             data = await self._committed(st, 0, a.size)
-            await self.lock.acquire_shared()
-            try:
-                locs = await self._write_data(st.ino, data)
-                new, pos = [], 0
-                for loc in locs:
-                    new.append(Slice(pos, loc.length, loc.partition, loc.extent, loc.offset, loc.offset, loc.length,
-                                     loc.crc))
-                    pos += loc.length
-                a = await self.meta.commit(st.ino, new, a.size, a.mtime_ns)
-            finally:
-                await self.lock.release_shared()
+            a, new = await self.writer.store(st.ino, [(0, a.size)], data, a.size, a.mtime_ns, whole=a.size)
             st.changed()
             st.seen = (a.mtime_ns, a.ctime_ns)
-            log.info("compacted inode %d: %d slices -> %d", st.ino, len(slices), len(new))
+            log.info("compacted inode %d: %d slices -> %d", st.ino, len(slices), new)
             self.reclaimer.kick()
 
     async def flush_all(self) -> list[int]:
         """Write every file's buffered bytes; returns the inodes whose bytes could not be (EIO at their next
         close or fsync here)."""
-        failed = []
-        for st in list(self.files.values()):
-            await self._flush(st)
-            if st.error is not None:
-                failed.append(st.ino)
-            self._settle(st)
-        return failed
+        return await self.writer.flush_all()
 
     async def sync_all(self) -> dict:
         """What ``sync`` does for a local disk -- the kernel does not pass it to us (``dnfs sync``): every
@@ -791,7 +643,7 @@ class DnFS(pyfuse3.Operations):
         left = self.unwritten() or (0, 0)
         return {"pid": os.getpid(), "writeback": self.writeback, "open_files": sum(1 for st in held if st.opens),
                 "files_held": len(held), "unwritten_bytes": left[0], "unwritten_files": left[1],
-                "buffer_budget": self.budget, "background_flushes": BACKGROUND_FLUSHES - self._background.value,
+                "buffer_budget": self.writer.budget.limit, "background_flushes": self.writer.background_flushes,
                 "files_failed": sum(1 for st in held if st.error is not None),
                 "requests": {k: {"count": c, "failed": f, "seconds": round(t, 3)}
                              for k, (c, f, t) in sorted(self.ops.items())},
@@ -799,10 +651,7 @@ class DnFS(pyfuse3.Operations):
 
     def unwritten(self) -> tuple[int, int] | None:
         """(bytes, files) buffered and not yet written, if any."""
-        sts = [st for st in self.files.values() if st.dirty or st.flushing]
-        if not sts:
-            return None
-        return sum(st.dirty.nbytes + (st.flushing.nbytes if st.flushing else 0) for st in sts), len(sts)
+        return self.writer.unwritten()
 
     # -- file system
     async def capacity(self) -> tuple[int, int]:
@@ -841,24 +690,60 @@ class DnFS(pyfuse3.Operations):
                 return 0, 0
             return self._cap[1]
 
+    async def usage(self) -> tuple[int, int]:
+        """(inodes, bytes the files hold) from the metadata, cached as long as ``capacity``."""
+        if self._usage is None or trio.current_time() - self._usage[0] >= STATFS_CACHE_S:
+            self._usage = (trio.current_time(), await self.meta.usage())
+        return self._usage[1]
+
     @fuse_op
     async def statfs(self, ctx):
-        files, _used = await self.meta.usage()
-        total, free = await self.capacity()
+        """Used: the files' bytes; available: what the datanodes' disks can still take, each byte stored once
+        per replica; size: the two together (so ``df`` adds up, and an empty mount shows nothing used, whatever
+        else shares the disks).  Inodes: the metadata sets no limit; 2^32 stands for it."""
+        inodes, used = await self.usage()
+        _total, free = await self.capacity()
         s = pyfuse3.StatvfsData()
         s.f_bsize, s.f_frsize, s.f_namemax = 1 << 20, 4096, 255
-        s.f_blocks = total // s.f_frsize
         s.f_bfree = s.f_bavail = free // s.f_frsize
-        s.f_files = files + (1 << 32)
-        s.f_ffree = s.f_favail = 1 << 32
+        s.f_blocks = s.f_bfree + -(-used // s.f_frsize)
+        s.f_files = max(INODES, inodes)
+        s.f_ffree = s.f_favail = s.f_files - inodes
         return s
 
     # -- extended attributes
     @fuse_op
     async def setxattr(self, inode, name, value, ctx):
+        if name in acl.NAMES:
+            if not self.enable_acl:
+                raise pyfuse3.FUSEError(errno.EOPNOTSUPP)
+            await self._set_acl(inode, name, value, ctx)
+            return
         change = self._caps_changing(inode, name)
         await self.meta.setxattr(inode, name, value)
         self._caps_changed(change, value)
+
+    async def _set_acl(self, inode: int, name: bytes, value: bytes, ctx) -> None:
+        """The kernel has checked the ACL and the caller's right to set it; an access ACL sets the mode's
+        permission bits with it (and takes the set-group-ID bit from a caller outside the file's group), a
+        default ACL is for directories only."""
+        try:
+            acl.parse(value)
+        except acl.AclError as e:
+            raise MetaError(errno.EINVAL, str(e)) from None
+        a = await self.meta.getattr(inode)
+        if stat.S_ISLNK(a.mode):
+            raise pyfuse3.FUSEError(errno.EOPNOTSUPP)
+        if name == acl.DEFAULT:
+            if not a.is_dir:
+                raise pyfuse3.FUSEError(errno.EACCES)
+            await self.meta.setxattr(inode, name, value)
+            return
+        keep = not a.mode & stat.S_ISGID or keeps_sgid(ctx, a.gid)
+        a = await self.meta.set_acl(inode, value, keep_sgid=keep, ctime_ns=time.time_ns())
+        st = self.files.get(inode)
+        if st is not None:
+            st.seen = (a.mtime_ns, a.ctime_ns)
 
     @fuse_op
     async def getxattr(self, inode, name, ctx):

@@ -17,7 +17,7 @@ import logging
 from client.fs.meta import Meta
 from client.fs.reclaim import Reclaimer
 from client.sdk import ClientError, DataClient
-from datanode.crc import crc32c
+from wire.crc import crc32c
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 async def fsck(meta: Meta, dc: DataClient, *, repair: bool = False, verify_crc: bool = True) -> dict:
     problems = await meta.check()
     slices = await meta.all_slices()
+    inline = [(ino, s) for ino, s in slices if s.inline]      # bytes in the metadata: no extent to check
+    slices = [(ino, s) for ino, s in slices if not s.inline]
     marks: dict[int, dict[int, int]] = {}
     for pid in sorted({s.partition for _, s in slices}):
         marks[pid] = await dc.watermarks(pid)
@@ -57,8 +59,8 @@ async def fsck(meta: Meta, dc: DataClient, *, repair: bool = False, verify_crc: 
     for pid, extent in sorted(await meta.known_extents() - referenced):
         problems.append({"kind": "unreferenced_extent", "partition": pid, "extent": extent})
     queued = len(await meta.queued(1 << 30))
-    report = {"slices": len(slices), "pieces_crc_checked": checked, "problems": problems,
-              "deletion_queue": queued, "repaired": [], "extents_released": 0}
+    report = {"slices": len(slices) + len(inline), "inline_slices": len(inline), "pieces_crc_checked": checked,
+              "problems": problems, "deletion_queue": queued, "repaired": [], "extents_released": 0}
     if repair:
         meta.reclaim_all = True          # run while unmounted: every session's leftovers may go
         report["repaired"] = await meta.repair(problems)

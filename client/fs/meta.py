@@ -9,6 +9,8 @@ The model (after JuiceFS's metadata engines and CubeFS's metanode, facts only):
   ``ext_off`` on.  ``(wpos, wlen, crc)`` name the whole piece as it was written (one SDK append) and its
   CRC32C, so ``fsck`` can verify it even after the window was trimmed.  Newer data wins: committing a slice
   cuts away whatever older slices it covers.  A byte no slice covers (below the file size) reads as zero;
+* **inline slices** (engines with ``inline_max``): a small file's bytes kept in the slice itself, committed
+  in the same transaction as its other metadata -- no extent, nothing to reclaim;
 * a **deletion queue** of extents that may have lost their last slice.  The filesystem deletes an extent
   on the datanodes only after checking, at that moment, that no slice references it any more.
 
@@ -32,10 +34,13 @@ import stat
 import time
 from typing import Callable, Sequence, TypeVar
 
+from client.fs import acl
+
 T = TypeVar("T")
 
 ROOT = 1
 NAME_MAX = 255
+DIRENT = 20          # a directory's size grows by this per entry, "." and ".." included (as tmpfs counts)
 
 
 class MetaError(Exception):
@@ -82,20 +87,30 @@ class Slice:
     wpos: int         # the written piece: extent offset ...
     wlen: int         # ... its length ...
     crc: int          # ... and its CRC32C
+    data: bytes | None = None     # an inline slice's bytes (kept in the metadata; no extent, partition 0)
 
     @property
     def end(self) -> int:
         return self.off + self.length
 
+    @property
+    def inline(self) -> bool:
+        return self.data is not None
+
     def cut(self, start: int, end: int) -> "Slice":
         """The part of this slice inside file range [start, end)."""
         s, e = max(start, self.off), min(end, self.end)
-        return dataclasses.replace(self, off=s, length=e - s, ext_off=self.ext_off + (s - self.off))
+        data = None if self.data is None else self.data[s - self.off:e - self.off]
+        return dataclasses.replace(self, off=s, length=e - s, ext_off=self.ext_off + (s - self.off), data=data)
+
+
+def check_length(name: bytes) -> None:
+    if len(name) > NAME_MAX:
+        raise MetaError(errno.ENAMETOOLONG, f"name longer than {NAME_MAX} bytes")
 
 
 def check_name(name: bytes) -> None:
-    if len(name) > NAME_MAX:
-        raise MetaError(errno.ENAMETOOLONG, f"name longer than {NAME_MAX} bytes")
+    check_length(name)
     if not name or b"/" in name or name in (b".", b".."):
         raise MetaError(errno.EINVAL, f"bad name {name!r}")
 
@@ -175,11 +190,20 @@ class MetaTx(abc.ABC):
 
     @abc.abstractmethod
     def drop_slice(self, ino: int, s: Slice) -> None:
-        """Remove a slice; its extent goes to the deletion queue (released once nothing references it)."""
+        """Remove a slice; its extent (an inline slice has none) goes to the deletion queue (released once
+        nothing references it)."""
 
     @abc.abstractmethod
     def wrote_extent(self, partition: int, extent: int) -> None:
         """Remember an extent data was committed into (fsck: extents nobody references)."""
+
+    @abc.abstractmethod
+    def xattr(self, ino: int, name: bytes) -> bytes | None:
+        """An extended attribute's value, None if the inode has none of that name."""
+
+    @abc.abstractmethod
+    def put_xattr(self, ino: int, name: bytes, value: bytes | None) -> None:
+        """Set an extended attribute (None: remove it if there is one)."""
 
 
 class Meta(abc.ABC):
@@ -190,6 +214,7 @@ class Meta(abc.ABC):
     single_mount = True      # only one mount changes this tree (the kernel may cache negative lookups)
     quiet = None             # () -> bool, set by the mount: one request in flight, nothing waits behind it
     reclaim_all = False      # fsck: release extents whatever mount session wrote them
+    inline_max = 0           # files no larger than this keep their bytes in their slices (0: never)
 
     @abc.abstractmethod
     async def _run(self, fn: Callable[..., T], *args) -> T:
@@ -248,10 +273,12 @@ class Meta(abc.ABC):
             raise MetaError(errno.ENOENT)
         return ino
 
-    def _touch(self, tx: MetaTx, ino: int, now: int, nlink: int = 0) -> None:
+    def _touch(self, tx: MetaTx, ino: int, now: int, nlink: int = 0, entries: int = 0) -> None:
+        """A directory's entries changed: its times, its link count (subdirectories) and its size."""
         a = self._get(tx, ino)
         a.mtime_ns = a.ctime_ns = now
         a.nlink += nlink
+        a.size = max(2 * DIRENT, a.size + entries * DIRENT)
         tx.put_attr(a)
 
     def _drop_entry(self, tx: MetaTx, parent: int, name: bytes, ino: int, now: int) -> Attr:
@@ -260,10 +287,10 @@ class Meta(abc.ABC):
         tx.del_entry(parent, name)
         if a.is_dir:
             a.nlink = 0
-            self._touch(tx, parent, now, -1)
+            self._touch(tx, parent, now, -1, -1)
         else:
             a.nlink -= 1
-            self._touch(tx, parent, now)
+            self._touch(tx, parent, now, 0, -1)
         a.ctime_ns = now
         tx.put_attr(a)
         if a.nlink <= 0 and not a.is_dir:
@@ -271,6 +298,7 @@ class Meta(abc.ABC):
         return a
 
     async def lookup(self, parent: int, name: bytes) -> Attr:
+        check_length(name)
         return await self._run(lambda tx: self._get(tx, self._existing(tx, parent, name)))
 
     async def getattr(self, ino: int) -> Attr:
@@ -282,6 +310,9 @@ class Meta(abc.ABC):
             a = self._get(tx, ino)
             if mode is not None:
                 a.mode = (a.mode & ~0o7777) | (mode & 0o7777)
+                rules = tx.xattr(ino, acl.ACCESS)
+                if rules is not None:        # a chmod rewrites the access ACL's owner, mask and other entries
+                    tx.put_xattr(ino, acl.ACCESS, acl.encode(acl.chmod(acl.parse(rules), a.mode)))
             for k, v in (("uid", uid), ("gid", gid), ("atime_ns", atime_ns), ("mtime_ns", mtime_ns)):
                 if v is not None:
                     setattr(a, k, v)
@@ -292,18 +323,51 @@ class Meta(abc.ABC):
 
     async def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int, rdev: int = 0,
                      target: bytes = b"") -> Attr:
-        """A new inode (file, directory, symlink with ``target``, device, fifo) and its entry."""
+        """A new inode (file, directory, symlink with ``target``, device, fifo) and its entry.  In a
+        set-group-ID directory it takes the directory's group (a directory also the bit); in a directory with
+        a default ACL, the ACL (:func:`client.fs.acl.inherit`)."""
         check_name(name)
 
         def go(tx):
-            self._dir(tx, parent)
+            p = self._dir(tx, parent)
             if tx.child(parent, name) is not None:
                 raise MetaError(errno.EEXIST)
             now = time.time_ns()
             is_dir = stat.S_ISDIR(mode)
-            a = tx.new_inode(Attr(0, mode, 2 if is_dir else 1, uid, gid, rdev, len(target), now, now, now), target)
+            m, g = mode, gid
+            if p.mode & stat.S_ISGID:
+                g = p.gid
+                if is_dir:
+                    m |= stat.S_ISGID
+            default = tx.xattr(parent, acl.DEFAULT)
+            rules = inherited = None
+            if default is not None:
+                m, rules, inherited = acl.inherit(default, m)
+            a = tx.new_inode(Attr(0, m, 2 if is_dir else 1, uid, g, rdev, 2 * DIRENT if is_dir else len(target),
+                                  now, now, now), target)
+            if rules is not None:
+                tx.put_xattr(a.ino, acl.ACCESS, rules)
+            if inherited is not None:
+                tx.put_xattr(a.ino, acl.DEFAULT, inherited)
             tx.add_entry(parent, name, a.ino)
-            self._touch(tx, parent, now, 1 if is_dir else 0)
+            self._touch(tx, parent, now, 1 if is_dir else 0, 1)
+            return a
+        return await self._run(go)
+
+    async def set_acl(self, ino: int, rules: bytes, *, keep_sgid: bool, ctime_ns: int) -> Attr:
+        """Set an inode's access ACL: its mode's permission bits follow the ACL (and its set-group-ID bit goes
+        unless ``keep_sgid``: the caller is in the file's group or may keep it), and an ACL the mode says
+        exactly is not stored -- one transaction, so no reader sees the one without the other."""
+        entries = acl.parse(rules)
+
+        def go(tx):
+            a = self._get(tx, ino)
+            a.mode = (a.mode & ~0o777) | acl.mode_bits(entries)
+            if not keep_sgid:
+                a.mode &= ~stat.S_ISGID
+            a.ctime_ns = ctime_ns
+            tx.put_attr(a)
+            tx.put_xattr(ino, acl.ACCESS, None if acl.equivalent(entries) else rules)
             return a
         return await self._run(go)
 
@@ -322,7 +386,7 @@ class Meta(abc.ABC):
             a.nlink += 1
             a.ctime_ns = now
             tx.put_attr(a)
-            self._touch(tx, parent, now)
+            self._touch(tx, parent, now, 0, 1)
             return a
         return await self._run(go)
 
@@ -392,8 +456,8 @@ class Meta(abc.ABC):
             sa.ctime_ns = now
             tx.put_attr(sa)
             moved = 1 if sa.is_dir and p1 != p2 else 0
-            self._touch(tx, p1, now, -moved)
-            self._touch(tx, p2, now, moved)
+            self._touch(tx, p1, now, -moved, -1)
+            self._touch(tx, p2, now, moved, 1)
             return replaced
         return await self._run(go)
 
@@ -450,7 +514,8 @@ class Meta(abc.ABC):
             for s in new:
                 self._lay(tx, ino, s)
                 tx.add_slice(ino, s)
-                tx.wrote_extent(s.partition, s.extent)
+                if not s.inline:
+                    tx.wrote_extent(s.partition, s.extent)
             a.size = max(a.size, size)
             a.mtime_ns = a.ctime_ns = mtime_ns
             tx.put_attr(a)
@@ -482,7 +547,7 @@ class Meta(abc.ABC):
 
     @abc.abstractmethod
     async def usage(self) -> tuple[int, int]:
-        """(inode count, sum of file sizes)."""
+        """(inode count -- every kind, sum of the regular files' sizes)."""
 
     # -- extended attributes
     @abc.abstractmethod

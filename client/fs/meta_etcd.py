@@ -43,7 +43,8 @@ import uuid
 
 import trio
 
-from client.fs.meta import ROOT, Attr, Meta, MetaError, MetaTx, Slice
+from client.fs.meta import DIRENT, ROOT, Attr, Meta, MetaError, MetaTx, Slice
+from wire.etcdmap import EtcdAccess, client as etcd_client
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +138,8 @@ def enc_attr(a: Attr, target: bytes | None = None) -> bytes:
 
 
 def enc_slice(s: Slice) -> bytes:
+    if s.inline:         # this engine keeps no bytes (its inline_max is 0)
+        raise ValueError("an inline slice cannot be stored in etcd")
     return json.dumps([s.off, s.length, s.partition, s.extent, s.ext_off, s.wpos, s.wlen, s.crc]).encode()
 
 
@@ -244,12 +247,22 @@ class EtcdTx(MetaTx):
         if self.tx.get(ek) is None:
             self.tx.put(ek, self.m.session.encode())
 
+    def xattr(self, ino, name):
+        return self.tx.get(self.m.p + b"x" + u64(ino) + name)
+
+    def put_xattr(self, ino, name, value):
+        k = self.m.p + b"x" + u64(ino) + name
+        if value is None:
+            self.tx.delete(k)
+        else:
+            self.tx.put(k, bytes(value))
+
 
 class EtcdMeta(Meta):
     single_mount = False
 
-    def __init__(self, url: str, volume: str = "default"):
-        import etcd3gw
+    def __init__(self, url: str, volume: str = "default", access=None):
+        """``access``: etcd's user and client TLS (wire.etcdmap.EtcdAccess; with a CA: https)."""
         from urllib.parse import urlparse
         u = urlparse(url if "://" in url else "http://" + url)
         if not u.hostname:
@@ -261,7 +274,8 @@ class EtcdMeta(Meta):
         self.p = f"dnfs/{vol}/".encode()
         self.session = uuid.uuid4().hex
         self._opens: dict[int, int] = {}       # inode -> how many opens here (its ``o`` key is in etcd)
-        self._etcd3gw = etcd3gw
+        self._access = access or EtcdAccess()
+        self._url = f"{'https' if self._access.ca else 'http'}://{self.host}:{self.port}"
         self._local = threading.local()
         self._limiter = trio.CapacityLimiter(8)
         c = self._client()
@@ -277,14 +291,14 @@ class EtcdMeta(Meta):
             if tx.get(self.k_ino(ROOT)) is None:
                 now = time.time_ns()
                 tx.put(self.k_ino(ROOT), enc_attr(Attr(ROOT, stat.S_IFDIR | 0o755, 2, os.getuid(), os.getgid(),
-                                                        0, 0, now, now, now)))
+                                                        0, 2 * DIRENT, now, now, now)))
                 tx.put(self.p + b"n", b"1")
         self._tx(init)
 
     def _client(self):
         c = getattr(self._local, "c", None)
         if c is None:
-            c = self._local.c = self._etcd3gw.client(host=self.host, port=self.port, timeout=30)
+            c = self._local.c = etcd_client(self._url, self._access, timeout=30)    # authenticates, TLS
         return c
 
     # -- keys
@@ -431,8 +445,8 @@ class EtcdMeta(Meta):
             files = size = 0
             for _, v in tx.range(k, prefix_end(k)):
                 d = json.loads(v)
+                files += 1
                 if stat.S_ISREG(d["mode"]):
-                    files += 1
                     size += d["size"]
             return files, size
         return await self._raw(go)

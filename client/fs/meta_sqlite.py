@@ -5,16 +5,15 @@ A second mount (or ``dnfs fsck`` while mounted) is refused: the engine holds an 
 transaction (``BEGIN IMMEDIATE``); the connection runs with ``synchronous=NORMAL`` (a commit survives a
 killed process at once) and :meth:`sync` fsyncs the WAL (every commit so far) before an ``fsync`` returns.
 SQLite calls run one at a time.  A transaction runs right in the event loop when no other SQLite call is
-running (a read or a page-cache commit takes 30-80 us here, the hand-over to a worker thread and back
-~100 us more); one that took longer than 5 ms (a WAL checkpoint, a slow disk) sends the transactions of a
-while to the worker thread, a while in proportion to its length, so slow ones stall the loop at most 5% of the
-time (``aio.InlinePause``).  A transaction in the loop then lets the other tasks run only if a millisecond has
-passed since it last did so (``InlinePause.yield_due``): a FUSE request's transaction costs no scheduler pass
-of its own (``utime`` in a loop through the mount: 11% less mount CPU per call), and a run of many still lets
-the others in.  The WAL's fsync (``sync``, a durable commit's) runs in the worker thread -- but a durable
-commit (an fsync's) or a ``sync`` with nothing else in flight in the mount (``quiet``) runs right in the loop:
-nobody waits behind it, and the two hand-overs would cost more than the loop's pause (the same pause rule
-applies).
+running (a read or a page-cache commit is shorter than the hand-over to a worker thread and back); one that
+took longer than 5 ms (a WAL checkpoint, a slow disk) sends the transactions of a while to the worker thread,
+a while in proportion to its length, so slow ones stall the loop at most 5% of the time (``aio.InlinePause``).
+A transaction in the loop then lets the other tasks run only if a millisecond has passed since it last did so
+(``InlinePause.yield_due``): a FUSE request's transaction costs no scheduler pass of its own (a visible share
+of the mount's CPU per call), and a run of many still lets the others in.  The WAL's fsync (``sync``, a durable
+commit's) runs in the worker thread -- but a durable commit (an fsync's) or a ``sync`` with nothing else in
+flight in the mount (``quiet``) runs right in the loop: nobody waits behind it, and the two hand-overs would
+cost more than the loop's pause (the same pause rule applies).
 
 Open-file sessions: the lock makes this mount the only one, so the inodes it has open are kept in its
 memory; they end with the process (which also releases the lock), and the next mount removes the inodes
@@ -35,8 +34,8 @@ from collections import Counter
 
 import trio
 
-from client.fs.meta import ROOT, Attr, Meta, MetaBusy, MetaError, MetaTx, Slice
-from datanode.aio import InlinePause
+from client.fs.meta import DIRENT, ROOT, Attr, Meta, MetaBusy, MetaError, MetaTx, Slice
+from wire.aio import InlinePause
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +46,15 @@ CREATE TABLE IF NOT EXISTS dentries (id INTEGER PRIMARY KEY, parent INT, name BL
     UNIQUE (parent, name));
 CREATE INDEX IF NOT EXISTS dentries_ino ON dentries (ino);
 CREATE TABLE IF NOT EXISTS slices (ino INT, off INT, len INT, pid INT, extent INT, ext_off INT, wpos INT,
-    wlen INT, crc INT, PRIMARY KEY (ino, off)) WITHOUT ROWID;
+    wlen INT, crc INT, data BLOB, PRIMARY KEY (ino, off)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS slices_extent ON slices (pid, extent);
 CREATE TABLE IF NOT EXISTS extents (pid INT, extent INT, PRIMARY KEY (pid, extent)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS delq (pid INT, extent INT, PRIMARY KEY (pid, extent)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS xattrs (ino INT, name BLOB, value BLOB, PRIMARY KEY (ino, name)) WITHOUT ROWID;
 """
 S_IFMT = 0o170000
+INLINE_MAX = 64 << 10      # files up to this size keep their bytes in the database (--inline-kib)
+SLICE_COLS = "off, len, pid, extent, ext_off, wpos, wlen, crc, data"
 COLS = "ino, mode, nlink, uid, gid, rdev, size, atime, mtime, ctime"
 
 
@@ -106,7 +107,8 @@ class SqliteTx(MetaTx):
 
     def drop_inode(self, ino):
         db = self.db
-        db.execute("INSERT OR IGNORE INTO delq SELECT DISTINCT pid, extent FROM slices WHERE ino=?", (ino,))
+        db.execute("INSERT OR IGNORE INTO delq SELECT DISTINCT pid, extent FROM slices WHERE ino=? AND data IS NULL",
+                   (ino,))
         db.execute("DELETE FROM slices WHERE ino=?", (ino,))
         db.execute("DELETE FROM xattrs WHERE ino=?", (ino,))
         db.execute("DELETE FROM inodes WHERE ino=?", (ino,))
@@ -122,22 +124,37 @@ class SqliteTx(MetaTx):
         return SqliteMeta._slices(self.db, ino, start, end)
 
     def add_slice(self, ino, s):
-        self.db.execute("INSERT INTO slices VALUES (?,?,?,?,?,?,?,?,?)",
-                        (ino, s.off, s.length, s.partition, s.extent, s.ext_off, s.wpos, s.wlen, s.crc))
+        self.db.execute("INSERT INTO slices VALUES (?,?,?,?,?,?,?,?,?,?)",
+                        (ino, s.off, s.length, s.partition, s.extent, s.ext_off, s.wpos, s.wlen, s.crc, s.data))
 
     def drop_slice(self, ino, s):
         self.db.execute("DELETE FROM slices WHERE ino=? AND off=?", (ino, s.off))
-        self.db.execute("INSERT OR IGNORE INTO delq VALUES (?,?)", (s.partition, s.extent))
+        if not s.inline:
+            self.db.execute("INSERT OR IGNORE INTO delq VALUES (?,?)", (s.partition, s.extent))
 
     def wrote_extent(self, partition, extent):
         self.db.execute("INSERT OR IGNORE INTO extents VALUES (?,?)", (partition, extent))
+
+    def xattr(self, ino, name):
+        row = self.db.execute("SELECT value FROM xattrs WHERE ino=? AND name=?", (ino, name)).fetchone()
+        return row[0] if row else None
+
+    def put_xattr(self, ino, name, value):
+        if value is None:
+            self.db.execute("DELETE FROM xattrs WHERE ino=? AND name=?", (ino, name))
+        else:
+            self.db.execute("INSERT OR REPLACE INTO xattrs VALUES (?,?,?)", (ino, name, value))
 
 
 class SqliteMeta(Meta):
     CHECKPOINT_COMMITS = 256      # commits between two checkpoints (~1,000 WAL pages, as SQLite's default)
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, inline_max: int = INLINE_MAX):
         self.path = os.path.abspath(path)
+        # A small file's bytes committed with its metadata: one local transaction instead of a replicated
+        # append, and as safe -- the same WAL holds both, so whatever keeps the file's metadata (a close: a
+        # killed mount; an fsync: the WAL's fsync) keeps its bytes too.
+        self.inline_max = inline_max
         parent = os.path.dirname(self.path)
         if not os.path.isdir(parent):
             raise ValueError(f"metadata directory {parent} does not exist")
@@ -159,10 +176,13 @@ class SqliteMeta(Meta):
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.execute("PRAGMA wal_autocheckpoint=0")    # we checkpoint, in the worker thread (_call)
         self.db.executescript(SCHEMA)
+        if "data" not in {r[1] for r in self.db.execute("PRAGMA table_info(slices)")}:
+            self.db.execute("ALTER TABLE slices ADD COLUMN data BLOB")     # a database from before inline slices
         if self.db.execute("SELECT 1 FROM inodes WHERE ino=?", (ROOT,)).fetchone() is None:
             now = time.time_ns()
             self.db.execute(f"INSERT INTO inodes ({COLS}, target) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                            (ROOT, stat.S_IFDIR | 0o755, 2, os.getuid(), os.getgid(), 0, 0, now, now, now, b""))
+                            (ROOT, stat.S_IFDIR | 0o755, 2, os.getuid(), os.getgid(), 0, 2 * DIRENT, now, now, now,
+                             b""))
         self._limiter = trio.CapacityLimiter(1)
         self.inline = InlinePause()   # when a transaction may run right in the event loop
         self.inline_txs = 0           # transactions run in the event loop ...
@@ -294,12 +314,10 @@ class SqliteMeta(Meta):
     @staticmethod
     def _slices(db, ino: int, start: int = 0, end: int | None = None) -> list[Slice]:
         if end is None:
-            rows = db.execute("SELECT off, len, pid, extent, ext_off, wpos, wlen, crc FROM slices WHERE ino=? "
-                              "ORDER BY off", (ino,)).fetchall()
+            rows = db.execute(f"SELECT {SLICE_COLS} FROM slices WHERE ino=? ORDER BY off", (ino,)).fetchall()
         else:        # the slice that starts at or before `start`, and every one starting inside the range
             first = db.execute("SELECT max(off) FROM slices WHERE ino=? AND off<=?", (ino, start)).fetchone()[0]
-            rows = db.execute("SELECT off, len, pid, extent, ext_off, wpos, wlen, crc FROM slices WHERE ino=? "
-                              "AND off>=? AND off<? ORDER BY off",
+            rows = db.execute(f"SELECT {SLICE_COLS} FROM slices WHERE ino=? AND off>=? AND off<? ORDER BY off",
                               (ino, start if first is None else first, end)).fetchall()
         return [Slice(*r) for r in rows]
 
@@ -308,20 +326,20 @@ class SqliteMeta(Meta):
         return await self._raw(lambda db: db.execute("SELECT pid, extent FROM delq LIMIT ?", (limit,)).fetchall())
 
     async def referenced(self, partition, extent):
-        return await self._raw(lambda db: db.execute("SELECT 1 FROM slices WHERE pid=? AND extent=? LIMIT 1",
-                                                     (partition, extent)).fetchone() is not None)
+        return await self._raw(lambda db: db.execute("SELECT 1 FROM slices WHERE pid=? AND extent=? AND data IS NULL "
+                                                     "LIMIT 1", (partition, extent)).fetchone() is not None)
 
     async def dequeue(self, partition, extent):
         def go(db):
             db.execute("DELETE FROM delq WHERE pid=? AND extent=?", (partition, extent))
-            if db.execute("SELECT 1 FROM slices WHERE pid=? AND extent=? LIMIT 1", (partition, extent)).fetchone() \
-                    is None:
+            if db.execute("SELECT 1 FROM slices WHERE pid=? AND extent=? AND data IS NULL LIMIT 1",
+                          (partition, extent)).fetchone() is None:
                 db.execute("DELETE FROM extents WHERE pid=? AND extent=?", (partition, extent))
         await self._raw(go)
 
     async def usage(self):
-        return await self._raw(lambda db: db.execute("SELECT count(*), coalesce(sum(size), 0) FROM inodes "
-                                                      "WHERE mode & ? = ?", (S_IFMT, stat.S_IFREG)).fetchone())
+        return await self._raw(lambda db: db.execute("SELECT count(*), coalesce(sum(CASE WHEN mode & ? = ? THEN size "
+                                                      "END), 0) FROM inodes", (S_IFMT, stat.S_IFREG)).fetchone())
 
     # -- xattrs
     async def getxattr(self, ino, name):
@@ -364,8 +382,7 @@ class SqliteMeta(Meta):
                     out.append({"kind": "orphan_inode" if links == 0 else "wrong_nlink", "ino": ino,
                                 "nlink": nlink, "entries": links})
             prev: dict[int, Slice] = {}
-            for (ino, *rest) in db.execute("SELECT ino, off, len, pid, extent, ext_off, wpos, wlen, crc FROM slices "
-                                           "ORDER BY ino, off"):
+            for (ino, *rest) in db.execute(f"SELECT ino, {SLICE_COLS} FROM slices ORDER BY ino, off"):
                 s = Slice(*rest)
                 p = prev.get(ino)
                 if p is not None and p.end > s.off:
@@ -376,7 +393,7 @@ class SqliteMeta(Meta):
 
     async def all_slices(self):
         return await self._raw(lambda db: [(r[0], Slice(*r[1:])) for r in db.execute(
-            "SELECT ino, off, len, pid, extent, ext_off, wpos, wlen, crc FROM slices ORDER BY pid, extent, wpos")])
+            f"SELECT ino, {SLICE_COLS} FROM slices ORDER BY pid, extent, wpos")])
 
     async def known_extents(self):
         return await self._raw(lambda db: {tuple(r) for r in db.execute("SELECT pid, extent FROM extents")})

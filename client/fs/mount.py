@@ -4,6 +4,11 @@ The mount names itself ``dnfs-PID`` (the ``fsname`` in /proc/mounts) so ``dnfs u
 process and wait for it to finish, and ``dnfs stats`` / ``dnfs sync`` its control socket
 (:mod:`client.fs.control`).  SIGTERM/SIGINT end the session like an unmount: buffered data is flushed, the
 deletion queue worked through once more, the metadata closed.
+
+Who may use it: the kernel checks every access against the mode bits and ACLs (``default_permissions``,
+always).  Root's mount is for every user (``allow_other``) unless told otherwise; an ordinary user's mount
+(through the set-user-ID fusermount3) is its own unless it asks for ``allow_other``, which FUSE grants only
+if /etc/fuse.conf says ``user_allow_other`` (:func:`mount_options`).
 """
 from __future__ import annotations
 
@@ -22,12 +27,70 @@ from client.fs.fs import DnFS
 from client.fs.engines import open_meta
 from client.fs.meta import Meta
 from client.sdk import ClientError, DataClient
+from wire.protocol import Header, Op
 
 log = logging.getLogger(__name__)
 
 
 class MountError(Exception):
     pass
+
+
+FUSE_CONF = "/etc/fuse.conf"
+FUSE_DEV = "/dev/fuse"
+
+
+def user_allow_other(conf_text: str) -> bool:
+    """Does fuse.conf let ordinary users mount with allow_other (a line ``user_allow_other`` of its own)?"""
+    return any(line.split("#", 1)[0].strip() == "user_allow_other" for line in conf_text.splitlines())
+
+
+def mount_options(pid: int, uid: int, allow_other: bool | None, conf_text: str | None) -> set[str]:
+    """The FUSE mount options.  ``allow_other`` None: the default -- every user for root's mount, the
+    mounting user only for anyone else's.  ``conf_text``: /etc/fuse.conf (None: there is none)."""
+    if allow_other is None:
+        allow_other = uid == 0
+    opts = {"default_permissions", f"fsname=dnfs-{pid}", "subtype=dnfs"}
+    if allow_other:
+        if uid != 0 and not user_allow_other(conf_text or ""):
+            raise MountError(f"other users cannot be given access to an ordinary user's mount unless {FUSE_CONF} "
+                             f"has a line 'user_allow_other' (root can add it); or mount with --no-allow-other "
+                             f"(only you can use it)")
+        opts.add("allow_other")
+    return opts
+
+
+def fuse_conf() -> str | None:
+    try:
+        with open(FUSE_CONF) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def login_error(e: ClientError, login: dict | None) -> MountError:
+    """A refused hello (``ClientError.auth``) as one line saying what is missing and how to fix it."""
+    creds = (login or {}).get("secret")
+    if creds is None:
+        return MountError(f"{e.node or 'the cluster'} requires authentication and no secret was given: pass the "
+                          f"cluster secret or a client role key file with --secret-file FILE (a cluster made by "
+                          f"`dnctl cluster up` keeps it in DIR/cluster.secret, which --cluster DIR uses)")
+    if "does not authenticate" in str(e):
+        return MountError(f"{e}: mount it without --secret-file (and without $DATANODE_SECRET_FILE)")
+    return MountError(f"{e} -- the secret in {creds.source} is not this cluster's: pass the cluster's own with "
+                      f"--secret-file FILE")
+
+
+async def _check_login(dc: DataClient, pid: int) -> None:
+    """With the map from etcd no node has been asked yet: refused credentials are said now, not as EIO on the
+    first write (a node that is down is not the mount's problem: failover takes care of it)."""
+    part = dc.partition(pid)
+    try:
+        await dc.request(part.replicas[0], Header(opcode=Op.PING, partition=pid))
+    except ClientError as e:
+        if e.auth:
+            raise
+        log.warning("partition %d: leader %s: %s", pid, part.replicas[0], e)
 
 
 def mounts() -> dict[str, str]:
@@ -64,30 +127,49 @@ def check_mountpoint(mountpoint: str) -> None:
         raise MountError(f"mount point {mountpoint} is not a directory")
     if os.path.ismount(mountpoint):
         raise MountError(f"{mountpoint} is already a mount point")
+    if os.getuid() != 0 and (not os.access(mountpoint, os.W_OK) or
+                             (st.st_mode & stat_mod.S_ISVTX and st.st_uid != os.getuid())):
+        raise MountError(f"mount point {mountpoint}: an ordinary user can mount only on a directory it owns "
+                         f"(or may write to)")
+    if os.getuid() != 0 and not os.access(FUSE_DEV, os.R_OK | os.W_OK):
+        raise MountError(f"{FUSE_DEV} is not open to ordinary users here (Debian's fuse3 makes it mode 0666; "
+                         f"root can: chmod 666 {FUSE_DEV}); or mount as root")
 
 
 async def serve(mountpoint: str, nodes: list[str], meta_url: str, *, partitions: list[int] | None = None,
                 budget: int = 256 << 20, chunk: int = 16 << 20, timeout: float = 30.0,
                 write_retry_s: float = 30.0, etcd: str | None = None, writeback: bool = False,
-                ready=None) -> None:
+                inline_max: int | None = None, ready=None, login: dict | None = None,
+                allow_other: bool | None = None) -> None:
     """Mount and serve until unmounted.  ``etcd``: the cluster's etcd (the partition map is read from it and
-    followed, so a shrunk replica set or a new leader is known within a watch round-trip)."""
+    followed, so a shrunk replica set or a new leader is known within a watch round-trip).  ``login``: the
+    DataClient's credentials (``secret``, ``tls_ca``).  ``allow_other``: see :func:`mount_options`.
+    ``inline_max``: files up to this size keep their bytes in the metadata (SQLite; None: its default)."""
     check_mountpoint(mountpoint)
-    meta: Meta = await trio.to_thread.run_sync(open_meta, meta_url)
+    opts = mount_options(os.getpid(), os.getuid(), allow_other, fuse_conf())
+    meta: Meta = await trio.to_thread.run_sync(open_meta, meta_url, (login or {}).get("etcd_access"), inline_max)
     try:
-        async with DataClient.open(nodes, timeout=timeout, etcd=etcd) as dc:
-            pids = partitions or sorted(dc.partitions)
+        async with DataClient.open(nodes, timeout=timeout, etcd=etcd, **(login or {})) as dc:
+            # a volume key writes files to its volume's partitions only (the nodes refuse the others)
+            pids = partitions or dc.volume_partitions()
             if not pids:
-                raise MountError(f"the cluster ({', '.join(nodes) or etcd}) has no data partition: create one with "
-                                 f"`dnctl partition create`")
+                raise MountError((f"volume {dc.volume} has no data partition: create one with `dnctl partition "
+                                  f"create --volume {dc.volume}`") if dc.volume else
+                                 (f"the cluster ({', '.join(nodes) or etcd}) has no data partition: create one "
+                                  f"with `dnctl partition create`"))
             missing = [p for p in pids if p not in dc.partitions]
             if missing:
                 raise MountError(f"partition(s) {missing} unknown to the cluster (known: {sorted(dc.partitions)})")
+            outside = [p for p in pids if p not in dc.volume_partitions()]
+            if outside:
+                raise MountError(f"partition(s) {outside} are not in volume {dc.volume} (its partitions: "
+                                 f"{dc.volume_partitions()})")
+            if not nodes:
+                await _check_login(dc, pids[0])
             async with trio.open_nursery() as n:
                 fs = DnFS(meta, dc, pids, n, budget=budget, chunk=chunk, write_retry_s=write_retry_s,
                           writeback=writeback)
                 await fs.startup()
-                opts = set(pyfuse3.default_options) | {f"fsname=dnfs-{os.getpid()}", "subtype=dnfs"}
                 try:
                     pyfuse3.init(fs, mountpoint, opts)
                 except RuntimeError as e:
@@ -118,7 +200,7 @@ async def serve(mountpoint: str, nodes: list[str], meta_url: str, *, partitions:
                     n.cancel_scope.cancel()
                 log.info("unmounted %s", mountpoint)
     except ClientError as e:
-        raise MountError(f"cluster: {e}") from None
+        raise (login_error(e, login) if e.auth else MountError(f"cluster: {e}")) from None
     finally:
         with trio.CancelScope(shield=True):
             await meta.close()

@@ -13,7 +13,7 @@ import logging
 import trio
 
 from client.sdk import ClientError, DataClient
-from datanode.protocol import Result
+from wire.protocol import Result
 
 from client.fs.meta import Meta
 

@@ -1,9 +1,13 @@
-"""The datanode's request handlers, grouped by concern; ``datanode.server.Node`` combines them.
+"""What the datanode does with a request; ``datanode.server.Node`` builds these parts and hands them over.
 
-* ``base``   -- what every handler uses: the request's partition, pool blocks, one-sided ops bounded in time,
-               the store off the event loop, JSON bodies and answers, and ``Reply`` (one result code each).
-* ``data``   -- the data path: WRITE (follow a write here), READ, CREATE_EXTENT, MARK_DELETE, WATERMARKS, PING.
-* ``admin``  -- partitions (create, update, delete, list), node and pool status, health, repair/scrub requests.
-* ``repair`` -- the follower's side of the leader's repair and scrub: REPLICA_STATE, BLOCK_CRCS,
-               SCRUB_EXTENT, TRUNCATE.
+* ``wrap``       -- every request's way through the node: arrival, admission, the handler, its answer.
+* ``append``     -- WRITE, leader and follower (follow a write here); ``run``: a run of appends as one.
+* ``data``       -- READ, CREATE_EXTENT, MARK_DELETE, WATERMARKS, PING.
+* ``admin``      -- partitions (create, update, delete, list), node and pool status, health, repair/scrub
+                   requests, the trash.
+* ``repair``     -- the follower's side of the leader's repair and scrub: REPLICA_STATE, BLOCK_CRCS,
+                   SCRUB_EXTENT, TRUNCATE.
+* what handlers use: ``base`` (``Request``, ``Reply``, the store off the event loop), ``partitions`` (the
+  request's partition, leadership, view changes), ``buffers`` (pool blocks, one-sided ops, JSON), ``stages``
+  (the step recorder).
 """

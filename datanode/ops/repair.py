@@ -3,41 +3,68 @@ from __future__ import annotations
 
 import trio
 
-from ..protocol import Flag, Header, Result
-from ..repair import scrub_range
-from .base import Handlers, Reply
+from wire.protocol import Flag, Header, Op, Result
+from ..repair import RepairCounters, scrub_range
+from .base import Handler, Reply, Request, store_call
+from .buffers import Buffers
+from .partitions import Partitions
 
 
-class RepairOps(Handlers):
-    async def op_replica_state(self, conn, h: Header, _t) -> Header:
-        part = self._hosted(h)
+class RepairOps:
+    def __init__(self, partitions: Partitions, buffers: Buffers, counters: RepairCounters):
+        self.partitions = partitions
+        self.buffers = buffers
+        self.counters = counters
+
+    def handlers(self) -> dict[Op, Handler]:
+        return {Op.REPLICA_STATE: self.replica_state, Op.BLOCK_CRCS: self.block_crcs,
+                Op.SCRUB_EXTENT: self.scrub_extent, Op.TRUNCATE: self.truncate}
+
+    async def replica_state(self, rq: Request) -> Header:
+        """Our view and extents, and whether our copy is known synced (``cuts``: what a confirmation must
+        name).  With ``arg`` = cuts + 1 it is our leader's confirmation that this copy, as it answered last,
+        holds every acknowledged byte (only from the leader, at our epoch: checked on admission, ops/wrap.py);
+        one sent before a cut since is void."""
+        h = rq.h
+        part = self.partitions.hosted(h)
+        if h.arg and h.epoch == part.epoch and part.leader != self.partitions.me and h.arg - 1 == part.cuts:
+            if not part.synced:
+                part.synced = True
+                await store_call(part.save)
+                self.partitions.counters.synced_confirms += 1
         dig = await trio.to_thread.run_sync(part.store.digests)     # sizes and digests: one snapshot per extent
-        return await self._push_json(conn, h, {
-            "epoch": part.epoch, "replicas": part.replicas,
+        return await self.buffers.push_json(rq.conn, h, {
+            "epoch": part.epoch, "replicas": part.replicas, "synced": part.synced, "cuts": part.cuts,
             "marks": {str(k): v[0] for k, v in dig.items()},
             "digests": {str(k): v[1] for k, v in dig.items()},
-            "deleted": sorted(part.deleted_extents()), "sealed": sorted(int(e) for e in part.sealed)})
+            "deleted": sorted(part.deleted_extents()), "sealed": sorted(int(e) for e in part.sealed),
+            **({"volume": part.volume} if part.volume else {})})   # a new replica takes it (ops/admin.py)
 
-    async def op_block_crcs(self, conn, h: Header, _t) -> Header:
-        size, entries = await self._store(self._hosted(h).block_entries, h.extent)
-        return await self._push_json(conn, h, {"size": size, "blocks": entries})
+    async def block_crcs(self, rq: Request) -> Header:
+        size, entries = await store_call(self.partitions.hosted(rq.h).block_entries, rq.h.extent)
+        return await self.buffers.push_json(rq.conn, rq.h, {"size": size, "blocks": entries})
 
-    async def op_scrub_extent(self, conn, h: Header, _t) -> Header:
-        res = await self._store(scrub_range, self._hosted(h), h.extent, h.offset, h.length)
-        self.repair.counters.scrub_bytes += res["checked"]
-        return await self._push_json(conn, h, res)
+    async def scrub_extent(self, rq: Request) -> Header:
+        h = rq.h
+        res = await store_call(scrub_range, self.partitions.hosted(h), h.extent, h.offset, h.length)
+        self.counters.scrub_bytes += res["checked"]
+        return await self.buffers.push_json(rq.conn, h, res)
 
-    async def op_truncate(self, conn, h: Header, ticket) -> Header:
+    async def truncate(self, rq: Request) -> Header:
         """Leader's repair -> follower: cut an extent back to ``offset`` bytes (in the extent's turn)."""
-        part = self._partition(h)
-        if not h.flags & Flag.FORWARDED or part.leader == self.me:
+        h = rq.h
+        part = self.partitions.at_epoch(h)
+        if not h.flags & Flag.FORWARDED or part.leader == self.partitions.me:
             raise Reply(Result.WRONG_ROLE, why="only a leader's repair truncates, and only on followers")
-        if ticket is None:
+        if rq.ticket is None:
             raise Reply(Result.NOT_FOUND, why=f"extent {h.extent} does not exist")
-        lane, t = ticket
+        lane, t = rq.ticket
         async with lane.turn(t):
-            await self._store(part.store.truncate, h.extent, h.offset)
+            # cut back at a block boundary, the copy may miss acknowledged bytes until the leader refills it
+            # and confirms it again: until then it may not lead (datanode/viewguard.py)
+            part.cuts += 1
+            if part.synced:
+                part.synced = False
+                await store_call(part.save)
+            await store_call(part.store.truncate, h.extent, h.offset)
         return h.reply(Result.OK, arg=h.offset)
-
-    HANDLERS = {"REPLICA_STATE": op_replica_state, "BLOCK_CRCS": op_block_crcs,
-                "SCRUB_EXTENT": op_scrub_extent, "TRUNCATE": op_truncate}

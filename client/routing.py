@@ -1,0 +1,157 @@
+"""Where each partition is: its replicas (the leader first) and epoch, as the client knows them.
+
+Learnt from the datanodes (``discover``: a node's PARTITION_LIST) or, with ``etcd``, from the cluster map
+(wire/etcdmap.py): read once, then kept current by a watch, so a new leader or replica set is known within
+one watch round-trip.  A view from etcd is taken only once checked (wire/mapcheck.py): well-formed, with the
+manager's MAC when the client holds the cluster secret or an admin key, its epoch not back nor too far
+ahead of the one known, adding only registered nodes; anything else is logged, counted
+(``datanode_client_etcd_invalid_values_total`` in ``dc.metrics``) and ignored.  A partition's open extents
+belong to the view they were opened in: whenever a view may have changed, ``on_stale(pid)`` tells the writer
+to start new ones.
+"""
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import Callable
+
+import trio
+
+from client.channel import Channel, ClientError, PartitionInfo
+from wire.etcdmap import Etcd, EtcdError, PartView, open_channel
+from wire.protocol import Op, Result
+
+log = logging.getLogger(__name__)
+
+
+class PartitionMap:
+    """The partitions this client knows, by id, and the requests that keep them current."""
+
+    def __init__(self, channel: Channel, etcd: Etcd | None):
+        self.channel = channel
+        self.etcd = etcd                                        # the cluster map in etcd, if any
+        self.partitions: dict[int, PartitionInfo] = {}
+        self.views: dict[int, PartView] = {}                    # etcd's views (state, want, ...)
+        self.volumes: dict[int, str] = {}       # pid -> its volume ("": none), as its nodes list it (discover)
+        self.changed = trio.Event()             # set (and replaced) whenever a view is learnt
+        self.on_stale: Callable[[int], None] = lambda pid: None
+
+    def partition(self, pid: int) -> PartitionInfo:
+        try:
+            return self.partitions[pid]
+        except KeyError:
+            raise ClientError(f"partition {pid} is unknown (known: {sorted(self.partitions)})",
+                              Result.NOT_FOUND) from None
+
+    async def discover(self, addr: str) -> list[PartitionInfo]:
+        found = []
+        for p in await self.channel.admin(addr, Op.PARTITION_LIST):
+            info = PartitionInfo(p["id"], p["replicas"], p["epoch"])
+            self.volumes[info.pid] = p.get("volume") or ""      # set at creation, never changed
+            old = self.partitions.get(info.pid)
+            if addr == info.replicas[0] and p.get("health"):      # only the leader keeps replica health
+                info.health, info.seen = p["health"], trio.current_time()
+            elif old is not None and old.epoch == info.epoch:
+                info.health, info.seen = old.health, old.seen
+            if old is None or info.epoch >= old.epoch:
+                self.partitions[info.pid] = info
+            found.append(info)
+        return found
+
+    async def load(self) -> int:
+        """Read every partition's view from etcd; returns the revision it was read at."""
+        kvs, rev = await self.etcd.get_prefix(self.etcd.parts_prefix)
+        for k, v, mrev in kvs:
+            await self.accept(self.etcd.open(k, v, mrev))
+        return rev
+
+    async def accept(self, view: PartView | None) -> None:
+        """Learn a view read from etcd (checked: ``Etcd.open``) if it may follow the one known."""
+        old = self.partitions.get(view.id) if view is not None else None
+        if old is not None and view.epoch < old.epoch:
+            return                  # etcd behind what a node told us (a view set by hand, not adopted yet)
+        if old is not None:
+            try:
+                registered = await self.etcd.registered_for(old.replicas, view)
+            except EtcdError as e:
+                log.warning("partition %d: etcd's epoch %d not taken now (checking its replicas: %s)", view.id,
+                            view.epoch, e)
+                return
+            if not self.etcd.follows(old.epoch, old.replicas, view, registered):
+                return
+        if view is not None:
+            self.learn(view)
+
+    def learn(self, view: PartView) -> None:
+        old = self.partitions.get(view.id)
+        if old is None or view.epoch >= old.epoch:
+            self.views[view.id] = view
+            self.partitions[view.id] = PartitionInfo(view.id, list(view.replicas), view.epoch, rev=view.rev)
+            if old is not None and view.epoch > old.epoch:
+                self.on_stale(view.id)       # open extents of the old epoch: start new ones
+                log.info("partition %d: epoch %d, leader %s (from etcd)", view.id, view.epoch, view.leader)
+            ev, self.changed = self.changed, trio.Event()
+            ev.set()
+
+    async def follow(self, rev: int) -> None:
+        """Keep the views current from etcd's watch, from revision ``rev`` on (runs until cancelled)."""
+        send, recv = open_channel()
+        async with trio.open_nursery() as n:
+            n.start_soon(partial(self.etcd.watch, self.etcd.parts_prefix, send, start_revision=rev + 1))
+            async for batch in recv:
+                if batch is None:                       # reconnected: events may be missing
+                    try:
+                        await self.load()
+                    except EtcdError:
+                        pass
+                    continue
+                for typ, key, value, mrev in batch:
+                    if typ == "PUT":
+                        await self.accept(self.etcd.open(key, value, mrev))
+
+    async def await_new_view(self, pid: int, epoch: int, deadline: float, since_rev: int | None = None) -> bool:
+        """Wait until the map has partition ``pid`` above ``epoch``, or a newer installed view of it
+        (the manager finished installing the one we have) (True), or ``deadline`` (False).  ``since_rev``:
+        the revision of the view a failed request used -- a view installed since then counts, even when it
+        arrived before this call (a planned leader change: the new leader refused us while the manager was
+        still installing, and the installed view came by the watch right after)."""
+        v0 = self.views.get(pid)
+        rev0 = since_rev if since_rev is not None else v0.rev if v0 is not None else None
+        while True:
+            info, v = self.partitions.get(pid), self.views.get(pid)
+            if info is not None and info.epoch > epoch:
+                return True
+            if v is not None and v.rev != rev0 and v.installed:
+                return True
+            ev = self.changed
+            with trio.move_on_at(deadline):
+                await ev.wait()
+            if trio.current_time() >= deadline:
+                return False
+
+    async def refresh(self, pid: int) -> PartitionInfo:
+        """Re-read the partition's replicas and epoch: from etcd when the map lives there, else from its
+        members (after a replica change)."""
+        if self.etcd is not None:
+            try:
+                view = await self.etcd.part(pid)
+            except EtcdError as e:
+                log.warning("partition %d: etcd: %s; asking its members", pid, e)
+            else:
+                if view is not None:
+                    await self.accept(view)
+                    self.on_stale(pid)
+                    return self.partition(pid)
+        best: PartitionInfo | None = None
+        for addr in list(self.partition(pid).replicas):
+            try:
+                infos = await self.discover(addr)
+            except ClientError:
+                continue
+            for info in infos:
+                if info.pid == pid and (best is None or info.epoch > best.epoch):
+                    best = info
+        if best is not None:            # the members' newest view wins, even over a newer-looking cache
+            self.partitions[pid] = best
+        self.on_stale(pid)
+        return self.partition(pid)

@@ -1,0 +1,169 @@
+"""The node's partitions as requests see them: a request's partition at its epoch, whether this node leads
+it (a self-fenced leader leads nothing), and the changes of the partitions held here (a newer view
+installed, a partition dropped), one at a time."""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import trio
+
+from wire.protocol import Header, Result
+from ..config import Config
+from ..etcdagent import EtcdAgent
+from ..partition import Partition, PartitionTable
+from ..store import StoreError
+from .. import viewguard
+from .base import RequestCounters, Reply, store_call, store_reply
+
+log = logging.getLogger(__name__)
+
+
+class Partitions:
+    def __init__(self, cfg: Config, me: str, table: PartitionTable, counters: RequestCounters,
+                 agent: EtcdAgent | None, changed: Callable[[bool], None]):
+        self.cfg = cfg
+        self.me = me
+        self.table = table
+        self.counters = counters
+        self.agent = agent         # the cluster map in etcd, when configured: leaders self-fence by it
+        self.changed = changed     # (kick) the partitions held here changed: tell the agent, and repair if kick
+        self.create_lock = trio.Lock()     # partition creates: check-then-create must not interleave
+        self.view_lock = trio.Lock()       # view installs and drops of partitions: one at a time
+        self.peers = None          # asks another node its REPLICA_STATE (datanode/repair.py Repairer); set by the node
+        self.refusals: dict[int, tuple[int, str]] = {}   # pid -> the refused (epoch, why) last logged
+
+    # -- the request's partition --------------------------------------------------------------------------
+    def hosted(self, h: Header) -> Partition:
+        """The request's partition, or NOT_FOUND."""
+        part = self.table.get(h.partition)
+        if part is None:
+            raise Reply(Result.NOT_FOUND, why=f"partition {h.partition} is not on this node")
+        return part
+
+    def at_epoch(self, h: Header) -> Partition:
+        """The request's partition, at the request's epoch (else NOT_FOUND / STALE_EPOCH)."""
+        part = self.hosted(h)
+        if h.epoch != part.epoch:
+            raise Reply(Result.STALE_EPOCH, arg=part.epoch,
+                        why=f"epoch {h.epoch} but partition {part.pid} is at {part.epoch}")
+        return part
+
+    def leader_of(self, part: Partition) -> None:
+        if part.leader != self.me:
+            raise Reply(Result.NOT_LEADER, why=f"leader of partition {part.pid} is {part.leader}")
+
+    async def lead(self, h: Header) -> Partition:
+        """The request's partition, led here, at its epoch -- and this leader is not self-fenced: a leader of
+        a replicated partition whose etcd lease expired acknowledges nothing until it has re-registered and
+        re-read the map (NOT_LEADER; the rule and why: wire/etcdmap.py, "Self-fencing")."""
+        part = self.at_epoch(h)
+        self.leader_of(part)
+        if self.agent is not None and len(part.replicas) > 1:
+            why = await self.agent.fence()
+            if why:
+                self.counters.fenced += 1
+                raise Reply(Result.NOT_LEADER, why=f"self-fenced: {why}")
+            part = self.at_epoch(h)            # the map may have changed while we waited for etcd
+            self.leader_of(part)
+        return part
+
+    def still_leading(self, part: Partition, h: Header) -> None:
+        """After an await: the view may have changed meanwhile (a step-down).  A request may only go on (be
+        forwarded) at the view of the epoch it carries, with this node still its leader."""
+        if part.epoch != h.epoch:
+            raise Reply(Result.STALE_EPOCH, arg=part.epoch,
+                        why=f"partition {part.pid} moved to epoch {part.epoch} while handling epoch {h.epoch}")
+        self.leader_of(part)
+
+    @staticmethod
+    def size(part: Partition, extent: int) -> int:
+        try:
+            return part.store.size(extent)
+        except StoreError as e:
+            raise store_reply(e) from None
+
+    # -- changes ----------------------------------------------------------------------------------------------
+    async def install_view(self, pid: int, replicas: list[str], epoch: int) -> bool:
+        """Adopt a higher epoch and its replica list (False if ``epoch`` is not above ours).  ViewRefused when
+        its leader is not known to hold every acknowledged byte (datanode/viewguard.py): nothing changes then."""
+        part = self.table.get(pid)
+        if part is None or epoch <= part.epoch:
+            return False
+        await self._check(part, replicas, epoch)
+        async with self.view_lock:
+            part = self.table.get(pid)
+            if part is None or epoch <= part.epoch:
+                return False
+            verdict, why = viewguard.local_verdict(self.me, part.replicas, part.epoch, part.synced, replicas, epoch)
+            if verdict == "refuse":                 # our own copy changed while the leader was asked
+                raise self._refused(part, replicas, epoch, why)
+            part.synced = viewguard.stays_synced(self.me, part.replicas, part.epoch, part.synced, replicas, epoch)
+            part.replicas, part.epoch = list(replicas), epoch
+            part.acked.clear()                      # a leader's acknowledged ends are those of its own epoch
+            await store_call(part.save)
+        self.refusals.pop(pid, None)
+        self.changed(True)                   # leadership may have moved here (or away)
+        log.info("partition %d now epoch %d replicas %s", part.pid, epoch, ",".join(replicas))
+        return True
+
+    async def drop_partition(self, pid: int, replicas: list[str], epoch: int) -> bool:
+        """A newer view (``replicas`` at ``epoch``) no longer names this node: move our copy to the trash --
+        only when the view's leader is known to hold every acknowledged byte (else ViewRefused, nothing
+        changes).  False: nothing to drop (not here, or not a newer epoch)."""
+        part = self.table.get(pid)
+        if part is None or epoch <= part.epoch:
+            return False
+        await self._check(part, replicas, epoch)
+        async with self.view_lock:
+            if self.table.get(pid) is not part:
+                return False
+            await store_call(self.table.delete, pid)
+        self.refusals.pop(pid, None)
+        log.info("partition %d dropped for epoch %d (replicas %s, which hold every acknowledged byte); our copy "
+                 "is kept in the trash for %ss", pid, epoch, ",".join(replicas), self.cfg.trash_retention_s)
+        self.changed(False)
+        return True
+
+    async def delete_partition(self, pid: int) -> None:
+        """An admin's PARTITION_DELETE: the partition and its data go to the trash (idempotent)."""
+        async with self.view_lock:
+            if self.table.get(pid) is None:
+                return
+            await store_call(self.table.delete, pid)
+        log.info("partition %d deleted (its data is kept in the trash for %ss)", pid, self.cfg.trash_retention_s)
+        self.changed(False)
+
+    async def _check(self, part: Partition, replicas: list[str], epoch: int) -> None:
+        """Raise ViewRefused unless the leader of ``replicas`` is known to hold every acknowledged byte."""
+        verdict, arg = viewguard.local_verdict(self.me, part.replicas, part.epoch, part.synced, replicas, epoch)
+        if verdict == "ok":
+            return
+        if verdict == "refuse":
+            raise self._refused(part, replicas, epoch, arg)
+        leader = arg
+        try:
+            st = await self.peers.replica_state(leader, part.pid)
+        except Exception as e:  # noqa: BLE001 - unreachable, not hosting it, an unreadable answer: not known
+            raise self._refused(part, replicas, epoch, f"the new leader {leader} cannot be asked: {e}") from None
+        mine = await store_call(part.store.digests)
+        why = viewguard.remote_verdict(part.replicas, part.epoch, leader, st, mine)
+        if why:
+            raise self._refused(part, replicas, epoch, why)
+
+    def _refused(self, part: Partition, replicas: list[str], epoch: int, why: str) -> "ViewRefused":
+        """Count and report a refused view (its log line once per partition, epoch and reason)."""
+        self.counters.views_refused += 1
+        text = (f"partition {part.pid}: refusing epoch {epoch} (replicas {','.join(replicas)}) over our epoch "
+                f"{part.epoch}: {why}; our copy stays as it is")
+        if self.refusals.get(part.pid) != (epoch, why):
+            if len(self.refusals) > 4096:
+                self.refusals.clear()
+            self.refusals[part.pid] = (epoch, why)
+            log.warning("%s", text)
+        return ViewRefused(text)
+
+
+class ViewRefused(Exception):
+    """A view change refused: it would leave no copy known to hold every acknowledged byte (the message says
+    why); answered LAST_COPY."""

@@ -1,0 +1,345 @@
+"""The cluster manager (`dnmanager --etcd URL[,URL...]`; run several, exactly one is active).
+
+Watch, not poll: every instance follows the whole map (nodes, partitions, manager key) through **one etcd
+watch** (``wire.etcdmap.MapCache``: read once, then changes pushed; a full re-read after a watch
+reconnect and every ``MAP_RESYNC_S`` as a safety net).  At idle a manager sends etcd only its lease
+keepalives (the active one) and that slow re-read (measure: ``python bench/etcd_traffic.py``).
+
+Election: when the cached manager key is absent an instance grants itself a lease and creates the key with
+a compare-and-swap (create revision 0).  The winner keeps its lease alive and is active while it does; the
+others wait for the key's deletion to arrive by the watch (or ``STANDBY_RESYNC_S``) and take over when the
+active one's lease lapses (it died, hung, or lost etcd).  Every partition change the active manager makes
+is a CAS that also requires the manager key to still hold its id, so a deposed manager cannot change the map.
+
+The active manager passes over the cached map whenever it changes (a node's lease lapsed, a view was
+written), and every ``tick_s`` while something is under way (a replica gone but not yet ``down_after_s``,
+an install to retry, a repair to follow) -- else every ``IDLE_LOOK_S``, which costs no etcd request.  Per
+partition (design and the no-acknowledged-write-lost argument: wire/etcdmap.py):
+
+* **adopt**: a partition a registered leader reports that etcd does not have yet is written to etcd as it
+  is (its replica count becomes ``want``; its followers become ``synced`` once the leader reports them
+  healthy); a higher epoch reported by its leader (an admin changed it by
+  hand with dnctl) replaces etcd's.
+* **leader failover**: its leader has no lease -> the first surviving, ``synced`` replica leads at epoch + 1
+  with the surviving replicas; a partition with no synced survivor becomes ``read_only`` and is left alone.
+* **follower loss**: a follower without a lease for ``down_after_s`` is removed (epoch + 1): the partition
+  takes writes again with the rest and is ``degraded``.
+* **re-replication**: a partition short of ``want`` replicas gets a spare node (live, not a member, another
+  zone than its members where possible, the most free bytes) at epoch + 1; the leader's repair fills it
+  (progress: ``dnctl partition health``); when the leader reports it ``healthy`` it joins ``synced`` and
+  the partition is ``writable`` again.
+* **install**: a new view is first written to etcd with ``installed = false``; then the datanodes' own
+  ``PARTITION_CREATE`` (a new replica) / ``PARTITION_UPDATE`` (followers first, the new leader last) are
+  sent, and the view is marked installed.  A member that does not answer is retried on the next tick.
+
+Nothing read from etcd is obeyed unchecked (wire/mapcheck.py): the map cache ignores -- logs and counts
+(``dnmanager_etcd_invalid_values_total``, ``--metrics-listen``) -- a value that is malformed, lacks the MAC
+of this cluster's secret, or moves an epoch back or too far; a partition key holding such a value gets its
+last valid view written back (a CAS on the invalid value's revision), or, with none known, is adopted again
+from its leader's registration.  Every entry the manager writes is sealed with that MAC.
+
+The manager talks to datanodes with the SDK's admin requests (so this module sits at the admin level:
+manager -> client/admin.py, client/sdk.py -> wire/).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+import trio
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from client.sdk import ClientError, DataClient
+from wire.etcdmap import Etcd, EtcdAccess, EtcdError, Lease, MapCache, PartView
+from wire.metrics import etcd_invalid_family
+from wire.protocol import Op, Result, Role
+from manager.tasks import ManagerTasks
+
+log = logging.getLogger(__name__)
+STANDBY_POLL_S = 0.25     # first retry after etcd refused (doubling up to 5 s)
+STANDBY_RESYNC_S = 10.0   # a standby looks at the manager key at least this often (else: on its deletion)
+IDLE_LOOK_S = 5.0         # the active manager passes over a settled map this often (no etcd request)
+MAP_RESYNC_S = 30.0       # full re-read of the map, a safety net under the watch
+
+
+class Manager:
+    def __init__(self, etcd: str, *, prefix: str = "/datanode", name: str = "manager", lease_ttl_s: int = 3,
+                 down_after_s: float = 1.0, tick_s: float = 0.25, transport: str = "auto",
+                 rpc_timeout: float = 3.0, min_writable: int = 2, replicas: int = 3, min_free_mib: int = 256,
+                 unfinished_after_s: float = 30.0, secret=None, tls=None, etcd_access: EtcdAccess | None = None):
+        # the MACs of the map's entries are made and checked with the secret's (or admin key file's) admin key
+        self.etcd = Etcd(etcd, prefix, timeout=max(1.0, lease_ttl_s / 2), access=etcd_access,
+                         admin_key=secret.key(Role.ADMIN) if secret is not None else None)
+        self.ident = f"{name}@{socket.gethostname()}:{os.getpid()}"
+        self.lease_ttl_s = lease_ttl_s
+        self.down_after_s = down_after_s
+        self.tick_s = tick_s
+        self.transport = transport
+        self.rpc_timeout = rpc_timeout
+        self.login = {"secret": secret, "tls_ca": tls}    # Credentials and ssl.SSLContext for the nodes
+        self.active = False
+        self.down_since: dict[str, float] = {}
+        self.cache = MapCache(self.etcd, resync_s=MAP_RESYNC_S)
+        self.ticks = 0
+        self.dc: DataClient | None = None
+        # placement, min_writable, decommission, admins' requests (manager/tasks.py)
+        self.tasks = ManagerTasks(self, min_writable=min_writable, replicas=replicas, min_free_mib=min_free_mib,
+                                  settle_s=max(2.0, 2 * tick_s), unfinished_after_s=unfinished_after_s)
+
+    # -- election ---------------------------------------------------------------------------------------
+    async def run(self) -> None:
+        async with DataClient.open(transport=self.transport, timeout=self.rpc_timeout, pool_mib=8,
+                                   **self.login) as dc, \
+                trio.open_nursery() as n:
+            self.dc = dc
+            log.info("manager %s: standing by (etcd %s, prefix %s)", self.ident, self.etcd.urls, self.etcd.prefix)
+            await n.start(self.cache.run)           # the map, followed by one watch (etcdmap.MapCache)
+            delay = STANDBY_POLL_S
+            while True:
+                seen = self.cache.seq
+                try:
+                    await self._campaign_once()
+                    delay = STANDBY_RESYNC_S
+                except EtcdError as e:
+                    (log.warning if delay >= STANDBY_RESYNC_S else log.debug)("manager %s: %s", self.ident, e)
+                    delay = min(max(delay, STANDBY_POLL_S) * 2, 5.0)
+                with trio.move_on_after(delay):     # the manager key's deletion arrives by the watch
+                    await self.cache.wait(seen)
+
+    async def _campaign_once(self) -> None:
+        if self.cache.get(self.etcd.manager_key) is not None:
+            return
+        lease = Lease(self.etcd, self.lease_ttl_s)
+        await lease.grant()
+        if not await self.etcd.campaign(self.etcd.manager_key, self.ident, lease.id):
+            await self.etcd.revoke(lease.id)
+            return
+        log.info("manager %s: ACTIVE (lease %x, ttl %ds)", self.ident, lease.id, lease.ttl)
+        self.active = True
+        self.down_since.clear()
+        try:
+            async with trio.open_nursery() as n:
+                n.start_soon(self._active_loop)
+                await lease.keep_alive()            # returns when the lease is lost
+                n.cancel_scope.cancel()
+            log.warning("manager %s: lost the manager lease: standing by", self.ident)
+        finally:
+            self.active = False
+            self.tasks.standby()
+            await self.etcd.release(lease)          # a clean stop hands over at once
+
+    async def _active_loop(self) -> None:
+        """React to the map's changes (pushed by the watch); while something is under way (a replica down
+        but not yet ``down_after_s``, an install to retry, a repair to follow) look again every ``tick_s``."""
+        while True:
+            seen = self.cache.seq
+            try:
+                busy = await self.tick()
+            except (EtcdError, ClientError) as e:
+                log.warning("manager tick: %s", e)
+                busy = True
+            self.ticks += 1
+            with trio.move_on_after(self.tick_s if busy else IDLE_LOOK_S):
+                await self.cache.wait(seen)
+
+    # -- one pass over the map ----------------------------------------------------------------------
+    async def tick(self) -> bool:
+        """One pass over the cached map; True while some partition is not settled (look again soon)."""
+        nodes = self.cache.nodes()
+        now = trio.current_time()
+        for addr in list(self.down_since):
+            if addr in nodes:
+                del self.down_since[addr]
+        parts = self.cache.parts()
+        restore, unknown = self.cache.invalid_parts()
+        if await self._restore(restore) | await self._adopt(nodes, parts, unknown):
+            return True                             # the views written arrive by the watch
+        busy = []
+
+        async def one(view):
+            busy.append(await self._handle_safely(view, nodes, now))
+        async with trio.open_nursery() as n:
+            for view in parts.values():
+                n.start_soon(one, view)
+        busy.append(await self.tasks.run(nodes))     # placement, min_writable, decommission, requests
+        return any(busy)
+
+    async def _restore(self, views: list[PartView]) -> bool:
+        """Write back the last valid view of partitions whose key now holds an invalid value."""
+        changed = False
+        for v in views:
+            if await self._cas(v, v.rev):
+                log.warning("partition %d: etcd held an invalid value (see above); wrote back its last valid "
+                            "view (epoch %d, replicas %s)", v.id, v.epoch, ",".join(v.replicas))
+                changed = True
+        return changed
+
+    async def _adopt(self, nodes: dict, parts: dict[int, PartView], invalid: dict[int, int]) -> bool:
+        """Partitions the leaders report and etcd has not (or has only as an invalid value: ``invalid`` maps
+        them to its revision), or has at a lower epoch."""
+        changed = False
+        for addr, rec in nodes.items():
+            for pid_s, pv in (rec.get("partitions") or {}).items():
+                pid, replicas, epoch = int(pid_s), list(pv["replicas"]), int(pv["epoch"])
+                if not replicas or replicas[0] != addr:
+                    continue                        # only a leader's own view is adopted
+                cur = parts.get(pid)
+                if cur is None:
+                    # only the leader is known to hold every acknowledged write; followers join
+                    # ``synced`` when the leader reports them healthy (``_check_filled``)
+                    view = PartView(pid, replicas, epoch, want=len(replicas), synced=replicas[:1])
+                    view.state = _state(view)
+                    if await self._cas(view, invalid.get(pid, 0)):
+                        log.info("partition %d adopted: replicas %s epoch %d", pid, ",".join(replicas), epoch)
+                        changed = True
+                elif epoch > cur.epoch:
+                    view = PartView(pid, replicas, epoch, want=max(cur.want, 1),
+                                    synced=[r for r in replicas if r in cur.synced] or replicas[:1])
+                    view.state = _state(view)
+                    if not self.etcd.follows(cur.epoch, cur.replicas, view, set(nodes)):
+                        continue
+                    if await self._cas(view, cur.rev):
+                        log.info("partition %d: leader %s reports epoch %d (etcd had %d): adopted", pid, addr,
+                                 epoch, cur.epoch)
+                        changed = True
+        return changed
+
+    async def _handle_safely(self, view: PartView, nodes: dict, now: float) -> bool:
+        try:
+            return await self.handle(view, nodes, now)
+        except (EtcdError, ClientError) as e:
+            log.warning("partition %d: %s", view.id, e)
+            return True
+
+    async def handle(self, view: PartView, nodes: dict, now: float) -> bool:
+        """Act on one partition; True while it is not settled (something to look at again soon)."""
+        live = set(nodes)
+        dead = [r for r in view.replicas if r not in live]
+        for r in dead:
+            self.down_since.setdefault(r, now)
+        if view.leader in dead:
+            cands = [r for r in view.replicas if r in live and r in view.synced]
+            if not cands:
+                if view.state != "read_only":
+                    log.error("partition %d: leader %s is gone and no synced replica survives (%s): read_only",
+                              view.id, view.leader, ",".join(view.replicas))
+                    await self._set(view, state="read_only")
+                return False                        # until one of its replicas registers again
+            survivors = [cands[0]] + [r for r in view.replicas if r in live and r != cands[0]]
+            await self.change(view, survivors, f"leader {view.leader} lost its lease; {cands[0]} leads")
+            return True
+        gone = [r for r in dead if now - self.down_since[r] >= self.down_after_s]
+        if gone:
+            await self.change(view, [r for r in view.replicas if r not in gone],
+                              f"follower(s) {','.join(gone)} lost their lease")
+            return True
+        if dead:
+            return True                             # wait down_after_s before shrinking
+        if not view.installed:
+            await self.install(view)
+            return True
+        unsynced = [r for r in view.replicas if r not in view.synced]
+        if unsynced:
+            await self._check_filled(view, unsynced)
+            return True
+        if len(view.replicas) < view.want:
+            spare = self.pick_spare(view, nodes)
+            if spare is not None:
+                await self.change(view, view.replicas + [spare], f"re-replicating onto {spare}")
+                return True
+        if view.state != _state(view):
+            await self._set(view, state=_state(view))
+            return True
+        return False
+
+    def pick_spare(self, view: PartView, nodes: dict) -> str | None:
+        return self.tasks.spare(view, nodes)      # manager/placement.py decides; draining nodes excluded
+
+    # -- changes ------------------------------------------------------------------------------------
+    async def _cas(self, view: PartView, rev: int, also: tuple[str, str] | None = None) -> bool:
+        return await self.etcd.cas_part(view, expect_rev=rev, holder=(self.etcd.manager_key, self.ident),
+                                        also=also)
+
+    async def _set(self, view: PartView, **changes) -> bool:
+        new = PartView(**{**{k: getattr(view, k) for k in ("id", "replicas", "epoch", "want", "synced",
+                                                           "state", "installed")}, **changes})
+        if await self._cas(new, view.rev):
+            view.__dict__.update(new.__dict__)
+            return True
+        return False
+
+    async def change(self, view: PartView, replicas: list[str], why: str) -> None:
+        new = PartView(view.id, replicas, view.epoch + 1, want=view.want,
+                       synced=[r for r in view.synced if r in replicas], state="recovering", installed=False)
+        if not await self._cas(new, view.rev):
+            log.info("partition %d: the view changed under us; next tick", view.id)
+            return
+        log.warning("partition %d: epoch %d -> %d, replicas %s -> %s (%s)", view.id, view.epoch, new.epoch,
+                    ",".join(view.replicas), ",".join(replicas), why)
+        await self.install(new)
+
+    async def install(self, view: PartView) -> None:
+        """Deliver ``view`` to its members (followers first, the leader last), then mark it installed."""
+        body = {"replicas": view.replicas, "epoch": view.epoch}
+        for addr in view.replicas[1:] + view.replicas[:1]:
+            try:
+                await self.dc.admin(addr, Op.PARTITION_UPDATE, partition=view.id, body=body)
+            except ClientError as e:
+                if e.result == Result.STALE_EPOCH and e.arg >= view.epoch:
+                    continue                        # it has it already (its agent saw etcd first)
+                if e.result == Result.NOT_FOUND and addr not in view.synced:
+                    await self.dc.admin(addr, Op.PARTITION_CREATE, partition=view.id, body=body)
+                    log.info("partition %d: created on new replica %s (epoch %d)", view.id, addr, view.epoch)
+                    continue
+                log.warning("partition %d: installing epoch %d on %s failed: %s (retrying next tick)",
+                            view.id, view.epoch, addr, e)
+                return
+        if await self._set(view, installed=True, state=_state(view, installed=True)):
+            log.info("partition %d: epoch %d installed on %s (%s)", view.id, view.epoch,
+                     ",".join(view.replicas), view.state)
+        if any(r not in view.synced for r in view.replicas):
+            try:
+                await self.dc.admin(view.leader, Op.REPAIR, partition=view.id)
+            except ClientError:
+                pass                                # its heartbeat starts the repair anyway
+
+    async def _check_filled(self, view: PartView, unsynced: list[str]) -> None:
+        """A replica being filled by repair joins ``synced`` once the leader reports it healthy."""
+        h = await self.dc.admin(view.leader, Op.PARTITION_HEALTH, partition=view.id)
+        healthy = {f["addr"] for f in h.get("followers", []) if f.get("state") == "healthy"}
+        running = (h.get("repair") or {}).get("running")
+        done = [r for r in unsynced if r in healthy]
+        if done and not running:
+            synced = view.synced + done
+            new_state = _state(PartView(view.id, view.replicas, view.epoch, view.want, synced))
+            if await self._set(view, synced=synced, state=new_state):
+                log.info("partition %d: %s filled by repair; %s", view.id, ",".join(done), new_state)
+
+
+def _state(view: PartView, installed: bool | None = None) -> str:
+    installed = view.installed if installed is None else installed
+    if not installed or any(r not in view.synced for r in view.replicas):
+        return "recovering" if len(view.replicas) >= view.want else "degraded"
+    return "degraded" if len(view.replicas) < view.want else "writable"
+
+
+class ManagerMetrics:
+    """The manager's Prometheus families (``dnmanager --metrics-listen``), read at scrape time."""
+
+    def __init__(self, m: Manager):
+        self.m = m
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(self)
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        yield GaugeMetricFamily("dnmanager_active", "1 while this manager is the active one", value=int(self.m.active))
+        yield etcd_invalid_family("dnmanager", self.m.etcd.invalid)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,199 @@
+"""Cluster credentials and the proofs exchanged in the connection hello (HMAC-SHA256, standard library only).
+
+Threat model: docs/security.md.  Against whom: any host that can open a TCP connection to a datanode
+(a tenant's machine, a compromised client host holding only a ``client`` key, a stranger on the network).
+Protected: without a key nobody gets past the hello; a ``client`` key moves data (append, read, create/delete
+extents) but cannot administer partitions, forward writes, truncate, or trigger repair/scrub (FORBIDDEN);
+a follower takes forwarded changes only from the authenticated identity of its partition's current leader,
+and no node takes a view whose leader is not known to hold every acknowledged byte (datanode/viewguard.py);
+on TCP a peer reaches our memory only inside a grant (the range a request in flight named to that very
+connection); every admin body is validated before anything changes, and deleted data goes to the trash first;
+a peer cannot starve the others (per-connection requests in flight, pool share, answer bytes, hello deadline,
+idle and connection limits); a follower copy that differs from its leader's is reported within a heartbeat
+and repaired.  With TLS (transport/tls.py) the stream is also encrypted and integrity-protected, and the client
+checks the node's certificate.  Not protected: without TLS an on-path attacker can read and alter traffic
+after the hello (the HMAC covers the hello only); every datanode holds the cluster secret, so a compromised
+datanode can act as any node or admin; a client key holder can overwrite nothing but can append garbage to,
+delete, or fill (to its share) any partition, a *volume key* the same on its volume's partitions only
+(FORBIDDEN elsewhere: datanode/ops/wrap.py); on verbs a grant is a
+type-2 memory window bound per request on the peer's queue pair (the MR itself has no remote rights), but
+rdma_rxe bounds a window by its MR, so during its own request a peer can reach the rest of that region, and a
+device without type-2 windows falls back to MR-wide rkeys (transport/verbs.py); floods of connections are
+bounded per address and in all (datanode/ops/admission.py), shared among addresses, not people.  Without a
+secret a node takes peers on its own host only (unless ``insecure``), and every such peer is trusted.  Authentication and the checks cost
+the data path nothing measurable; TLS costs a lot (Python-level record handling in trio.SSLStream):
+``bench/trust_cost.py`` measures both.
+
+Keys.  The *cluster secret* is a file of random bytes (``datanode gen-secret``) held by the datanodes and the
+admin hosts.  Each role has its own key derived from it: ``K_role = HMAC-SHA256(secret, "datanode role key
+v1/" + role)``.  A host that should only read and write data gets a *role key file* holding ``K_client`` alone
+(``datanode derive-key --role client``): it cannot compute ``K_node`` or ``K_admin`` (HMAC is one-way), so it
+can never claim those roles.  Where each lives:
+
+    datanodes      the cluster secret (they verify every role, and act as ``node`` towards each other)
+    admin hosts    the cluster secret, or an ``admin`` role key file (dnctl)
+    client hosts   a ``client`` role key file (the SDK, a FUSE mount), or a *volume key file*: the client role
+                   on one volume's partitions (``volume_key``; the hello names the volume as its identity)
+
+The hello (wire/transport/connect.py) is a mutual challenge-response: the client sends its role, a fresh
+32-byte nonce and (role ``node``) its identity; the server answers with its own nonce and
+``HMAC(K_role, "server" | transcript)``; the client checks that, then sends ``HMAC(K_role, "client" |
+transcript)``; the transcript binds the role, both nonces and the identity.  Neither side can replay an old
+exchange (the other side's nonce is fresh), and the two proofs use different labels, so one is never usable as
+the other.  Without TLS the stream after the hello is not encrypted or integrity-protected (see
+docs/security.md).
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import pathlib
+import secrets
+
+from .protocol import BodyError, Role, check_volume
+
+NONCE_SIZE = 32
+PROOF_SIZE = 32
+MIN_SECRET = 16
+KEY_FILE_MAGIC = "datanode-role-key"
+VOLUME_KEY_MAGIC = "datanode-volume-key"
+ROLE_NAMES = {r.name.lower(): r for r in Role}
+
+
+class AuthConfigError(Exception):
+    """A secret or key file that cannot be used (named in the message)."""
+
+
+def role_key(secret: bytes, role: Role) -> bytes:
+    return hmac.new(secret, b"datanode role key v1/" + role.name.lower().encode(), hashlib.sha256).digest()
+
+
+def volume_key(admin_key: bytes, volume: str) -> bytes:
+    """The key of volume ``volume``: ``HMAC-SHA256(K_admin, "datanode volume key v1/" + name)``.  Derived from
+    the admin key (itself from the cluster secret) so that an admin host holding only an admin key file can
+    issue volume keys, while a client or volume key can derive nothing (HMAC is one-way); the name is in the
+    derivation, so a key for one volume proves no other."""
+    return hmac.new(admin_key, b"datanode volume key v1/" + check_volume(volume).encode(), hashlib.sha256).digest()
+
+
+def transcript(role: int, client_nonce: bytes, server_nonce: bytes, identity: str) -> bytes:
+    return b"datanode hello v3|%d|" % role + client_nonce + b"|" + server_nonce + b"|" + identity.encode()
+
+
+def proof(key: bytes, side: bytes, text: bytes) -> bytes:
+    return hmac.new(key, side + b"|" + text, hashlib.sha256).digest()
+
+
+def new_nonce() -> bytes:
+    return secrets.token_bytes(NONCE_SIZE)
+
+
+class Credentials:
+    """The role keys this process holds: all of them (from the cluster secret) or one (a role key file, or a
+    volume key file: the ``client`` role scoped to the partitions of ``volume``)."""
+
+    def __init__(self, keys: dict[Role, bytes], source: str = "", master: bool = False, volume: str = ""):
+        self.keys = dict(keys)
+        self.source = source
+        self.master = master
+        self.volume = volume       # a volume key: the hello names the volume as the client's identity
+
+    @classmethod
+    def from_secret(cls, secret: bytes, source: str = "") -> "Credentials":
+        if len(secret) < MIN_SECRET:
+            raise AuthConfigError(f"{source or 'secret'}: the cluster secret is {len(secret)} bytes, "
+                                  f"at least {MIN_SECRET} are needed (make one with: datanode gen-secret)")
+        return cls({r: role_key(secret, r) for r in Role}, source, master=True)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Credentials":
+        """A cluster secret file, or a role key file (first word ``datanode-role-key``)."""
+        p = pathlib.Path(path)
+        try:
+            raw = p.read_bytes()
+        except OSError as e:
+            raise AuthConfigError(f"secret file {p}: {e.strerror or e}") from None
+        text = raw.strip()
+        if text.startswith(VOLUME_KEY_MAGIC.encode()):
+            parts = text.decode(errors="replace").split()
+            if len(parts) != 4 or parts[1] != "v1":
+                raise AuthConfigError(f"volume key file {p}: expected '{VOLUME_KEY_MAGIC} v1 VOLUME HEX'")
+            try:
+                name = check_volume(parts[2])
+                key = bytes.fromhex(parts[3])
+            except BodyError as e:
+                raise AuthConfigError(f"volume key file {p}: {e.detail}") from None
+            except ValueError:
+                raise AuthConfigError(f"volume key file {p}: the key is not hex") from None
+            if len(key) != 32:
+                raise AuthConfigError(f"volume key file {p}: the key must be 32 bytes (64 hex digits)")
+            return cls({Role.CLIENT: key}, str(p), volume=name)
+        if text.startswith(KEY_FILE_MAGIC.encode()):
+            parts = text.decode(errors="replace").split()
+            if len(parts) != 4 or parts[1] != "v1" or parts[2] not in ROLE_NAMES:
+                raise AuthConfigError(f"key file {p}: expected '{KEY_FILE_MAGIC} v1 ROLE HEX' "
+                                      f"with ROLE one of {', '.join(ROLE_NAMES)}")
+            try:
+                key = bytes.fromhex(parts[3])
+            except ValueError:
+                raise AuthConfigError(f"key file {p}: the key is not hex") from None
+            if len(key) != 32:
+                raise AuthConfigError(f"key file {p}: the key must be 32 bytes (64 hex digits)")
+            return cls({ROLE_NAMES[parts[2]]: key}, str(p))
+        return cls.from_secret(text, str(p))
+
+    def key(self, role: Role) -> bytes | None:
+        return self.keys.get(role)
+
+    def default_role(self) -> Role:
+        """What a tool claims when not told: admin when it can (dnctl on an admin host), else its one role."""
+        for r in (Role.ADMIN, Role.CLIENT, Role.NODE):
+            if r in self.keys:
+                return r
+        raise AuthConfigError("no key")   # pragma: no cover - a Credentials always holds one
+
+    def role_key_file(self, role: Role) -> str:
+        """The text of a role key file for ``role`` (only from the cluster secret)."""
+        if not self.master:
+            raise AuthConfigError(f"{self.source}: a role key file cannot make other keys; use the cluster secret")
+        return f"{KEY_FILE_MAGIC} v1 {role.name.lower()} {self.keys[role].hex()}\n"
+
+
+    def volume_key_file(self, volume: str) -> str:
+        """The text of a volume key file for ``volume`` (from the cluster secret or an admin key file)."""
+        admin = self.keys.get(Role.ADMIN)
+        if admin is None:
+            raise AuthConfigError(f"{self.source}: making a volume key needs the cluster secret or an admin key file")
+        try:
+            return f"{VOLUME_KEY_MAGIC} v1 {volume} {volume_key(admin, volume).hex()}\n"
+        except BodyError as e:
+            raise AuthConfigError(e.detail) from None
+
+
+class DialAuth:
+    """What one side of ``connect.dial`` presents: credentials (or None: authentication off), the role it
+    claims and, for a datanode, its identity (its listen address)."""
+
+    def __init__(self, creds: Credentials | None, role: Role | None = None, identity: str = "", tls=None,
+                 transition: bool = False):
+        self.creds = creds
+        self.tls = tls                       # ssl.SSLContext: speak TLS from the first byte (transport/tls.py)
+        self.transition = transition         # holding a secret, still talk to a node without one (a cluster
+                                             # being switched to the secret); else such a node is refused
+        self.role = role if role is not None else (creds.default_role() if creds else Role.CLIENT)
+        self.identity = identity
+        if creds is not None and creds.volume and self.role == Role.CLIENT:
+            self.identity = creds.volume     # bound into the proofs: the node derives the volume's key from it
+        if creds is not None and creds.key(self.role) is None:
+            raise AuthConfigError(f"{creds.source}: holds no key for role '{self.role.name.lower()}' "
+                                  f"(it holds: {', '.join(r.name.lower() for r in creds.keys)})")
+
+    @property
+    def key(self) -> bytes | None:
+        return self.creds.key(self.role) if self.creds else None
+
+
+def gen_secret() -> str:
+    """A new cluster secret (64 hex digits)."""
+    return secrets.token_hex(32) + "\n"
