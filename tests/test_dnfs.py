@@ -430,6 +430,31 @@ def test_unlink_open_file_then_extents_freed(mnt):
     mnt.mount()
 
 
+def test_unlink_closed_files_frees_their_extents_and_keeps_other_links(mnt):
+    """`rm` of a closed file: it goes with its last link (its inode removed in the unlink's transaction) and
+    its extents are reclaimed; a file with another name left stays whole."""
+    (mnt.path / "a").write_bytes(pattern(5, 6 << 20))
+    gone = mnt.file_extents("a")
+    assert gone
+    os.unlink(mnt.path / "a")
+    assert not (mnt.path / "a").exists()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        marks = watermarks(mnt.addrs)
+        if not any(e in marks for _, e in gone):
+            break
+        time.sleep(0.5)
+    assert not any(e in marks for _, e in gone), f"extents {gone} still on the datanodes"
+    (mnt.path / "b").write_bytes(pattern(6, 6 << 20))
+    os.link(mnt.path / "b", mnt.path / "b2")
+    os.unlink(mnt.path / "b")
+    assert os.stat(mnt.path / "b2").st_nlink == 1
+    mnt.umount()
+    assert "clean" in mnt.fsck().stdout
+    mnt.mount()
+    assert (mnt.path / "b2").read_bytes() == pattern(6, 6 << 20)
+
+
 def test_a_mount_authenticates_with_the_secret_file_it_is_given(tmp_path):
     """dnfs mount --secret-file: the background mount process authenticates with it (so does fsck); without it,
     a node that holds a secret refuses the mount."""

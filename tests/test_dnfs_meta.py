@@ -91,8 +91,8 @@ def test_tree_slices_and_queue(engine):
             await m.rename(ROOT, b"g", ROOT, b"d", noreplace=True)
         assert e.value.errno == errno.EEXIST
         await m.opened(f.ino)                                  # open (on this mount) ...
-        a = await m.unlink(ROOT, b"g")                         # ... when its last link goes
-        assert a.nlink == 0 and await m.orphans() == []
+        a, gone = await m.unlink(ROOT, b"g", held=lambda ino: False)     # ... when its last link goes
+        assert a.nlink == 0 and not gone and await m.orphans() == []
         assert not await m.remove(f.ino)                       # still open: kept
         assert (await m.slices(f.ino))
         assert await m.closed(f.ino)                           # the last close removes it
@@ -102,6 +102,16 @@ def test_tree_slices_and_queue(engine):
         await m.unlink(ROOT, b"h")                             # before the remove): an orphan to sweep
         assert await m.orphans() == [h.ino]
         assert await m.remove(h.ino) and await m.orphans() == []
+        k = await m.create(ROOT, b"k", FILE, 0, 0)            # closed, kept by nobody: gone with its link
+        await m.link(k.ino, ROOT, b"k2")
+        assert not (await m.unlink(ROOT, b"k", held=lambda ino: False))[1]      # another link is left
+        assert not (await m.unlink(ROOT, b"k2", held=lambda ino: True))[1]      # this process keeps it
+        assert await m.orphans() == [k.ino] and await m.remove(k.ino)
+        j = await m.create(ROOT, b"j", FILE, 0, 0)
+        a, gone = await m.unlink(ROOT, b"j", held=lambda ino: False)
+        assert gone and a.nlink == 0 and await m.orphans() == []
+        with pytest.raises(MetaError):
+            await m.getattr(j.ino)
         assert not await m.referenced(1, 3)
         assert await m.check() == []
         await m.close()

@@ -340,8 +340,11 @@ class DnFS(pyfuse3.Operations):
 
     @fuse_op
     async def unlink(self, parent_inode, name, ctx):
-        a = await self.meta.unlink(parent_inode, name)
-        if a.nlink <= 0:
+        a, gone = await self.meta.unlink(parent_inode, name, held=self.files.__contains__)
+        if gone:
+            self.seen.pop(a.ino, None)
+            self.reclaimer.kick()
+        elif a.nlink <= 0:
             self.unlinked.add(a.ino)
             await self._maybe_remove(a.ino)
 

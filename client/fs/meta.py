@@ -390,14 +390,20 @@ class Meta(abc.ABC):
             return a
         return await self._run(go)
 
-    async def unlink(self, parent: int, name: bytes) -> Attr:
-        """Remove a non-directory entry; returns the inode's attributes after (nlink may be 0: the caller
-        removes the inode with :meth:`remove` once nothing has it open)."""
+    async def unlink(self, parent: int, name: bytes, *,
+                     held: Callable[[int], bool] | None = None) -> tuple[Attr, bool]:
+        """Remove a non-directory entry; returns the inode's attributes after and whether the inode went too.
+        With ``held`` (does this process still keep something of the inode?), an inode that lost its last
+        link, that no mount has open and that ``held`` says is not kept is removed in the same transaction
+        (what :meth:`remove` does): `rm` of a closed file is one transaction, not a second one at the
+        kernel's FORGET.  Otherwise nlink may be 0 and the caller removes it once nothing has it open."""
         def go(tx):
             ino = self._existing(tx, parent, name)
             if self._get(tx, ino).is_dir:
                 raise MetaError(errno.EISDIR)
-            return self._drop_entry(tx, parent, name, ino, time.time_ns())
+            a = self._drop_entry(tx, parent, name, ino, time.time_ns())
+            gone = a.nlink <= 0 and held is not None and not held(ino) and self._remove(tx, ino)
+            return a, gone
         return await self._run(go)
 
     async def rmdir(self, parent: int, name: bytes) -> None:
