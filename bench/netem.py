@@ -40,6 +40,7 @@ import trio  # noqa: E402
 from client.sdk import DataClient  # noqa: E402
 from tools.cluster import NodeProc, free_port  # noqa: E402
 from tools.netns import Network, unavailable  # noqa: E402
+from wire.auth import gen_secret  # noqa: E402
 from wire.protocol import Header, Op, Result  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -48,10 +49,10 @@ NODE_CFG = {"pool_mib": 128, "sync": "always", "transport": "tcp", "log_level": 
 HOSTS = ["n1", "n2", "n3"]
 
 
-def start_nodes(root: pathlib.Path, addrs: list[str], prefixes: list[list[str]]) -> list[NodeProc]:
+def start_nodes(root: pathlib.Path, addrs: list[str], prefixes: list[list[str]], secret: str) -> list[NodeProc]:
     procs = []
     for i, (addr, prefix) in enumerate(zip(addrs, prefixes)):
-        p = NodeProc(root / f"node{i + 1}", addr, **NODE_CFG)
+        p = NodeProc(root / f"node{i + 1}", addr, **NODE_CFG, secret_file=secret)
         p.argv_prefix = prefix
         procs.append(p)
     try:
@@ -69,9 +70,9 @@ def stop_nodes(procs: list[NodeProc]) -> None:
         p.stop(timeout=20)
 
 
-def measured_rtt_ms(addr: str, n: int = 20) -> float:
+def measured_rtt_ms(addr: str, secret: str, n: int = 20) -> float:
     async def go():
-        async with DataClient.open(transport="tcp", timeout=10, pool_mib=2) as dc:
+        async with DataClient.open(transport="tcp", timeout=10, pool_mib=2, secret=secret) as dc:
             times = []
             for _ in range(n + 1):
                 t = trio.current_time()
@@ -100,10 +101,10 @@ def tcp_counters(prefixes: list[list[str]]) -> Counter:
     return total
 
 
-def bench(addrs: list[str], size: str, depth: int, seconds: float, prefix: list[str]) -> dict:
+def bench(addrs: list[str], size: str, depth: int, seconds: float, prefix: list[str], secret: str) -> dict:
     """One `dnctl bench` run (write, then read) against a scratch partition on ``addrs``, its client run
     under ``prefix`` (on its own host)."""
-    out = subprocess.run([*prefix, sys.executable, "-P", "-m", "tools.dnctl", "bench", "--nodes", ",".join(addrs),
+    out = subprocess.run([*prefix, sys.executable, "-P", "-m", "tools.dnctl", "--secret-file", secret, "bench", "--nodes", ",".join(addrs),
                           "--size", size, "--depth", str(depth), "--clients", "1", "--seconds", str(seconds),
                           "--transport", "tcp", "--json"], capture_output=True, text=True, cwd=REPO,
                          timeout=seconds * 4 + 300)
@@ -126,10 +127,16 @@ def settings(rtts: list[float], loss: float) -> list[dict]:
 def run(args, rtts: list[float], root: pathlib.Path) -> list[dict]:
     plan = settings(rtts, args.loss)
     samples: dict = {s["label"]: {"rtt": [], "configs": {f"{sz} x {d}": [] for sz, d in CONFIGS}} for s in plan}
-    local = start_nodes(root / "loopback", [f"127.0.0.1:{free_port()}" for _ in range(3)], [[]] * 3)
+    # nodes on other hosts talk only with a secret (one without takes its own host's peers only): all get it
+    key = root / "cluster.secret"
+    key.write_text(gen_secret())
+    key.chmod(0o600)
+    secret = str(key)
+    local = start_nodes(root / "loopback", [f"127.0.0.1:{free_port()}" for _ in range(3)], [[]] * 3, secret)
     try:
         with Network([*HOSTS, "client"], loss=0.0) as net:
-            procs = start_nodes(root / "net", [f"{net.addr(h)}:17310" for h in HOSTS], [net.prefix(h) for h in HOSTS])
+            procs = start_nodes(root / "net", [f"{net.addr(h)}:17310" for h in HOSTS], [net.prefix(h) for h in HOSTS],
+                                secret)
             try:
                 for rnd in range(args.rounds):
                     for s in plan:
@@ -139,12 +146,12 @@ def run(args, rtts: list[float], root: pathlib.Path) -> list[dict]:
                             net.set(*s["net"])
                             addrs, client = [p.addr for p in procs], net.prefix("client")
                             hosts = [net.prefix(h) for h in [*HOSTS, "client"]]
-                        rtt = measured_rtt_ms(addrs[0])
+                        rtt = measured_rtt_ms(addrs[0], secret)
                         samples[s["label"]]["rtt"].append(rtt)
                         print(f"round {rnd + 1}/{args.rounds} {s['label']}: round trip {rtt:.3f} ms", file=sys.stderr)
                         for size, depth in CONFIGS:
                             before = tcp_counters(hosts)
-                            res = bench(addrs, size, depth, args.seconds, client)
+                            res = bench(addrs, size, depth, args.seconds, client, secret)
                             res["tcp"] = dict(tcp_counters(hosts) - before) if hosts else None
                             samples[s["label"]]["configs"][f"{size} x {depth}"].append(res)
                             w = res.get("write", {})
