@@ -408,6 +408,17 @@ def test_readdir_many_entries(mnt):
     assert sorted(os.listdir(d)) == [f"entry-{i:05d}" for i in range(n)]
 
 
+def assert_reclaimed(mnt, extents: set[tuple[int, int]], within: float = 30) -> None:
+    """Every one of ``extents`` is deleted from the datanodes within ``within`` seconds (the mount's reclaimer)."""
+    deadline = time.monotonic() + within
+    while True:
+        marks = watermarks(mnt.addrs)
+        if not any(e in marks for _, e in extents) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert not any(e in marks for _, e in extents), f"extents {extents} still on the datanodes"
+
+
 def test_unlink_open_file_then_extents_freed(mnt):
     p = mnt.path / "doomed"
     data = pattern(3, 20 << 20)
@@ -418,13 +429,7 @@ def test_unlink_open_file_then_extents_freed(mnt):
         os.unlink(p)
         assert not p.exists()
         assert f.read() == data                   # still readable through its handle
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        marks = watermarks(mnt.addrs)
-        if not any(e in marks for _, e in extents):
-            break
-        time.sleep(0.5)
-    assert not any(e in marks for _, e in extents), f"extents {extents} still on the datanodes"
+    assert_reclaimed(mnt, extents)
     mnt.umount()
     assert "clean" in mnt.fsck().stdout
     mnt.mount()
@@ -438,13 +443,7 @@ def test_unlink_closed_files_frees_their_extents_and_keeps_other_links(mnt):
     assert gone
     os.unlink(mnt.path / "a")
     assert not (mnt.path / "a").exists()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        marks = watermarks(mnt.addrs)
-        if not any(e in marks for _, e in gone):
-            break
-        time.sleep(0.5)
-    assert not any(e in marks for _, e in gone), f"extents {gone} still on the datanodes"
+    assert_reclaimed(mnt, gone)
     (mnt.path / "b").write_bytes(pattern(6, 6 << 20))
     os.link(mnt.path / "b", mnt.path / "b2")
     os.unlink(mnt.path / "b")
