@@ -38,9 +38,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import trio  # noqa: E402
 
 from client.sdk import DataClient  # noqa: E402
-from tools.cluster import NodeProc, free_port  # noqa: E402
+from tools.cluster import NodeProc, cluster_secret, free_port  # noqa: E402
 from tools.netns import Network, unavailable  # noqa: E402
-from wire.auth import gen_secret  # noqa: E402
 from wire.protocol import Header, Op, Result  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -128,10 +127,7 @@ def run(args, rtts: list[float], root: pathlib.Path) -> list[dict]:
     plan = settings(rtts, args.loss)
     samples: dict = {s["label"]: {"rtt": [], "configs": {f"{sz} x {d}": [] for sz, d in CONFIGS}} for s in plan}
     # nodes on other hosts talk only with a secret (one without takes its own host's peers only): all get it
-    key = root / "cluster.secret"
-    key.write_text(gen_secret())
-    key.chmod(0o600)
-    secret = str(key)
+    secret = cluster_secret(root)
     local = start_nodes(root / "loopback", [f"127.0.0.1:{free_port()}" for _ in range(3)], [[]] * 3, secret)
     try:
         with Network([*HOSTS, "client"], loss=0.0) as net:

@@ -13,7 +13,6 @@ appends/s, MiB/s and p50/p99 latency.  Needs the ``openssl`` CLI (a throwaway CA
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
 import random
 import statistics
@@ -27,9 +26,8 @@ import trio
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from client.sdk import DataClient  # noqa: E402
-from wire.auth import gen_secret  # noqa: E402
 from wire.protocol import Op  # noqa: E402
-from tools.cluster import NodeProc, free_port  # noqa: E402
+from tools.cluster import NodeProc, cluster_secret, free_port  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = (4 * KiB, MiB)
@@ -75,9 +73,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="trustcost-") as d:
         d = pathlib.Path(d)
         ca, cert, key = make_pki(d)
-        secret = d / "cluster.secret"
-        secret.write_text(gen_secret())
-        os.chmod(secret, 0o600)
+        secret = pathlib.Path(cluster_secret(d))
         settings = {"off": ({}, {}),
                     "auth": ({"secret_file": str(secret)}, {"secret": str(secret)}),
                     "tls": ({"secret_file": str(secret), "tls_cert": cert, "tls_key": key},

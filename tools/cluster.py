@@ -303,6 +303,17 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / _TICK     # fields 14 and 15 of proc(5)
 
 
+def cluster_secret(root: pathlib.Path) -> str:
+    """DIR/cluster.secret, made now (0600 from its creation) unless it exists; its absolute path."""
+    from wire.auth import gen_secret
+    path = root.resolve() / "cluster.secret"
+    if not path.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        with open(path, "w", opener=lambda p, f: os.open(p, f | os.O_EXCL, 0o600)) as f:
+            f.write(gen_secret())
+    return str(path)
+
+
 def up(root: pathlib.Path, nodes: int = 3, base_port: int | None = None, *, start_timeout: float = START_TIMEOUT,
        **cfg) -> dict:
     """Start ``nodes`` daemons (detached: they outlive this process) and record them in cluster.json.

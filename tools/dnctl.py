@@ -8,7 +8,6 @@ modules (tools/demo.py, tools/bench.py, tools/trash.py), which do not import thi
 """
 from __future__ import annotations
 
-import os
 import pathlib
 import sys
 
@@ -128,17 +127,6 @@ _start_timeout = click.option("--start-timeout", type=click.FloatRange(1, 3600),
                               show_default=True, help="Seconds a node may take to start listening.")
 
 
-def _cluster_secret(root: pathlib.Path) -> str:
-    """DIR/cluster.secret, made now (0600) unless it exists; its absolute path."""
-    from wire.auth import gen_secret
-    path = root.resolve() / "cluster.secret"
-    if not path.exists():
-        root.mkdir(parents=True, exist_ok=True)
-        with open(path, "w", opener=lambda p, f: os.open(p, f | os.O_EXCL, 0o600)) as f:
-            f.write(gen_secret())
-    return str(path)
-
-
 @cluster.command("up")
 @click.option("--nodes", "count", type=click.IntRange(1, 64), default=3, show_default=True,
               help="How many datanodes.")
@@ -225,7 +213,7 @@ def cluster_up(count, cluster, base_port, sync, transport, pool_mib, replica_tim
     auth = pathlib.Path(etcd_rec["auth"]) if etcd_rec and etcd_rec.get("auth") else None
     extra = {"etcd": etcd_rec["url"]} if etcd_rec and prev is None else {}
     if prev is None and not insecure:
-        extra["secret_file"] = _cluster_secret(rootp)
+        extra["secret_file"] = cl.cluster_secret(rootp)
     if prev is None and auth is not None:
         extra["etcd_credentials"] = str(auth / "datanode")
     try:
