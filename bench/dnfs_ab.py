@@ -11,7 +11,8 @@ B, ...): on a shared, noisy machine only figures taken side by side compare.  Th
 A variant is NAME=DIR[:MOUNT-OPTIONS] (`git archive REV | tar -x -C DIR` makes a checkout of REV).
 Workloads:
   fsync4k   fio 4 KiB write+fdatasync (psync) for --seconds: IOPS, the FUSE write's and the fdatasync's p50
-  seq128k   fio 128 KiB sequential write of --size with end_fsync: MiB/s, mount CPU per GB
+  seq128k   fio 128 KiB sequential write of --size with end_fsync: MiB/s, write p99, mount CPU per GB
+  seq1m     the same with 1 MiB writes
   tar       tar x of 2,000 small files (0-3 KiB), timed until unmounted: files/s, mount CPU per file
   utime     os.utime in a loop for --seconds: ops/s, mount CPU per op (one FUSE SETATTR each)
   tree      the peers' small-file row: tar -x of a real source tree (--tree, default Python's standard
@@ -71,11 +72,13 @@ def one(code: str, opts: list[str], workload: str, a, work: pathlib.Path) -> str
             return (f"{w['iops']:7.0f} IOPS  write p50 {w['clat_ns']['percentile']['50.000000'] / 1e6:.3f} ms  "
                     f"fdatasync p50 {j['sync']['lat_ns']['percentile']['50.000000'] / 1e6:.3f} ms  "
                     f"mount CPU {(_cpu(pid) - c0) / max(1, n) * 1e3:.3f} ms/op")
-        if workload == "seq128k":
-            j = _fio(mnt, "--filename=f", "--rw=write", "--bs=128k", f"--size={a.size}", "--end_fsync=1")
+        if workload in ("seq128k", "seq1m"):
+            bs = "128k" if workload == "seq128k" else "1m"
+            j = _fio(mnt, "--filename=f", "--rw=write", f"--bs={bs}", f"--size={a.size}", "--end_fsync=1")
             w = j["write"]
-            return (f"{w['bw_bytes'] / 2**20:7.1f} MiB/s  mount CPU {(_cpu(pid) - c0) / (w['io_bytes'] / 1e9):.2f} "
-                    f"s/GB")
+            return (f"{w['bw_bytes'] / 2**20:7.1f} MiB/s  write p99 "
+                    f"{w['clat_ns']['percentile']['99.000000'] / 1e6:6.1f} ms  "
+                    f"mount CPU {(_cpu(pid) - c0) / (w['io_bytes'] / 1e9):.2f} s/GB")
         if workload == "tar":
             tar = root / "small.tar"
             make_tar(tar)
@@ -121,10 +124,10 @@ def one(code: str, opts: list[str], workload: str, a, work: pathlib.Path) -> str
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variant", action="append", required=True, metavar="NAME=DIR[:MOUNT-OPTIONS]")
-    ap.add_argument("--workload", choices=["fsync4k", "seq128k", "tar", "utime", "tree"], required=True)
+    ap.add_argument("--workload", choices=["fsync4k", "seq128k", "seq1m", "tar", "utime", "tree"], required=True)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=int, default=10, help="fsync4k and utime: how long")
-    ap.add_argument("--size", default="1G", help="fsync4k, seq128k: fio --size")
+    ap.add_argument("--size", default="1G", help="fsync4k, seq128k, seq1m: fio --size")
     ap.add_argument("--dir", default="/var/tmp", help="where the clusters and mounts go")
     ap.add_argument("--tree", default=f"/usr/lib/python3.{sys.version_info.minor}",
                     help="tree: the directory tarred and then untarred into the mount")

@@ -114,12 +114,11 @@ TestBufferedWrites.settings = settings(max_examples=150, stateful_step_count=40,
 @pytest.mark.parametrize("buffered, busy, then", [
     (4095, False, Flush.NONE),            # less than a chunk stays buffered
     (4096, False, Flush.BACKGROUND),      # a full chunk is written behind the writer
-    (4096, True, Flush.NONE),             # ... unless one is being written: it waits its turn
-    (8191, True, Flush.NONE),
-    (8192, True, Flush.NOW),              # a second full chunk meanwhile: the writer waits (backpressure)
+    (4095, True, Flush.NONE),             # the next chunk fills while one is being written
+    (4096, True, Flush.WAIT),             # ... and once full, the writer waits for it to be taken
     (8192, False, Flush.BACKGROUND),
 ])
-def test_a_write_flushes_a_full_chunk_behind_the_caller_and_waits_at_two(buffered, busy, then):
+def test_a_write_flushes_a_full_chunk_behind_the_caller_and_waits_with_the_next_full(buffered, busy, then):
     assert Budget(1 << 20, 4096).after_write(buffered, busy) is then
 
 
@@ -348,7 +347,7 @@ def test_a_failed_write_is_retried_until_write_retry_s_then_reported_eio():
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
-def test_a_full_chunk_is_written_in_the_background_and_a_second_one_waits_for_it():
+def test_a_full_chunk_is_written_in_the_background_and_the_next_full_one_waits_for_it():
     async def main():
         cluster = FakeCluster()
         cluster.gate = trio.Event()
@@ -358,20 +357,20 @@ def test_a_full_chunk_is_written_in_the_background_and_a_second_one_waits_for_it
             await w.write(f, 0, b"a" * 4096)                  # a chunk: flushed behind the caller
             await trio.testing.wait_all_tasks_blocked()
             assert f.background and f.buf.flushing is not None and not f.buf.dirty
-            await w.write(f, 4096, b"b" * 8191)               # buffered behind it, up to two chunks: no wait
+            await w.write(f, 4096, b"b" * 4095)               # the next chunk fills behind it: no wait
             returned = trio.Event()
 
-            async def second_chunk():
-                await w.write(f, 12287, b"c")                 # two chunks buffered: the writer waits
+            async def next_chunk():
+                await w.write(f, 8191, b"c")                  # the next chunk full: the writer waits
                 returned.set()
-            n.start_soon(second_chunk)
+            n.start_soon(next_chunk)
             await trio.testing.wait_all_tasks_blocked()
             assert not returned.is_set()
-            cluster.gate.set()
+            cluster.gate.set()                                # the first flush ends, the next takes the chunk
             await returned.wait()
             await trio.testing.wait_all_tasks_blocked()
-            assert cluster.read(meta.slices[1], 12288) == b"a" * 4096 + b"b" * 8191 + b"c"
-            assert w.budget.used == 0
+            assert cluster.read(meta.slices[1], 8192) == b"a" * 4096 + b"b" * 4095 + b"c"
+            assert w.budget.used == 0 and not f.background
     trio.run(main)
 
 

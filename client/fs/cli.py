@@ -23,6 +23,7 @@ import trio
 
 from client.fs.engines import open_meta
 from client.fs.meta import MetaBusy
+from client.fs.writeback import BUDGET, CHUNK
 try:
     from client.fs.mount import (MountError, check_mountpoint, fuse_conf, login_error, mount_options, mount_pid,
                                  serve, unmount)
@@ -179,10 +180,11 @@ def with_cluster(fn):
 @click.argument("mountpoint", type=click.Path(file_okay=False))
 @click.option("--partition", type=click.IntRange(1), multiple=True,
               help="Data partition(s) files are written to (default: every partition of the cluster).")
-@click.option("--buffer-mib", type=click.IntRange(4, 1 << 16), default=256, show_default=True,
+@click.option("--buffer-mib", type=click.IntRange(4, 1 << 16), default=BUDGET >> 20, show_default=True,
               help="Write-back buffer budget of the whole mount.")
-@click.option("--chunk-mib", type=click.IntRange(1, 1024), default=16, show_default=True,
-              help="A file's buffered bytes are flushed in the background at this size.")
+@click.option("--chunk-mib", type=click.IntRange(1, 1024), default=CHUNK >> 20, show_default=True,
+              help="A file's buffered bytes are flushed in the background at this size; a writer faster than "
+                   "the cluster waits for up to one such flush.")
 @click.option("--timeout", type=click.FloatRange(1, 3600), default=30.0, show_default=True,
               help="Seconds a request to the cluster may take before it fails (EIO).  A node that answers "
                    "nothing at all (hung, paused) is given up on sooner: after a few of its usual answer "

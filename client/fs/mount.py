@@ -26,6 +26,7 @@ from client.fs import control
 from client.fs.fs import DnFS
 from client.fs.engines import open_meta
 from client.fs.meta import Meta
+from client.fs.writeback import BUDGET, CHUNK
 from client.sdk import ClientError, DataClient
 from wire.protocol import Header, Op
 
@@ -137,7 +138,7 @@ def check_mountpoint(mountpoint: str) -> None:
 
 
 async def serve(mountpoint: str, nodes: list[str], meta_url: str, *, partitions: list[int] | None = None,
-                budget: int = 256 << 20, chunk: int = 16 << 20, timeout: float = 30.0,
+                budget: int = BUDGET, chunk: int = CHUNK, timeout: float = 30.0,
                 write_retry_s: float = 30.0, etcd: str | None = None, writeback: bool = False,
                 inline_max: int | None = None, ready=None, login: dict | None = None,
                 allow_other: bool | None = None) -> None:

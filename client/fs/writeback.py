@@ -14,6 +14,10 @@ from typing import Callable, Iterable, Protocol
 
 from client.fs.meta import Slice
 
+BUDGET = 256 << 20      # bytes every file of a mount may hold unwritten
+CHUNK = 8 << 20         # a file's buffer is flushed at this size; a writer ahead of the cluster waits up to
+                        # one chunk's flush, so it bounds a buffered write's latency (and larger ones gain little)
+
 
 class DirtyMap:
     def __init__(self):
@@ -89,7 +93,7 @@ class Flush(enum.Enum):
     """What a write starts (:meth:`Budget.after_write`)."""
     NONE = "none"                   # nothing: the bytes stay buffered
     BACKGROUND = "background"       # a flush of the file behind the caller
-    NOW = "now"                     # a flush the caller waits for
+    WAIT = "wait"                   # the caller waits until the flush under way takes its buffer
 
 
 class Budget:
@@ -111,13 +115,12 @@ class Budget:
 
     def after_write(self, buffered: int, busy: bool) -> Flush:
         """What a write that left ``buffered`` bytes in its file's buffer starts; ``busy``: a flush of that
-        file is under way.  A full chunk is written behind the caller; a second one while the first is being
-        written makes the writer wait (one chunk per file in flight)."""
+        file is under way.  A full chunk is written behind the caller; while one is being written the writer
+        fills the next, and once that is full too, waits until the flush ends and the next one takes it
+        (double buffering: the wait is what is left of one flush, the chunk's size bounds it)."""
         if buffered < self.chunk:
             return Flush.NONE
-        if not busy:
-            return Flush.BACKGROUND
-        return Flush.NOW if buffered >= 2 * self.chunk else Flush.NONE
+        return Flush.WAIT if busy else Flush.BACKGROUND
 
 
 class FileBuffer:
@@ -136,7 +139,6 @@ class FileBuffer:
     @property
     def nbytes(self) -> int:
         return self.dirty.nbytes + (self.flushing.nbytes if self.flushing else 0)
-
     def write(self, off: int, data) -> None:
         before = self.dirty.nbytes
         self.dirty.write(off, data)

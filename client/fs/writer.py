@@ -1,10 +1,11 @@
 """dnfs's write path: files' write-back buffers to the datanodes, and the slices they become to the metadata.
 
 A ``write`` copies into the file's buffer (:mod:`client.fs.writeback`); a buffer that reaches ``chunk``
-bytes is flushed in the background (one at a time per file, a second full chunk waits for it), and all
+bytes is flushed in the background, one flush at a time per file: the writer fills the next chunk meanwhile
+(the same background task writes it next) and waits, once that is full too, for the flush to end.  All
 buffers together are held under ``budget`` bytes (the largest are flushed first).  A flush is one
-``DataClient.write`` (pipelined appends, acknowledged by every replica) followed by one metadata commit of
-the new slices (newer wins); ``durable`` (an fsync) also makes the metadata durable.  Flushes hold the
+``DataClient.write`` (pipelined appends, acknowledged by every replica) followed by one metadata commit of the
+new slices (newer wins); ``durable`` (an fsync) also makes the metadata durable.  Flushes hold the
 reclaimer's :class:`DataLock` shared, so no extent they write into is deleted under them.
 
 Faults: a flush whose append fails (a replica died, a timeout, a stale epoch) writes the part not yet
@@ -68,6 +69,15 @@ class FileWriter:
         self.flush_lock = trio.Lock()
         self.background = False           # a background flush of it is running or queued
         self.error: int | None = None     # errno of a failed background flush, reported once
+        self._moved = trio.Event()        # set (and renewed) when a flush takes the buffer or ends
+
+    def moved(self) -> None:
+        """Wake the writers waiting for this file's flushes (:meth:`DataWriter.write`)."""
+        self._moved.set()
+        self._moved = trio.Event()
+
+    async def until_moved(self) -> None:
+        await self._moved.wait()
 
     @property
     def pending(self) -> bool:
@@ -117,13 +127,13 @@ class DataWriter:
         f.buf.write(off, data)
         f.size = max(f.size, off + len(data))
         f.mtime_ns = time.time_ns()
-        then = self.budget.after_write(f.buf.dirty.nbytes, f.background or f.flush_lock.locked())
-        if then is Flush.NOW:
-            await self.flush(f)                     # backpressure: one chunk in flight at most
+        while (then := self.budget.after_write(f.buf.dirty.nbytes, f.background or f.flush_lock.locked())) \
+                is Flush.WAIT:
+            await f.until_moved()                   # backpressure: one chunk written, one filled, per file
             err = f.take_error()
-            if err is not None:                     # this write's bytes were in it, or were let go
+            if err is not None:                     # this write's bytes were let go behind the failed flush
                 raise OSError(err, os.strerror(err))
-        elif then is Flush.BACKGROUND:
+        if then is Flush.BACKGROUND:
             f.background = True
             self.nursery.start_soon(self._background_flush, f)
         if self.budget.over():
@@ -139,6 +149,7 @@ class DataWriter:
             if not f.buf.dirty or f.error is not None:     # (after a failure: nothing until it is reported)
                 return False
             m = f.buf.take()
+            f.moved()
             try:
                 ranges = m.ranges()
                 payload = ranges[0][1] if len(ranges) == 1 else b"".join(b for _, b in ranges)
@@ -153,6 +164,7 @@ class DataWriter:
                 return False
             finally:
                 f.buf.written()
+                f.moved()
 
     async def _failed(self, f: FileWriter, stored: Attr | None) -> None:
         """A flush of ``f`` failed for good (``f.error`` set): it lets go of every byte the cluster does not
@@ -217,12 +229,15 @@ class DataWriter:
         try:
             async with self._background:
                 await self.flush(f)
+                while f.opens and f.error is None and f.buf.dirty.nbytes >= self.budget.chunk:
+                    await self.flush(f)             # the writer filled the next chunk meanwhile
         except Exception:        # noqa: BLE001 - a task must not take the mount down; the file reports EIO
             log.exception("background flush of inode %d", f.ino)
             f.error = errno.EIO
             await self._failed(f, None)
         finally:
             f.background = False
+            f.moved()
         if f.opens == 0:        # closed meanwhile (write-back): more to write, or nothing left to keep
             if f.buf.dirty and f.error is None:
                 self.flush_soon(f)
