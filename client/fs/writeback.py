@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Protocol
 
 from client.fs.meta import Slice
 
-BUDGET = 256 << 20      # bytes every file of a mount may hold unwritten
+BUDGET = 256 << 20      # bytes all files of a mount together may hold unwritten
 CHUNK = 8 << 20         # a file's buffer is flushed at this size; a writer ahead of the cluster waits up to
                         # one chunk's flush, so it bounds a buffered write's latency (and larger ones gain little)
 
@@ -139,6 +139,7 @@ class FileBuffer:
     @property
     def nbytes(self) -> int:
         return self.dirty.nbytes + (self.flushing.nbytes if self.flushing else 0)
+
     def write(self, off: int, data) -> None:
         before = self.dirty.nbytes
         self.dirty.write(off, data)
