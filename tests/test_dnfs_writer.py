@@ -374,6 +374,29 @@ def test_a_full_chunk_is_written_in_the_background_and_the_next_full_one_waits_f
     trio.run(main)
 
 
+def test_a_full_chunk_waits_for_a_truncate_holding_the_file_and_is_written_after_it():
+    async def main():
+        cluster = FakeCluster()
+        async with trio.open_nursery() as n:
+            w, meta = await _writer(n, cluster, chunk=4096)
+            f = _open(w, 1)
+            returned = trio.Event()
+            await f.flush_lock.acquire()                      # what a truncate of the file holds
+
+            async def a_chunk():
+                await w.write(f, 0, b"a" * 4096)
+                returned.set()
+            n.start_soon(a_chunk)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not returned.is_set()
+            f.flush_lock.release()
+            with trio.fail_after(5):
+                await returned.wait()
+            await trio.testing.wait_all_tasks_blocked()
+            assert cluster.read(meta.slices[1], 4096) == b"a" * 4096 and w.budget.used == 0
+    trio.run(main)
+
+
 def test_over_budget_the_largest_buffers_are_written_first_until_half_is_free():
     async def main():
         cluster = FakeCluster()

@@ -129,7 +129,11 @@ class DataWriter:
         f.mtime_ns = time.time_ns()
         while (then := self.budget.after_write(f.buf.dirty.nbytes, f.background or f.flush_lock.locked())) \
                 is Flush.WAIT:
-            await f.until_moved()                   # backpressure: one chunk written, one filled, per file
+            if f.background:
+                await f.until_moved()               # backpressure: one chunk written, one filled, per file
+            else:
+                async with f.flush_lock:            # held by a flush, a truncate, a removal: it ends first
+                    pass
             err = f.take_error()
             if err is not None:                     # this write's bytes were let go behind the failed flush
                 raise OSError(err, os.strerror(err))
