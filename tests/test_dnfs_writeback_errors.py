@@ -79,13 +79,13 @@ def test_the_write_waiting_behind_a_failed_flush_reports_it(result, err):
             f = _open(w, 1)
             await w.write(f, 0, b"a" * 4096)
             await trio.testing.wait_all_tasks_blocked()
-            await w.write(f, 4096, b"b" * 8191)
+            await w.write(f, 4096, b"b" * 4095)
             cluster.fail = type("Always", (dict,), {"pop": lambda self, pid, d: (result, 0)})()
             got = []
 
             async def waits():
                 try:
-                    await w.write(f, 12287, b"c")           # two chunks buffered: this write waits
+                    await w.write(f, 8191, b"c")            # the next chunk full: this write waits
                     got.append(None)
                 except OSError as e:
                     got.append(e.errno)
