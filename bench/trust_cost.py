@@ -73,11 +73,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="trustcost-") as d:
         d = pathlib.Path(d)
         ca, cert, key = make_pki(d)
-        secret = pathlib.Path(cluster_secret(d))
+        secret = cluster_secret(d)
         settings = {"off": ({}, {}),
-                    "auth": ({"secret_file": str(secret)}, {"secret": str(secret)}),
-                    "tls": ({"secret_file": str(secret), "tls_cert": cert, "tls_key": key},
-                            {"secret": str(secret), "tls_ca": ca})}
+                    "auth": ({"secret_file": secret}, {"secret": secret}),
+                    "tls": ({"secret_file": secret, "tls_cert": cert, "tls_key": key},
+                            {"secret": secret, "tls_ca": ca})}
         nodes = {}
         try:
             for name, (cfg, ckw) in settings.items():
