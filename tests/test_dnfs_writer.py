@@ -426,3 +426,62 @@ def test_a_closed_files_background_flush_lets_it_go_once_its_bytes_are_written()
             await trio.testing.wait_all_tasks_blocked()
             assert let_go == [f] and 7 not in w.files
     trio.run(main)
+
+
+def test_a_reclaim_pass_waits_for_the_flushes_under_way_and_holds_new_ones_back():
+    """No extent is released while a flush could still commit a slice into it (client/fs/reclaim.py)."""
+    async def main():
+        lock, seen = DataLock(), []
+
+        async def flush(name, hold):
+            await lock.acquire_shared()
+            seen.append(f"{name} in")
+            await trio.sleep(hold)
+            seen.append(f"{name} out")
+            await lock.release_shared()
+
+        async def reclaim():
+            await lock.acquire_exclusive()
+            seen.append("reclaim in")
+            await trio.sleep(1)
+            seen.append("reclaim out")
+            await lock.release_exclusive()
+
+        async with trio.open_nursery() as n:
+            n.start_soon(flush, "a", 2)
+            await trio.sleep(0.5)
+            n.start_soon(reclaim)
+            await trio.sleep(0.5)
+            n.start_soon(flush, "b", 1)          # arrives while the pass waits for a: after the pass
+        assert seen == ["a in", "a out", "reclaim in", "reclaim out", "b in", "b out"]
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_reclaim_pass_cancelled_while_it_waits_lets_flushes_start():
+    async def main():
+        lock = DataLock()
+        await lock.acquire_shared()
+        with trio.move_on_after(1):
+            await lock.acquire_exclusive()           # a flush holds it: the pass waits, then gives up
+        with trio.fail_after(1):
+            await lock.acquire_shared()              # a new flush is not held back by the pass that left
+        await lock.release_shared()
+        await lock.release_shared()
+        with trio.fail_after(1):
+            await lock.acquire_exclusive()
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_flush_cancelled_while_it_writes_still_lets_the_reclaim_pass_in():
+    async def main():
+        lock = DataLock()
+        with trio.CancelScope() as cs:           # a flush cancelled mid-write (the mount stopping)
+            await lock.acquire_shared()
+            cs.cancel()
+            try:
+                await trio.sleep(1)
+            finally:
+                await lock.release_shared()
+        with trio.fail_after(1):
+            await lock.acquire_exclusive()       # the unmount's last pass
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

@@ -21,36 +21,39 @@ log = logging.getLogger(__name__)
 
 
 class DataLock:
-    """Many flushes at once, or one reclaim pass; a waiting reclaim pass stops new flushes from starting."""
+    """Many flushes at once, or one reclaim pass; a waiting reclaim pass stops new flushes from starting.
+    Letting go never waits, so a cancelled flush or pass cannot leave it held (the unmount's last pass would
+    wait forever); and a flush takes it without a scheduler pass when no pass wants it (nearly always)."""
 
     def __init__(self):
-        self._cond = trio.Condition()
         self._shared = 0
-        self._exclusive = False
+        self._exclusive = False       # held, or waited for, by a reclaim pass
+        self._lot = trio.lowlevel.ParkingLot()
 
     async def acquire_shared(self) -> None:
-        async with self._cond:
-            while self._exclusive:
-                await self._cond.wait()
-            self._shared += 1
+        while self._exclusive:
+            await self._lot.park()
+        self._shared += 1
 
     async def release_shared(self) -> None:
-        async with self._cond:
-            self._shared -= 1
-            self._cond.notify_all()
+        self._shared -= 1
+        if self._exclusive and not self._shared:
+            self._lot.unpark_all()
 
     async def acquire_exclusive(self) -> None:
-        async with self._cond:
-            while self._exclusive:
-                await self._cond.wait()
-            self._exclusive = True
+        while self._exclusive:
+            await self._lot.park()
+        self._exclusive = True
+        try:
             while self._shared:
-                await self._cond.wait()
+                await self._lot.park()
+        except BaseException:             # cancelled while the flushes drained: let them go on
+            await self.release_exclusive()
+            raise
 
     async def release_exclusive(self) -> None:
-        async with self._cond:
-            self._exclusive = False
-            self._cond.notify_all()
+        self._exclusive = False
+        self._lot.unpark_all()
 
 
 class Reclaimer:
