@@ -17,6 +17,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import time
 import warnings
 from contextlib import asynccontextmanager
 
@@ -190,6 +191,21 @@ class TaskSteps(trio.abc.Instrument):
 def run(fn, *args):
     """Run an async test body."""
     return trio.run(fn, *args)
+
+
+def eventually(check, timeout: float = 10.0, what: str = "", interval: float = 0.1) -> None:
+    """Wait until ``check()`` is true (an AssertionError or OSError in it counts as not yet); after
+    ``timeout`` seconds its last failure is the test's.  For what a mount or node does in its own time: a
+    reclaim pass, a compaction, another mount's change."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            assert check(), what or f"not so within {timeout} s"
+            return
+        except (AssertionError, OSError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(interval)
 
 
 def pattern(seed: int, n: int) -> bytes:

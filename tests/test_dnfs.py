@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from client.sdk import DataClient
-from tests.conftest import NODE_DEFAULTS, REPO, create_partition, dirty_pages, pattern
+from tests.conftest import NODE_DEFAULTS, REPO, create_partition, dirty_pages, eventually, pattern
 from tools.cluster import NodeProc, free_port
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
@@ -410,13 +410,8 @@ def test_readdir_many_entries(mnt):
 
 def assert_reclaimed(mnt, extents: set[tuple[int, int]], within: float = 30) -> None:
     """Every one of ``extents`` is deleted from the datanodes within ``within`` seconds (the mount's reclaimer)."""
-    deadline = time.monotonic() + within
-    while True:
-        marks = watermarks(mnt.addrs)
-        if not any(e in marks for _, e in extents) or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert not any(e in marks for _, e in extents), f"extents {extents} still on the datanodes"
+    eventually(lambda: not any(e in watermarks(mnt.addrs) for _, e in extents), within,
+               f"extents {extents} still on the datanodes", interval=0.5)
 
 
 def test_unlink_open_file_then_extents_freed(mnt):
@@ -615,10 +610,7 @@ def test_fragmented_file_is_compacted_and_stays_intact(mnt):
         os.fsync(fd)
     assert len(slice_rows(mnt, "frag")) > 256
     os.close(fd)
-    deadline = time.monotonic() + 20              # compaction runs at the last close (in the background)
-    while len(slice_rows(mnt, "frag")) > 8 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert len(slice_rows(mnt, "frag")) <= 8
+    eventually(lambda: len(slice_rows(mnt, "frag")) <= 8, 20)     # compaction: at the last close, in the background
     assert p.read_bytes() == model
     mnt.umount()
     assert "clean" in mnt.fsck().stdout

@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from tests.conftest import pattern
+from tests.conftest import eventually, pattern
 from tests.test_dnfs import Mount, cluster  # noqa: F401 - the module-scoped cluster fixture
 from tools.cluster import free_port
 
@@ -52,18 +52,6 @@ def etcd(tmp_path_factory):
             proc.kill()
             proc.wait()
         log.close()
-
-
-def eventually(check, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            assert check()
-            return
-        except (AssertionError, OSError):
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
 
 
 def test_two_mounts_on_one_etcd(cluster, etcd, tmp_path):  # noqa: F811

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.conftest import pattern
+from tests.conftest import eventually, pattern
 from tests.test_dnfs import Mount, cluster, watermarks  # noqa: F401 - the module's cluster fixture
 
 INLINE = 64 << 10
@@ -121,13 +121,8 @@ def test_removing_small_files_frees_their_rows_and_queues_no_extent(mnt):
         os.unlink(mnt.path / f"s{i}")
     os.unlink(mnt.path / "big")
     assert (0, 0) not in delq(mnt)
-    deadline = time.monotonic() + 30              # the big file's extents are reclaimed as before
-    while time.monotonic() < deadline:
-        marks = watermarks(mnt.addrs)
-        if not any(e in marks for _, e in extents):
-            break
-        time.sleep(0.5)
-    assert not any(e in marks for _, e in extents), extents
+    eventually(lambda: not any(e in watermarks(mnt.addrs) for _, e in extents), 30, str(extents),
+               interval=0.5)                      # the big file's extents are reclaimed as before
     mnt.umount()
     report = json.loads(mnt.fsck("--json").stdout)
     assert report["problems"] == [] and report["slices"] == 0, report

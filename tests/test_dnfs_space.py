@@ -7,12 +7,11 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
-import time
 
 import pytest
 import trio
 
-from tests.conftest import create_partition, open_client, pattern
+from tests.conftest import create_partition, eventually, open_client, pattern
 from tests.test_dnfs import Mount
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
@@ -59,13 +58,6 @@ def _free(path) -> int:
     return v.f_bavail * v.f_frsize
 
 
-def _eventually(check, timeout=15.0):
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.2)
-
-
 def test_statfs_tracks_the_datanodes_disks(small_cluster):
     m, disks = small_cluster
     v = os.statvfs(m.path)
@@ -77,16 +69,16 @@ def test_statfs_tracks_the_datanodes_disks(small_cluster):
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    _eventually(lambda: before - _free(m.path) >= 12 * MiB)          # the cache is brief
+    eventually(lambda: before - _free(m.path) >= 12 * MiB, 15)       # the cache is brief
     assert before - _free(m.path) <= 14 * MiB
     # space used on the nodes' disks by something else shows too (a third: one of three replicas' disk)
     before = _free(m.path)
     with open(disks[1] / "ballast", "wb") as f:
         f.write(b"\0" * (9 * MiB))
-    _eventually(lambda: before - _free(m.path) >= 3 * MiB - 64 * 1024)
+    eventually(lambda: before - _free(m.path) >= 3 * MiB - 64 * 1024, 15)
     os.unlink(disks[1] / "ballast")
     os.unlink(m.path / "f")
-    _eventually(lambda: _free(m.path) >= before)                     # the deletion queue gave it back
+    eventually(lambda: _free(m.path) >= before, 15)                  # the deletion queue gave it back
 
 
 def _fill(path) -> OSError:
