@@ -23,10 +23,10 @@ import trio
 
 from client.fs.engines import open_meta
 from client.fs.meta import MetaBusy
-from client.fs.writeback import BUDGET, CHUNK
+from client.fs.writeback import BUDGET, CHUNK, WRITE_RETRY_S
 try:
-    from client.fs.mount import (MountError, check_mountpoint, fuse_conf, login_error, mount_options, mount_pid,
-                                 serve, unmount)
+    from client.fs.mount import (REQUEST_TIMEOUT_S, MountError, check_mountpoint, fuse_conf, login_error,
+                                 mount_options, mount_pid, serve, unmount)
 except ImportError as e:        # pyfuse3 loads libfuse3: name the package, not a traceback
     sys.exit(f"dnfs: {e}: install FUSE 3 (Debian/Ubuntu: apt install fuse3)")
 from wire import aio, sdnotify
@@ -185,12 +185,12 @@ def with_cluster(fn):
 @click.option("--chunk-mib", type=click.IntRange(1, 1024), default=CHUNK >> 20, show_default=True,
               help="A file's buffered bytes are flushed in the background at this size; a writer faster than "
                    "the cluster waits for up to one such flush.")
-@click.option("--timeout", type=click.FloatRange(1, 3600), default=30.0, show_default=True,
+@click.option("--timeout", type=click.FloatRange(1, 3600), default=REQUEST_TIMEOUT_S, show_default=True,
               help="Seconds a request to the cluster may take before it fails (EIO).  A node that answers "
                    "nothing at all (hung, paused) is given up on sooner: after a few of its usual answer "
                    "times (2-10 s), and the write goes on elsewhere or once the cluster manager moved the "
                    "partition.")
-@click.option("--write-retry", type=click.FloatRange(0, 3600), default=30.0, show_default=True,
+@click.option("--write-retry", type=click.FloatRange(0, 3600), default=WRITE_RETRY_S, show_default=True,
               help="Seconds a failed write is retried (in a new extent, on another partition or after the "
                    "replica set changed) before the application sees EIO.")
 @click.option("--writeback", is_flag=True,

@@ -38,7 +38,7 @@ import trio
 from client.fs import acl
 from client.fs.meta import DIRENT, ROOT, Attr, Meta, MetaError, Slice
 from client.fs.reclaim import DataLock, Reclaimer
-from client.fs.writeback import BUDGET, CHUNK
+from client.fs.writeback import BUDGET, CHUNK, WRITE_RETRY_S
 from client.fs.writer import DataWriter, FileWriter, data_errno
 from client.sdk import ClientError, DataClient
 from wire.protocol import Op
@@ -140,7 +140,7 @@ class DnFS(pyfuse3.Operations):
                                                             # mode in step (without: ACLs are refused)
 
     def __init__(self, meta: Meta, dc: DataClient, partitions: list[int], nursery: trio.Nursery, *,
-                 budget: int = BUDGET, chunk: int = CHUNK, write_retry_s: float = 30.0,
+                 budget: int = BUDGET, chunk: int = CHUNK, write_retry_s: float = WRITE_RETRY_S,
                  writeback: bool = False):
         super().__init__()
         if not partitions:

@@ -26,7 +26,7 @@ from client.fs import control
 from client.fs.fs import DnFS
 from client.fs.engines import open_meta
 from client.fs.meta import Meta
-from client.fs.writeback import BUDGET, CHUNK
+from client.fs.writeback import BUDGET, CHUNK, WRITE_RETRY_S
 from client.sdk import ClientError, DataClient
 from wire.protocol import Header, Op
 
@@ -37,6 +37,7 @@ class MountError(Exception):
     pass
 
 
+REQUEST_TIMEOUT_S = 30.0   # a request to the cluster fails (EIO) after this; a silent node is left sooner
 FUSE_CONF = "/etc/fuse.conf"
 FUSE_DEV = "/dev/fuse"
 
@@ -138,8 +139,8 @@ def check_mountpoint(mountpoint: str) -> None:
 
 
 async def serve(mountpoint: str, nodes: list[str], meta_url: str, *, partitions: list[int] | None = None,
-                budget: int = BUDGET, chunk: int = CHUNK, timeout: float = 30.0,
-                write_retry_s: float = 30.0, etcd: str | None = None, writeback: bool = False,
+                budget: int = BUDGET, chunk: int = CHUNK, timeout: float = REQUEST_TIMEOUT_S,
+                write_retry_s: float = WRITE_RETRY_S, etcd: str | None = None, writeback: bool = False,
                 inline_max: int | None = None, ready=None, login: dict | None = None,
                 allow_other: bool | None = None) -> None:
     """Mount and serve until unmounted.  ``etcd``: the cluster's etcd (the partition map is read from it and

@@ -17,6 +17,8 @@ from client.fs.meta import Slice
 BUDGET = 256 << 20      # bytes all files of a mount together may hold unwritten
 CHUNK = 8 << 20         # a file's buffer is flushed at this size; a writer ahead of the cluster waits up to
                         # one chunk's flush, so it bounds a buffered write's latency (and larger ones gain little)
+WRITE_RETRY_S = 30.0    # a failed write is tried again elsewhere this long before its file reports EIO: long
+                        # enough for the cluster manager to move a partition off a dead node
 
 
 class DirtyMap:
