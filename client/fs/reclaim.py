@@ -19,6 +19,9 @@ from client.fs.meta import Meta
 
 log = logging.getLogger(__name__)
 
+GATHER_S = 0.2    # a pass starts this long after the removal that asked for it, so the removals of an `rm -r`
+                  # share a pass rather than each paying one (its queue query, the lock, the task switches)
+
 
 class DataLock:
     """Many flushes at once, or one reclaim pass; a waiting reclaim pass stops new flushes from starting.
@@ -65,10 +68,11 @@ class Reclaimer:
     def kick(self) -> None:
         self._kick.set()
 
-    async def run(self, interval: float = 1.0) -> None:
+    async def run(self, interval: float = 1.0, gather: float = GATHER_S) -> None:
         while True:
             with trio.move_on_after(interval):
                 await self._kick.wait()
+            await trio.sleep(gather)
             self._kick = trio.Event()
             try:
                 await self.drain()
