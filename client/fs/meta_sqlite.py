@@ -45,6 +45,7 @@ CREATE TABLE IF NOT EXISTS inodes (ino INTEGER PRIMARY KEY, mode INT, nlink INT,
 CREATE TABLE IF NOT EXISTS dentries (id INTEGER PRIMARY KEY, parent INT, name BLOB, ino INT,
     UNIQUE (parent, name));
 CREATE INDEX IF NOT EXISTS dentries_ino ON dentries (ino);
+CREATE INDEX IF NOT EXISTS dentries_dir ON dentries (parent);
 CREATE TABLE IF NOT EXISTS slices (ino INT, off INT, len INT, pid INT, extent INT, ext_off INT, wpos INT,
     wlen INT, crc INT, data BLOB, PRIMARY KEY (ino, off)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS slices_extent ON slices (pid, extent);
