@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from tests.conftest import eventually, pattern
-from tests.test_dnfs import Mount, cluster, watermarks  # noqa: F401 - the module's cluster fixture
+from tests.conftest import pattern
+from tests.test_dnfs import Mount, assert_reclaimed, cluster  # noqa: F401 - the module's cluster fixture
 
 INLINE = 64 << 10
 SIZES = [0, 1, 100, 4095, 4096, 30000, INLINE - 1, INLINE, INLINE + 1, 200 << 10, (1 << 20) + 7]
@@ -121,8 +121,7 @@ def test_removing_small_files_frees_their_rows_and_queues_no_extent(mnt):
         os.unlink(mnt.path / f"s{i}")
     os.unlink(mnt.path / "big")
     assert (0, 0) not in delq(mnt)
-    eventually(lambda: not any(e in watermarks(mnt.addrs) for _, e in extents), 30, str(extents),
-               interval=0.5)                      # the big file's extents are reclaimed as before
+    assert_reclaimed(mnt, extents)                # the big file's extents are reclaimed as before
     mnt.umount()
     report = json.loads(mnt.fsck("--json").stdout)
     assert report["problems"] == [] and report["slices"] == 0, report
