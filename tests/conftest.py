@@ -148,13 +148,18 @@ class Nodes:
         return problems
 
     def dump_logs(self, lines: int = 40) -> None:
-        for p in self.procs:
-            try:
-                text = p.log_path.read_text(errors="replace").splitlines()
-            except OSError:
-                continue
-            print(f"----- {p.addr} ({p.log_path}) last {lines} lines -----")
-            print("\n".join(text[-lines:]))
+        print_tails([p.log_path for p in self.procs], lines)
+
+
+def print_tails(paths, lines: int = 40) -> None:
+    """The end of each log (printed: pytest shows it with the failure); missing ones are skipped."""
+    for path in paths:
+        try:
+            text = pathlib.Path(path).read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        print(f"----- {path} (last {lines} lines) -----")
+        print("\n".join(text[-lines:]))
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

@@ -20,7 +20,7 @@ import trio
 from client.sdk import ClientError
 from datanode.drain import movable, still_held
 from manager.tasks import handoff_plan
-from tests.conftest import REPO, create_partition, open_client, pattern, run
+from tests.conftest import REPO, create_partition, open_client, pattern, print_tails, run
 from lab import rolling
 from tests.test_dnfs import dnfs
 from tests.test_etcd import etcd, managed_partition, managers, view, wait_for  # noqa: F401 - fixtures
@@ -301,17 +301,20 @@ def test_drain_without_etcd_says_so(nodes):
 
 # -- rolling restart under fsync-ed writes through the mount -----------------------------------------------------
 @pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
+@pytest.mark.timeout(600)
 def test_rolling_restart_under_fsynced_writes_through_the_mount(tmp_path):
     """`dnctl cluster rolling-restart` of a 3-node cluster while two writers append and fsync through a
     dnfs mount: no write fails, every partition is handed off by the stopping nodes (the manager fails
     nothing over), the files read back whole after a remount, and every byte is on every replica of its
-    partition.  The longest write stall per node is printed (loaded CI hosts inflate it)."""
+    partition.  The longest write stall per node is printed (loaded CI hosts inflate it).  A failure prints
+    the rolling restart's progress and the end of every log."""
     root = tmp_path / "dn"
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     r = dnctl("cluster", "up", "--nodes", "3", "--cluster", root, "--json", timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
     mounted = False
+    writers: list[rolling.MountWriter] = []
     try:
         run(wait_for, "the manager's partitions writable", lambda: rolling.settled(root), 60)
         dnfs("mount", "--cluster", root, "--log", tmp_path / "mnt.log", mnt)
@@ -320,11 +323,16 @@ def test_rolling_restart_under_fsynced_writes_through_the_mount(tmp_path):
         for w in writers:
             w.start()
         time.sleep(1.0)
-        r = dnctl("cluster", "rolling-restart", "--cluster", root, "--json", timeout=600)
+        try:         # each wait bounded below the test's timeout, so a stuck step says which it is
+            r = dnctl("cluster", "rolling-restart", "--cluster", root, "--json", "--timeout", 45,
+                      "--sync-timeout", 90, timeout=480)
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"rolling-restart still running after {e.timeout:g}s; its progress:\n{e.stderr}")
         time.sleep(0.5)
         for w in writers:
             w.halt.set()
             w.join(60)
+            assert not w.is_alive(), f"{w.path.name}: a write or fsync has not returned for 60s"
         assert r.returncode == 0, r.stdout + r.stderr
         res = json.loads(r.stdout)
         assert res["restarted"] == 3 and all(n["stop"] == "stopped" for n in res["nodes"]), res
@@ -347,7 +355,15 @@ def test_rolling_restart_under_fsynced_writes_through_the_mount(tmp_path):
         dnfs("umount", mnt)
         mounted = False
         assert rolling.check_replicas(root / "dnfs.db", root, files) == []
+    except BaseException:
+        for w in writers:
+            print(f"{w.path.name}: {len(w.records)} records, errors {w.errors}, last ended "
+                  f"{time.time() - w.times[-1][0] if w.times else float('nan'):.1f}s ago")
+        print_tails([tmp_path / "mnt.log", root / "manager-m1.log", *sorted(root.glob("node*/node.log"))], 60)
+        raise
     finally:
+        for w in writers:
+            w.halt.set()
         if mounted:
             dnfs("umount", mnt, check=False)
         dnctl("cluster", "down", "--cluster", root)

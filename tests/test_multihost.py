@@ -29,7 +29,7 @@ import pytest
 import trio
 
 from client.sdk import DataClient
-from tests.conftest import NODE_DEFAULTS, create_partition, pattern, run
+from tests.conftest import NODE_DEFAULTS, create_partition, pattern, print_tails, run
 from tests.test_etcd import ETCD_NODE, TTL, _true, _verify, _view_where, _writer, wait_for
 from tools.cluster import NodeProc
 from tools.etcd_cluster import EtcdProc, ManagerProc, etcd_binary
@@ -247,13 +247,7 @@ class Hosts:
         """The end of every process's log (printed: pytest shows it with the failure)."""
         logs = [p.log_path for p in self.nodes.values()] + [self.root / "mount.log"]
         logs += [x.log_path for x in (self.manager, self.etcd) if x is not None]
-        for path in logs:
-            try:
-                text = path.read_text(errors="replace").splitlines()
-            except OSError:
-                continue
-            print(f"----- {path} (last {lines} lines) -----")
-            print("\n".join(text[-lines:]))
+        print_tails(logs, lines)
 
     def stop(self) -> list[str]:
         problems = []
