@@ -191,14 +191,18 @@ class Node:
         log.info("CRC32C: %s", crc.CHOICE)
 
         failed: list[str] = []
+        opening = trio.CancelScope()       # cancelled by a stop request: a node told to stop never serves
 
         async def open_partitions():
-            try:
-                await trio.to_thread.run_sync(self.table.load, self.opening, trio.from_thread.check_cancelled)
-            except (OSError, StoreError) as e:
-                failed.append(f"opening the partitions in {cfg.data_dir}: {e}")
-                log.error("%s", failed[0])
-                self._nursery.cancel_scope.cancel()
+            with opening:
+                try:
+                    await trio.to_thread.run_sync(self.table.load, self.opening, trio.from_thread.check_cancelled)
+                except (OSError, StoreError) as e:
+                    failed.append(f"opening the partitions in {cfg.data_dir}: {e}")
+                    log.error("%s", failed[0])
+                    self._nursery.cancel_scope.cancel()
+                    return
+            if self.drain.requested.is_set():     # (the load may finish between the request and the cancel)
                 return
             o = self.opening.to_dict()
             log.info("datanode %s serving: %d partitions, %d extents, %d bytes opened in %.2fs (verify=%s)",
@@ -232,6 +236,7 @@ class Node:
                     async with trio.open_nursery() as stopping:
                         stopping.start_soon(self._signals, signals)
                         await self.drain.requested.wait()        # a signal, or an admin's NODE_DRAIN
+                        opening.cancel()
                         await self.drain.run(accepting)          # hand off, finish in-flight, leave etcd
                         stopping.cancel_scope.cancel()
                 nursery.cancel_scope.cancel()
