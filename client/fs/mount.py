@@ -22,7 +22,7 @@ import time
 import pyfuse3
 import trio
 
-from client.fs import control
+from client.fs import control, fuseloop
 from client.fs.fs import DnFS
 from client.fs.engines import open_meta
 from client.fs.meta import Meta
@@ -172,6 +172,7 @@ async def serve(mountpoint: str, nodes: list[str], meta_url: str, *, partitions:
                 fs = DnFS(meta, dc, pids, n, budget=budget, chunk=chunk, write_retry_s=write_retry_s,
                           writeback=writeback)
                 await fs.startup()
+                reads = fuseloop.install()
                 try:
                     pyfuse3.init(fs, mountpoint, opts)
                 except RuntimeError as e:
@@ -183,7 +184,7 @@ async def serve(mountpoint: str, nodes: list[str], meta_url: str, *, partitions:
                 n.start_soon(_signals)
 
                 async def stats():
-                    return fs.stats()
+                    return {**fs.stats(), "fuse_reads": reads.stats() if reads is not None else None}
                 await n.start(control.serve, {"stats": stats, "sync": fs.sync_all})
                 if ready is not None:
                     ready()
