@@ -327,7 +327,8 @@ def test_rolling_restart_under_fsynced_writes_through_the_mount(tmp_path):
             r = dnctl("cluster", "rolling-restart", "--cluster", root, "--json", "--timeout", 45,
                       "--sync-timeout", 90, timeout=480)
         except subprocess.TimeoutExpired as e:
-            pytest.fail(f"rolling-restart still running after {e.timeout:g}s; its progress:\n{e.stderr}")
+            progress = (e.stderr or b"").decode(errors="replace")       # (run() hands it over undecoded)
+            pytest.fail(f"rolling-restart still running after {e.timeout:g}s; its progress:\n{progress}")
         time.sleep(0.5)
         for w in writers:
             w.halt.set()
