@@ -412,8 +412,12 @@ async def change_replicas(dc: DataClient, old: View, new: list[str]) -> dict:
             await dc.admin(addr, Op.PARTITION_DELETE, partition=pid)
             steps.append({"node": addr, "action": "delete", "result": "ok"})
         except ClientError as e:
-            steps.append({"node": addr, "action": "delete", "result": why(e, addr)})
             told = any(s["node"] == addr and s["action"] == "update" and s["result"] == "ok" for s in steps)
+            if told and e.result == Result.NOT_FOUND:
+                # a node told a view without itself drops its copy (to its trash) then and there
+                steps.append({"node": addr, "action": "delete", "result": "ok (dropped when told the new view)"})
+                continue
+            steps.append({"node": addr, "action": "delete", "result": why(e, addr)})
             warnings.append(f"removed replica {addr} did not delete its copy ({why(e, addr)}); it "
                             + (f"knows it was removed (epoch {epoch})" if told else
                                f"still believes it is a replica at epoch {old.epoch} (the others refuse it)")

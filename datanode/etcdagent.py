@@ -9,7 +9,8 @@ when etcd is unreachable the node keeps serving the map it has:
   longer than the TTL) is replaced by a new one and the map is re-read before the node registers again.
 * **watch** of ``parts/``: a view with a higher epoch than the local one is installed when it names this node
   (``Node.install_view``, the same path as ``PARTITION_UPDATE``) and the partition is dropped when it does
-  not (this node was replaced while it was away: its copy is stale).  Partitions etcd does not know are left
+  not (this node was replaced while it was away: its copy is stale); so is a copy at etcd's own epoch when
+  neither view names this node (no node keeps a copy for a view without itself: ops/partitions.py).  Partitions etcd does not know are left
   alone (a cluster run by hand, or not yet adopted by the manager).  Nothing read is obeyed unchecked
   (wire/mapcheck.py): a view must be well-formed, carry the manager's MAC when the node has a secret, move
   the epoch forward by a bounded step, and add only registered nodes; anything else is logged, counted
@@ -264,12 +265,24 @@ class EtcdAgent:
 
     async def _apply(self, view: PartView) -> None:
         part = self.node.table.get(view.id)
-        if part is None or view.epoch <= part.epoch:
+        if part is None or view.epoch < part.epoch:
+            return
+        me = self.node.me
+        if view.epoch == part.epoch:
+            # our own epoch, and neither the map's view nor our copy's names this node: a copy kept for a view
+            # without it (an earlier version installed such views).  Kept, nothing would ever drop or refill
+            # it, and the manager would not re-replicate onto a node holding the partition: dropped (checked
+            # like any drop: the view's leader must be known to hold every acknowledged byte).
+            if me not in view.replicas and me not in part.replicas:
+                log.warning("partition %d: our copy is at etcd's epoch %d, whose replicas (%s) do not name this "
+                            "node; dropping it", view.id, view.epoch, ",".join(view.replicas))
+                if await self.node.drop_partition(view.id, view.replicas, view.epoch, equal_ok=True):
+                    self.changed()
             return
         registered = await self.etcd.registered_for(part.replicas, view)
         if not self.etcd.follows(part.epoch, part.replicas, view, registered):
             return
-        if self.node.me in view.replicas:
+        if me in view.replicas:
             await self.node.install_view(view.id, view.replicas, view.epoch)
         else:
             log.warning("partition %d: etcd's epoch %d (replicas %s) no longer names this node; dropping our "

@@ -160,9 +160,9 @@ class Node:
         except ViewRefused:
             return False
 
-    async def drop_partition(self, pid: int, replicas: list[str], epoch: int) -> bool:
+    async def drop_partition(self, pid: int, replicas: list[str], epoch: int, *, equal_ok: bool = False) -> bool:
         try:
-            return await self.partitions.drop_partition(pid, replicas, epoch)
+            return await self.partitions.drop_partition(pid, replicas, epoch, equal_ok=equal_ok)
         except ViewRefused:
             return False
 

@@ -86,9 +86,18 @@ class Partitions:
     # -- changes ----------------------------------------------------------------------------------------------
     async def install_view(self, pid: int, replicas: list[str], epoch: int) -> bool:
         """Adopt a higher epoch and its replica list (False if ``epoch`` is not above ours).  ViewRefused when
-        its leader is not known to hold every acknowledged byte (datanode/viewguard.py): nothing changes then."""
+        its leader is not known to hold every acknowledged byte (datanode/viewguard.py): nothing changes then.
+
+        A view that does not name this node is never installed: our copy goes to the trash instead
+        (``drop_partition``; True when it went).  Installed, it would be a copy no leader repairs, no view
+        counts and no re-read of the map drops (its epoch is the map's), while the manager sees this node
+        holding the partition and gives it no new replica of it: redundancy lost for good, silently."""
         part = self.table.get(pid)
-        if part is None or epoch <= part.epoch:
+        if part is None:
+            return False
+        if self.me not in replicas:
+            return await self.drop_partition(pid, replicas, epoch, equal_ok=True)
+        if epoch <= part.epoch:
             return False
         await self._check(part, replicas, epoch)
         async with self.view_lock:
@@ -107,16 +116,21 @@ class Partitions:
         log.info("partition %d now epoch %d replicas %s", part.pid, epoch, ",".join(replicas))
         return True
 
-    async def drop_partition(self, pid: int, replicas: list[str], epoch: int) -> bool:
+    async def drop_partition(self, pid: int, replicas: list[str], epoch: int, *, equal_ok: bool = False) -> bool:
         """A newer view (``replicas`` at ``epoch``) no longer names this node: move our copy to the trash --
         only when the view's leader is known to hold every acknowledged byte (else ViewRefused, nothing
-        changes).  False: nothing to drop (not here, or not a newer epoch)."""
+        changes).  False: nothing to drop (not here, or not a newer epoch).
+
+        ``equal_ok``: a view at our own epoch counts too, when neither it nor our copy's view names this node
+        (a copy an earlier version kept for a view without it): no write of that epoch needed this copy, and
+        the view's leader, checked as above, holds every one acknowledged before.  Our copy naming itself at
+        the same epoch is another story (two views of one epoch): left alone."""
         part = self.table.get(pid)
-        if part is None or epoch <= part.epoch:
+        if part is None or self.me in replicas or not self._newer(part, epoch, equal_ok):
             return False
         await self._check(part, replicas, epoch)
         async with self.view_lock:
-            if self.table.get(pid) is not part:
+            if self.table.get(pid) is not part or not self._newer(part, epoch, equal_ok):
                 return False
             await store_call(self.table.delete, pid)
         self.refusals.pop(pid, None)
@@ -124,6 +138,9 @@ class Partitions:
                  "is kept in the trash for %ss", pid, epoch, ",".join(replicas), self.cfg.trash_retention_s)
         self.changed(False)
         return True
+
+    def _newer(self, part: Partition, epoch: int, equal_ok: bool) -> bool:
+        return epoch > part.epoch or (equal_ok and epoch == part.epoch and self.me not in part.replicas)
 
     async def delete_partition(self, pid: int) -> None:
         """An admin's PARTITION_DELETE: the partition and its data go to the trash (idempotent)."""
