@@ -36,6 +36,23 @@ async def map_snapshot(et: Etcd) -> dict:
     return snap
 
 
+async def under_replicated(et: Etcd) -> dict:
+    """The partitions below their replica count as etcd's map has them: fewer replicas than ``want`` that are
+    registered and ``synced`` (``PartView.under``; the active manager's alarm counts the same way,
+    manager/redundancy.py).  ``oldest``: the one whose view has gone longest without a change (lowest etcd
+    revision) -- etcd keeps no times; the manager's metrics say how long."""
+    parts = await _etcd_call(et.parts())
+    live = set(await _etcd_call(et.nodes()))
+    under = sorted((v for v in parts.values() if v.under(live)), key=lambda v: v.rev)
+
+    def row(v) -> dict:
+        ok = [r for r in v.replicas if r in live and r in v.synced]
+        return {"id": v.id, "replicas": v.replicas, "want": v.want or len(v.replicas), "live_synced": len(ok),
+                "state": v.state, "epoch": v.epoch, "revision": v.rev}
+    return {"count": len(under), "of": len(parts), "partitions": [v.id for v in under],
+            "oldest": row(under[0]) if under else None}
+
+
 async def place_partitions(et: Etcd, count: int, replicas: int, *, timeout: float = 60.0,
                            volume: str = "") -> list[dict]:
     """Ask the active manager to place and create ``count`` partitions of ``replicas`` replicas (in

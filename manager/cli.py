@@ -51,6 +51,10 @@ def _access_options(fn):
 @click.option("--unfinished-after-s", type=click.FloatRange(1), default=30.0, show_default=True,
               help="An empty partition that only followers hold -- no map names it, its leader does not have "
                    "it: a create that died half-way -- is deleted from them (to their trash) after this long.")
+@click.option("--under-replicated-warn-s", type=click.FloatRange(0), default=30.0, show_default=True,
+              help="A partition with fewer live, synced replicas than its replica count for this long is logged "
+                   "as a warning (once; repair takes a while, so a moment under is normal).  Metrics: "
+                   "dnmanager_under_replicated_partitions, dnmanager_under_replicated_oldest_seconds.")
 @click.option("--secret-file", type=click.Path(dir_okay=False), envvar="DATANODE_SECRET_FILE", show_envvar=True,
               help="The cluster secret (or an admin role key file), for nodes that have secret_file set.")
 @click.option("--tls-ca", type=click.Path(dir_okay=False), envvar="DATANODE_TLS_CA", show_envvar=True,
@@ -60,7 +64,7 @@ def _access_options(fn):
               help="Serve Prometheus /metrics here (whether active; etcd values ignored as invalid, by reason).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info")
 def manager_command(etcd, prefix, name, lease_ttl_s, down_after_s, tick_s, transport, min_writable, replicas,
-                    min_free_mib, unfinished_after_s, secret_file, tls_ca, metrics_listen, log_level, **access):
+                    min_free_mib, unfinished_after_s, under_replicated_warn_s, secret_file, tls_ca, metrics_listen, log_level, **access):
     """Run a cluster manager on etcd until SIGTERM/SIGINT.
 
     \b
@@ -100,7 +104,8 @@ def manager_command(etcd, prefix, name, lease_ttl_s, down_after_s, tick_s, trans
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     m = Manager(etcd, prefix=prefix, name=name, lease_ttl_s=lease_ttl_s, down_after_s=down_after_s,
                 tick_s=tick_s, transport=transport, min_writable=min_writable, replicas=replicas,
-                min_free_mib=min_free_mib, unfinished_after_s=unfinished_after_s, secret=creds, tls=tls,
+                min_free_mib=min_free_mib, unfinished_after_s=unfinished_after_s,
+                under_replicated_warn_s=under_replicated_warn_s, secret=creds, tls=tls,
                 etcd_access=etcd_access)
 
     async def main():

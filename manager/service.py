@@ -28,6 +28,10 @@ partition (design and the no-acknowledged-write-lost argument: wire/etcdmap.py):
   zone than its members where possible, the most free bytes) at epoch + 1; the leader's repair fills it
   (progress: ``dnctl partition health``); when the leader reports it ``healthy`` it joins ``synced`` and
   the partition is ``writable`` again.
+* **redundancy** (manager/redundancy.py): every partition below its replica count is tracked from when it
+  went under; one under for longer than ``--under-replicated-warn-s`` is logged (metrics: see
+  ``ManagerMetrics``).  A node holding a copy that etcd's view does not name is told that view, so it drops
+  the copy (its own never-the-last-copy check decides) and can be the spare that refills the partition.
 * **install**: a new view is first written to etcd with ``installed = false``; then the datanodes' own
   ``PARTITION_CREATE`` (a new replica) / ``PARTITION_UPDATE`` (followers first, the new leader last) are
   sent, and the view is marked installed.  A member that does not answer is retried on the next tick.
@@ -56,6 +60,7 @@ from client.sdk import ClientError, DataClient
 from wire.etcdmap import Etcd, EtcdAccess, EtcdError, Lease, MapCache, PartView
 from wire.metrics import etcd_invalid_family
 from wire.protocol import Op, Result, Role
+from manager.redundancy import Redundancy
 from manager.tasks import ManagerTasks
 
 log = logging.getLogger(__name__)
@@ -69,7 +74,8 @@ class Manager:
     def __init__(self, etcd: str, *, prefix: str = "/datanode", name: str = "manager", lease_ttl_s: int = 3,
                  down_after_s: float = 1.0, tick_s: float = 0.25, transport: str = "auto",
                  rpc_timeout: float = 3.0, min_writable: int = 2, replicas: int = 3, min_free_mib: int = 256,
-                 unfinished_after_s: float = 30.0, secret=None, tls=None, etcd_access: EtcdAccess | None = None):
+                 unfinished_after_s: float = 30.0, under_replicated_warn_s: float = 30.0, secret=None, tls=None,
+                 etcd_access: EtcdAccess | None = None):
         # the MACs of the map's entries are made and checked with the secret's (or admin key file's) admin key
         self.etcd = Etcd(etcd, prefix, timeout=max(1.0, lease_ttl_s / 2), access=etcd_access,
                          admin_key=secret.key(Role.ADMIN) if secret is not None else None)
@@ -88,6 +94,8 @@ class Manager:
         # placement, min_writable, decommission, admins' requests (manager/tasks.py)
         self.tasks = ManagerTasks(self, min_writable=min_writable, replicas=replicas, min_free_mib=min_free_mib,
                                   settle_s=max(2.0, 2 * tick_s), unfinished_after_s=unfinished_after_s)
+        # partitions below their replica count (the alarm), copies blocking their refill (manager/redundancy.py)
+        self.redundancy = Redundancy(self, warn_after_s=under_replicated_warn_s)
 
     # -- election ---------------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -129,6 +137,7 @@ class Manager:
         finally:
             self.active = False
             self.tasks.standby()
+            self.redundancy.standby()
             await self.etcd.release(lease)          # a clean stop hands over at once
 
     async def _active_loop(self) -> None:
@@ -142,7 +151,7 @@ class Manager:
                 log.warning("manager tick: %s", e)
                 busy = True
             self.ticks += 1
-            with trio.move_on_after(self.tick_s if busy else IDLE_LOOK_S):
+            with trio.move_on_after(min(self.tick_s if busy else IDLE_LOOK_S, self.redundancy.next_warning_s())):
                 await self.cache.wait(seen)
 
     # -- one pass over the map ----------------------------------------------------------------------
@@ -155,9 +164,10 @@ class Manager:
                 del self.down_since[addr]
         parts = self.cache.parts()
         restore, unknown = self.cache.invalid_parts()
+        self.redundancy.track(parts, nodes)
         if await self._restore(restore) | await self._adopt(nodes, parts, unknown):
             return True                             # the views written arrive by the watch
-        busy = []
+        busy = [await self.redundancy.drop_stale(parts, nodes)]
 
         async def one(view):
             busy.append(await self._handle_safely(view, nodes, now))
@@ -340,6 +350,16 @@ class ManagerMetrics:
     def collect(self):
         yield GaugeMetricFamily("dnmanager_active", "1 while this manager is the active one", value=int(self.m.active))
         yield etcd_invalid_family("dnmanager", self.m.etcd.invalid)
+        r = self.m.redundancy          # (all 0 on a standby: the active manager's count is the cluster's)
+        yield GaugeMetricFamily("dnmanager_under_replicated_partitions",
+                                "Partitions with fewer live, synced replicas than their replica count (want)",
+                                value=r.count())
+        yield GaugeMetricFamily("dnmanager_under_replicated_oldest_seconds",
+                                "How long the partition under-replicated longest has been so (since this "
+                                "manager saw it; 0: none)", value=round(r.oldest_s(), 3))
+        yield GaugeMetricFamily("dnmanager_under_replicated_over_bound_partitions",
+                                "Under-replicated partitions past --under-replicated-warn-s (logged as warnings)",
+                                value=r.over_bound())
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -486,7 +486,8 @@ def cluster_status(cluster, timeout, as_json):
             down          no datanode process for this node
 
     The pid is that of the process listening on the node's address (also one started by hand), not
-    only the one cluster.json recorded.
+    only the one cluster.json recorded.  With etcd: how many partitions are under-replicated (fewer live,
+    synced replicas than their replica count) and the oldest of them (the longest unchanged in etcd).
     """
     import trio
     info = load_cluster(cluster)
@@ -548,10 +549,31 @@ def cluster_status(cluster, timeout, as_json):
     healthy = (all(r["health"] == "up" for r in res) and all(e["health"] == "up" for e in etcd_st)
                and (not mgr_st or any(m["health"] in ("active", "standby") for m in mgr_st)))
     lines.append(f"{sum(r['health'] == 'up' for r in res)}/{len(res)} nodes up")
+    under = _under_replicated(info, etcd_st)
+    if under is not None:
+        o = under["oldest"]
+        lines.append(f"{under['count']}/{under['of']} partitions under-replicated" + (
+            f" (oldest: partition {o['id']}, {o['live_synced']} of {o['want']} replicas live and synced, "
+            f"{o['state']}, epoch {o['epoch']}; dnmanager's metrics say for how long)" if o else ""))
     emit({"dir": str(pathlib.Path(cluster).resolve()), "healthy": healthy, "nodes": res, "etcd": etcd_st,
-          "managers": mgr_st}, as_json, "\n".join(lines))
+          "managers": mgr_st, "under_replicated": under}, as_json, "\n".join(lines))
     if not healthy:
         sys.exit(1)
+
+
+def _under_replicated(info: dict, etcd_st: list[dict]) -> dict | None:
+    """The partitions below their replica count, from etcd's map (client/mapadmin.py); None without an etcd
+    that answers."""
+    e = info.get("etcd")
+    if not e or not any(r["health"] == "up" for r in etcd_st):
+        return None
+
+    async def ask():
+        return await mapadmin.under_replicated(etcd_map(e["url"], None))
+    try:
+        return run(ask)
+    except click.ClickException:
+        return None
 
 
 def _aux_status(info: dict, timeout: float) -> tuple[list[dict], list[dict]]:

@@ -64,6 +64,12 @@ class PartView:
     def leader(self) -> str:
         return self.replicas[0]
 
+    def under(self, live=None) -> bool:
+        """Below its replica count: fewer replicas than ``want`` that are ``synced`` (and registered, when the
+        set of ``live`` nodes is given) -- one lost, one still being filled, one whose node is gone."""
+        ok = [r for r in self.replicas if r in self.synced and (live is None or r in live)]
+        return len(ok) < (self.want or len(self.replicas))
+
     def body(self) -> dict:
         """What is stored in etcd (``seal`` it before writing)."""
         d = dataclasses.asdict(self)
