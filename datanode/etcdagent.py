@@ -273,11 +273,11 @@ class EtcdAgent:
             # without it (an earlier version installed such views).  Kept, nothing would ever drop or refill
             # it, and the manager would not re-replicate onto a node holding the partition: dropped (checked
             # like any drop: the view's leader must be known to hold every acknowledged byte).
-            if me not in view.replicas and me not in part.replicas:
-                log.warning("partition %d: our copy is at etcd's epoch %d, whose replicas (%s) do not name this "
-                            "node; dropping it", view.id, view.epoch, ",".join(view.replicas))
-                if await self.node.drop_partition(view.id, view.replicas, view.epoch, equal_ok=True):
-                    self.changed()
+            if (me not in view.replicas and me not in part.replicas
+                    and await self.node.drop_partition(view.id, view.replicas, view.epoch, equal_ok=True)):
+                log.warning("partition %d: our copy was at etcd's epoch %d, whose replicas (%s) do not name this "
+                            "node: dropped", view.id, view.epoch, ",".join(view.replicas))
+                self.changed()
             return
         registered = await self.etcd.registered_for(part.replicas, view)
         if not self.etcd.follows(part.epoch, part.replicas, view, registered):

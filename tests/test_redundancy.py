@@ -73,6 +73,30 @@ def test_a_view_without_the_node_is_dropped_not_installed(nodes, etcd, managers)
     run(main)
 
 
+def test_a_copy_kept_at_the_maps_epoch_without_the_node_is_dropped_at_start(nodes, etcd, managers):  # noqa: F811
+    """The state an earlier version left behind: a copy at the map's own epoch, for a view that does not name
+    its node (it installed such a view).  Started, the node re-reads the map and drops it (equal epochs were
+    skipped before: the copy stayed, the partition at 2 replicas), and the partition is refilled."""
+    import json
+    e, ns, et = managed_partition(nodes, etcd, managers)
+    c = ns[2]
+
+    async def main():
+        c.kill(signal.SIGKILL)            # no hand-off: the manager removes it once its lease lapses
+        v = await wait_for("the killed node out of the view", lambda: _view_ok(
+            et, 1, lambda x: c.addr not in x.replicas and x.installed))
+        meta = c.root / "data" / "partitions" / "1" / "meta.json"
+        m = json.loads(meta.read_text())
+        m.update(epoch=v.epoch, replicas=v.replicas)      # what installing that view wrote
+        meta.write_text(json.dumps(m))
+        c.start()
+        back = await wait_for("3 synced replicas again", lambda: _view_ok(et, 1, full), timeout=HEAL_S)
+        assert c.addr in back.replicas
+        async with open_client("tcp") as dc:
+            assert await _trash_of(dc, c.addr, 1), "the dropped copy is not in the node's trash"
+    run(main)
+
+
 async def _view_ok(et: Etcd, pid: int, pred):
     v = await et.part(pid)
     return v if v is not None and pred(v) else None
@@ -193,3 +217,32 @@ def test_alarm_counts_partitions_below_their_replica_count(nodes, etcd, managers
         assert len(re.findall(r"partition 1 under-replicated for", text)) == 1, "warned more than once"
         assert "partition 1: back at its replica count" in text
     run(main)
+
+
+def test_dnctl_cluster_status_shows_under_replicated(tmp_path):
+    """`dnctl cluster status` (text and --json) counts the partitions below their replica count, from etcd's
+    map, and names the oldest: none on a settled cluster, partition 1 once a node is stopped (3 nodes: no
+    spare to refill it)."""
+    import json
+    import time
+    from tests.test_cli import FAST, dnctl
+    root = tmp_path / "c"
+    dnctl("cluster", "up", "--nodes", 3, "--cluster", root, *FAST, check=True)
+    try:
+        def status():
+            return json.loads(dnctl("cluster", "status", "--cluster", root, "--json").out)
+        deadline = time.monotonic() + HEAL_S
+        while (u := status()["under_replicated"]) is None or u["count"] or not u["of"]:
+            assert time.monotonic() < deadline, u
+            time.sleep(0.5)
+        assert u["oldest"] is None, u
+        info = json.loads((root / "cluster.json").read_text())
+        dnctl("cluster", "stop-node", info["nodes"][2]["addr"], "--cluster", root, check=True)
+        while 1 not in (u := status()["under_replicated"])["partitions"]:
+            assert time.monotonic() < deadline, u
+            time.sleep(0.5)
+        assert u["count"] == u["of"] and u["oldest"]["want"] == 3 and u["oldest"]["live_synced"] == 2, u
+        text = dnctl("cluster", "status", "--cluster", root).out
+        assert f"{u['count']}/{u['of']} partitions under-replicated (oldest: partition" in text, text
+    finally:
+        dnctl("cluster", "down", "--cluster", root, "--timeout", 10)
