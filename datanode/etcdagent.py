@@ -10,8 +10,8 @@ when etcd is unreachable the node keeps serving the map it has:
 * **watch** of ``parts/``: a view with a higher epoch than the local one is installed when it names this node
   (``Node.install_view``, the same path as ``PARTITION_UPDATE``) and the partition is dropped when it does
   not (this node was replaced while it was away: its copy is stale); so is a copy at etcd's own epoch when
-  neither view names this node (no node keeps a copy for a view without itself: ops/partitions.py).  Partitions etcd does not know are left
-  alone (a cluster run by hand, or not yet adopted by the manager).  Nothing read is obeyed unchecked
+  neither view names this node (no node keeps a copy for a view without itself: ops/partitions.py).
+  Partitions etcd does not know are left alone (a cluster run by hand, or not yet adopted by the manager).  Nothing read is obeyed unchecked
   (wire/mapcheck.py): a view must be well-formed, carry the manager's MAC when the node has a secret, move
   the epoch forward by a bounded step, and add only registered nodes; anything else is logged, counted
   (``datanode_etcd_invalid_values_total``) and ignored.

@@ -61,10 +61,12 @@ def _access_options(fn):
               help="CA bundle (PEM): speak TLS to the nodes and check their certificates against it.")
 @_access_options
 @click.option("--metrics-listen", metavar="HOST:PORT",
-              help="Serve Prometheus /metrics here (whether active; etcd values ignored as invalid, by reason).")
+              help="Serve Prometheus /metrics here (whether active; etcd values ignored as invalid, by reason; "
+                   "partitions under-replicated, and for how long).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info")
 def manager_command(etcd, prefix, name, lease_ttl_s, down_after_s, tick_s, transport, min_writable, replicas,
-                    min_free_mib, unfinished_after_s, under_replicated_warn_s, secret_file, tls_ca, metrics_listen, log_level, **access):
+                    min_free_mib, unfinished_after_s, under_replicated_warn_s, secret_file, tls_ca, metrics_listen,
+                    log_level, **access):
     """Run a cluster manager on etcd until SIGTERM/SIGINT.
 
     \b

@@ -155,7 +155,8 @@ def test_sigterm_handoff_and_restart_restores_every_partition(nodes, etcd, manag
         except AssertionError:
             parts = await et.parts()
             held = (await et.nodes()).get(c.addr, {}).get("partitions") or {}
-            short = {p: (parts[p].epoch, parts[p].replicas, held.get(str(p))) for p in pids if not full(parts.get(p))}
+            short = {p: (parts[p].epoch, parts[p].replicas, held.get(str(p)))
+                     for p in pids if not full(parts.get(p))}
             raise AssertionError(f"{len(short)} partition(s) short (epoch, replicas, the node's copy): {short}")
     run(main)
 
