@@ -97,6 +97,43 @@ def test_a_copy_kept_at_the_maps_epoch_without_the_node_is_dropped_at_start(node
     run(main)
 
 
+def test_manager_has_a_stale_copy_dropped_that_its_node_could_not_drop(nodes, etcd, managers, tmp_path):  # noqa: F811
+    """A node back after it was replaced keeps its copy when the view's new leader cannot be asked whether it
+    holds every acknowledged byte (here: paused); its agent would try again only at its next re-read of the
+    map.  The manager, seeing it report a copy etcd's view does not name, sends it that view once its leader
+    answers again: the node drops the copy (checked) and is refilled as a spare."""
+    from client import admin
+    e, ns, et = managed_partition(nodes, etcd, managers, lease_ttl_s=10)
+    a, b, c = ns
+
+    async def main():
+        c.kill(signal.SIGKILL)                 # keeps its copy: [a, b, c] at epoch 1
+        await wait_for("the killed node out of the view", lambda: _view_ok(
+            et, 1, lambda x: c.addr not in x.replicas and x.installed), timeout=60)
+        async with open_client("tcp") as dc:   # b leads now: the copy's leader (a) is not the view's
+            await admin.set_leader(dc, 1, b.addr, [a.addr, b.addr])
+        v = await wait_for("b's lead in etcd", lambda: _view_ok(et, 1, lambda x: x.leader == b.addr and x.installed
+                                                                 and set(x.synced) == set(x.replicas)))
+        b.proc.send_signal(signal.SIGSTOP)     # (its lease outlasts the pause)
+        try:
+            c.start()
+
+            async def refused():
+                return "cannot be asked" in c.log_path.read_text()
+            await wait_for("the node's own drop refused", refused, timeout=8)
+        finally:
+            b.proc.send_signal(signal.SIGCONT)
+
+        async def told():               # (before the node's own next re-read of the map, RESYNC_S)
+            return "told it that view: it dropped the copy" in (tmp_path / "managers" / "manager-m1.log").read_text()
+        await wait_for("the manager to have the copy dropped", told, timeout=25)
+        back = await wait_for("3 synced replicas again", lambda: _view_ok(et, 1, full), timeout=HEAL_S)
+        assert c.addr in back.replicas and back.epoch > v.epoch
+        async with open_client("tcp") as dc:
+            assert await _trash_of(dc, c.addr, 1), "the dropped copy is not in the node's trash"
+    run(main)
+
+
 async def _view_ok(et: Etcd, pid: int, pred):
     v = await et.part(pid)
     return v if v is not None and pred(v) else None
