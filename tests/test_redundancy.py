@@ -279,7 +279,8 @@ def test_dnctl_cluster_status_shows_under_replicated(tmp_path):
         while 1 not in (u := status()["under_replicated"])["partitions"]:
             assert time.monotonic() < deadline, u
             time.sleep(0.5)
-        assert u["count"] == u["of"] and u["oldest"]["want"] == 3 and u["oldest"]["live_synced"] == 2, u
+        assert u["count"] == len(u["partitions"]) and u["oldest"]["id"] in u["partitions"], u
+        assert u["oldest"]["live_synced"] < u["oldest"]["want"], u
         text = dnctl("cluster", "status", "--cluster", root).out
         assert f"{u['count']}/{u['of']} partitions under-replicated (oldest: partition" in text, text
     finally:
