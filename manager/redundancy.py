@@ -29,6 +29,8 @@ from __future__ import annotations
 import logging
 import time
 
+import trio
+
 from client.sdk import ClientError
 from wire.etcdmap import PartView
 from wire.protocol import Op, Result
@@ -101,6 +103,7 @@ class Redundancy:
         True while such a copy is reported (look again soon)."""
         now = time.monotonic()
         current = set()
+        asks = []
         for addr, rec in nodes.items():
             for pid_s, pv in (rec.get("partitions") or {}).items():
                 v = parts.get(int(pid_s))
@@ -115,7 +118,10 @@ class Redundancy:
                 if (now - self.stale.setdefault(key, now) >= STALE_GRACE_S
                         and now - self.asked.get(key, -1e9) >= STALE_RETRY_S):
                     self.asked[key] = now
-                    await self._ask_drop(addr, v, epoch)
+                    asks.append((addr, v, epoch))
+        async with trio.open_nursery() as n:     # (all at once: a node that does not answer holds up no other)
+            for ask in asks:
+                n.start_soon(self._ask_drop, *ask)
         for d in (self.stale, self.asked, self.refused):
             for key in list(d):
                 if key not in current:
