@@ -33,6 +33,7 @@ machine shared with other work are noisy: say so beside them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -451,6 +452,19 @@ async def run_one(root: pathlib.Path, n: int, a: argparse.Namespace) -> dict:
     return fig
 
 
+@contextlib.contextmanager
+def signals_held():
+    """No Ctrl-C while the processes are being stopped (a second one would leave them running); the
+    teardown is bounded in time itself."""
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    old = {s: signal.signal(s, signal.SIG_IGN) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
 def teardown(root: pathlib.Path) -> None:
     """Stop everything the run started in ``root``: the cluster (managers, nodes, etcd), then anything left
     (a node or etcd started by a command cut short before cluster.json named it)."""
@@ -554,10 +568,11 @@ def main() -> None:
     if shutil.which("etcd") is None:
         sys.exit("scale.py needs etcd on PATH (Debian: apt install etcd-server)")
 
-    def on_term(signum, _frame):          # SIGTERM/SIGHUP: unwind like Ctrl-C, so the clusters are stopped
-        raise KeyboardInterrupt(f"signal {signum}")
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGHUP, on_term)
+    # Ctrl-C unwinds through the teardown also when this was started with SIGINT ignored (a shell's
+    # background job); SIGTERM and SIGHUP become a SIGINT, which trio turns into KeyboardInterrupt safely
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: os.kill(os.getpid(), signal.SIGINT))
 
     base = pathlib.Path(a.dir) if a.dir else pathlib.Path(tempfile.mkdtemp(prefix="scale-bench-"))
     runs = []
@@ -568,7 +583,8 @@ def main() -> None:
             try:
                 runs.append(trio.run(run_one, root, n, a))
             finally:
-                teardown(root)
+                with signals_held():
+                    teardown(root)
             runs[-1]["wall_s"] = round(time.monotonic() - t0, 1)
             log(f"[{n}] done in {runs[-1]['wall_s']}s")
     finally:
@@ -589,4 +605,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BaseException as e:  # noqa: BLE001 - Ctrl-C inside a nursery arrives in a group
+        if isinstance(e, KeyboardInterrupt) or (isinstance(e, BaseExceptionGroup)
+                                                and e.split(KeyboardInterrupt)[1] is None):
+            sys.exit("interrupted: the clusters started were stopped")
+        raise
