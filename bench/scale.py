@@ -38,6 +38,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import shutil
 import signal
 import statistics
@@ -63,7 +64,9 @@ BLOCK = bytes(4096)
 
 
 class StepTimeout(Exception):
-    pass
+    def __init__(self, msg: str, pending: int | None = None):
+        super().__init__(msg)
+        self.pending = pending       # partitions not settled when the step gave up
 
 
 def log(*a) -> None:
@@ -127,7 +130,8 @@ async def wait_settled(et, timeout: float, at: dict[float, str] | None = None, t
             if at is not None:
                 at.clear()
                 at.update(notes)
-            raise StepTimeout(f"not settled after {timeout:g}s ({len(left)} pending, e.g. {'; '.join(left[:3])})")
+            raise StepTimeout(f"not settled after {timeout:g}s ({len(left)} pending, e.g. {'; '.join(left[:3])})",
+                              pending=len(left))
         await trio.sleep(0.25)
 
 
@@ -365,6 +369,8 @@ async def run_one(root: pathlib.Path, n: int, a: argparse.Namespace) -> dict:
             log(f"[{n}] {name}: timeout ({e})")
             fig.setdefault("notes", []).append(f"{name}: timeout: {e}")
             fig[name] = TIMEOUT
+            if getattr(e, "pending", None) is not None:
+                fig[f"{name}_pending"] = e.pending
         except Exception as e:  # noqa: BLE001 - a product failure: reported, the next steps still run
             log(f"[{n}] {name}: error {type(e).__name__}: {e}")
             fig.setdefault("notes", []).append(f"{name}: {type(e).__name__}: {e}")
@@ -465,6 +471,35 @@ def signals_held():
             signal.signal(s, h)
 
 
+_ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Warning)\b")
+
+
+def crashes(root: pathlib.Path) -> list[dict]:
+    """Daemons of the run that died of an exception: each log with a traceback, its last line (the error) and
+    the time of the log line before it -- a product failure, whatever the figures say."""
+    out = []
+    for path in sorted([*root.glob("node*/node.log"), *root.glob("manager-*.log")]):
+        try:
+            lines = path.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        for i, ln in enumerate(lines):
+            if "Traceback (most recent call last)" in ln:
+                block = []
+                for x in lines[i:]:
+                    if x[:4].isdigit():       # the next log line: the traceback ended
+                        break
+                    block.append(x.strip(" |+-"))
+                # the innermost error is printed last (an exception group's members after the group)
+                errs = [x for x in block if _ERROR_LINE.match(x) and not x.startswith(("ExceptionGroup",
+                                                                                       "BaseExceptionGroup"))]
+                when = next((x[:23] for x in reversed(lines[:i]) if x[:4].isdigit()), "?")
+                out.append({"log": str(path.relative_to(root)), "at": when,
+                            "error": (errs[-1] if errs else block[-1] if block else "?")[:300]})
+                break                       # the first is the cause; a dead process has one
+    return out
+
+
 def teardown(root: pathlib.Path) -> None:
     """Stop everything the run started in ``root``: the cluster (managers, nodes, etcd), then anything left
     (a node or etcd started by a command cut short before cluster.json named it)."""
@@ -498,6 +533,7 @@ ROWS = [
     ("clients at once: open p50, s", "clients_open_p50_s", None),
     ("clients at once: open p99, s", "clients_open_p99_s", None),
     ("clients at once: etcd connections (peak)", "etcd_connections_peak", None),
+    ("daemons that died of an exception", "crashed_processes", None),
 ]
 
 
@@ -585,6 +621,10 @@ def main() -> None:
             finally:
                 with signals_held():
                     teardown(root)
+            runs[-1]["crashes"] = crashes(root)
+            runs[-1]["crashed_processes"] = len(runs[-1]["crashes"])
+            for c in runs[-1]["crashes"]:
+                log(f"[{n}] crashed: {c['log']} at {c['at']}: {c['error']}")
             runs[-1]["wall_s"] = round(time.monotonic() - t0, 1)
             log(f"[{n}] done in {runs[-1]['wall_s']}s")
     finally:
@@ -602,6 +642,8 @@ def main() -> None:
         for r in runs:
             for x in r.get("notes", []):
                 print(f"- {r['partitions']} partitions: {x}")
+            for c in r.get("crashes", []):
+                print(f"- {r['partitions']} partitions: {c['log']} died at {c['at']}: {c['error']}")
 
 
 if __name__ == "__main__":
