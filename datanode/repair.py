@@ -6,7 +6,9 @@ Who does what
 partition this node *leads* (a worker ends by itself when the node stops leading it, e.g. after
 ``set-leader`` or when the partition is deleted).  A worker is two tasks in its own nursery:
 
-* the **heartbeat** (every ``heartbeat_s``): asks each follower for its view (``REPLICA_STATE``: epoch,
+* the **heartbeat** (every ``heartbeat_s``; driven per follower *node* by ``health.HealthProber``, which
+  sends the worker's partition through the probe below only when its copies may differ: see there): asks
+  each follower for its view (``REPLICA_STATE``: epoch,
   replica list, extent sizes, tombstones) and keeps a ``ReplicaHealth`` per follower: ``healthy``,
   ``lagging`` (differs from the leader), ``repairing`` or ``unreachable``, with the last contact and the
   bytes it is behind.  A follower at an older epoch is sent ``PARTITION_UPDATE`` (an old leader coming
@@ -62,6 +64,7 @@ from wire.crc import crc32c
 from wire.pool import BuddyPool, PoolExhausted
 from wire.protocol import BodyError, Flag, Header, Op, Result, decode_view
 from . import viewguard
+from .health import HealthProber, leader_token
 from .store import BLOCK, StoreError
 from wire.transport.base import Access, TransportError
 
@@ -107,6 +110,8 @@ class ReplicaHealth:
     came_back: bool = False         # was unreachable, answered again: wants a full pass
     marks: dict | None = None       # follower sizes at the previous probe (to tell "moving" from "stuck")
     repaired_bytes: int = 0         # bytes repair copied to it while this node led the partition (all passes)
+    base: tuple | None = None       # (its token, ours) when a probe last found it healthy: unchanged since, it
+                                    # still is (datanode/health.py)
 
     def to_dict(self) -> dict:
         now = time.time()
@@ -182,6 +187,9 @@ class RepairCounters:
     scrub_bytes: int = 0
     scrub_bad_blocks: int = 0
     scrub_repaired_blocks: int = 0
+    health_beats: int = 0             # heartbeats of the node's prober (datanode/health.py)
+    health_node_probes: int = 0       # NODE_HEALTH requests it sent (one per follower node per beat and page)
+    health_partition_probes: int = 0  # partitions it sent through their own probe (changed, or not healthy)
 
 
 class Repairer:
@@ -206,6 +214,7 @@ class Repairer:
                                               Access.LOCAL_WRITE | Access.REMOTE_WRITE)
         self.workers: dict[int, PartitionWorker] = {}
         self._kick = trio.Event()
+        self.prober = HealthProber(self, RepairAbort)
 
     @property
     def links(self):
@@ -214,14 +223,18 @@ class Repairer:
     def kick(self) -> None:
         """Look at leadership now (after a partition create/update), not at the next heartbeat."""
         self._kick.set()
+        self.prober.poke()
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.prober.run)
             while True:
                 for pid, part in list(self.table.parts.items()):
                     if part.leader == self.me and pid not in self.workers:
                         w = self.workers[pid] = PartitionWorker(self, pid)
                         nursery.start_soon(w.run)
+                    elif pid in self.workers and part.leader != self.me:
+                        self.workers[pid].wake.set()     # its repair loop ends now, not at the next beat
                 with trio.move_on_after(self.cfg.heartbeat_s):
                     await self._kick.wait()
                 self._kick = trio.Event()
@@ -330,6 +343,7 @@ class PartitionWorker:
         self.last_repair: dict | None = None
         self.last_scrub: dict | None = None
         self.suspended: str | None = None   # why repair and scrub wait (this leader's copy is not synced)
+        self.started = False              # its own first probe is done: the node's prober takes over
 
     # -- lifecycle --------------------------------------------------------------------------------------
     def part(self):
@@ -396,29 +410,42 @@ class PartitionWorker:
 
     # -- heartbeat --------------------------------------------------------------------------------------
     async def _heartbeat(self) -> None:
+        """The first heartbeat, at once; the later ones come from the node's ``HealthProber``."""
         try:
-            await self._beat()
+            if (part := self.part()) is not None:
+                async with trio.open_nursery() as n:
+                    for addr in part.replicas[1:]:
+                        n.start_soon(self.probe, part, addr)
+                if self.part() is not None:
+                    self.after_beat(part)
         finally:
-            self.wake.set()          # the repair loop notices at once that we no longer lead
+            self.started = True
+            self.rep.prober.poke()
+            self.wake.set()          # the repair loop looks at once (and notices if we no longer lead)
 
-    async def _beat(self) -> None:
-        while (part := self.part()) is not None:
-            followers = part.replicas[1:]
-            async with trio.open_nursery() as n:
-                for addr in followers:
-                    n.start_soon(self._probe, part, addr)
+    def after_beat(self, part) -> None:
+        """A heartbeat's end: forget replicas no longer in the view, sum up, wake repair if one is behind."""
+        followers = part.replicas[1:]
+        if len(self.replicas) != len(followers):
             for addr in list(self.replicas):
                 if addr not in followers:
                     del self.replicas[addr]
-            if self.part() is None:
-                return
-            self._summarize(part)
-            if any(h.state == "lagging" or h.came_back for h in self.replicas.values()):
-                self.wake.set()
-            await trio.sleep(self.rep.cfg.heartbeat_s)
+        self._summarize(part)
+        if any(h.state == "lagging" or h.came_back for h in self.replicas.values()):
+            self.wake.set()
 
-    async def _probe(self, part, addr: str) -> None:
+    def unreachable(self, addr: str, e: Exception) -> None:
         h = self.replicas.setdefault(addr, ReplicaHealth(addr))
+        if h.state != "unreachable":
+            log.warning("partition %d: follower %s unreachable: %s", self.pid, addr, e)
+        h.state, h.error, h.came_back = "unreachable", str(e), False
+        h.marks = h.base = None
+
+    async def probe(self, part, addr: str) -> None:
+        """Compare one follower's copy with ours (and confirm it synced): its ``ReplicaHealth``."""
+        h = self.replicas.setdefault(addr, ReplicaHealth(addr))
+        h.base = None
+        ours = leader_token(part)        # (before our digests are taken: a change after them moves it)
         try:
             st = await self.rep.call_json(addr, Header(opcode=Op.REPLICA_STATE, partition=self.pid,
                                                        epoch=part.epoch))
@@ -426,10 +453,7 @@ class PartitionWorker:
             h.state, h.error, h.came_back = "lagging", "does not host the partition", True
             return
         except RepairAbort as e:
-            if h.state != "unreachable":
-                log.warning("partition %d: follower %s unreachable: %s", self.pid, addr, e)
-            h.state, h.error, h.came_back = "unreachable", str(e), False
-            h.marks = None
+            self.unreachable(addr, e)
             return
         was_down = h.state in ("unreachable", "unknown")
         h.last_contact, h.epoch, h.error = time.time(), st["epoch"], ""
@@ -457,6 +481,8 @@ class PartitionWorker:
             h.state = "lagging"          # any difference that is not appends in flight: never "healthy"
         elif await self._confirm(part, addr, st):
             h.state = "healthy"
+            if not d.in_flight and st.get("synced") is not False and isinstance(st.get("token"), int):
+                h.base = (st["token"], ours)
         else:
             h.state, h.error = "lagging", "complete, but not confirmed synced yet"
 
@@ -570,19 +596,22 @@ class PartitionWorker:
                     part.unverified = False      # every block of our copy has been re-read since open
                 if cfg.scrub_interval_s:
                     next_scrub = trio.current_time() + cfg.scrub_interval_s
-            full = self.full_wanted or now >= next_full or self.repair_requested > self.repair_done
+            asked = self.full_wanted or self.repair_requested > self.repair_done
+            full = asked or now >= next_full
             needed = full or any(h.state == "lagging" or h.came_back for h in self.replicas.values())
             if needed and self.part() is not None:
                 want = self.repair_started = max(self.repair_requested, self.repair_done + 1)
                 self.full_wanted = False
-                ok = await self._repair_pass(part, full)
+                ok = await self._repair_pass(part, full, periodic=not asked)
                 self.repair_done = want
                 if full:
                     next_full = trio.current_time() + cfg.repair_interval_s
                 if not ok:
                     await trio.sleep(cfg.heartbeat_s)   # do not spin on a follower that keeps failing
 
-    async def _repair_pass(self, part, full: bool) -> bool:
+    async def _repair_pass(self, part, full: bool, periodic: bool = False) -> bool:
+        """``periodic``: the pass of every ``repair_interval_s``, not asked for: it skips a follower found
+        healthy whose copy and ours did not change since (its block CRCs are what the digests compared)."""
         self.running = "repair"
         t0 = time.monotonic()
         copied0 = self.rep.counters.repair_bytes
@@ -595,6 +624,10 @@ class PartitionWorker:
                     continue
                 if not (full or h.state == "lagging" or h.came_back):
                     results[addr] = "skipped (healthy)"
+                    continue
+                if (periodic and h.state == "healthy" and not h.came_back and h.base is not None
+                        and h.base[1] == leader_token(part)):
+                    results[addr] = "skipped (unchanged since found healthy)"
                     continue
                 try:
                     await self._repair_replica(part, addr, full or h.came_back)

@@ -1,0 +1,167 @@
+"""Replica health per node pair: one probe per follower node per heartbeat, whatever the partitions.
+
+A leader must notice within a heartbeat when a follower's copy of a partition it leads stops matching its
+own, or the follower stops answering.  Probing each partition on each follower (``REPLICA_STATE``, a
+comparison of sizes and digests: datanode/repair.py ``PartitionWorker._probe``) costs the same every
+heartbeat whether or not anything happened, so a node's idle CPU would grow with the partitions it leads.
+Instead ``HealthProber`` sends each follower node one ``NODE_HEALTH`` per heartbeat (paged), and the follower
+answers one *change token* per partition it holds that the asker leads (``follower_token``: its epoch, its
+store's change counter, its cut count, whether it is synced).  A partition whose follower was last found
+healthy, whose follower token is the one it answered then and whose leader copy did not change since
+(``leader_token``) is still healthy: it costs a dictionary lookup.  Any other one -- changed on either side,
+never confirmed, lagging, at another epoch, missing from the answer -- goes through the partition's own
+probe, compare and confirm as before.  A follower node that does not answer makes every partition it shares
+with us unreachable at once, as each partition's own probe would have.  A follower speaking an older protocol
+(no ``NODE_HEALTH``) is probed per partition.
+
+Each ``PartitionWorker`` probes its followers itself once when it starts (so a new leader knows them at
+once); from then on this prober drives its heartbeats (``PartitionWorker.after_beat``).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+
+import trio
+
+from wire.protocol import OP_SINCE, Header, Op
+from wire.transport.base import TransportError
+
+log = logging.getLogger(__name__)
+PAGE = 16384            # partitions per NODE_HEALTH answer: about 0.5 MiB of JSON, within JSON_ANSWER
+PROBE_CONCURRENCY = 32  # per-partition probes in flight to one follower node (after a change, a restart)
+
+
+def follower_token(part) -> int:
+    """What a follower answers for its copy: it changes when the copy's epoch, extents, bytes, cut count or
+    synced state do (the store's counter starts anew at random when the store is reopened)."""
+    return hash((part.epoch, part.store.changes, part.cuts, part.synced)) & ((1 << 63) - 1)
+
+
+def leader_token(part) -> tuple:
+    """The same for the leader's own copy, kept locally: its view, extents, bytes, seals and synced state."""
+    return part.epoch, tuple(part.replicas), part.store.changes, len(part.sealed), part.synced
+
+
+def tokens_page(table, asker: str, start: int) -> dict:
+    """The NODE_HEALTH answer: the tokens of the partitions held here that ``asker`` leads (in our view;
+    every partition if ``asker`` is "": an admin's look), ids from ``start`` up, at most ``PAGE``."""
+    pids = sorted(pid for pid in table.parts if pid >= start)
+    out, nxt = [], None
+    for pid in pids:
+        part = table.parts.get(pid)
+        if part is None or (asker and part.leader != asker):
+            continue
+        if len(out) == PAGE:
+            nxt = pid
+            break
+        out.append([pid, follower_token(part)])
+    return {"tokens": out, "next": nxt}
+
+
+class HealthProber:
+    """One per node: every heartbeat, one NODE_HEALTH exchange with each node that follows a partition led
+    here, then the per-partition probe only where something differs."""
+
+    def __init__(self, rep, abort: type[Exception]):
+        self.rep = rep                  # the Repairer: its workers, links, config
+        self.abort = abort              # what its calls raise for a peer that failed them (RepairAbort)
+        self._poke = trio.Event()
+        self.counters = rep.counters    # health_beats, health_node_probes, health_partition_probes
+
+    def poke(self) -> None:
+        """Beat now (a new leader, a view change), not at the next heartbeat."""
+        self._poke.set()
+
+    async def run(self) -> None:
+        while True:
+            t0 = trio.current_time()
+            await self.beat()
+            with trio.move_on_at(t0 + self.rep.cfg.heartbeat_s):
+                await self._poke.wait()
+            self._poke = trio.Event()
+
+    async def beat(self) -> None:
+        by_node: dict[str, list] = defaultdict(list)
+        live = []
+        for w in list(self.rep.workers.values()):
+            part = w.part()
+            if part is None:
+                w.wake.set()            # its repair loop notices at once that we no longer lead
+                continue
+            if not w.started:
+                continue                # still doing its own first probe
+            live.append((w, part))
+            for addr in part.replicas[1:]:
+                by_node[addr].append((w, part))
+        async with trio.open_nursery() as nursery:
+            for addr, items in by_node.items():
+                nursery.start_soon(self._beat_node, addr, items)
+        for w, part in live:
+            if w.part() is not None:
+                w.after_beat(part)
+            else:
+                w.wake.set()
+        self.counters.health_beats += 1
+
+    async def _beat_node(self, addr: str, items: list) -> None:
+        try:
+            tokens = await self._tokens(addr)
+        except Unsupported:
+            tokens = {}                 # an older node: every partition is probed on its own
+        except self.abort as e:         # unreachable, or an unreadable answer
+            for w, part in items:
+                w.unreachable(addr, e)
+            return
+        now = time.time()
+        todo = []
+        for w, part in items:
+            h = w.replicas.get(addr)
+            base = h.base if h is not None else None
+            if (base is not None and h.state == "healthy" and not h.came_back
+                    and tokens.get(part.pid) == base[0] and leader_token(part) == base[1]):
+                h.last_contact = now    # answered, and nothing changed on either side since it was healthy
+            else:
+                todo.append((w, part))
+        if not todo:
+            return
+        self.counters.health_partition_probes += len(todo)
+        limit = trio.CapacityLimiter(PROBE_CONCURRENCY)
+
+        async def probe(w, part):
+            async with limit:
+                if w.part() is not None:
+                    await w.probe(part, addr)
+                if w.part() is None:
+                    w.wake.set()
+        async with trio.open_nursery() as nursery:
+            for w, part in todo:
+                nursery.start_soon(probe, w, part)
+
+    async def _tokens(self, addr: str) -> dict[int, int]:
+        """``addr``'s token of each partition it holds that we lead (all pages)."""
+        try:
+            link = await self.rep.links.get(addr)
+        except (TransportError, OSError) as e:
+            raise self.abort(f"{addr}: {e}") from None
+        if link.conn.version < OP_SINCE[Op.NODE_HEALTH]:
+            raise Unsupported(addr)
+        out: dict[int, int] = {}
+        start = 0
+        while True:
+            self.counters.health_node_probes += 1
+            ans = await self.rep.call_json(addr, Header(opcode=Op.NODE_HEALTH, arg=start))
+            try:
+                for pid, tok in ans["tokens"]:
+                    out[int(pid)] = tok
+                nxt = ans["next"]
+            except (KeyError, TypeError, ValueError) as e:
+                raise self.abort(f"{addr}: NODE_HEALTH -> unreadable answer ({e})") from None
+            if nxt is None:
+                return out
+            start = int(nxt)
+
+
+class Unsupported(Exception):
+    """The follower node speaks a protocol without NODE_HEALTH."""
