@@ -1,0 +1,98 @@
+"""Replica health per node pair (datanode/health.py) with real datanode processes: an idle leader's probes
+of a follower node do not grow with the partitions they share, and a follower copy that changes while the
+partitions are idle is still caught and repaired."""
+from __future__ import annotations
+
+import os
+
+import trio
+
+from wire.protocol import Op
+from tests.conftest import SLACK, create_partition, pattern, run
+from tests.test_repair import assert_identical, extent_file, follower
+from client import admin as dr
+
+HB = 0.25
+CFG = {"heartbeat_s": HB, "repair_interval_s": 3600.0, "repair_mib_s": 0.0, "scrub_interval_s": 0.0,
+       "scrub_mib_s": 0.0}
+
+
+async def all_healthy(dc, leader: str, pids, timeout: float = 60.0) -> None:
+    with trio.fail_after(timeout):
+        for pid in pids:
+            while True:
+                h = await dr.health(dc, leader, pid)
+                if h.get("followers") and all(f["state"] == "healthy" for f in h["followers"]):
+                    break
+                await trio.sleep(HB)
+
+
+async def requests_per_beat(dc, addr: str, seconds: float) -> float:
+    """Requests ``addr`` served per heartbeat over ``seconds`` (less the status requests that measure it)."""
+    a = (await dc.admin(addr, Op.NODE_STATUS))["counters"]["requests"]
+    await trio.sleep(seconds)
+    b = (await dc.admin(addr, Op.NODE_STATUS))["counters"]["requests"]
+    return (b - a - 1) / (seconds / HB)
+
+
+def test_idle_probes_of_a_follower_node_do_not_grow_with_the_partitions(nodes, client):
+    """An idle leader of 4 partitions and of 64 partitions on the same two followers: each follower serves
+    about as many requests per heartbeat either way (one per partition per beat would be 16 times as many)."""
+    a, b, c = nodes(3, **CFG)
+    addrs = [a.addr, b.addr, c.addr]
+
+    async def main():
+        async with client(addrs) as dc:
+            for pid in range(1, 5):
+                await create_partition(dc, pid, addrs)
+                await dc.write(pid, pattern(pid, 10_000))
+            await all_healthy(dc, a.addr, range(1, 5))
+            few = await requests_per_beat(dc, b.addr, 3.0)
+            for pid in range(5, 65):
+                await create_partition(dc, pid, addrs)
+                await dc.write(pid, pattern(pid, 10_000))
+            await all_healthy(dc, a.addr, range(1, 65))
+            await trio.sleep(2 * HB)
+            many = await requests_per_beat(dc, b.addr, 3.0)
+            print(f"follower requests per heartbeat: {few:.2f} with 4 partitions, {many:.2f} with 64")
+            assert many <= 2 * few + 1, (few, many)
+            st = (await dc.admin(a.addr, Op.NODE_STATUS))["counters"]
+            assert st["health_beats"] > 0 and st["health_node_probes"] > 0, st
+    run(main)
+
+
+def test_a_follower_copy_cut_on_disk_while_idle_is_caught_and_repaired(nodes, client):
+    """Among idle partitions, one follower's copy of one partition is cut short on its disk while it is
+    down (the others stay identical); once it is back the leader finds the difference within a few
+    heartbeats and repairs it, and every copy is identical again."""
+    a, b, c = nodes(3, **CFG)
+    addrs = [a.addr, b.addr, c.addr]
+    victim = 3
+
+    async def main():
+        async with client(addrs) as dc:
+            for pid in range(1, 9):
+                await create_partition(dc, pid, addrs)
+                await dc.write(pid, pattern(pid, 300_000))
+            await all_healthy(dc, a.addr, range(1, 9))
+            await trio.sleep(4 * HB)           # idle: every partition is skipped by the node's prober now
+            eid = min(await dc.watermarks(victim, a.addr))
+            copied = (await dc.admin(a.addr, Op.NODE_STATUS))["counters"]["repair_bytes"]
+            b.stop()
+            path = extent_file(b, victim, eid)
+            os.truncate(path, 100_000)
+            b.start()
+            t0 = trio.current_time()
+            with trio.fail_after(10 * HB + 2 * SLACK + 10):
+                while True:
+                    h = await dr.health(dc, a.addr, victim)
+                    if (follower(h, b.addr)["state"] == "healthy"
+                            and (await dc.watermarks(victim, b.addr)) == (await dc.watermarks(victim, a.addr))):
+                        break
+                    await trio.sleep(HB / 2)
+            copied = (await dc.admin(a.addr, Op.NODE_STATUS))["counters"]["repair_bytes"] - copied
+            assert copied >= 300_000 - 100_000 - 128 * 1024, copied    # (from the block the cut fell in)
+            print(f"cut copy caught and repaired {trio.current_time() - t0:.2f}s after the follower started")
+            for pid in range(1, 9):
+                await assert_identical(dc, addrs, pid)
+    run(main)
