@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
 
 import trio
 
@@ -61,49 +60,67 @@ def tokens_page(table, asker: str, start: int) -> dict:
 
 
 class HealthProber:
-    """One per node: every heartbeat, one NODE_HEALTH exchange with each node that follows a partition led
-    here, then the per-partition probe only where something differs."""
+    """One per node: a loop per node that follows a partition led here, each heartbeat one NODE_HEALTH
+    exchange with it, then the per-partition probe only where something differs.  The loops are apart so
+    that a node slow to answer delays only the partitions it holds."""
 
     def __init__(self, rep, abort: type[Exception]):
         self.rep = rep                  # the Repairer: its workers, links, config
         self.abort = abort              # what its calls raise for a peer that failed them (RepairAbort)
         self._poke = trio.Event()
+        self._nodes: set[str] = set()   # follower nodes whose loop runs
         self.counters = rep.counters    # health_beats, health_node_probes, health_partition_probes
 
     def poke(self) -> None:
-        """Beat now (a new leader, a view change), not at the next heartbeat."""
+        """Beat now (a view changed), not at the next heartbeat."""
         self._poke.set()
+        self._poke = trio.Event()
+
+    async def _until_next(self, t0: float) -> None:
+        poked = self._poke
+        with trio.move_on_at(t0 + self.rep.cfg.heartbeat_s):
+            await poked.wait()
 
     async def run(self) -> None:
-        while True:
-            t0 = trio.current_time()
-            await self.beat()
-            with trio.move_on_at(t0 + self.rep.cfg.heartbeat_s):
-                await self._poke.wait()
-            self._poke = trio.Event()
+        async with trio.open_nursery() as nursery:
+            while True:
+                t0 = trio.current_time()
+                for w in list(self.rep.workers.values()):
+                    part = w.part()
+                    if part is None:
+                        w.wake.set()            # its repair loop notices at once that we no longer lead
+                    elif w.started:
+                        if len(part.replicas) == 1:
+                            w.after_beat(part)  # (no follower loop sums it up)
+                        for addr in part.replicas[1:]:
+                            if addr not in self._nodes:
+                                self._nodes.add(addr)
+                                nursery.start_soon(self._node_loop, addr)
+                self.counters.health_beats += 1
+                await self._until_next(t0)
 
-    async def beat(self) -> None:
-        by_node: dict[str, list] = defaultdict(list)
-        live = []
+    def _shared(self, addr: str) -> list:
+        """(worker, partition) of each partition led here that ``addr`` follows (its worker's own first
+        probe done)."""
+        out = []
         for w in list(self.rep.workers.values()):
             part = w.part()
-            if part is None:
-                w.wake.set()            # its repair loop notices at once that we no longer lead
-                continue
-            if not w.started:
-                continue                # still doing its own first probe
-            live.append((w, part))
-            for addr in part.replicas[1:]:
-                by_node[addr].append((w, part))
-        async with trio.open_nursery() as nursery:
-            for addr, items in by_node.items():
-                nursery.start_soon(self._beat_node, addr, items)
-        for w, part in live:
-            if w.part() is not None:
-                w.after_beat(part)
-            else:
-                w.wake.set()
-        self.counters.health_beats += 1
+            if part is not None and w.started and addr in part.replicas and addr != part.leader:
+                out.append((w, part))
+        return out
+
+    async def _node_loop(self, addr: str) -> None:
+        try:
+            while items := self._shared(addr):
+                t0 = trio.current_time()
+                try:
+                    await self._beat_node(addr, items)
+                except Exception:       # a bug must cost a beat, not every partition's health
+                    log.exception("health probe of %s failed", addr)
+                    self.rep.counters.repair_errors += 1
+                await self._until_next(t0)
+        finally:
+            self._nodes.discard(addr)
 
     async def _beat_node(self, addr: str, items: list) -> None:
         try:
@@ -113,6 +130,7 @@ class HealthProber:
         except self.abort as e:         # unreachable, or an unreadable answer
             for w, part in items:
                 w.unreachable(addr, e)
+                w.after_beat(part)
             return
         now = time.time()
         todo = []
@@ -131,8 +149,14 @@ class HealthProber:
 
         async def probe(w, part):
             async with limit:
-                if w.part() is not None:
-                    await w.probe(part, addr)
+                try:
+                    if w.part() is not None:
+                        await w.probe(part, addr)
+                    if w.part() is not None:
+                        w.after_beat(part)
+                except Exception:       # (as a worker's own failure: logged, counted, the others go on)
+                    log.exception("partition %d: probe of %s failed", part.pid, addr)
+                    self.rep.counters.repair_errors += 1
                 if w.part() is None:
                     w.wake.set()
         async with trio.open_nursery() as nursery:

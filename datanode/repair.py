@@ -420,7 +420,6 @@ class PartitionWorker:
                     self.after_beat(part)
         finally:
             self.started = True
-            self.rep.prober.poke()
             self.wake.set()          # the repair loop looks at once (and notices if we no longer lead)
 
     def after_beat(self, part) -> None:
