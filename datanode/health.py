@@ -26,6 +26,7 @@ import trio
 
 from wire.protocol import OP_SINCE, Header, Op
 from wire.transport.base import TransportError
+from .repairkit import RepairAbort
 
 log = logging.getLogger(__name__)
 PAGE = 16384            # partitions per NODE_HEALTH answer: about 0.5 MiB of JSON, within JSON_ANSWER
@@ -64,9 +65,8 @@ class HealthProber:
     exchange with it, then the per-partition probe only where something differs.  The loops are apart so
     that a node slow to answer delays only the partitions it holds."""
 
-    def __init__(self, rep, abort: type[Exception]):
+    def __init__(self, rep):
         self.rep = rep                  # the Repairer: its workers, links, config
-        self.abort = abort              # what its calls raise for a peer that failed them (RepairAbort)
         self._poke = trio.Event()
         self._nodes: set[str] = set()   # follower nodes whose loop runs
         self.counters = rep.counters    # health_beats, health_node_probes, health_partition_probes
@@ -127,7 +127,7 @@ class HealthProber:
             tokens = await self._tokens(addr)
         except Unsupported:
             tokens = {}                 # an older node: every partition is probed on its own
-        except self.abort as e:         # unreachable, or an unreadable answer
+        except RepairAbort as e:        # unreachable, or an unreadable answer
             for w, part in items:
                 w.unreachable(addr, e)
                 w.after_beat(part)
@@ -168,7 +168,7 @@ class HealthProber:
         try:
             link = await self.rep.links.get(addr)
         except (TransportError, OSError) as e:
-            raise self.abort(f"{addr}: {e}") from None
+            raise RepairAbort(f"{addr}: {e}") from None
         if link.conn.version < OP_SINCE[Op.NODE_HEALTH]:
             raise Unsupported(addr)
         out: dict[int, int] = {}
@@ -181,7 +181,7 @@ class HealthProber:
                     out[int(pid)] = tok
                 nxt = ans["next"]
             except (KeyError, TypeError, ValueError) as e:
-                raise self.abort(f"{addr}: NODE_HEALTH -> unreadable answer ({e})") from None
+                raise RepairAbort(f"{addr}: NODE_HEALTH -> unreadable answer ({e})") from None
             if nxt is None:
                 return out
             start = int(nxt)
