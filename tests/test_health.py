@@ -96,3 +96,30 @@ def test_a_follower_copy_cut_on_disk_while_idle_is_caught_and_repaired(nodes, cl
             for pid in range(1, 9):
                 await assert_identical(dc, addrs, pid)
     run(main)
+
+
+def test_a_follower_of_the_previous_version_is_probed_per_partition(nodes, tmp_path, client):
+    """A follower speaking the version before NODE_HEALTH: the leader probes its partitions one by one as
+    before (and the follower of this build once per beat), and both stay healthy."""
+    from tests.test_skew import MIN_VERSION, VERSION, _start, build
+    old = build(tmp_path / "prev", VERSION - 1, MIN_VERSION)
+    a, b, c = _start(nodes, [None, old, None], **CFG)
+    addrs = [a.addr, b.addr, c.addr]
+
+    async def main():
+        async with client(addrs) as dc:
+            for pid in range(1, 9):
+                await create_partition(dc, pid, addrs)
+                await dc.write(pid, pattern(pid, 10_000))
+            await all_healthy(dc, a.addr, range(1, 9))
+            conns = {x["identity"]: x for x in (await dc.admin(b.addr, Op.NODE_STATUS))["connections"]
+                     if x["identity"]}
+            assert conns[a.addr]["version"] == VERSION - 1, conns       # the leader's link to it
+            p0 = (await dc.admin(a.addr, Op.NODE_STATUS))["counters"]["health_partition_probes"]
+            per_beat = await requests_per_beat(dc, c.addr, 3.0)
+            p1 = (await dc.admin(a.addr, Op.NODE_STATUS))["counters"]["health_partition_probes"]
+            beats = 3.0 / HB
+            assert per_beat <= 2, per_beat                      # this build: one NODE_HEALTH a beat
+            assert 8 * beats * 0.5 <= p1 - p0 <= 8 * (beats + 4), (p0, p1)   # the old one: each partition
+            await all_healthy(dc, a.addr, range(1, 9), timeout=10)
+    run(main)
