@@ -2,7 +2,7 @@
 
 A leader must notice within a heartbeat when a follower's copy of a partition it leads stops matching its
 own, or the follower stops answering.  Probing each partition on each follower (``REPLICA_STATE``, a
-comparison of sizes and digests: datanode/repair.py ``PartitionWorker._probe``) costs the same every
+comparison of sizes and digests: datanode/repair.py ``PartitionWorker.probe``) costs the same every
 heartbeat whether or not anything happened, so a node's idle CPU would grow with the partitions it leads.
 Instead ``HealthProber`` sends each follower node one ``NODE_HEALTH`` per heartbeat (paged), and the follower
 answers one *change token* per partition it holds that the asker leads (``follower_token``: its epoch, its
@@ -29,7 +29,7 @@ from wire.transport.base import TransportError
 from .repairkit import RepairAbort
 
 log = logging.getLogger(__name__)
-PAGE = 16384            # partitions per NODE_HEALTH answer: about 0.5 MiB of JSON, within JSON_ANSWER
+PAGE = 16384            # partitions per NODE_HEALTH answer: under 0.75 MiB of JSON, within JSON_ANSWER
 PROBE_CONCURRENCY = 32  # per-partition probes in flight to one follower node (after a change, a restart)
 
 

@@ -123,3 +123,25 @@ def test_a_follower_of_the_previous_version_is_probed_per_partition(nodes, tmp_p
             assert 8 * beats * 0.5 <= p1 - p0 <= 8 * (beats + 4), (p0, p1)   # the old one: each partition
             await all_healthy(dc, a.addr, range(1, 9), timeout=10)
     run(main)
+
+
+def test_node_health_answers_come_in_pages_that_cover_each_partition_once(monkeypatch):
+    """The tokens of the partitions the asker leads, from ``start`` up, at most a page each; ``next`` is
+    where the following page starts (None: the last)."""
+    from types import SimpleNamespace as NS
+    from datanode import health
+    monkeypatch.setattr(health, "PAGE", 3)
+    parts = {pid: NS(pid=pid, leader="L" if pid % 3 else "M", epoch=1, cuts=0, synced=True,
+                     store=NS(changes=pid)) for pid in range(1, 21)}
+    table = NS(parts=parts)
+    seen, start, pages = [], 0, 0
+    while start is not None:
+        page = health.tokens_page(table, "L", start)
+        assert len(page["tokens"]) <= 3
+        seen += [pid for pid, _ in page["tokens"]]
+        start, pages = page["next"], pages + 1
+    assert seen == [pid for pid in range(1, 21) if pid % 3] and pages == 5
+    assert {pid for pid, _ in health.tokens_page(table, "", 0)["tokens"]} == {1, 2, 3}     # an admin: all
+    parts[4].store.changes += 1
+    assert dict(health.tokens_page(table, "L", 4)["tokens"])[4] != health.follower_token(NS(**{
+        **vars(parts[4]), "store": NS(changes=4)}))
