@@ -6,7 +6,9 @@ Who does what
 partition this node *leads* (a worker ends by itself when the node stops leading it, e.g. after
 ``set-leader`` or when the partition is deleted).  A worker is two tasks in its own nursery:
 
-* the **heartbeat** (every ``heartbeat_s``): asks each follower for its view (``REPLICA_STATE``: epoch,
+* the **heartbeat** (every ``heartbeat_s``; driven per follower *node* by ``health.HealthProber``, which
+  sends the worker's partition through the probe below only when its copies may differ: see there): asks
+  each follower for its view (``REPLICA_STATE``: epoch,
   replica list, extent sizes, tombstones) and keeps a ``ReplicaHealth`` per follower: ``healthy``,
   ``lagging`` (differs from the leader), ``repairing`` or ``unreachable``, with the last contact and the
   bytes it is behind.  A follower at an older epoch is sent ``PARTITION_UPDATE`` (an old leader coming
@@ -62,36 +64,16 @@ from wire.crc import crc32c
 from wire.pool import BuddyPool, PoolExhausted
 from wire.protocol import BodyError, Flag, Header, Op, Result, decode_view
 from . import viewguard
+from .health import HealthProber, leader_token
+from .repairkit import MiB, NotHosted, RateLimiter, RepairAbort, _name
+from .scrub import ScrubPasses, scrub_range
 from .store import BLOCK, StoreError
 from wire.transport.base import Access, TransportError
 
 log = logging.getLogger(__name__)
-MiB = 1 << 20
-SCRUB_RANGE = 4 * MiB
 REPAIR_DEPTH = 4          # repair chunks in flight to one follower
 FIRST_SCRUB_HEARTBEATS = 3  # a partition opened without full verification is scrubbed this soon after start
 JSON_ANSWER = 1 << 20
-
-
-class RepairAbort(Exception):
-    """This follower (or extent) cannot be repaired right now; the next pass tries again."""
-
-
-class RateLimiter:
-    """A pacing bucket: ``take(n)`` returns when ``n`` more bytes fit under ``mib_s`` (0: no cap)."""
-
-    def __init__(self, mib_s: float):
-        self.rate = mib_s * MiB
-        self._next = 0.0
-
-    async def take(self, n: int) -> None:
-        if self.rate <= 0:
-            await trio.lowlevel.checkpoint()
-            return
-        now = trio.current_time()
-        start = max(now, self._next)
-        self._next = start + n / self.rate
-        await trio.sleep_until(start)
 
 
 @dataclasses.dataclass
@@ -107,6 +89,8 @@ class ReplicaHealth:
     came_back: bool = False         # was unreachable, answered again: wants a full pass
     marks: dict | None = None       # follower sizes at the previous probe (to tell "moving" from "stuck")
     repaired_bytes: int = 0         # bytes repair copied to it while this node led the partition (all passes)
+    base: tuple | None = None       # (its token, ours) when a probe last found it healthy: unchanged since, it
+                                    # still is (datanode/health.py)
 
     def to_dict(self) -> dict:
         now = time.time()
@@ -182,6 +166,9 @@ class RepairCounters:
     scrub_bytes: int = 0
     scrub_bad_blocks: int = 0
     scrub_repaired_blocks: int = 0
+    health_beats: int = 0             # heartbeats of the node's prober (datanode/health.py)
+    health_node_probes: int = 0       # NODE_HEALTH requests it sent (one per follower node per beat and page)
+    health_partition_probes: int = 0  # partitions it sent through their own probe (changed, or not healthy)
 
 
 class Repairer:
@@ -206,6 +193,7 @@ class Repairer:
                                               Access.LOCAL_WRITE | Access.REMOTE_WRITE)
         self.workers: dict[int, PartitionWorker] = {}
         self._kick = trio.Event()
+        self.prober = HealthProber(self)
 
     @property
     def links(self):
@@ -214,14 +202,18 @@ class Repairer:
     def kick(self) -> None:
         """Look at leadership now (after a partition create/update), not at the next heartbeat."""
         self._kick.set()
+        self.prober.poke()
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.prober.run)
             while True:
                 for pid, part in list(self.table.parts.items()):
                     if part.leader == self.me and pid not in self.workers:
                         w = self.workers[pid] = PartitionWorker(self, pid)
                         nursery.start_soon(w.run)
+                    elif pid in self.workers and part.leader != self.me:
+                        self.workers[pid].wake.set()     # its repair loop ends now, not at the next beat
                 with trio.move_on_after(self.cfg.heartbeat_s):
                     await self._kick.wait()
                 self._kick = trio.Event()
@@ -280,41 +272,7 @@ class Repairer:
         return await trio.to_thread.run_sync(scrub_range, part, extent, offset, length)
 
 
-class NotHosted(RepairAbort):
-    """The peer does not host the partition (or the extent)."""
-
-
-def _name(result: int) -> str:
-    try:
-        return Result(result).name
-    except ValueError:
-        return hex(result)
-
-
-def scrub_range(part, extent: int, offset: int, length: int) -> dict:
-    """Re-read the blocks of ``[offset, offset+length)`` of one extent and check each block's CRC
-    (blocking; runs in a worker thread).  Returns {"size", "bad": [block indexes], "checked": bytes}."""
-    store = part.store
-    size = store.size(extent)
-    end = min(size, offset + length)
-    buf = memoryview(bytearray(BLOCK))
-    bad, checked = [], 0
-    b = offset // BLOCK
-    while b * BLOCK < end:
-        n = min(BLOCK, size - b * BLOCK)
-        try:
-            store.read_into(extent, b * BLOCK, n, buf)
-        except StoreError as e:
-            if e.code == "crc":
-                bad.append(b)
-            elif e.code != "out_of_range":    # truncated meanwhile: nothing left to check
-                raise
-        checked += n
-        b += 1
-    return {"size": size, "bad": bad, "checked": checked}
-
-
-class PartitionWorker:
+class PartitionWorker(ScrubPasses):
     """The repair brain of one partition this node leads."""
 
     def __init__(self, rep: Repairer, pid: int):
@@ -330,6 +288,7 @@ class PartitionWorker:
         self.last_repair: dict | None = None
         self.last_scrub: dict | None = None
         self.suspended: str | None = None   # why repair and scrub wait (this leader's copy is not synced)
+        self.started = False              # its own first probe is done: the node's prober takes over
 
     # -- lifecycle --------------------------------------------------------------------------------------
     def part(self):
@@ -396,29 +355,41 @@ class PartitionWorker:
 
     # -- heartbeat --------------------------------------------------------------------------------------
     async def _heartbeat(self) -> None:
+        """The first heartbeat, at once; the later ones come from the node's ``HealthProber``."""
         try:
-            await self._beat()
+            if (part := self.part()) is not None:
+                async with trio.open_nursery() as n:
+                    for addr in part.replicas[1:]:
+                        n.start_soon(self.probe, part, addr)
+                if self.part() is not None:
+                    self.after_beat(part)
         finally:
-            self.wake.set()          # the repair loop notices at once that we no longer lead
+            self.started = True
+            self.wake.set()          # the repair loop looks at once (and notices if we no longer lead)
 
-    async def _beat(self) -> None:
-        while (part := self.part()) is not None:
-            followers = part.replicas[1:]
-            async with trio.open_nursery() as n:
-                for addr in followers:
-                    n.start_soon(self._probe, part, addr)
+    def after_beat(self, part) -> None:
+        """A heartbeat's end: forget replicas no longer in the view, sum up, wake repair if one is behind."""
+        followers = part.replicas[1:]
+        if len(self.replicas) != len(followers):
             for addr in list(self.replicas):
                 if addr not in followers:
                     del self.replicas[addr]
-            if self.part() is None:
-                return
-            self._summarize(part)
-            if any(h.state == "lagging" or h.came_back for h in self.replicas.values()):
-                self.wake.set()
-            await trio.sleep(self.rep.cfg.heartbeat_s)
+        self._summarize(part)
+        if any(h.state == "lagging" or h.came_back for h in self.replicas.values()):
+            self.wake.set()
 
-    async def _probe(self, part, addr: str) -> None:
+    def unreachable(self, addr: str, e: Exception) -> None:
         h = self.replicas.setdefault(addr, ReplicaHealth(addr))
+        if h.state != "unreachable":
+            log.warning("partition %d: follower %s unreachable: %s", self.pid, addr, e)
+        h.state, h.error, h.came_back = "unreachable", str(e), False
+        h.marks = h.base = None
+
+    async def probe(self, part, addr: str) -> None:
+        """Compare one follower's copy with ours (and confirm it synced): its ``ReplicaHealth``."""
+        h = self.replicas.setdefault(addr, ReplicaHealth(addr))
+        h.base = None
+        ours = leader_token(part)        # (before our digests are taken: a change after them moves it)
         try:
             st = await self.rep.call_json(addr, Header(opcode=Op.REPLICA_STATE, partition=self.pid,
                                                        epoch=part.epoch))
@@ -426,10 +397,7 @@ class PartitionWorker:
             h.state, h.error, h.came_back = "lagging", "does not host the partition", True
             return
         except RepairAbort as e:
-            if h.state != "unreachable":
-                log.warning("partition %d: follower %s unreachable: %s", self.pid, addr, e)
-            h.state, h.error, h.came_back = "unreachable", str(e), False
-            h.marks = None
+            self.unreachable(addr, e)
             return
         was_down = h.state in ("unreachable", "unknown")
         h.last_contact, h.epoch, h.error = time.time(), st["epoch"], ""
@@ -457,6 +425,8 @@ class PartitionWorker:
             h.state = "lagging"          # any difference that is not appends in flight: never "healthy"
         elif await self._confirm(part, addr, st):
             h.state = "healthy"
+            if not d.in_flight and st.get("synced") is not False and isinstance(st.get("token"), int):
+                h.base = (st["token"], ours)
         else:
             h.state, h.error = "lagging", "complete, but not confirmed synced yet"
 
@@ -570,19 +540,22 @@ class PartitionWorker:
                     part.unverified = False      # every block of our copy has been re-read since open
                 if cfg.scrub_interval_s:
                     next_scrub = trio.current_time() + cfg.scrub_interval_s
-            full = self.full_wanted or now >= next_full or self.repair_requested > self.repair_done
+            asked = self.full_wanted or self.repair_requested > self.repair_done
+            full = asked or now >= next_full
             needed = full or any(h.state == "lagging" or h.came_back for h in self.replicas.values())
             if needed and self.part() is not None:
                 want = self.repair_started = max(self.repair_requested, self.repair_done + 1)
                 self.full_wanted = False
-                ok = await self._repair_pass(part, full)
+                ok = await self._repair_pass(part, full, periodic=not asked)
                 self.repair_done = want
                 if full:
                     next_full = trio.current_time() + cfg.repair_interval_s
                 if not ok:
                     await trio.sleep(cfg.heartbeat_s)   # do not spin on a follower that keeps failing
 
-    async def _repair_pass(self, part, full: bool) -> bool:
+    async def _repair_pass(self, part, full: bool, periodic: bool = False) -> bool:
+        """``periodic``: the pass of every ``repair_interval_s``, not asked for: it skips a follower found
+        healthy whose copy and ours did not change since (its block CRCs are what the digests compared)."""
         self.running = "repair"
         t0 = time.monotonic()
         copied0 = self.rep.counters.repair_bytes
@@ -595,6 +568,10 @@ class PartitionWorker:
                     continue
                 if not (full or h.state == "lagging" or h.came_back):
                     results[addr] = "skipped (healthy)"
+                    continue
+                if (periodic and h.state == "healthy" and not h.came_back and h.base is not None
+                        and h.base[1] == leader_token(part)):
+                    results[addr] = "skipped (unchanged since found healthy)"
                     continue
                 try:
                     await self._repair_replica(part, addr, full or h.came_back)
@@ -833,133 +810,3 @@ class PartitionWorker:
                     return None             # merely behind: its last block is a prefix of ours
             return i * BLOCK
         return None
-
-    # -- scrub ------------------------------------------------------------------------------------------
-    async def _scrub_pass(self, part) -> None:
-        self.running = "scrub"
-        t0 = time.monotonic()
-        stats = {"extents": 0, "bytes": 0, "bad_blocks": 0, "repaired": 0, "events": []}
-        try:
-            for e, size in sorted(part.store.watermarks().items()):
-                if self.part() is None:
-                    return
-                stats["extents"] += 1
-                bad: dict[str, list[int]] = {}
-                for off in range(0, size, SCRUB_RANGE):
-                    n = min(SCRUB_RANGE, size - off)
-                    await self.rep.scrub_limiter.take(n)
-                    res = await self._scrub_all(part, e, off, n)
-                    for addr, r in res.items():
-                        if r.get("bad"):
-                            bad.setdefault(addr, []).extend(r["bad"])
-                    stats["bytes"] += n
-                    self.rep.counters.scrub_bytes += n
-                if bad:
-                    await self._scrub_fix(part, e, bad, stats)
-        finally:
-            self.running = None
-            self.rep.counters.scrub_passes += 1
-            stats["seconds"] = round(time.monotonic() - t0, 3)
-            stats["finished"] = time.time()
-            self.last_scrub = stats
-        log.info("partition %d: scrub pass: %d extents, %d bytes, %d bad blocks, %d repaired in %.2fs",
-                 self.pid, stats["extents"], stats["bytes"], stats["bad_blocks"], stats["repaired"],
-                 stats["seconds"])
-
-    async def _scrub_all(self, part, e: int, off: int, n: int) -> dict:
-        out: dict[str, dict] = {}
-
-        async def one(addr):
-            try:
-                if addr == self.rep.me:
-                    out[addr] = await self.rep.scrub_local(part, e, off, n)
-                else:
-                    out[addr] = await self.rep.call_json(addr, Header(
-                        opcode=Op.SCRUB_EXTENT, partition=self.pid, extent=e, offset=off, length=n,
-                        epoch=part.epoch))
-            except (RepairAbort, StoreError) as err:
-                out[addr] = {"error": str(err)}
-
-        async with trio.open_nursery() as nursery:
-            for addr in part.replicas:
-                nursery.start_soon(one, addr)
-        return out
-
-    async def _scrub_fix(self, part, e: int, bad: dict[str, list[int]], stats: dict) -> None:
-        nbad = sum(len(v) for v in bad.values())
-        stats["bad_blocks"] += nbad
-        self.rep.counters.scrub_bad_blocks += nbad
-        for addr, blocks in bad.items():
-            log.error("partition %d: scrub: extent %d on %s: bad block(s) %s", self.pid, e, addr, blocks)
-            stats["events"].append({"extent": e, "replica": addr, "blocks": blocks})
-        lane = part.lane(e)
-        if lane is None:
-            return
-        self.rep.replication.seal(part, e, lane, f"scrub found bad blocks on {', '.join(bad)}")
-        me = self.rep.me
-        if me in bad:
-            try:
-                await self._fix_leader(part, e, lane, min(bad[me]), [a for a in part.replicas[1:]
-                                                                      if a not in bad])
-                stats["repaired"] += len(bad[me])
-                self.rep.counters.scrub_repaired_blocks += len(bad[me])
-            except RepairAbort as err:
-                log.error("partition %d: scrub: could not repair extent %d here: %s", self.pid, e, err)
-                return
-        for addr, blocks in bad.items():
-            if addr == me:
-                continue
-            try:
-                async with lane.turn():
-                    await self._forward(part, addr, Header(opcode=Op.TRUNCATE, extent=e,
-                                                           offset=min(blocks) * BLOCK))
-                    self.rep.counters.repair_truncates += 1
-                await self._repair_extent(part, addr, e)
-                stats["repaired"] += len(blocks)
-                self.rep.counters.scrub_repaired_blocks += len(blocks)
-                log.warning("partition %d: scrub: extent %d on %s repaired from block %d", self.pid, e, addr,
-                            min(blocks))
-            except RepairAbort as err:
-                log.error("partition %d: scrub: repairing extent %d on %s failed: %s", self.pid, e, addr, err)
-
-    async def _fix_leader(self, part, e: int, lane, first_bad: int, candidates: list[str]) -> None:
-        """Our block ``first_bad`` of extent ``e`` is bad: refill from a follower whose copy verifies."""
-        lsize, lent = await trio.to_thread.run_sync(part.block_entries, e)
-        source = None
-        for addr in candidates:
-            try:
-                fst = await self.rep.call_json(addr, Header(opcode=Op.BLOCK_CRCS, partition=self.pid,
-                                                            extent=e, epoch=part.epoch))
-            except RepairAbort:
-                continue
-            if fst["size"] == lsize and [tuple(x) for x in fst["blocks"][first_bad:]] == \
-                    [tuple(x) for x in lent[first_bad:]]:
-                source = addr
-                break
-        if source is None:
-            raise RepairAbort(f"no follower holds a verified copy of extent {e} from block {first_bad}")
-        cut = first_bad * BLOCK
-        try:
-            async with lane.turn():
-                await trio.to_thread.run_sync(part.store.truncate, e, cut)
-                pos = cut
-                while pos < lsize:
-                    n = min(self.rep.chunk, lsize - pos)
-                    await self.rep.limiter.take(n)
-                    block = await self.rep.landing.alloc(n, timeout=self.rep.cfg.pool_wait)
-                    try:
-                        view = block.view(n)
-                        r = await self.rep.call(source, Header(
-                            opcode=Op.READ, partition=self.pid, extent=e, offset=pos, length=n, epoch=part.epoch,
-                            addr=block.addr, rkey=self.rep.landing_region.rkey, rlen=n, flags=Flag.ANY_REPLICA))
-                        if r.result != Result.OK or crc32c(view) != r.crc:
-                            raise RepairAbort(f"reading extent {e} at {pos} from {source}: {_name(r.result)}")
-                        await trio.to_thread.run_sync(part.store.write, e, pos, view, r.crc)
-                    finally:
-                        self.rep.landing.free(block)
-                    pos += n
-                    self.rep.counters.repair_bytes += n
-        except StoreError as err:
-            raise RepairAbort(f"extent {e} here: {err}") from None
-        log.warning("partition %d: scrub: our extent %d refilled from %s from block %d (%d bytes)",
-                    self.pid, e, source, first_bad, lsize - cut)

@@ -47,9 +47,10 @@ MAGIC = 0xDA7A
 # The protocol versions this build speaks, oldest to newest.  Each connection uses the highest both ends speak
 # (the hello carries each end's range); every header on it carries that number.  What may change within a
 # version and what needs a new one: docs/architecture.md, "Versions and skew".
-VERSION = 7      # 2: BAD_REQUEST split into one result code per condition; 3: authenticated hello, roles;
+VERSION = 8      # 2: BAD_REQUEST split into one result code per condition; 3: authenticated hello, roles;
                  # 4: small WRITE payloads inline (Flag.INLINE); 5: the hello carries a version range and
-                 # extensions; 6: NODE_DRAIN; 7: volumes (PARTITION_CREATE's "volume", BAD_BODY bad_volume)
+                 # extensions; 6: NODE_DRAIN; 7: volumes (PARTITION_CREATE's "volume", BAD_BODY bad_volume);
+                 # 8: NODE_HEALTH
 MIN_VERSION = 5  # 4 and older send one version and accept only their own: no range to meet them in
 HEADER_SIZE = 88
 MAX_EXTENT = 128 << 20         # an extent is append-only, up to this size
@@ -87,6 +88,10 @@ class Op(enum.IntEnum):
     TRUNCATE = 0x09          # leader -> follower (FORWARDED): cut extent back to ``offset`` bytes
     REPLICA_STATE = 0x0A     # answer: JSON {"epoch", "replicas", "marks": {id: size}, "deleted": [ids]}
     SCRUB_EXTENT = 0x0B      # re-read every block of one extent, check CRCs; answer JSON {"size", "bad"}
+    NODE_HEALTH = 0x0C       # a leader's one probe of a follower node per heartbeat: answer JSON {"tokens":
+                             #   [[partition, token], ...], "next": id or null}, one change token for each
+                             #   partition hosted there that the requester leads in its view, ids from ``arg``
+                             #   up, at most a page (datanode/health.py)
     PING = 0x10
     PARTITION_CREATE = 0x20  # body: JSON {"replicas": [...], "epoch": n[, "volume": name]} from the request's buffer
     PARTITION_LIST = 0x21    # answer: JSON list
@@ -172,7 +177,7 @@ OP_ROLES: dict[Op, frozenset] = {
     Op.WRITE: _DATA, Op.CREATE_EXTENT: _DATA, Op.MARK_DELETE: _DATA,
     Op.TRUNCATE: frozenset({Role.NODE}),
     Op.REPLICA_STATE: frozenset({Role.NODE, Role.ADMIN}), Op.BLOCK_CRCS: frozenset({Role.NODE, Role.ADMIN}),
-    Op.SCRUB_EXTENT: frozenset({Role.NODE, Role.ADMIN}),
+    Op.SCRUB_EXTENT: frozenset({Role.NODE, Role.ADMIN}), Op.NODE_HEALTH: frozenset({Role.NODE, Role.ADMIN}),
     Op.PARTITION_CREATE: frozenset({Role.ADMIN}), Op.PARTITION_DELETE: frozenset({Role.ADMIN}),
     Op.REPAIR: frozenset({Role.ADMIN}), Op.SCRUB: frozenset({Role.ADMIN}),
     Op.TRASH_LIST: frozenset({Role.ADMIN}), Op.TRASH_RESTORE: frozenset({Role.ADMIN}),
@@ -183,7 +188,7 @@ OP_ROLES: dict[Op, frozenset] = {
 assert set(OP_ROLES) == set(Op), "every opcode declares its roles"
 # opcodes newer than MIN_VERSION, with the version that brought them: sent only on connections of that
 # version or newer (an older peer refuses them as unknown)
-OP_SINCE: dict[Op, int] = {Op.NODE_DRAIN: 6}
+OP_SINCE: dict[Op, int] = {Op.NODE_DRAIN: 6, Op.NODE_HEALTH: 8}
 # a PARTITION_CREATE naming a volume goes only to nodes of this version or newer: an older one would drop the
 # key and make a copy in no volume (client/admin.py refuses instead).  A client's hello naming a volume needs
 # such a node too -- an older one drops that hello, which names no HOST:PORT -- but it is sent before any

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import trio
 
-from wire.protocol import Flag, Header, Op, Result
+from wire.protocol import Flag, Header, Op, Result, Role
+from ..health import follower_token, tokens_page
 from ..repair import RepairCounters, scrub_range
 from .base import Handler, Reply, Request, store_call
 from .buffers import Buffers
@@ -18,7 +19,13 @@ class RepairOps:
 
     def handlers(self) -> dict[Op, Handler]:
         return {Op.REPLICA_STATE: self.replica_state, Op.BLOCK_CRCS: self.block_crcs,
-                Op.SCRUB_EXTENT: self.scrub_extent, Op.TRUNCATE: self.truncate}
+                Op.SCRUB_EXTENT: self.scrub_extent, Op.TRUNCATE: self.truncate, Op.NODE_HEALTH: self.node_health}
+
+    async def node_health(self, rq: Request) -> Header:
+        """A leader's one probe of this node per heartbeat: a change token for each partition held here that
+        it leads (datanode/health.py), a page from the partition id in ``arg``."""
+        asker = rq.conn.identity if rq.conn.role != Role.ADMIN else ""
+        return await self.buffers.push_json(rq.conn, rq.h, tokens_page(self.partitions.table, asker, rq.h.arg))
 
     async def replica_state(self, rq: Request) -> Header:
         """Our view and extents, and whether our copy is known synced (``cuts``: what a confirmation must
@@ -32,9 +39,10 @@ class RepairOps:
                 part.synced = True
                 await store_call(part.save)
                 self.partitions.counters.synced_confirms += 1
+        token = follower_token(part)     # (before the snapshot: a change after it moves the token)
         dig = await trio.to_thread.run_sync(part.store.digests)     # sizes and digests: one snapshot per extent
         return await self.buffers.push_json(rq.conn, h, {
-            "epoch": part.epoch, "replicas": part.replicas, "synced": part.synced, "cuts": part.cuts,
+            "token": token, "epoch": part.epoch, "replicas": part.replicas, "synced": part.synced, "cuts": part.cuts,
             "marks": {str(k): v[0] for k, v in dig.items()},
             "digests": {str(k): v[1] for k, v in dig.items()},
             "deleted": sorted(part.deleted_extents()), "sealed": sorted(int(e) for e in part.sealed),

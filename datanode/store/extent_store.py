@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
+import secrets
 import threading
 from typing import Callable
 
@@ -58,6 +59,11 @@ class ExtentStore:
         self._direct_reads = options.direct_reads and bool(O_DIRECT)
         self._direct_writes = options.direct_writes and bool(O_DIRECT)
         self.direct_writes = 0              # appends written with O_DIRECT (approximate: not locked)
+        # Bumped by every change of an extent's bytes or of the set of extents (append, truncate, create,
+        # delete): a leader's health probe skips comparing a partition whose counters did not move since its
+        # copies last matched (datanode/health.py).  It starts at a random value, so a reopened store never
+        # repeats an earlier one.  Bumped from several threads without a lock: a lost increment still moves it.
+        self.changes = secrets.randbelow(1 << 48)
         created = not self._dir.exists()
         self._dir.mkdir(parents=True, exist_ok=True)
         if created and self._durable:
@@ -140,6 +146,7 @@ class ExtentStore:
                     os.close(crcfd)
                     raise StoreError("disk", f"store {self.root} is closed")
                 self._extents[eid] = Extent(eid, dat, crcfd, 0, [], set())
+                self.changes += 1
             return eid
 
     def _persist_next_id(self, value: int) -> None:
@@ -220,6 +227,7 @@ class ExtentStore:
                 entries[first:] = new       # readers copy slices under mu, so in place is fine
                 ext.size = size + n
                 ext.gen += 1
+                self.changes += 1
                 if self._durable:
                     if ext.dirty_from is None or first < ext.dirty_from:
                         ext.dirty_from = first
@@ -374,6 +382,7 @@ class ExtentStore:
             if ext is None:
                 raise StoreError("not_found", f"extent {extent_id} does not exist")
             self._tombstones.add(extent_id)
+            self.changes += 1
         dat_p, crc_p, tomb_p = extent_paths(self._dir, extent_id)
         with ext.wlock, ext.flock:
             ext.begin_exclusive()
@@ -442,6 +451,7 @@ class ExtentStore:
                     ext.entries = entries
                     ext.size = size
                     ext.gen += 1
+                    self.changes += 1
                     ext.durable = min(ext.durable, size)
                     ext.bad = {b for b in ext.bad if b < keep}
             finally:
