@@ -12,13 +12,14 @@ to start new ones.
 from __future__ import annotations
 
 import logging
+import random
 from functools import partial
 from typing import Callable
 
 import trio
 
 from client.channel import Channel, ClientError, PartitionInfo
-from wire.etcdmap import Etcd, EtcdError, PartView, open_channel
+from wire.etcdmap import Etcd, EtcdError, EtcdUnreachable, PartView, open_channel
 from wire.protocol import Op, Result
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,27 @@ class PartitionMap:
         for k, v, mrev in kvs:
             await self.accept(self.etcd.open(k, v, mrev))
         return rev
+
+    async def load_by(self, deadline: float) -> int:
+        """``load``, tried again while etcd does not answer (its login or read timed out, or the connection
+        was refused) until ``deadline``: many clients starting at once queue at etcd, and one that gave up
+        at its first timeout would only come back later with the same login.  The waits grow and are
+        jittered, so clients that failed together do not return together.  A refusal (credentials,
+        permissions) is not retried.  EtcdError says what was waited for, and for how long."""
+        start, delay, tries = trio.current_time(), 0.1, 0
+        while True:
+            tries += 1
+            try:
+                return await self.load()
+            except EtcdUnreachable as e:
+                now = trio.current_time()
+                pause = random.uniform(delay / 2, delay)
+                if now + pause >= deadline:
+                    raise EtcdUnreachable(f"etcd did not answer the login and read of the map in "
+                                          f"{now - start:.1f} s ({tries} attempts; last: {e})") from None
+                log.info("partition map: %s; trying again in %.2f s", e, pause)
+                await trio.sleep(pause)
+                delay = min(delay * 2, 2.0)
 
     async def accept(self, view: PartView | None) -> None:
         """Learn a view read from etcd (checked: ``Etcd.open``) if it may follow the one known."""

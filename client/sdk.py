@@ -117,6 +117,7 @@ class DataClient:
         dc = None
         try:
             async with aio.nursery() as nursery:
+                opened = trio.current_time()       # the open's deadline is the client's timeout from here
                 dc = cls(nursery, **kw)
                 try:
                     nodes = list(nodes)
@@ -124,7 +125,7 @@ class DataClient:
                         await dc._channel.hello(nodes[0])   # refused credentials first: they also check the map
                     if dc.map is not None:
                         try:
-                            rev = await dc.load_map()
+                            rev = await dc._routes.load_by(opened + dc.timeout)
                         except EtcdError as e:
                             raise ClientError(f"partition map: {e}") from None
                         nursery.start_soon(dc._routes.follow, rev)
