@@ -37,6 +37,7 @@ from client.sdk import DataClient
 from wire.etcdmap import EtcdAccess, _client_class
 _client_class()          # etcd3gw and requests imported: the open is timed, not the imports
 url, cred, secret, timeout, n = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]), int(sys.argv[5])
+nodes, via = [a for a in sys.argv[6].split(",") if a], sys.argv[7]
 access = EtcdAccess.load(cred) if cred else None
 print("ready", flush=True)
 sys.stdin.readline()
@@ -44,8 +45,8 @@ sys.stdin.readline()
 async def one(done):
     t0 = time.monotonic()
     try:
-        async with DataClient.open([], transport="tcp", pool_mib=1, etcd=url, etcd_access=access,
-                                   secret=secret or None, timeout=timeout) as dc:
+        async with DataClient.open(nodes, transport="tcp", pool_mib=4, etcd=url, etcd_access=access,
+                                   secret=secret or None, timeout=timeout, map_via=via) as dc:
             took = time.monotonic() - t0
             if not dc.partitions:
                 raise RuntimeError("opened, but knows no partition")
@@ -95,9 +96,11 @@ def _connections(port: int) -> int:
     return sum(1 for line in out.splitlines() if line.strip())
 
 
-def storm(cluster: pathlib.Path, clients: int, per_process: int = 1, timeout: float = 15.0) -> dict:
+def storm(cluster: pathlib.Path, clients: int, per_process: int = 1, timeout: float = 15.0,
+          via: str = "etcd") -> dict:
     """Open ``clients`` SDK clients at once against the local cluster in ``cluster`` (``dnctl cluster up``'s
-    directory); returns what ``main`` prints."""
+    directory), each following the map ``via`` etcd or the cluster's nodes (``DataClient(map_via=)``, with
+    the nodes given to open); returns what ``main`` prints."""
     info = json.loads((cluster / "cluster.json").read_text())
     url = info["etcd"]["url"]
     auth = info["etcd"].get("auth")
@@ -105,7 +108,9 @@ def storm(cluster: pathlib.Path, clients: int, per_process: int = 1, timeout: fl
     secret = info["config"].get("secret_file") or ""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     counts = [per_process] * (clients // per_process) + ([clients % per_process] if clients % per_process else [])
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD, url, cred, secret, str(timeout), str(k)], cwd=REPO,
+    nodes = ",".join(n["addr"] for n in info["nodes"]) if via != "etcd" else ""
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD, url, cred, secret, str(timeout), str(k), nodes, via],
+                              cwd=REPO,
                               env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for k in counts]
     try:
@@ -149,7 +154,7 @@ def storm(cluster: pathlib.Path, clients: int, per_process: int = 1, timeout: fl
     def pct(q: float) -> float:
         return round(opens[min(len(opens) - 1, int(q * len(opens)))], 3) if opens else float("nan")
     errors = [r["error"] for r in results if not r["ok"]]
-    return {"clients": clients, "processes": len(procs), "failed": len(errors), "errors": errors[:5],
+    return {"clients": clients, "via": via, "processes": len(procs), "failed": len(errors), "errors": errors[:5],
             "open_p50_s": pct(0.50), "open_p99_s": pct(0.99), "open_max_s": round(opens[-1], 3) if opens else None,
             "etcd_cpu_s": round(cpu1 - cpu0, 2),
             "etcd_authenticate": rpc1.get("Authenticate", 0) - rpc0.get("Authenticate", 0),
@@ -164,6 +169,8 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=100)
     ap.add_argument("--per-process", type=int, default=1, help="clients opened by each process")
     ap.add_argument("--timeout", type=float, default=15.0, help="each client's timeout (its open's deadline)")
+    ap.add_argument("--via", choices=("etcd", "nodes", "auto"), default="etcd",
+                    help="where the clients follow the map (DataClient's map_via; not etcd: the nodes are given)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     tmp = None
@@ -174,7 +181,7 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "tools.dnctl", "cluster", "up", "--nodes", "3", "--cluster",
                         str(cluster)], cwd=REPO, check=True, capture_output=True)
     try:
-        out = storm(cluster, a.clients, a.per_process, a.timeout)
+        out = storm(cluster, a.clients, a.per_process, a.timeout, a.via)
     finally:
         if tmp is not None:
             subprocess.run([sys.executable, "-m", "tools.dnctl", "cluster", "down", "--cluster", str(cluster)],

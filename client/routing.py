@@ -11,6 +11,7 @@ to start new ones.
 """
 from __future__ import annotations
 
+import json
 import logging
 import random
 from functools import partial
@@ -18,11 +19,14 @@ from typing import Callable
 
 import trio
 
-from client.channel import Channel, ClientError, PartitionInfo
+from client.channel import Channel, ClientError, PartitionInfo, check
 from wire.etcdmap import Etcd, EtcdError, EtcdUnreachable, PartView, open_channel
-from wire.protocol import Op, Result
+from wire.protocol import OP_SINCE, Header, Op, Result
+from wire.transport.base import TransportError
 
 log = logging.getLogger(__name__)
+MAP_ANSWER = 256 << 10      # bytes of answer buffer for one MAP_READ (the node pages the map to fit it)
+MAP_WAIT_S = 5.0            # a MAP_READ waits this long at most for a change (well inside a request's timeout)
 
 
 class PartitionMap:
@@ -35,6 +39,9 @@ class PartitionMap:
         self.views: dict[int, PartView] = {}                    # etcd's views (state, want, ...)
         self.volumes: dict[int, str] = {}       # pid -> its volume ("": none), as its nodes list it (discover)
         self.changed = trio.Event()             # set (and replaced) whenever a view is learnt
+        self.map_nodes: list[str] = []          # followed through these datanodes (MAP_READ), not etcd's watch
+        self.map_node = ""                      # ... the one asked now
+        self.map_rev = 0                        # the etcd revision the map is known up to
         self.on_stale: Callable[[int], None] = lambda pid: None
 
     def partition(self, pid: int) -> PartitionInfo:
@@ -86,6 +93,82 @@ class PartitionMap:
                 log.info("partition map: %s; trying again in %.2f s", e, pause)
                 await trio.sleep(pause)
                 delay = min(delay * 2, 2.0)
+
+    # -- the map from the datanodes (each node's copy of parts/: datanode/mapcopy.py) ------------------
+    async def read_node(self, addr: str, wait: float = 0.0) -> int:
+        """Learn from ``addr`` every ``parts/`` entry changed after ``map_rev`` -- waiting up to ``wait``
+        for one when there is none -- and return the revision now known.  Each entry is checked as one read
+        from etcd is (``Etcd.open``, ``accept``): the node passes on what etcd holds, MACs included, so it
+        cannot make us take a view the manager did not seal.  ClientError: the node cannot serve the map."""
+        try:
+            link = await self.channel.links.get(addr)
+        except TransportError as e:
+            raise ClientError(f"{addr}: {e}", node=addr) from None
+        if link.conn.version < OP_SINCE[Op.MAP_READ]:
+            raise ClientError(f"{addr}: protocol version {link.conn.version} has no MAP_READ", node=addr)
+        while True:
+            h = Header(opcode=Op.MAP_READ, offset=self.map_rev, arg=int(wait * 1000))
+            # a long poll holds its answer buffer: a small share of the pool, so other requests go on
+            answer = min(MAP_ANSWER, self.channel.rpool.arena_bytes // 8)
+            resp, data = await self.channel.request(addr, h, answer=answer, timeout=wait + self.channel.timeout)
+            check(resp, addr)
+            try:
+                page = json.loads(data)
+                entries, rev = [(str(k), str(v).encode(), int(m)) for k, v, m in page["entries"]], int(page["rev"])
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ClientError(f"{addr}: a malformed map answer ({type(e).__name__})", node=addr) from None
+            if not page.get("ready"):
+                raise ClientError(f"{addr}: has not read the map from etcd yet", node=addr)
+            for key, value, mod in entries:
+                if key.startswith(self.etcd.parts_prefix):
+                    await self.accept(self.etcd.open(key, value, mod))
+            self.map_rev = max(self.map_rev, rev)
+            if not page.get("more"):
+                return self.map_rev
+            wait = 0.0
+
+    def _candidates(self) -> list[str]:
+        """Nodes to follow the map through, the current one first: those given, then every replica known."""
+        known = [a for info in self.partitions.values() for a in info.replicas]
+        order = list(dict.fromkeys([self.map_node, *self.map_nodes, *known]))
+        return [a for a in order if a]
+
+    async def load_nodes(self, nodes: list[str]) -> int:
+        """Read the whole map from one of ``nodes`` (a random one: clients spread over them) and follow it
+        through them from now on.  ClientError when none serves it."""
+        self.map_nodes = list(nodes)
+        errors = []
+        for addr in random.sample(self.map_nodes, len(self.map_nodes)):
+            try:
+                rev = await self.read_node(addr)
+            except ClientError as e:
+                errors.append(str(e))
+                continue
+            self.map_node = addr
+            return rev
+        raise ClientError("no datanode serves the map: " + "; ".join(errors))
+
+    async def follow_nodes(self) -> None:
+        """Keep the views current through one node's long polls, moving to the next candidate when it fails;
+        after a round in which none answered, etcd once (the fallback), then a jittered pause."""
+        delay = 0.2
+        while True:
+            failed = 0
+            for addr in self._candidates():
+                try:
+                    while True:
+                        await self.read_node(addr, MAP_WAIT_S)
+                        self.map_node, delay = addr, 0.2
+                except ClientError as e:
+                    log.info("partition map from %s: %s; trying another node", addr, e)
+                    failed += 1
+            if failed and self.etcd is not None:
+                try:
+                    self.map_rev = max(self.map_rev, await self.load())
+                except EtcdError as e:
+                    log.info("partition map: no node serves it and etcd: %s", e)
+            await trio.sleep(random.uniform(delay / 2, delay))
+            delay = min(delay * 2, 5.0)
 
     async def accept(self, view: PartView | None) -> None:
         """Learn a view read from etcd (checked: ``Etcd.open``) if it may follow the one known."""
@@ -154,6 +237,15 @@ class PartitionMap:
     async def refresh(self, pid: int) -> PartitionInfo:
         """Re-read the partition's replicas and epoch: from etcd when the map lives there, else from its
         members (after a replica change)."""
+        if self.map_nodes:
+            for addr in self._candidates():
+                try:
+                    await self.read_node(addr)
+                except ClientError as e:
+                    log.info("partition %d: the map from %s: %s", pid, addr, e)
+                    continue
+                self.on_stale(pid)
+                return self.partition(pid)
         if self.etcd is not None:
             try:
                 view = await self.etcd.part(pid)

@@ -53,6 +53,9 @@ __all__ = ["BlockingDataClient", "ClientError", "DataClient", "Location", "Parti
            "check"]
 
 log = logging.getLogger(__name__)
+# where a client with etcd= follows the map: "auto" -- through the datanodes given to open() when it can check
+# the views' MACs (it holds the secret or an admin key), else etcd; "nodes" -- only there; "etcd" -- its watch
+MAP_VIA = ("auto", "nodes", "etcd")
 
 
 class DataClient:
@@ -61,7 +64,7 @@ class DataClient:
                  etcd: str | None = None, etcd_prefix: str = DEFAULT_PREFIX, etcd_access: EtcdAccess | None = None,
                  secret: "str | Credentials | None" = None, role: str | None = None,
                  tls_ca: "str | ssl.SSLContext | None" = None, options: TransportOptions | None = None,
-                 inline_max: int = INLINE_MAX, read_from: str = "leader"):
+                 inline_max: int = INLINE_MAX, read_from: str = "leader", map_via: str = "auto"):
         if block_size & (block_size - 1) or not (4096 <= block_size <= 4 << 20):
             raise ValueError("block_size must be a power of two between 4 KiB and 4 MiB")
         if role is not None and role not in ROLE_NAMES:
@@ -87,6 +90,9 @@ class DataClient:
         if read_from not in ("leader", "spread"):
             raise ValueError(f"read_from must be 'leader' or 'spread', not {read_from!r}")
         self.read_from = read_from       # "leader" or "spread" (reads.Reader)
+        if map_via not in MAP_VIA:
+            raise ValueError(f"map_via must be one of {', '.join(MAP_VIA)}, not {map_via!r}")
+        self.map_via = map_via
         self.block_size = block_size
         self.depth = depth
         self.domain = domain or make_domain(transport, options)
@@ -101,6 +107,9 @@ class DataClient:
                                                   admin_key=creds.key(Role.ADMIN) if creds else None)
                                     if etcd else None)
         self.metrics.etcd = self._routes.etcd
+        if map_via == "nodes" and (self._routes.etcd is None or self._routes.etcd.mac_key is None):
+            raise ClientError("map_via='nodes' needs etcd= and the cluster secret or an admin key: a view from a "
+                              "node is taken only with its MAC checked")
         self.map = self._routes.etcd                            # the cluster map in etcd, if any
         self.partitions = self._routes.partitions
         self.views = self._routes.views                         # etcd's views (state, want, ...)
@@ -123,7 +132,18 @@ class DataClient:
                     nodes = list(nodes)
                     if dc.map is not None and nodes:
                         await dc._channel.hello(nodes[0])   # refused credentials first: they also check the map
-                    if dc.map is not None:
+                    via_nodes = False
+                    if dc.map is not None and nodes and dc.map_via != "etcd" and dc.map.mac_key is not None:
+                        try:
+                            await dc._routes.load_nodes(nodes)
+                            via_nodes = True
+                            nursery.start_soon(dc._routes.follow_nodes)
+                        except ClientError as e:
+                            if dc.map_via == "nodes":
+                                raise ClientError(f"partition map: {e}") from None
+                            log.info("partition map: %s; following etcd's", e)
+                    if dc.map is not None and not via_nodes:
+                        dc._routes.map_nodes = []
                         try:
                             rev = await dc._routes.load_by(opened + dc.timeout)
                         except EtcdError as e:
