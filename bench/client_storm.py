@@ -31,8 +31,9 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 # one process: import, say ready, wait for the go line, open N clients at once, print one JSON line per
 # client, then hold them open until stdin closes (so etcd's connections can be counted meanwhile)
 CHILD = r"""
-import json, sys, time
+import json, logging, sys, time
 import trio
+logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
 from client.sdk import DataClient
 from wire.etcdmap import EtcdAccess, _client_class
 _client_class()          # etcd3gw and requests imported: the open is timed, not the imports
@@ -109,6 +110,7 @@ def storm(cluster: pathlib.Path, clients: int, per_process: int = 1, timeout: fl
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     counts = [per_process] * (clients // per_process) + ([clients % per_process] if clients % per_process else [])
     nodes = ",".join(n["addr"] for n in info["nodes"]) if via != "etcd" else ""
+    warnings: list[str] = []
     procs = [subprocess.Popen([sys.executable, "-c", CHILD, url, cred, secret, str(timeout), str(k), nodes, via],
                               cwd=REPO,
                               env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -146,10 +148,15 @@ def storm(cluster: pathlib.Path, clients: int, per_process: int = 1, timeout: fl
         for p in procs:
             try:
                 p.wait(timeout=30)
+                warnings.extend(line for line in p.stderr.read().splitlines() if line.strip())
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
     opens = sorted(r["open_s"] for r in results if r["ok"])
+    counted: dict[str, int] = {}
+    for w in warnings:
+        w = re.sub(r"\d+(\.\d+)?", "N", w)[:200]     # alike warnings once, with their count
+        counted[w] = counted.get(w, 0) + 1
 
     def pct(q: float) -> float:
         return round(opens[min(len(opens) - 1, int(q * len(opens)))], 3) if opens else float("nan")
@@ -159,7 +166,8 @@ def storm(cluster: pathlib.Path, clients: int, per_process: int = 1, timeout: fl
             "etcd_cpu_s": round(cpu1 - cpu0, 2),
             "etcd_authenticate": rpc1.get("Authenticate", 0) - rpc0.get("Authenticate", 0),
             "etcd_watch_streams": rpc1.get("Watch", 0) - rpc0.get("Watch", 0),
-            "etcd_connections_before": conns0, "etcd_connections_open": conns}
+            "etcd_connections_before": conns0, "etcd_connections_open": conns,
+            "client_warnings": sorted(counted.items(), key=lambda kv: -kv[1])[:5]}
 
 
 def main() -> None:

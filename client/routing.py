@@ -1,8 +1,9 @@
 """Where each partition is: its replicas (the leader first) and epoch, as the client knows them.
 
 Learnt from the datanodes (``discover``: a node's PARTITION_LIST) or, with ``etcd``, from the cluster map
-(wire/etcdmap.py): read once, then kept current by a watch, so a new leader or replica set is known within
-one watch round-trip.  A view from etcd is taken only once checked (wire/mapcheck.py): well-formed, with the
+(wire/etcdmap.py): read once, then kept current -- by long polls of one datanode's copy of etcd's entries
+(MAP_READ: ``load_nodes``, ``follow_nodes``) or by a watch of etcd (``load``, ``follow``) -- so a new leader or
+replica set is known within one round-trip.  A view from etcd is taken only once checked (wire/mapcheck.py): well-formed, with the
 manager's MAC when the client holds the cluster secret or an admin key, its epoch not back nor too far
 ahead of the one known, adding only registered nodes; anything else is logged, counted
 (``datanode_client_etcd_invalid_values_total`` in ``dc.metrics``) and ignored.  A partition's open extents
@@ -29,6 +30,10 @@ MAP_ANSWER = 256 << 10      # bytes of answer buffer for one MAP_READ (the node 
 MAP_WAIT_S = 5.0            # a MAP_READ waits this long at most for a change (well inside a request's timeout)
 
 
+class NoMapHere(ClientError):
+    """The node does not serve the map at all (an older version, or no etcd configured): ask another, or etcd."""
+
+
 class PartitionMap:
     """The partitions this client knows, by id, and the requests that keep them current."""
 
@@ -42,6 +47,7 @@ class PartitionMap:
         self.map_nodes: list[str] = []          # followed through these datanodes (MAP_READ), not etcd's watch
         self.map_node = ""                      # ... the one asked now
         self.map_rev = 0                        # the etcd revision the map is known up to
+        self.map_fresh = True                   # the node last asked was in touch with etcd
         self.on_stale: Callable[[int], None] = lambda pid: None
 
     def partition(self, pid: int) -> PartitionInfo:
@@ -105,12 +111,14 @@ class PartitionMap:
         except TransportError as e:
             raise ClientError(f"{addr}: {e}", node=addr) from None
         if link.conn.version < OP_SINCE[Op.MAP_READ]:
-            raise ClientError(f"{addr}: protocol version {link.conn.version} has no MAP_READ", node=addr)
+            raise NoMapHere(f"{addr}: protocol version {link.conn.version} has no MAP_READ", node=addr)
         while True:
             h = Header(opcode=Op.MAP_READ, offset=self.map_rev, arg=int(wait * 1000))
             # a long poll holds its answer buffer: a small share of the pool, so other requests go on
             answer = min(MAP_ANSWER, self.channel.rpool.arena_bytes // 8)
             resp, data = await self.channel.request(addr, h, answer=answer, timeout=wait + self.channel.timeout)
+            if resp.result == Result.NOT_FOUND:
+                raise NoMapHere(f"{addr}: {resp.result_text()}", Result.NOT_FOUND, addr)
             check(resp, addr)
             try:
                 page = json.loads(data)
@@ -119,6 +127,7 @@ class PartitionMap:
                 raise ClientError(f"{addr}: a malformed map answer ({type(e).__name__})", node=addr) from None
             if not page.get("ready"):
                 raise ClientError(f"{addr}: has not read the map from etcd yet", node=addr)
+            self.map_fresh = bool(page.get("fresh", True))
             for key, value, mod in entries:
                 if key.startswith(self.etcd.parts_prefix):
                     await self.accept(self.etcd.open(key, value, mod))
@@ -133,20 +142,29 @@ class PartitionMap:
         order = list(dict.fromkeys([self.map_node, *self.map_nodes, *known]))
         return [a for a in order if a]
 
-    async def load_nodes(self, nodes: list[str]) -> int:
+    async def load_nodes(self, nodes: list[str], deadline: float) -> int:
         """Read the whole map from one of ``nodes`` (a random one: clients spread over them) and follow it
-        through them from now on.  ClientError when none serves it."""
+        through them from now on.  Many clients starting at once meet the nodes' limits on connections in
+        their hello (datanode/ops/admission.py): rounds over the nodes are tried again, after growing,
+        jittered waits, until ``deadline``.  ClientError when none serves it by then, at once when none
+        serves a map at all (``NoMapHere``)."""
         self.map_nodes = list(nodes)
-        errors = []
-        for addr in random.sample(self.map_nodes, len(self.map_nodes)):
-            try:
-                rev = await self.read_node(addr)
-            except ClientError as e:
-                errors.append(str(e))
-                continue
-            self.map_node = addr
-            return rev
-        raise ClientError("no datanode serves the map: " + "; ".join(errors))
+        delay = 0.1
+        while True:
+            errors = []
+            for addr in random.sample(self.map_nodes, len(self.map_nodes)):
+                try:
+                    rev = await self.read_node(addr)
+                except ClientError as e:
+                    errors.append(e)
+                    continue
+                self.map_node = addr
+                return rev
+            pause = random.uniform(delay / 2, delay)
+            if all(isinstance(e, NoMapHere) for e in errors) or trio.current_time() + pause >= deadline:
+                raise ClientError("no datanode serves the map: " + "; ".join(map(str, errors)))
+            await trio.sleep(pause)
+            delay = min(delay * 2, 2.0)
 
     async def follow_nodes(self) -> None:
         """Keep the views current through one node's long polls, moving to the next candidate when it fails;
@@ -159,6 +177,8 @@ class PartitionMap:
                     while True:
                         await self.read_node(addr, MAP_WAIT_S)
                         self.map_node, delay = addr, 0.2
+                        if not self.map_fresh:       # cut off from etcd: its copy may not change any more
+                            raise ClientError(f"{addr}: not in touch with etcd now", node=addr)
                 except ClientError as e:
                     log.info("partition map from %s: %s; trying another node", addr, e)
                     failed += 1
@@ -238,7 +258,9 @@ class PartitionMap:
         """Re-read the partition's replicas and epoch: from etcd when the map lives there, else from its
         members (after a replica change)."""
         if self.map_nodes:
-            for addr in self._candidates():
+            # another node than the one followed first: that one may be behind (it said nothing of the change)
+            order = self._candidates()
+            for addr in order[1:] + order[:1]:
                 try:
                     await self.read_node(addr)
                 except ClientError as e:

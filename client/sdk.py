@@ -4,8 +4,10 @@
 block-sized appends, reads ranges with CRC checks (failing over to another replica), and moves to a new
 extent after a replication failure.  ``BlockingDataClient`` wraps it for callers that are not async.
 
-With ``etcd=URL`` the partition map comes from etcd (wire/etcdmap.py): read once, then kept current by a
-watch, so a new leader or replica set is known within one watch round-trip; a write that fails because a
+With ``etcd=URL`` the partition map is etcd's (wire/etcdmap.py): read once, then kept current -- through the
+datanodes given to ``open`` when the client holds the key that checks the map's MACs (``map_via="auto"``:
+each node serves its watched copy of etcd's entries, so etcd's load does not grow with clients), else by a
+watch of etcd -- so a new leader or replica set is known within one round-trip; a write that fails because a
 replica died waits (within ``timeout``) for the manager's new view and goes on with it on a new extent.
 ``put(data)`` needs no partition: it picks a writable one from etcd's map for each new extent (spreading
 over partitions and leaders) and, when a replica dies mid-write, writes the unacknowledged rest to another
@@ -135,13 +137,14 @@ class DataClient:
                     via_nodes = False
                     if dc.map is not None and nodes and dc.map_via != "etcd" and dc.map.mac_key is not None:
                         try:
-                            await dc._routes.load_nodes(nodes)
+                            # (the nodes' time is the open's but a share: etcd, the fallback, gets the rest)
+                            await dc._routes.load_nodes(nodes, opened + dc.timeout * 2 / 3)
                             via_nodes = True
                             nursery.start_soon(dc._routes.follow_nodes)
                         except ClientError as e:
                             if dc.map_via == "nodes":
                                 raise ClientError(f"partition map: {e}") from None
-                            log.info("partition map: %s; following etcd's", e)
+                            log.warning("partition map: %s; following etcd's", e)
                     if dc.map is not None and not via_nodes:
                         dc._routes.map_nodes = []
                         try:

@@ -64,7 +64,7 @@ class EtcdAgent:
         self.checked_at = -math.inf          # when etcd last gave a verdict on our lease (any outcome)
         self._verdict = trio.Event()
         self.left: str | None = None         # how the last registration ended (``_leave``), for the stop's log
-        self.copy = MapCopy()                # parts/ as read, raw, served to clients (MAP_READ)
+        self.copy = MapCopy(lambda: self.registered)   # parts/ as read, raw, served to clients (MAP_READ)
 
     def changed(self) -> None:
         """The partitions held here changed: publish the registration now."""

@@ -20,7 +20,8 @@ class MapCopy:
     up to ``rev``.  An entry is served at its mod revision, except one a full re-read found that the watch had
     missed: that one at the re-read's revision, so a client already past its mod revision still gets it."""
 
-    def __init__(self):
+    def __init__(self, fresh=lambda: True):
+        self.fresh = fresh                   # () -> whether the node is in touch with etcd now (registered)
         self.kv: dict[str, tuple[bytes, int, int]] = {}
         self.gone: dict[str, int] = {}       # deleted key -> its deletion's revision (an older put is stale)
         self.rev = 0                         # etcd's revision this copy has every change up to
@@ -77,7 +78,8 @@ class MapCopy:
             text = value.decode("utf-8", "replace")
             out.append([key, text, mod])
             size += len(key) + len(text) + 32
-        return {"ready": self.ready, "rev": through, "more": len(out) < len(changed), "entries": out}
+        return {"ready": self.ready, "fresh": bool(self.fresh()), "rev": through, "more": len(out) < len(changed),
+                "entries": out}
 
     async def wait_past(self, rev: int, timeout: float) -> None:
         """Until the copy is past ``rev``, ``timeout`` ran out, or the node stops."""

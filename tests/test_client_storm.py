@@ -1,6 +1,9 @@
 """Many SDK clients opening at once against a default secured cluster (``dnctl cluster up``: the secret, etcd
 with a user per component): none fails.
 
+Through etcd (``map_via="etcd"``) and, as by default, through the datanodes: then etcd sees no login, no
+watch and no connection of theirs.
+
 Each client is its own process (bench/client_storm.py: all import first, then are released together), so
 each logs in to etcd as the ``mount`` user at the same moment -- the storm that etcd's default bcrypt cost
 turned into timeouts.  Also: an open waits for an etcd that does not answer only until its deadline, trying
@@ -55,6 +58,14 @@ def test_a_hundred_client_processes_open_at_once_and_none_fails(cluster):
     print(json.dumps(out))
     assert out["failed"] == 0, out
     assert out["etcd_authenticate"] >= CLIENTS, out        # each did log in: the storm happened
+
+
+def test_clients_following_the_nodes_cost_etcd_no_login_watch_or_connection(cluster):
+    out = storm(cluster, CLIENTS, via="auto")           # the default: the nodes given, the secret held
+    print(json.dumps(out))
+    assert out["failed"] == 0, out
+    assert out["etcd_authenticate"] == 0 and out["etcd_watch_streams"] == 0, out
+    assert out["etcd_connections_open"] <= out["etcd_connections_before"] + 2, out
 
 
 def test_an_open_waits_for_etcd_until_its_deadline_and_says_for_what(tmp_path):

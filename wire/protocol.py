@@ -108,7 +108,7 @@ class Op(enum.IntEnum):
                              #   answer arg = entries purged
     # -- the cluster map as a node holds it (datanode/mapcopy.py), for clients that need not each ask etcd --
     MAP_READ = 0x2A          # offset = an etcd revision; arg = how long to wait (ms) while nothing changed after
-                             #   it; answer: JSON {"ready", "rev", "more", "entries": [[key, value, mod_rev]]},
+                             #   it; answer: JSON {"ready", "fresh", "rev", "more", "entries": [[key, value, mod_rev]]},
                              #   the ``parts/`` entries changed after ``offset`` as etcd holds them (sealed)
 
 
