@@ -20,7 +20,7 @@ from typing import Callable
 
 import trio
 
-from client.channel import Channel, ClientError, PartitionInfo, check
+from client.channel import Channel, ClientError, PartitionInfo, _transport_error, check
 from wire.etcdmap import Etcd, EtcdError, EtcdUnreachable, PartView, open_channel
 from wire.protocol import OP_SINCE, Header, Op, Result
 from wire.transport.base import TransportError
@@ -109,7 +109,7 @@ class PartitionMap:
         try:
             link = await self.channel.links.get(addr)
         except TransportError as e:
-            raise ClientError(f"{addr}: {e}", node=addr) from None
+            raise _transport_error(addr, e) from None      # (a refused hello says so: ``auth``)
         if link.conn.version < OP_SINCE[Op.MAP_READ]:
             raise NoMapHere(f"{addr}: protocol version {link.conn.version} has no MAP_READ", node=addr)
         while True:
@@ -156,6 +156,8 @@ class PartitionMap:
                 try:
                     rev = await self.read_node(addr)
                 except ClientError as e:
+                    if e.auth:                  # our credentials: no other node takes them either
+                        raise
                     errors.append(e)
                     continue
                 self.map_node = addr

@@ -132,16 +132,20 @@ class DataClient:
                 dc = cls(nursery, **kw)
                 try:
                     nodes = list(nodes)
-                    if dc.map is not None and nodes:
+                    node_map = (dc.map is not None and bool(nodes) and dc.map_via != "etcd"
+                                and dc.map.mac_key is not None)
+                    if dc.map is not None and nodes and not node_map:
                         await dc._channel.hello(nodes[0])   # refused credentials first: they also check the map
                     via_nodes = False
-                    if dc.map is not None and nodes and dc.map_via != "etcd" and dc.map.mac_key is not None:
+                    if node_map:
                         try:
                             # (the nodes' time is the open's but a share: etcd, the fallback, gets the rest)
                             await dc._routes.load_nodes(nodes, opened + dc.timeout * 2 / 3)
                             via_nodes = True
                             nursery.start_soon(dc._routes.follow_nodes)
                         except ClientError as e:
+                            if e.auth:                 # our credentials, not the nodes: that one reason
+                                raise
                             if dc.map_via == "nodes":
                                 raise ClientError(f"partition map: {e}") from None
                             log.warning("partition map: %s; following etcd's", e)
@@ -153,12 +157,14 @@ class DataClient:
                             raise ClientError(f"partition map: {e}") from None
                         nursery.start_soon(dc._routes.follow, rev)
                     errors = []
-                    for addr in nodes:
+                    # the map came from a node: its partition list on the same connection, no hello to the others
+                    # (a crowd of clients opening at once would meet the nodes' limits on hellos in progress)
+                    for addr in [dc._routes.map_node] if via_nodes else nodes:
                         try:
                             await dc.discover(addr)
                         except ClientError as e:       # one node down must not stop the client
                             errors.append(e)
-                    if nodes and len(errors) == len(nodes):
+                    if nodes and not via_nodes and len(errors) == len(nodes):
                         refused = [e for e in errors if e.auth]
                         if refused:                    # our credentials, not the nodes: that one reason
                             raise refused[0]

@@ -139,3 +139,17 @@ def test_map_via_nodes_needs_the_key_that_checks_the_views(cluster):
                                        map_via="nodes"):
                 pass
     trio.run(main)
+
+
+def test_another_clusters_secret_is_refused_by_the_nodes_not_taken_to_etcd(cluster, tmp_path):
+    other = tmp_path / "other.secret"
+    other.write_text(gen_secret())
+    other.chmod(0o600)
+
+    async def main():
+        with pytest.raises(ClientError) as e:
+            async with DataClient.open(cluster.addrs, transport="tcp", pool_mib=16, secret=str(other),
+                                       etcd=cluster.etcd.url, timeout=5):
+                pass
+        assert e.value.auth, e.value
+    trio.run(main)
