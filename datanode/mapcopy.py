@@ -44,10 +44,10 @@ class MapCopy:
 
     def reload(self, kvs: list[tuple[str, bytes, int]], rev: int) -> None:
         """A full read of ``parts/`` at store revision ``rev``."""
-        seen = set()
+        seen, before = set(), self.rev
         for key, value, mod in kvs:
             seen.add(key)
-            self.event("PUT", key, value, mod, served=rev if mod <= self.rev else 0)
+            self.event("PUT", key, value, mod, served=rev if mod <= before else 0)
         for key, (_v, mod, _s) in list(self.kv.items()):
             if key not in seen and mod <= rev:
                 self.event("DELETE", key, b"", rev)
