@@ -145,28 +145,32 @@ class PartitionMap:
     async def load_nodes(self, nodes: list[str], deadline: float) -> int:
         """Read the whole map from one of ``nodes`` (a random one: clients spread over them) and follow it
         through them from now on.  Many clients starting at once meet the nodes' limits on connections in
-        their hello (datanode/ops/admission.py): rounds over the nodes are tried again, after growing,
-        jittered waits, until ``deadline``.  ClientError when none serves it by then, at once when none
-        serves a map at all (``NoMapHere``)."""
+        their hello (datanode/ops/admission.py), where every new dial takes the place of an older one: so one
+        node is tried at a time, in turn, with growing waits drawn at random from zero up (full jitter), until
+        ``deadline``.  ClientError when none serves it by then, at once when every node said it serves no
+        map at all (``NoMapHere``)."""
         self.map_nodes = list(nodes)
-        delay = 0.1
+        order = random.sample(self.map_nodes, len(self.map_nodes))
+        errors: dict[str, ClientError] = {}
+        delay, turn = 0.2, 0
         while True:
-            errors = []
-            for addr in random.sample(self.map_nodes, len(self.map_nodes)):
-                try:
-                    rev = await self.read_node(addr)
-                except ClientError as e:
-                    if e.auth:                  # our credentials: no other node takes them either
-                        raise
-                    errors.append(e)
-                    continue
+            addr = order[turn % len(order)]
+            turn += 1
+            try:
+                rev = await self.read_node(addr)
+            except ClientError as e:
+                if e.auth:                      # our credentials: no other node takes them either
+                    raise
+                errors[addr] = e
+            else:
                 self.map_node = addr
                 return rev
-            pause = random.uniform(delay / 2, delay)
-            if all(isinstance(e, NoMapHere) for e in errors) or trio.current_time() + pause >= deadline:
-                raise ClientError("no datanode serves the map: " + "; ".join(map(str, errors)))
+            pause = random.uniform(0, delay)
+            none = len(errors) == len(order) and all(isinstance(e, NoMapHere) for e in errors.values())
+            if none or trio.current_time() + pause >= deadline:
+                raise ClientError("no datanode serves the map: " + "; ".join(map(str, errors.values())))
             await trio.sleep(pause)
-            delay = min(delay * 2, 2.0)
+            delay = min(delay * 2, 4.0)
 
     async def follow_nodes(self) -> None:
         """Keep the views current through one node's long polls, moving to the next candidate when it fails;
