@@ -4,8 +4,10 @@
 block-sized appends, reads ranges with CRC checks (failing over to another replica), and moves to a new
 extent after a replication failure.  ``BlockingDataClient`` wraps it for callers that are not async.
 
-With ``etcd=URL`` the partition map comes from etcd (wire/etcdmap.py): read once, then kept current by a
-watch, so a new leader or replica set is known within one watch round-trip; a write that fails because a
+With ``etcd=URL`` the partition map is etcd's (wire/etcdmap.py): read once, then kept current -- through the
+datanodes given to ``open`` when the client holds the key that checks the map's MACs (``map_via="auto"``:
+each node serves its watched copy of etcd's entries, so etcd's load does not grow with clients), else by a
+watch of etcd -- so a new leader or replica set is known within one round-trip; a write that fails because a
 replica died waits (within ``timeout``) for the manager's new view and goes on with it on a new extent.
 ``put(data)`` needs no partition: it picks a writable one from etcd's map for each new extent (spreading
 over partitions and leaders) and, when a replica dies mid-write, writes the unacknowledged rest to another
@@ -53,6 +55,9 @@ __all__ = ["BlockingDataClient", "ClientError", "DataClient", "Location", "Parti
            "check"]
 
 log = logging.getLogger(__name__)
+# where a client with etcd= follows the map: "auto" -- through the datanodes given to open() when it can check
+# the views' MACs (it holds the secret or an admin key), else etcd; "nodes" -- only there; "etcd" -- its watch
+MAP_VIA = ("auto", "nodes", "etcd")
 
 
 class DataClient:
@@ -61,7 +66,7 @@ class DataClient:
                  etcd: str | None = None, etcd_prefix: str = DEFAULT_PREFIX, etcd_access: EtcdAccess | None = None,
                  secret: "str | Credentials | None" = None, role: str | None = None,
                  tls_ca: "str | ssl.SSLContext | None" = None, options: TransportOptions | None = None,
-                 inline_max: int = INLINE_MAX, read_from: str = "leader"):
+                 inline_max: int = INLINE_MAX, read_from: str = "leader", map_via: str = "auto"):
         if block_size & (block_size - 1) or not (4096 <= block_size <= 4 << 20):
             raise ValueError("block_size must be a power of two between 4 KiB and 4 MiB")
         if role is not None and role not in ROLE_NAMES:
@@ -87,6 +92,9 @@ class DataClient:
         if read_from not in ("leader", "spread"):
             raise ValueError(f"read_from must be 'leader' or 'spread', not {read_from!r}")
         self.read_from = read_from       # "leader" or "spread" (reads.Reader)
+        if map_via not in MAP_VIA:
+            raise ValueError(f"map_via must be one of {', '.join(MAP_VIA)}, not {map_via!r}")
+        self.map_via = map_via
         self.block_size = block_size
         self.depth = depth
         self.domain = domain or make_domain(transport, options)
@@ -101,6 +109,9 @@ class DataClient:
                                                   admin_key=creds.key(Role.ADMIN) if creds else None)
                                     if etcd else None)
         self.metrics.etcd = self._routes.etcd
+        if map_via == "nodes" and (self._routes.etcd is None or self._routes.etcd.mac_key is None):
+            raise ClientError("map_via='nodes' needs etcd= and the cluster secret or an admin key: a view from a "
+                              "node is taken only with its MAC checked")
         self.map = self._routes.etcd                            # the cluster map in etcd, if any
         self.partitions = self._routes.partitions
         self.views = self._routes.views                         # etcd's views (state, want, ...)
@@ -117,24 +128,43 @@ class DataClient:
         dc = None
         try:
             async with aio.nursery() as nursery:
+                opened = trio.current_time()       # the open's deadline is the client's timeout from here
                 dc = cls(nursery, **kw)
                 try:
                     nodes = list(nodes)
-                    if dc.map is not None and nodes:
+                    node_map = (dc.map is not None and bool(nodes) and dc.map_via != "etcd"
+                                and dc.map.mac_key is not None)
+                    if dc.map is not None and nodes and not node_map:
                         await dc._channel.hello(nodes[0])   # refused credentials first: they also check the map
-                    if dc.map is not None:
+                    via_nodes = False
+                    if node_map:
                         try:
-                            rev = await dc.load_map()
+                            # (the nodes' time is the open's but a share: etcd, the fallback, gets the rest)
+                            await dc._routes.load_nodes(nodes, opened + dc.timeout * 2 / 3)
+                            via_nodes = True
+                            nursery.start_soon(dc._routes.follow_nodes)
+                        except ClientError as e:
+                            if e.auth:                 # our credentials, not the nodes: that one reason
+                                raise
+                            if dc.map_via == "nodes":
+                                raise ClientError(f"partition map: {e}") from None
+                            log.warning("partition map: %s; following etcd's", e)
+                    if dc.map is not None and not via_nodes:
+                        dc._routes.map_nodes = []
+                        try:
+                            rev = await dc._routes.load_by(opened + dc.timeout)
                         except EtcdError as e:
                             raise ClientError(f"partition map: {e}") from None
                         nursery.start_soon(dc._routes.follow, rev)
                     errors = []
-                    for addr in nodes:
+                    # the map came from a node: its partition list on the same connection, no hello to the others
+                    # (a crowd of clients opening at once would meet the nodes' limits on hellos in progress)
+                    for addr in [dc._routes.map_node] if via_nodes else nodes:
                         try:
                             await dc.discover(addr)
                         except ClientError as e:       # one node down must not stop the client
                             errors.append(e)
-                    if nodes and len(errors) == len(nodes):
+                    if nodes and not via_nodes and len(errors) == len(nodes):
                         refused = [e for e in errors if e.auth]
                         if refused:                    # our credentials, not the nodes: that one reason
                             raise refused[0]

@@ -128,6 +128,8 @@ class Drain:
             self._report_left()
         self.phase = "draining"
         node.serving.draining = True
+        if node.agent is not None:
+            node.agent.copy.close()           # clients' long polls of the map answer now, not at their bound
         accepting.cancel()
         with trio.move_on_at(deadline) as waited:
             while node.wrap.inflight > self.waiting:      # (the NODE_DRAINs waiting for the report wait on)

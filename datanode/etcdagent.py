@@ -43,6 +43,7 @@ from wire.etcdmap import Etcd, EtcdError, Lease, PartView, open_channel
 from wire.protocol import Role
 
 from .config import etcd_access
+from .mapcopy import MapCopy
 
 log = logging.getLogger(__name__)
 RESYNC_S = 30.0           # a safety net under the watch (which delivers every change at once)
@@ -64,6 +65,7 @@ class EtcdAgent:
         self.checked_at = -math.inf          # when etcd last gave a verdict on our lease (any outcome)
         self._verdict = trio.Event()
         self.left: str | None = None         # how the last registration ended (``_leave``), for the stop's log
+        self.copy = MapCopy(lambda: self.registered)   # parts/ as read, raw, served to clients (MAP_READ)
 
     def changed(self) -> None:
         """The partitions held here changed: publish the registration now."""
@@ -233,6 +235,7 @@ class EtcdAgent:
                     await self._try_resync()
                     continue
                 for typ, key, value, rev in batch:
+                    self.copy.event(typ, key, value, rev)
                     view = self.etcd.open(key, value, rev) if typ == "PUT" else None
                     if view is not None:
                         await self.apply(view)
@@ -249,8 +252,12 @@ class EtcdAgent:
             log.debug("etcd resync: %s", e)
 
     async def resync(self) -> None:
-        for view in (await self.etcd.parts()).values():
-            await self.apply(view)
+        kvs, rev = await self.etcd.get_prefix(self.etcd.parts_prefix)
+        self.copy.reload(kvs, rev)
+        for key, value, mod in kvs:
+            view = self.etcd.open(key, value, mod)
+            if view is not None:
+                await self.apply(view)
 
     async def apply(self, view: PartView) -> None:
         """Install ``view`` if it is newer than ours (or drop our stale copy if it no longer names us).

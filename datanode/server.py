@@ -41,6 +41,7 @@ from .ops.append import Appends
 from .ops.base import RequestCounters
 from .ops.buffers import Buffers
 from .ops.data import DataOps
+from .ops.mapread import MapOps
 from .ops.partitions import Partitions, ViewRefused
 from .ops.repair import RepairOps
 from .ops.wrap import Serving, Wrap
@@ -136,7 +137,8 @@ class Node:
                     **DataOps(self.partitions, self.buffers, self.replication, self.counters).handlers(),
                     **AdminOps(cfg, self.partitions, self.buffers, self.repair, self.status,
                                self.drain).handlers(),
-                    **RepairOps(self.partitions, self.buffers, self.repair.counters).handlers()}
+                    **RepairOps(self.partitions, self.buffers, self.repair.counters).handlers(),
+                    **MapOps(self.agent.copy if self.agent else None, self.buffers, self.serving).handlers()}
         self.wrap = Wrap(cfg=cfg, serving=self.serving, table=self.table, counters=self.counters,
                          metrics=self.metrics, audit=self.audit, handlers=handlers, now=appends.now)
 

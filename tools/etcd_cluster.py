@@ -25,6 +25,10 @@ from wire.etcdmap import (COMPONENTS, DEFAULT_PREFIX, EtcdAccess, EtcdError, aut
                           permissions)
 
 AUTH_DIR = "etcd-auth"      # in a cluster directory: one USER:PASSWORD file per etcd user (0600, in a 0700 dir)
+# etcd's bcrypt cost for the passwords setup_auth makes: they are random secrets (``secrets.token_urlsafe(24)``),
+# which stretching cannot make harder to guess, while every login costs etcd 2**cost rounds of CPU; 4 is
+# bcrypt's least.  It is fixed in a hash when the password is set, so the member runs with it from its start.
+BCRYPT_COST = 4
 
 
 def etcd_binary() -> str:
@@ -76,6 +80,7 @@ class EtcdProc:
                 "--initial-cluster", self.initial_cluster,
                 "--initial-cluster-state", "existing" if self.existing else "new",
                 "--initial-cluster-token", self.token,
+                "--bcrypt-cost", str(BCRYPT_COST),
                 "--heartbeat-interval", "100", "--election-timeout", "1000", "--log-level", "warn", *self.args]
         if self.tls:
             argv += ["--cert-file", self.tls.cert, "--key-file", self.tls.key]

@@ -131,6 +131,11 @@ class EtcdError(Exception):
     """etcd could not be reached or refused a request; the message names the endpoint(s)."""
 
 
+class EtcdUnreachable(EtcdError):
+    """No endpoint answered in time (connection refused or timed out, an overloaded member's 5xx): worth
+    trying again later, unlike a refusal."""
+
+
 @dataclasses.dataclass(frozen=True)
 class EtcdAccess:
     """How a component reaches etcd beyond its URL: an etcd user (``credentials``: a file holding one line
@@ -472,7 +477,7 @@ class Etcd:
                                 + _hint(_refusal(e))) from None
             self._good = k
             return out
-        raise EtcdError("etcd unreachable (" + "; ".join(errors) + ")")
+        raise EtcdUnreachable("etcd unreachable (" + "; ".join(errors) + ")")
 
     async def call(self, fn):
         return await trio.to_thread.run_sync(self._call_sync, fn)

@@ -50,7 +50,7 @@ MAGIC = 0xDA7A
 VERSION = 8      # 2: BAD_REQUEST split into one result code per condition; 3: authenticated hello, roles;
                  # 4: small WRITE payloads inline (Flag.INLINE); 5: the hello carries a version range and
                  # extensions; 6: NODE_DRAIN; 7: volumes (PARTITION_CREATE's "volume", BAD_BODY bad_volume);
-                 # 8: NODE_HEALTH
+                 # 8: NODE_HEALTH, MAP_READ
 MIN_VERSION = 5  # 4 and older send one version and accept only their own: no range to meet them in
 HEADER_SIZE = 88
 MAX_EXTENT = 128 << 20         # an extent is append-only, up to this size
@@ -110,6 +110,10 @@ class Op(enum.IntEnum):
     TRASH_RESTORE = 0x28     # body: JSON {"name": entry}; answer arg = the partition restored (now served)
     TRASH_PURGE = 0x29       # body: JSON {"names": [entry...]} | {"expired": true} | {"all": true};
                              #   answer arg = entries purged
+    # -- the cluster map as a node holds it (datanode/mapcopy.py), for clients that need not each ask etcd --
+    MAP_READ = 0x2A          # offset = an etcd revision; arg = how long to wait (ms) while nothing changed after
+                             #   it; answer: JSON {"ready", "fresh", "rev", "more", "entries": [[key, value, mod_rev]]},
+                             #   the ``parts/`` entries changed after ``offset`` as etcd holds them (sealed)
 
 
 class Result(enum.IntEnum):
@@ -173,7 +177,7 @@ _DATA = frozenset({Role.CLIENT, Role.ADMIN})
 # The roles each opcode accepts (without FORWARDED; a forwarded request needs NODE, whatever the opcode).
 OP_ROLES: dict[Op, frozenset] = {
     Op.PING: _ANY, Op.READ: _ANY, Op.WATERMARKS: _ANY, Op.PARTITION_LIST: _ANY, Op.NODE_STATUS: _ANY,
-    Op.POOL_STATS: _ANY, Op.PARTITION_HEALTH: _ANY,
+    Op.POOL_STATS: _ANY, Op.PARTITION_HEALTH: _ANY, Op.MAP_READ: _DATA,
     Op.WRITE: _DATA, Op.CREATE_EXTENT: _DATA, Op.MARK_DELETE: _DATA,
     Op.TRUNCATE: frozenset({Role.NODE}),
     Op.REPLICA_STATE: frozenset({Role.NODE, Role.ADMIN}), Op.BLOCK_CRCS: frozenset({Role.NODE, Role.ADMIN}),
@@ -188,7 +192,7 @@ OP_ROLES: dict[Op, frozenset] = {
 assert set(OP_ROLES) == set(Op), "every opcode declares its roles"
 # opcodes newer than MIN_VERSION, with the version that brought them: sent only on connections of that
 # version or newer (an older peer refuses them as unknown)
-OP_SINCE: dict[Op, int] = {Op.NODE_DRAIN: 6, Op.NODE_HEALTH: 8}
+OP_SINCE: dict[Op, int] = {Op.NODE_DRAIN: 6, Op.NODE_HEALTH: 8, Op.MAP_READ: 8}
 # a PARTITION_CREATE naming a volume goes only to nodes of this version or newer: an older one would drop the
 # key and make a copy in no volume (client/admin.py refuses instead).  A client's hello naming a volume needs
 # such a node too -- an older one drops that hello, which names no HOST:PORT -- but it is sent before any
