@@ -153,11 +153,11 @@ class Drain:
     # -- step 1 ----------------------------------------------------------------------------------------------
     async def _hand_off(self) -> None:
         node = self.node
-        alone = sorted(p.pid for p in node.table.parts.values() if len(p.replicas) == 1)
+        alone = sorted(p.pid for p in node.table.all() if len(p.replicas) == 1)
         if alone:
             self._note(f"partition(s) {_ids(alone)} have no other replica: nobody serves them until this node "
                        f"is back")
-        held = {p.pid for p in still_held(node.table.parts.values(), node.me)}
+        held = {p.pid for p in still_held(node.table.all(), node.me)}
         if not held:
             return
         agent = node.agent
@@ -179,7 +179,7 @@ class Drain:
         log.info("asked manager %s to move partition(s) %s to their other replicas", manager, _ids(held))
         looked = -1e9
         while True:
-            now_held = {p.pid for p in still_held(node.table.parts.values(), node.me)}
+            now_held = {p.pid for p in still_held(node.table.all(), node.me)}
             self.handed_off = sorted(held - now_held)
             if not now_held:
                 self.left = {}
@@ -209,7 +209,7 @@ class Drain:
         for pid in held:                  # a view our watch has not delivered yet (it drops our copy)
             if pid in views:
                 await agent.apply(views[pid])
-        held = {p.pid for p in still_held(self.node.table.parts.values(), self.node.me)}
+        held = {p.pid for p in still_held(self.node.table.all(), self.node.me)}
         if not held:
             return True                   # (the caller sees it at once)
         self.left = {pid: why_held(pid, views.get(pid)) for pid in sorted(held)}

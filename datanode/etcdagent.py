@@ -88,7 +88,7 @@ class EtcdAgent:
             cap, free = du.total, du.free
         except OSError:
             cap = free = 0
-        parts = {str(p.pid): {"epoch": p.epoch, "replicas": p.replicas} for p in node.table.parts.values()}
+        parts = {str(p.pid): {"epoch": p.epoch, "replicas": p.replicas} for p in node.table.all()}
         return {"addr": node.me, "pid": os.getpid(), "transport": cfg.transport, "zone": cfg.zone,
                 "capacity_bytes": cap, "free_bytes": free, "partitions": parts}
 

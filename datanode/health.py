@@ -47,10 +47,10 @@ def leader_token(part) -> tuple:
 def tokens_page(table, asker: str, start: int) -> dict:
     """The NODE_HEALTH answer: the tokens of the partitions held here that ``asker`` leads (in our view;
     every partition if ``asker`` is "": an admin's look), ids from ``start`` up, at most ``PAGE``."""
-    pids = sorted(pid for pid in table.parts if pid >= start)
+    pids = sorted(p.pid for p in table.all() if p.pid >= start)
     out, nxt = [], None
     for pid in pids:
-        part = table.parts.get(pid)
+        part = table.get(pid)
         if part is None or (asker and part.leader != asker):
             continue
         if len(out) == PAGE:

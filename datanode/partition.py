@@ -380,6 +380,12 @@ class PartitionTable:
     def get(self, pid: int) -> Partition | None:
         return self.parts.get(pid)
 
+    def all(self) -> list[Partition]:
+        """Every partition held, as a list taken at once.  ``parts`` changes in the disk's worker threads
+        (``create``, ``delete``, ``restore`` run through ``store_call``), so a walk over the dict itself on the
+        trio thread can meet a change half-way ("dictionary changed size during iteration") and end the node."""
+        return list(self.parts.values())
+
     def create(self, pid: int, replicas: list[str], epoch: int, synced: bool = True, volume: str = "") -> Partition:
         """A new, empty copy; ``synced``: it holds every acknowledged byte (a new partition's copies; not a
         replica added to a partition that already has data); ``volume``: the volume it belongs to."""
@@ -396,7 +402,7 @@ class PartitionTable:
         """The stores' counters (``one_flushes``, ``direct_writes``) since the node started: its partitions'
         and those of the partitions it deleted meanwhile (a counter must not go down: a bench's scratch
         partition, deleted at its end, took its counts with it)."""
-        return {k: n + sum(getattr(p.store, k) for p in list(self.parts.values()))
+        return {k: n + sum(getattr(p.store, k) for p in self.all())
                 for k, n in self._deleted_counts.items()}
 
     @property
@@ -505,5 +511,5 @@ class PartitionTable:
         return gone
 
     def close(self) -> None:
-        for p in self.parts.values():
+        for p in self.all():
             p.store.close()

@@ -208,7 +208,8 @@ class Repairer:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.prober.run)
             while True:
-                for pid, part in list(self.table.parts.items()):
+                for part in self.table.all():
+                    pid = part.pid
                     if part.leader == self.me and pid not in self.workers:
                         w = self.workers[pid] = PartitionWorker(self, pid)
                         nursery.start_soon(w.run)

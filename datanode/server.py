@@ -482,9 +482,9 @@ class Node:
     def _volumes(self) -> dict[str, list[int]]:
         """volume -> the partitions of it held here (those of no volume are not listed)."""
         out: dict[str, list[int]] = {}
-        for pid, part in sorted(self.table.parts.items()):
+        for part in sorted(self.table.all(), key=lambda p: p.pid):
             if part.volume:
-                out.setdefault(part.volume, []).append(pid)
+                out.setdefault(part.volume, []).append(part.pid)
         return out
 
     def status(self, *, asking: int = 0, reveal: bool = True) -> dict:
@@ -501,7 +501,7 @@ class Node:
                 "rdma_windows": getattr(self.domain.device, "windows_state", None),
                 "draining": self.serving.draining, "drain": self.drain.progress(),
                 "inflight": self.wrap.inflight - asking,
-                "partitions": sorted(self.table.parts), "data_dir_lost": self.serving.data_dir_lost,
+                "partitions": sorted(p.pid for p in self.table.all()), "data_dir_lost": self.serving.data_dir_lost,
                 "volumes": self._volumes(),
                 "disk": self.disk(),
                 "connections": [c.info() for c in list(self.conns)],

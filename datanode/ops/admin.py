@@ -128,7 +128,7 @@ class AdminOps:
         return rq.h.reply(Result.OK)
 
     async def partition_list(self, rq: Request) -> Header:
-        return await self.buffers.push_json(rq.conn, rq.h, [p.describe(self.me) for p in self.table.parts.values()])
+        return await self.buffers.push_json(rq.conn, rq.h, [p.describe(self.me) for p in self.table.all()])
 
     async def pool_stats(self, rq: Request) -> Header:
         return await self.buffers.push_json(rq.conn, rq.h, self.buffers.stats(reveal=rq.conn.role in (None, Role.ADMIN)))
