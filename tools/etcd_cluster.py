@@ -26,6 +26,18 @@ from wire.etcdmap import (COMPONENTS, DEFAULT_PREFIX, EtcdAccess, EtcdError, aut
 
 AUTH_DIR = "etcd-auth"      # in a cluster directory: one USER:PASSWORD file per etcd user (0600, in a 0700 dir)
 
+# What keeps every member's database file bounded (docs/operations.md, "Limits and sizing"):
+# * keep one minute of history: a registration or view rewritten often leaves its old versions behind until
+#   a compaction frees them; a watch that reconnects later than that is told "compacted" and re-reads the
+#   map (wire/etcdmap.py ``_pump_stream``), so a short window costs a re-read, never a missed change;
+# * a quota stated rather than inherited: past it etcd raises its NOSPACE alarm and takes only deletes;
+# * what compaction frees is reused but never returned to the file system: the active manager defragments
+#   a member whose file is much larger than its use (manager/etcdcare.py).
+COMPACTION_RETENTION = "1m"            # etcd's periodic mode: compact to the revision of this long ago
+QUOTA_BACKEND_BYTES = 1 << 30          # bytes
+ETCD_SIZE_FLAGS = ("--auto-compaction-mode", "periodic", "--auto-compaction-retention", COMPACTION_RETENTION,
+                   "--quota-backend-bytes", str(QUOTA_BACKEND_BYTES))
+
 
 def etcd_binary() -> str:
     path = shutil.which("etcd")
@@ -76,7 +88,8 @@ class EtcdProc:
                 "--initial-cluster", self.initial_cluster,
                 "--initial-cluster-state", "existing" if self.existing else "new",
                 "--initial-cluster-token", self.token,
-                "--heartbeat-interval", "100", "--election-timeout", "1000", "--log-level", "warn", *self.args]
+                "--heartbeat-interval", "100", "--election-timeout", "1000", "--log-level", "warn",
+                *ETCD_SIZE_FLAGS, *self.args]
         if self.tls:
             argv += ["--cert-file", self.tls.cert, "--key-file", self.tls.key]
             if self.tls.client_ca:
