@@ -63,6 +63,9 @@ STANDBY_POLL_S = 0.25     # first retry after etcd refused (doubling up to 5 s)
 STANDBY_RESYNC_S = 10.0   # a standby looks at the manager key at least this often (else: on its deletion)
 IDLE_LOOK_S = 5.0         # the active manager passes over a settled map this often (no etcd request)
 MAP_RESYNC_S = 30.0       # full re-read of the map, a safety net under the watch
+# the manager's client pool: one MiB per admin request under way (client/channel.py ADMIN_ANSWER), so this
+# many at once; the rest wait their turn there (a hand-off moves hundreds of partitions at once)
+ADMIN_POOL_MIB = 16
 
 
 class Manager:
@@ -91,7 +94,7 @@ class Manager:
 
     # -- election ---------------------------------------------------------------------------------------
     async def run(self) -> None:
-        async with DataClient.open(transport=self.transport, timeout=self.rpc_timeout, pool_mib=8,
+        async with DataClient.open(transport=self.transport, timeout=self.rpc_timeout, pool_mib=ADMIN_POOL_MIB,
                                    **self.login) as dc, \
                 trio.open_nursery() as n:
             self.dc = dc
