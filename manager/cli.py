@@ -56,11 +56,23 @@ def _access_options(fn):
 @click.option("--tls-ca", type=click.Path(dir_okay=False), envvar="DATANODE_TLS_CA", show_envvar=True,
               help="CA bundle (PEM): speak TLS to the nodes and check their certificates against it.")
 @_access_options
+@click.option("--etcd-maintenance-credentials", type=click.Path(dir_okay=False),
+              envvar="DATANODE_ETCD_MAINTENANCE_CREDENTIALS", show_envvar=True,
+              help="File holding USER:PASSWORD of an etcd user with etcd's root role, used only to defragment "
+                   "the members (etcd lets no lesser role do it); without it, under etcd's authentication, "
+                   "the manager only warns when a member's file is mostly free space.")
+@click.option("--etcd-defrag-check-s", type=click.FloatRange(0), default=300.0, show_default=True,
+              help="Seconds between the active manager's looks at each etcd member's database file "
+                   "(defragmented when mostly free space, one member at a time); 0: never.")
+@click.option("--etcd-defrag-min-free-mib", type=click.IntRange(1), default=32, show_default=True,
+              help="MiB of free space in a member's database file (and at least half of the file) that make "
+                   "it worth defragmenting.")
 @click.option("--metrics-listen", metavar="HOST:PORT",
               help="Serve Prometheus /metrics here (whether active; etcd values ignored as invalid, by reason).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info")
 def manager_command(etcd, prefix, name, lease_ttl_s, down_after_s, tick_s, transport, min_writable, replicas,
-                    min_free_mib, unfinished_after_s, secret_file, tls_ca, metrics_listen, log_level, **access):
+                    min_free_mib, unfinished_after_s, secret_file, tls_ca, etcd_maintenance_credentials,
+                    etcd_defrag_check_s, etcd_defrag_min_free_mib, metrics_listen, log_level, **access):
     """Run a cluster manager on etcd until SIGTERM/SIGINT.
 
     \b
@@ -87,6 +99,8 @@ def manager_command(etcd, prefix, name, lease_ttl_s, down_after_s, tick_s, trans
         raise click.BadParameter(str(e), param_hint="--tls-ca") from None
     try:
         etcd_access = EtcdAccess.load(**access)
+        maintenance = (EtcdAccess.load(**{**access, "credentials": etcd_maintenance_credentials})
+                       if etcd_maintenance_credentials else None)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     if metrics_listen:
@@ -101,7 +115,9 @@ def manager_command(etcd, prefix, name, lease_ttl_s, down_after_s, tick_s, trans
     m = Manager(etcd, prefix=prefix, name=name, lease_ttl_s=lease_ttl_s, down_after_s=down_after_s,
                 tick_s=tick_s, transport=transport, min_writable=min_writable, replicas=replicas,
                 min_free_mib=min_free_mib, unfinished_after_s=unfinished_after_s, secret=creds, tls=tls,
-                etcd_access=etcd_access)
+                etcd_access=etcd_access,
+                etcd_care={"check_s": etcd_defrag_check_s, "min_free_bytes": etcd_defrag_min_free_mib << 20,
+                           "maintenance": maintenance})
 
     async def main():
         async with trio.open_nursery() as n:

@@ -56,6 +56,7 @@ from client.sdk import ClientError, DataClient
 from wire.etcdmap import Etcd, EtcdAccess, EtcdError, Lease, MapCache, PartView
 from wire.metrics import etcd_invalid_family
 from wire.protocol import Op, Result, Role
+from manager.etcdcare import EtcdCare
 from manager.tasks import ManagerTasks
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,8 @@ class Manager:
     def __init__(self, etcd: str, *, prefix: str = "/datanode", name: str = "manager", lease_ttl_s: int = 3,
                  down_after_s: float = 1.0, tick_s: float = 0.25, transport: str = "auto",
                  rpc_timeout: float = 3.0, min_writable: int = 2, replicas: int = 3, min_free_mib: int = 256,
-                 unfinished_after_s: float = 30.0, secret=None, tls=None, etcd_access: EtcdAccess | None = None):
+                 unfinished_after_s: float = 30.0, secret=None, tls=None, etcd_access: EtcdAccess | None = None,
+                 etcd_care: dict | None = None):
         # the MACs of the map's entries are made and checked with the secret's (or admin key file's) admin key
         self.etcd = Etcd(etcd, prefix, timeout=max(1.0, lease_ttl_s / 2), access=etcd_access,
                          admin_key=secret.key(Role.ADMIN) if secret is not None else None)
@@ -86,6 +88,7 @@ class Manager:
         self.active = False
         self.down_since: dict[str, float] = {}
         self.cache = MapCache(self.etcd, resync_s=MAP_RESYNC_S)
+        self.care = EtcdCare(self.etcd, **(etcd_care or {}))      # etcd's files defragmented (etcdcare.py)
         self.ticks = 0
         self.dc: DataClient | None = None
         # placement, min_writable, decommission, admins' requests (manager/tasks.py)
@@ -126,6 +129,7 @@ class Manager:
         try:
             async with trio.open_nursery() as n:
                 n.start_soon(self._active_loop)
+                n.start_soon(self.care.run)
                 await lease.keep_alive()            # returns when the lease is lost
                 n.cancel_scope.cancel()
             log.warning("manager %s: lost the manager lease: standing by", self.ident)

@@ -61,3 +61,81 @@ def test_admin_requests_beyond_the_pool_wait_their_turn(nodes):
                     n.start_soon(one)
     run(go)
     assert not failed, f"{len(failed)} of 1500 failed, e.g. {failed[0]}"
+
+
+def _status(url: str) -> dict:
+    import json
+    import urllib.request
+    req = urllib.request.Request(url + "/v3/maintenance/status", data=b"{}", method="POST")
+    with urllib.request.urlopen(req, timeout=10) as r:
+        s = json.loads(r.read())
+    return {"size": int(s["dbSize"]), "in_use": int(s["dbSizeInUse"])}
+
+
+def _fragment(url: str, access, mib: int = 40) -> None:
+    """Grow the member's file by ``mib`` MiB of values, then delete and compact them away: free pages."""
+    from wire.etcdmap import _b64, client
+    c = client(url, access, timeout=30)
+    blob = _b64(b"x" * (512 << 10))
+    for i in range(mib * 2):
+        c.post(c.get_url("/kv/put"), json={"key": _b64(f"junk/{i}"), "value": blob})
+    r = c.post(c.get_url("/kv/deleterange"), json={"key": _b64("junk/"), "range_end": _b64("junk0")})
+    c.post(c.get_url("/kv/compaction"), json={"revision": int(r["header"]["revision"]), "physical": True})
+    c.post(c.get_url("/kv/put"), json={"key": _b64("junk-done"), "value": ""})   # commits the freed pages
+
+
+def test_members_run_with_compaction_and_a_quota(tmp_path):
+    from tools.etcd_cluster import COMPACTION_RETENTION, QUOTA_BACKEND_BYTES
+    e = EtcdProc(tmp_path / "etcd").start()
+    try:
+        argv = open(f"/proc/{e.proc.pid}/cmdline", "rb").read().decode().split("\0")
+        assert argv[argv.index("--auto-compaction-mode") + 1] == "periodic"
+        assert argv[argv.index("--auto-compaction-retention") + 1] == COMPACTION_RETENTION
+        assert int(argv[argv.index("--quota-backend-bytes") + 1]) == QUOTA_BACKEND_BYTES
+    finally:
+        e.stop()
+
+
+@pytest.mark.timeout(240)
+def test_active_manager_defragments_under_etcd_auth(tmp_path):
+    """Under etcd's authentication the manager's own user may not defragment: it warns, naming what to do;
+    given the maintenance user (etcd's root role) it defragments the member and logs it."""
+    import time
+    from tools.etcd_cluster import ManagerProc, setup_auth
+    from wire.etcdmap import EtcdAccess
+    e = EtcdProc(tmp_path / "etcd").start()
+    mgr = None
+    try:
+        auth = setup_auth(e.url, tmp_path / "auth", maintenance=True)
+        _fragment(e.url, EtcdAccess.load(auth["root"]))
+        deadline = time.monotonic() + 30                 # etcd frees compacted pages in the background
+        while (before := _status(e.url))["size"] - before["in_use"] < 30 << 20 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert before["size"] - before["in_use"] >= 30 << 20, before
+        opts = {"etcd_credentials": auth["manager"], "min_writable": 0, "lease_ttl_s": 2,
+                "etcd_defrag_check_s": 0.5, "etcd_defrag_min_free_mib": 8}
+
+        def wait_log(m, text: str, timeout: float = 60) -> str:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                log = m.log_path.read_text(errors="replace") if m.log_path.exists() else ""
+                if text in log:
+                    return log
+                assert m.alive(), log[-2000:]
+                time.sleep(0.3)
+            raise AssertionError(f"no {text!r} in {m.log_path}:\n{log[-2000:]}")
+
+        mgr = ManagerProc(tmp_path / "m", e.url, "m1", **opts).start()
+        wait_log(mgr, "--etcd-maintenance-credentials")
+        assert _status(e.url)["size"] >= before["size"] - (1 << 20)     # left alone
+        mgr.stop()
+        mgr = ManagerProc(tmp_path / "m", e.url, "m2", etcd_maintenance_credentials=auth["maintenance"],
+                          **opts).start()
+        log = wait_log(mgr, "defragmented in")
+        after = _status(e.url)
+        assert after["size"] < 8 << 20, (before, after, log[-2000:])
+        assert "failed" not in log, log[-2000:]
+    finally:
+        if mgr is not None:
+            mgr.stop()
+        e.stop()

@@ -242,6 +242,8 @@ def cluster_up(count, cluster, base_port, sync, transport, pool_mib, replica_tim
             opts = {**opts, **login().paths()}       # the manager authenticates as this command does
             if auth is not None:
                 opts["etcd_credentials"] = str(auth / "manager")    # with its own etcd user
+                if (auth / ec.MAINTENANCE).exists():     # and the user that may defragment etcd
+                    opts["etcd_maintenance_credentials"] = str(auth / ec.MAINTENANCE)
             info["managers"] = live or [ec.start_manager(rootp, etcd_rec["url"], "m1", **opts)]
             cl.save(rootp, info)
     except (click.ClickException, RuntimeError) as e:
@@ -604,8 +606,11 @@ def etcd():
 @click.option("--prefix", default="/datanode", show_default=True, help="The cluster's key prefix in etcd.")
 @click.option("--out", type=click.Path(file_okay=False), required=True,
               help="Directory for the users' credentials (made 0700; one USER:PASSWORD file each, 0600).")
+@click.option("--maintenance", is_flag=True,
+              help="Also a user with etcd's root role for dnmanager --etcd-maintenance-credentials, so the "
+                   "active manager can defragment the members (etcd allows it to no lesser role).")
 @click.option("--json", "as_json", is_flag=True)
-def etcd_setup_auth(etcd, prefix, out, as_json):
+def etcd_setup_auth(etcd, prefix, out, maintenance, as_json):
     """Turn etcd's authentication on for a cluster: one etcd user and role per component, each allowed only
     its keys under --prefix, and the root user (for this setup only; keep its file offline).
 
@@ -614,6 +619,7 @@ def etcd_setup_auth(etcd, prefix, out, as_json):
       manager    reads the map, writes views and its election key  dnmanager --etcd-credentials
       admin      reads the map, writes requests and drain marks   dnctl --etcd-credentials
       mount      reads views and registrations, dnfs metadata     dnfs --etcd-credentials, the SDK
+      maintenance  (--maintenance) etcd's root role, to defragment   dnmanager --etcd-maintenance-credentials
     Copy each file to the hosts of its component only.  On an etcd whose authentication is on already
     (another cluster's), give its root user: dnctl --etcd-credentials ROOT_FILE etcd setup-auth ...
     Example:
@@ -623,7 +629,7 @@ def etcd_setup_auth(etcd, prefix, out, as_json):
     url = etcd_url(etcd, None, what="etcd setup-auth")
     lg = login()
     try:
-        paths = ec.setup_auth(url, pathlib.Path(out), prefix, access=lg.etcd)
+        paths = ec.setup_auth(url, pathlib.Path(out), prefix, access=lg.etcd, maintenance=maintenance)
     except (RuntimeError, OSError) as e:
         raise click.ClickException(str(e)) from None
     emit(paths, as_json, "\n".join(f"{who:9} {path}" for who, path in paths.items())

@@ -231,13 +231,16 @@ def start_local_etcd(root: pathlib.Path, rec: dict | None = None, *, auth: bool 
     elif auth:
         root_user = root / AUTH_DIR / "root"
         try:           # a member left by an earlier `up` that failed may have its authentication on already
-            setup_auth(e.url, root / AUTH_DIR,
+            setup_auth(e.url, root / AUTH_DIR, maintenance=True,
                        access=EtcdAccess.load(root_user) if e.existing and root_user.exists() else None)
         except BaseException:
             e.stop()
             raise
         out["auth"] = str((root / AUTH_DIR).resolve())
     return out
+
+
+MAINTENANCE = "maintenance"     # the etcd user that may defragment (etcd's root role), beside the components
 
 
 def user_name(component: str, prefix: str = DEFAULT_PREFIX) -> str:
@@ -248,13 +251,14 @@ def user_name(component: str, prefix: str = DEFAULT_PREFIX) -> str:
 
 
 def setup_auth(url: str, out: pathlib.Path, prefix: str = DEFAULT_PREFIX, *,
-               access: EtcdAccess | None = None) -> dict[str, str]:
+               access: EtcdAccess | None = None, maintenance: bool = False) -> dict[str, str]:
     """Turn etcd's authentication on for the cluster at ``prefix``: one etcd user and role per component,
     each allowed exactly its key ranges (wire/etcdmap.py ``permissions``), and the ``root`` user (setup only).
     Each user's ``USER:PASSWORD`` goes to ``out/NAME`` (0600, ``out`` 0700) before etcd knows it.  ``access``:
     client TLS and, on an etcd whose authentication is on already (another cluster's), its root user -- then
-    only this cluster's users are added.  Returns {component or "root": credentials path}.  RuntimeError
-    says what etcd refused."""
+    only this cluster's users are added.  ``maintenance``: also a user with etcd's root role for the
+    manager's defragmentation (manager/etcdcare.py; etcd grants it to no lesser role).  Returns {component,
+    "maintenance" or "root": credentials path}.  RuntimeError says what etcd refused."""
     access = access or EtcdAccess()
     out.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(out, 0o700)
@@ -267,6 +271,8 @@ def setup_auth(url: str, out: pathlib.Path, prefix: str = DEFAULT_PREFIX, *,
         except EtcdError as e:
             raise RuntimeError(str(e)) from None
     users = {user_name(comp, prefix): comp for comp in COMPONENTS}
+    if maintenance:
+        users[user_name(MAINTENANCE, prefix)] = MAINTENANCE
     if not enabled:
         users["root"] = "root"
     paths = {}
@@ -278,9 +284,9 @@ def setup_auth(url: str, out: pathlib.Path, prefix: str = DEFAULT_PREFIX, *,
             f.write(f"{name}:{pw}\n")
         os.chmod(path, 0o600)
         paths[comp] = str(path.resolve())
-        role = comp if name == "root" else name
+        role = "root" if comp in ("root", MAINTENANCE) else name
         call("/auth/role/add", {"name": role}, exists_ok=True)
-        if name != "root":
+        if role != "root":
             for perm, key, end in permissions(prefix)[comp]:
                 call("/auth/role/grant", {"name": role, "perm": permission(perm, key, end)})
         try:
