@@ -11,6 +11,7 @@ import trio
 from wire import sdnotify
 from wire.auth import AuthConfigError, Credentials
 from wire.etcdmap import ACCESS_OPTIONS, EtcdAccess, parse_urls
+from wire.limits import DEFAULT_REPLICAS, MAX_REPLICAS
 from wire.transport.base import TransportChoice
 from wire.transport.tls import TlsConfigError, client_context
 
@@ -43,7 +44,7 @@ def _access_options(fn):
 @click.option("--min-writable", type=click.IntRange(0), default=2, show_default=True,
               help="Keep at least this many partitions that take writes (writable, or degraded/recovering "
                    "while they heal) with free space; new ones are placed automatically; 0: never create any.")
-@click.option("--replicas", type=click.IntRange(1, 16), default=3, show_default=True,
+@click.option("--replicas", type=click.IntRange(1, MAX_REPLICAS), default=DEFAULT_REPLICAS, show_default=True,
               help="Replica count of the partitions it creates for --min-writable (fewer if fewer nodes).")
 @click.option("--min-free-mib", type=click.IntRange(0), default=256, show_default=True,
               help="A node with less free disk gets no new replicas; a partition on one does not count as "

@@ -54,6 +54,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from client.sdk import ClientError, DataClient
 from wire.etcdmap import Etcd, EtcdAccess, EtcdError, Lease, MapCache, PartView
+from wire.limits import DEFAULT_REPLICAS
 from wire.metrics import etcd_invalid_family
 from wire.protocol import Op, Result, Role
 from manager.etcdcare import EtcdCare
@@ -72,7 +73,7 @@ ADMIN_POOL_MIB = 16
 class Manager:
     def __init__(self, etcd: str, *, prefix: str = "/datanode", name: str = "manager", lease_ttl_s: int = 3,
                  down_after_s: float = 1.0, tick_s: float = 0.25, transport: str = "auto",
-                 rpc_timeout: float = 3.0, min_writable: int = 2, replicas: int = 3, min_free_mib: int = 256,
+                 rpc_timeout: float = 3.0, min_writable: int = 2, replicas: int = DEFAULT_REPLICAS, min_free_mib: int = 256,
                  unfinished_after_s: float = 30.0, secret=None, tls=None, etcd_access: EtcdAccess | None = None,
                  etcd_care: dict | None = None):
         # the MACs of the map's entries are made and checked with the secret's (or admin key file's) admin key

@@ -37,6 +37,7 @@ import trio
 from client import admin
 from client.sdk import ClientError
 from wire.etcdmap import EtcdError, PartView
+from wire.limits import DEFAULT_REPLICAS
 from wire.protocol import Op
 from manager.placement import PlacementError, eligible, pick_spare, place
 
@@ -51,7 +52,7 @@ FORGET_S = 10.0    # a partition no replica holds any more is dropped from the m
 class ManagerTasks:
     """The work of ``m`` (a manager.service.Manager: its etcd handle, DataClient, CAS and ``change``)."""
 
-    def __init__(self, m, *, min_writable: int = 2, replicas: int = 3, min_free_mib: int = 256,
+    def __init__(self, m, *, min_writable: int = 2, replicas: int = DEFAULT_REPLICAS, min_free_mib: int = 256,
                  settle_s: float = 2.0, unfinished_after_s: float = 30.0):
         self.m = m
         self.min_writable = min_writable

@@ -18,6 +18,7 @@ from client.sdk import ClientError, DataClient, Location
 from datanode.config import SyncMode
 from wire.transport.base import TransportChoice
 from wire.protocol import Op
+from wire.limits import DEFAULT_REPLICAS, MAX_NODES, replicas_error
 from tools import cluster as cl
 from tools.bench import bench_command
 from tools.clikit import (ADDR, ADDRS, CTX, Group, Login, ProgressLine, bar, cluster_nodes, cluster_option,
@@ -128,8 +129,8 @@ _start_timeout = click.option("--start-timeout", type=click.FloatRange(1, 3600),
 
 
 @cluster.command("up")
-@click.option("--nodes", "count", type=click.IntRange(1, 64), default=3, show_default=True,
-              help="How many datanodes.")
+@click.option("--nodes", "count", type=click.IntRange(1, MAX_NODES), default=3, show_default=True,
+              help="How many datanodes (all on this host, each a process with its own pool).")
 @cluster_option(required=True, help="Cluster directory (created if needed).")
 @click.option("--base-port", type=click.IntRange(1, 65535),
               help="Node i listens on BASE+i-1 (default: free ports picked at random).")
@@ -142,7 +143,7 @@ _start_timeout = click.option("--start-timeout", type=click.FloatRange(1, 3600),
 @click.option("--replica-timeout", type=click.FloatRange(0.1, 600), default=5.0, show_default=True,
               help="Seconds a follower may take to ack a forwarded write.")
 @click.option("--partition", "pid", type=click.IntRange(1), default=1, show_default=True,
-              help="Id of the partition created on all nodes.")
+              help=f"Id of the partition created on the first {DEFAULT_REPLICAS} nodes (all of them if fewer).")
 @etcd_option
 @click.option("--no-etcd", is_flag=True,
               help="No etcd and no manager: the map is what admins set (dnctl replica/partition commands).")
@@ -156,8 +157,8 @@ _start_timeout = click.option("--start-timeout", type=click.FloatRange(1, 3600),
 @click.option("--json", "as_json", is_flag=True)
 def cluster_up(count, cluster, base_port, sync, transport, pool_mib, replica_timeout, pid, etcd, no_etcd,
                min_writable, insecure, secret, start_timeout, as_json):
-    """Start a local cluster: one etcd member, N datanodes (a partition on all of them, leader node1) and
-    a cluster manager.
+    """Start a local cluster: one etcd member, N datanodes (a partition on the first three, leader node1)
+    and a cluster manager.
 
     \b
     Example:
@@ -230,7 +231,7 @@ def cluster_up(count, cluster, base_port, sync, transport, pool_mib, replica_tim
         async with DataClient.open(timeout=10, **credentials()) as dc:
             part = None
             if not info.get("restarted"):
-                part = await admin.create_partition(dc, pid, addrs)
+                part = await admin.create_partition(dc, pid, addrs[:DEFAULT_REPLICAS])
             return part, await admin.node_status(dc, addrs[0]), await admin.partition_list(dc, addrs[0])
 
     try:
@@ -683,8 +684,8 @@ def partition_create(pid, replicas, count, volume, etcd, cluster, timeout, as_js
     """
     if replicas.strip().isdigit():
         n = int(replicas)
-        if not 1 <= n <= 16:
-            raise click.BadParameter("a replica count must be 1..16", param_hint="--replicas")
+        if replicas_error(n):
+            raise click.BadParameter(replicas_error(n), param_hint="--replicas")
         if pid is not None:
             raise click.UsageError("--id goes with a HOST:PORT list; with a replica count the manager picks ids")
         et = etcd_map(etcd, cluster, what="placing partitions (--replicas N)")
