@@ -73,7 +73,7 @@ class EtcdCare:
     async def members(self) -> list[str]:
         """The members' client URLs (one each), as etcd lists them; the configured endpoints if it cannot."""
         try:
-            r = await self.etcd._post("/cluster/member/list", {})
+            r = await self.etcd.call(lambda c: c.post(c.get_url("/cluster/member/list"), json={}))
             out = [m["clientURLs"][0] for m in r.get("members", []) if m.get("clientURLs")]
             if out:
                 return sorted(out)

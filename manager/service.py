@@ -73,9 +73,9 @@ ADMIN_POOL_MIB = 16
 class Manager:
     def __init__(self, etcd: str, *, prefix: str = "/datanode", name: str = "manager", lease_ttl_s: int = 3,
                  down_after_s: float = 1.0, tick_s: float = 0.25, transport: str = "auto",
-                 rpc_timeout: float = 3.0, min_writable: int = 2, replicas: int = DEFAULT_REPLICAS, min_free_mib: int = 256,
-                 unfinished_after_s: float = 30.0, secret=None, tls=None, etcd_access: EtcdAccess | None = None,
-                 etcd_care: dict | None = None):
+                 rpc_timeout: float = 3.0, min_writable: int = 2, replicas: int = DEFAULT_REPLICAS,
+                 min_free_mib: int = 256, unfinished_after_s: float = 30.0, secret=None, tls=None,
+                 etcd_access: EtcdAccess | None = None, etcd_care: dict | None = None):
         # the MACs of the map's entries are made and checked with the secret's (or admin key file's) admin key
         self.etcd = Etcd(etcd, prefix, timeout=max(1.0, lease_ttl_s / 2), access=etcd_access,
                          admin_key=secret.key(Role.ADMIN) if secret is not None else None)
