@@ -53,9 +53,10 @@ class EtcdCare:
         self.min_free_bytes = min_free_bytes
         self.access = maintenance or etcd.access
         self.can_defrag = maintenance is not None or not etcd.access.user    # no auth: anyone may
-        self.defrags = 0                 # done, for metrics and tests
-        self.failures = 0
+        self.defrags = 0                 # defragmentations done
+        self.failures = 0                # and failed
         self._warned = -float("inf")
+        self._by_url: dict = {}          # one client (one connection, one token) per member
 
     async def run(self) -> None:
         if self.check_s <= 0:
@@ -68,7 +69,11 @@ class EtcdCare:
                 log.warning("etcd upkeep: %s", e)
 
     def _client(self, url: str):
-        return client(url, self.access, timeout=DEFRAG_TIMEOUT_S)
+        if url not in self._by_url:
+            if len(self._by_url) > 64:               # members replaced over a long life
+                self._by_url.clear()
+            self._by_url[url] = client(url, self.access, timeout=DEFRAG_TIMEOUT_S)
+        return self._by_url[url]
 
     async def members(self) -> list[str]:
         """The members' client URLs (one each), as etcd lists them; the configured endpoints if it cannot."""
