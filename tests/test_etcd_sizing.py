@@ -4,7 +4,9 @@ wire/etcdmap.py, tools/etcd_cluster.py).
 * many etcd calls at once through one ``Etcd`` reuse its connections (no "Connection pool is full");
 * the members ``tools/etcd_cluster.py`` starts compact their history on their own and have a quota;
 * the active manager defragments a member whose file is much larger than its use, also under etcd's
-  authentication (defragment is an admin RPC there: the manager's maintenance user).
+  authentication (defragment is an admin RPC there: the manager's maintenance user);
+* a node's registration is rewritten at a bounded byte rate during a burst of new partitions;
+* admin requests beyond what the client's pool holds queue instead of failing.
 """
 from __future__ import annotations
 
@@ -138,4 +140,51 @@ def test_active_manager_defragments_under_etcd_auth(tmp_path):
     finally:
         if mgr is not None:
             mgr.stop()
+        e.stop()
+
+
+def test_a_burst_of_new_partitions_rewrites_the_registration_at_a_bounded_rate(nodes, tmp_path):
+    """A node's registration lists every partition it holds: while hundreds are created one after another it
+    is rewritten at most at REPUBLISH_BYTES_PER_S (every version it had is read back from etcd's history),
+    not once per partition."""
+    import time
+    from datanode.etcdagent import REPUBLISH_BYTES_PER_S
+    from tests.conftest import open_client
+    from wire.etcdmap import Etcd, _b64
+    from wire.protocol import Op
+    e = EtcdProc(tmp_path / "etcd").start()
+    try:
+        node, = nodes(1, etcd=e.url, lease_ttl_s=2, heartbeat_s=0.5)
+        et = Etcd(e.url, timeout=10)
+        key = et.node_key(node.addr)
+
+        async def go():
+            async with open_client("tcp") as dc:
+                for pid in range(1, 501):
+                    await dc.admin(node.addr, Op.PARTITION_CREATE, partition=pid,
+                                   body={"replicas": [node.addr], "epoch": 1})
+            await trio.sleep(2)
+            for _ in range(100):                    # until the last rewrite lists all of them
+                raw, rev = await et.get(key)
+                if raw.count(b'"replicas"') == 500:
+                    return rev
+                await trio.sleep(0.2)
+            raise AssertionError("the registration never listed all 500 partitions")
+        t0 = time.monotonic()
+        rev = run(go)
+        elapsed = time.monotonic() - t0
+        sizes = []
+
+        async def history():
+            r = rev
+            while r:                                # each version, newest first, through its mod revision
+                body = {"key": _b64(key), "revision": r}
+                got = await et.call(lambda c: c.post(c.get_url("/kv/range"), json=body))
+                kv = got["kvs"][0]
+                sizes.append(len(kv.get("value", "")) * 3 // 4)
+                r = int(kv["mod_revision"]) - 1 if int(kv["version"]) > 1 else 0
+        run(history)
+        written = sum(sizes[:-1])                  # every rewrite after the first registration
+        assert written <= REPUBLISH_BYTES_PER_S * elapsed + max(sizes), (len(sizes), written, elapsed)
+    finally:
         e.stop()
