@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -75,9 +76,12 @@ def one(n: int, failover: bool, settle: float):
                 victim = info["nodes"][-1]
                 os.kill(victim["pid"], signal.SIGKILL)
                 t0 = time.monotonic()
-                while any(victim["addr"] in p["replicas"] for p in partitions(root)):
+                while stuck := [p for p in partitions(root) if victim["addr"] in p["replicas"]]:
                     if time.monotonic() - t0 > 600:
-                        raise SystemExit("failover not done within 600 s")
+                        keep = pathlib.Path(tempfile.mkdtemp(prefix="etcd-dbsize-failed-"))
+                        shutil.copytree(root, keep / "c", ignore=shutil.ignore_patterns("data"))
+                        raise SystemExit(f"failover not done within 600 s: {len(stuck)} views still name "
+                                         f"{victim['addr']}, e.g. {stuck[0]}; logs copied to {keep}")
                     time.sleep(2)
                 yield ({"partitions": n, "step": "failover", "s": round(time.monotonic() - t0, 1),
                              **status(url, root)})

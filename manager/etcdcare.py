@@ -67,6 +67,8 @@ class EtcdCare:
                 await self.pass_once()
             except EtcdError as e:
                 log.warning("etcd upkeep: %s", e)
+            except Exception:                  # noqa: BLE001 -- upkeep must never take the manager down
+                log.exception("etcd upkeep: unexpected error (the manager goes on)")
 
     def _client(self, url: str):
         if url not in self._by_url:
