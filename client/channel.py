@@ -25,6 +25,8 @@ from wire.rpc import Links, PeerSilent
 from wire.transport.base import Access, ConnectionClosed, Domain, TransportError, address_of
 from wire.transport.connect import AuthError, NotAdmitted
 
+ADMIN_ANSWER = 1 << 20      # bytes of landing memory an admin request reserves for its JSON answer
+
 
 class ClientError(Exception):
     """A request failed.  ``result`` is the protocol Result (or None for a transport failure)."""
@@ -106,6 +108,10 @@ class Channel:
         self.rregion = domain.register(self.rpool.arena, self.rpool.base_addr,
                                        Access.LOCAL_WRITE | Access.REMOTE_WRITE, scoped=True)
         self.links = Links(nursery, domain, transport=transport, slots=64, connect_timeout=timeout, auth=auth)
+        # an admin answer reserves ADMIN_ANSWER of the receive pool for the whole request: more admin
+        # requests at once than the pool holds would wait for memory and fail ("pool exhausted") -- a
+        # manager moving many partitions at once sends hundreds -- so the excess waits here, unhurried
+        self.admin_slots = trio.CapacityLimiter(max(1, (pool_mib << 20) // ADMIN_ANSWER))
         self.metrics = ClientMetrics()       # Prometheus families for an embedding program (client/metrics.py)
 
     async def hello(self, addr: str) -> None:
@@ -182,12 +188,13 @@ class Channel:
             if sregion is not None:
                 self.domain.deregister(sregion)
 
-    async def admin(self, addr: str, op: Op, *, partition: int = 0, body=None, answer: int = 1 << 20,
+    async def admin(self, addr: str, op: Op, *, partition: int = 0, body=None, answer: int = ADMIN_ANSWER,
                     epoch: int = 0):
         """An admin request with an optional JSON body and JSON answer; raises ClientError on failure."""
         raw = json.dumps(body).encode() if body is not None else None
-        resp, data = await self.request(addr, Header(opcode=op, partition=partition, epoch=epoch), body=raw,
-                                        answer=0 if raw is not None else answer)
+        async with self.admin_slots:
+            resp, data = await self.request(addr, Header(opcode=op, partition=partition, epoch=epoch), body=raw,
+                                            answer=0 if raw is not None else answer)
         check(resp, addr)
         return json.loads(data) if data else resp
 

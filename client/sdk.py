@@ -40,7 +40,7 @@ from typing import AsyncIterator, Awaitable, Iterable
 import trio
 
 from client.appends import Appender
-from client.channel import Channel, ClientError, Location, PartitionInfo, ReplicationError, check
+from client.channel import ADMIN_ANSWER, Channel, ClientError, Location, PartitionInfo, ReplicationError, check
 from client.reads import Reader
 from client.routing import PartitionMap
 from wire import aio, trace
@@ -202,7 +202,7 @@ class DataClient:
         with ``sink``, puts the answer into it and returns b"" in its place."""
         return await self._channel.request(addr, h, body=body, answer=answer, sink=sink, timeout=timeout)
 
-    async def admin(self, addr: str, op: Op, *, partition: int = 0, body=None, answer: int = 1 << 20,
+    async def admin(self, addr: str, op: Op, *, partition: int = 0, body=None, answer: int = ADMIN_ANSWER,
                     epoch: int = 0):
         """An admin request with an optional JSON body and JSON answer; raises ClientError on failure."""
         return await self._channel.admin(addr, op, partition=partition, body=body, answer=answer, epoch=epoch)

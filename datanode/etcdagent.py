@@ -31,6 +31,7 @@ The design of the map and why failover loses no acknowledged write: wire/etcdmap
 """
 from __future__ import annotations
 
+import json
 import math
 import logging
 import os
@@ -49,6 +50,11 @@ log = logging.getLogger(__name__)
 RESYNC_S = 30.0           # a safety net under the watch (which delivers every change at once)
 LEAVE_S = 2.0             # a stopping node waits this long at most for etcd to revoke its lease
 REPUBLISH_S = 10.0
+# A registration lists every partition held, and each rewrite leaves its old version in etcd's history
+# until compacted: bursts of changes (many partitions created or moved) are coalesced so that a node
+# writes at most about this many bytes of registration a second -- one rewrite per change while it holds
+# few partitions, fewer and later (by seconds at most) while it holds thousands.
+REPUBLISH_BYTES_PER_S = 64 << 10
 
 
 class EtcdAgent:
@@ -212,16 +218,19 @@ class EtcdAgent:
     async def _republish(self, lease: Lease, last: dict) -> None:
         """Publish the registration again when its partitions changed, or its free bytes moved by more than
         1% of the disk (checked every ``REPUBLISH_S``): an idle node does not rewrite its key."""
+        next_at = trio.current_time()            # the earliest the next rewrite may go (REPUBLISH_BYTES_PER_S)
         while True:
             self._changed = trio.Event()
             with trio.move_on_after(REPUBLISH_S):
                 await self._changed.wait()
             await trio.sleep(0.05)               # let a burst of changes settle
+            await trio.sleep_until(next_at)
             try:
                 rec = self.record()
                 if _differs(rec, last):
                     await self.etcd.put_entry(self.etcd.node_key(self.node.me), rec, lease.id)
                     last = rec
+                    next_at = trio.current_time() + len(json.dumps(rec)) / REPUBLISH_BYTES_PER_S
             except EtcdError as e:
                 log.warning("etcd: publishing this node failed: %s", e)
 

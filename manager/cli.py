@@ -11,6 +11,7 @@ import trio
 from wire import sdnotify
 from wire.auth import AuthConfigError, Credentials
 from wire.etcdmap import ACCESS_OPTIONS, EtcdAccess, parse_urls
+from wire.limits import DEFAULT_REPLICAS, MAX_REPLICAS
 from wire.transport.base import TransportChoice
 from wire.transport.tls import TlsConfigError, client_context
 
@@ -43,7 +44,7 @@ def _access_options(fn):
 @click.option("--min-writable", type=click.IntRange(0), default=2, show_default=True,
               help="Keep at least this many partitions that take writes (writable, or degraded/recovering "
                    "while they heal) with free space; new ones are placed automatically; 0: never create any.")
-@click.option("--replicas", type=click.IntRange(1, 16), default=3, show_default=True,
+@click.option("--replicas", type=click.IntRange(1, MAX_REPLICAS), default=DEFAULT_REPLICAS, show_default=True,
               help="Replica count of the partitions it creates for --min-writable (fewer if fewer nodes).")
 @click.option("--min-free-mib", type=click.IntRange(0), default=256, show_default=True,
               help="A node with less free disk gets no new replicas; a partition on one does not count as "
@@ -60,12 +61,24 @@ def _access_options(fn):
 @click.option("--tls-ca", type=click.Path(dir_okay=False), envvar="DATANODE_TLS_CA", show_envvar=True,
               help="CA bundle (PEM): speak TLS to the nodes and check their certificates against it.")
 @_access_options
+@click.option("--etcd-maintenance-credentials", type=click.Path(dir_okay=False),
+              envvar="DATANODE_ETCD_MAINTENANCE_CREDENTIALS", show_envvar=True,
+              help="File holding USER:PASSWORD of an etcd user with etcd's root role, used only to defragment "
+                   "the members (etcd lets no lesser role do it); without it, under etcd's authentication, "
+                   "the manager only warns when a member's file is mostly free space.")
+@click.option("--etcd-defrag-check-s", type=click.FloatRange(0), default=300.0, show_default=True,
+              help="Seconds between the active manager's looks at each etcd member's database file "
+                   "(defragmented when mostly free space, one member at a time); 0: never.")
+@click.option("--etcd-defrag-min-free-mib", type=click.IntRange(1), default=32, show_default=True,
+              help="MiB of free space in a member's database file (and at least half of the file) that make "
+                   "it worth defragmenting.")
 @click.option("--metrics-listen", metavar="HOST:PORT",
               help="Serve Prometheus /metrics here (whether active; etcd values ignored as invalid, by reason; "
                    "partitions under-replicated, and for how long).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info")
 def manager_command(etcd, prefix, name, lease_ttl_s, down_after_s, tick_s, transport, min_writable, replicas,
-                    min_free_mib, unfinished_after_s, under_replicated_warn_s, secret_file, tls_ca, metrics_listen,
+                    min_free_mib, unfinished_after_s, under_replicated_warn_s, secret_file, tls_ca,
+                    etcd_maintenance_credentials, etcd_defrag_check_s, etcd_defrag_min_free_mib, metrics_listen,
                     log_level, **access):
     """Run a cluster manager on etcd until SIGTERM/SIGINT.
 
@@ -93,6 +106,8 @@ def manager_command(etcd, prefix, name, lease_ttl_s, down_after_s, tick_s, trans
         raise click.BadParameter(str(e), param_hint="--tls-ca") from None
     try:
         etcd_access = EtcdAccess.load(**access)
+        maintenance = (EtcdAccess.load(**{**access, "credentials": etcd_maintenance_credentials})
+                       if etcd_maintenance_credentials else None)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     if metrics_listen:
@@ -108,7 +123,9 @@ def manager_command(etcd, prefix, name, lease_ttl_s, down_after_s, tick_s, trans
                 tick_s=tick_s, transport=transport, min_writable=min_writable, replicas=replicas,
                 min_free_mib=min_free_mib, unfinished_after_s=unfinished_after_s,
                 under_replicated_warn_s=under_replicated_warn_s, secret=creds, tls=tls,
-                etcd_access=etcd_access)
+                etcd_access=etcd_access,
+                etcd_care={"check_s": etcd_defrag_check_s, "min_free_bytes": etcd_defrag_min_free_mib << 20,
+                           "maintenance": maintenance})
 
     async def main():
         async with trio.open_nursery() as n:

@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Iterable, Mapping
 
+from wire.limits import MAX_PARTITIONS_PER_NODE
+
 
 ROOMY = 0.9      # a node with at least this share of the freest node's free space counts as "most free"
 
@@ -28,9 +30,11 @@ class PlacementError(Exception):
 
 
 def eligible(nodes: Mapping[str, dict], *, exclude: Iterable[str] = (), min_free_bytes: int = 0) -> dict[str, dict]:
-    """The nodes new replicas may go to: not excluded (draining), with at least ``min_free_bytes`` free."""
+    """The nodes new replicas may go to: not excluded (draining), with at least ``min_free_bytes`` free,
+    holding fewer than ``MAX_PARTITIONS_PER_NODE`` partitions."""
     ex = set(exclude)
-    return {a: r for a, r in nodes.items() if a not in ex and int(r.get("free_bytes") or 0) >= min_free_bytes}
+    return {a: r for a, r in nodes.items() if a not in ex and int(r.get("free_bytes") or 0) >= min_free_bytes
+            and len(r.get("partitions") or {}) < MAX_PARTITIONS_PER_NODE}
 
 
 def place(nodes: Mapping[str, dict], count: int, replicas: int, *, held: Mapping[str, int] | None = None,
@@ -63,10 +67,11 @@ def place(nodes: Mapping[str, dict], count: int, replicas: int, *, held: Mapping
 def pick_spare(nodes: Mapping[str, dict], replicas: list[str], *, held: Mapping[str, int] | None = None) -> str | None:
     """One more replica for a partition that has ``replicas`` (re-replication, decommission): a node not
     among them, in a new zone if there is one, then the most free space.  None: no such node."""
-    cands = {a: r for a, r in nodes.items() if a not in replicas}
+    held = Counter(held or {})
+    cands = {a: r for a, r in nodes.items() if a not in replicas and held[a] < MAX_PARTITIONS_PER_NODE}
     if not cands:
         return None
-    return _best(cands, [], Counter(), Counter(held or {}), used_zones={_zone(nodes.get(a)) for a in replicas})
+    return _best(cands, [], Counter(), held, used_zones={_zone(nodes.get(a)) for a in replicas})
 
 
 def _zone(rec: dict | None) -> str:
@@ -80,7 +85,10 @@ def _free(rec: dict) -> int:
 def _best(nodes: Mapping[str, dict], chosen: list[str], placed: Counter, held: Counter,
           used_zones: set[str] | None = None) -> str:
     zones = {_zone(nodes[a]) for a in chosen} | (used_zones or set())
-    cands = [a for a in nodes if a not in chosen]
+    cands = [a for a in nodes if a not in chosen and held[a] + placed[a] < MAX_PARTITIONS_PER_NODE]
+    if not cands:
+        raise PlacementError(f"no node left that holds fewer than {MAX_PARTITIONS_PER_NODE} partitions "
+                             f"(wire/limits.py MAX_PARTITIONS_PER_NODE)")
     top = max(_free(nodes[a]) for a in cands)
 
     def room(a):

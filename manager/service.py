@@ -58,8 +58,10 @@ from prometheus_client.core import GaugeMetricFamily
 
 from client.sdk import ClientError, DataClient
 from wire.etcdmap import Etcd, EtcdAccess, EtcdError, Lease, MapCache, PartView
+from wire.limits import DEFAULT_REPLICAS
 from wire.metrics import etcd_invalid_family
 from wire.protocol import Op, Result, Role
+from manager.etcdcare import EtcdCare
 from manager.redundancy import Redundancy
 from manager.tasks import ManagerTasks
 
@@ -68,14 +70,18 @@ STANDBY_POLL_S = 0.25     # first retry after etcd refused (doubling up to 5 s)
 STANDBY_RESYNC_S = 10.0   # a standby looks at the manager key at least this often (else: on its deletion)
 IDLE_LOOK_S = 5.0         # the active manager passes over a settled map this often (no etcd request)
 MAP_RESYNC_S = 30.0       # full re-read of the map, a safety net under the watch
+# the manager's client pool: one MiB per admin request under way (client/channel.py ADMIN_ANSWER), so this
+# many at once; the rest wait their turn there (a hand-off moves hundreds of partitions at once)
+ADMIN_POOL_MIB = 16
 
 
 class Manager:
     def __init__(self, etcd: str, *, prefix: str = "/datanode", name: str = "manager", lease_ttl_s: int = 3,
                  down_after_s: float = 1.0, tick_s: float = 0.25, transport: str = "auto",
-                 rpc_timeout: float = 3.0, min_writable: int = 2, replicas: int = 3, min_free_mib: int = 256,
-                 unfinished_after_s: float = 30.0, under_replicated_warn_s: float = 30.0, secret=None, tls=None,
-                 etcd_access: EtcdAccess | None = None):
+                 rpc_timeout: float = 3.0, min_writable: int = 2, replicas: int = DEFAULT_REPLICAS,
+                 min_free_mib: int = 256, unfinished_after_s: float = 30.0, under_replicated_warn_s: float = 30.0,
+                 secret=None, tls=None,
+                 etcd_access: EtcdAccess | None = None, etcd_care: dict | None = None):
         # the MACs of the map's entries are made and checked with the secret's (or admin key file's) admin key
         self.etcd = Etcd(etcd, prefix, timeout=max(1.0, lease_ttl_s / 2), access=etcd_access,
                          admin_key=secret.key(Role.ADMIN) if secret is not None else None)
@@ -89,6 +95,7 @@ class Manager:
         self.active = False
         self.down_since: dict[str, float] = {}
         self.cache = MapCache(self.etcd, resync_s=MAP_RESYNC_S)
+        self.care = EtcdCare(self.etcd, **(etcd_care or {}))      # etcd's files defragmented (etcdcare.py)
         self.ticks = 0
         self.dc: DataClient | None = None
         # placement, min_writable, decommission, admins' requests (manager/tasks.py)
@@ -99,7 +106,7 @@ class Manager:
 
     # -- election ---------------------------------------------------------------------------------------
     async def run(self) -> None:
-        async with DataClient.open(transport=self.transport, timeout=self.rpc_timeout, pool_mib=8,
+        async with DataClient.open(transport=self.transport, timeout=self.rpc_timeout, pool_mib=ADMIN_POOL_MIB,
                                    **self.login) as dc, \
                 trio.open_nursery() as n:
             self.dc = dc
@@ -131,6 +138,7 @@ class Manager:
         try:
             async with trio.open_nursery() as n:
                 n.start_soon(self._active_loop)
+                n.start_soon(self.care.run)
                 await lease.keep_alive()            # returns when the lease is lost
                 n.cancel_scope.cancel()
             log.warning("manager %s: lost the manager lease: standing by", self.ident)

@@ -9,7 +9,9 @@ Keys (under the cluster prefix, next to ``nodes/``, ``parts/`` and ``manager``; 
   partitions it made, or ``"state": "failed"`` with an ``error``; the requester reads and deletes it.
   While serving it, the manager records each partition it publishes in the key's ``made`` list (one etcd
   transaction with the partition's view), so a standby that takes over mid-request finishes it and never
-  creates a partition twice.
+  creates a partition twice.  ``made`` holds ids only (the views are in ``parts/``): the key is rewritten
+  once per partition, and a list of whole views there made a request of N partitions write O(N^2) bytes
+  into etcd's history.
 * ``drain/<addr>``  -- the node is being decommissioned (``dnctl node decommission ADDR``).  No new replica
   goes there (placement, re-replication), and every partition naming it is moved, one membership change at
   a time, each through the CAS path every other change takes (``Manager.change``): first a spare is added
@@ -37,6 +39,7 @@ import trio
 from client import admin
 from client.sdk import ClientError
 from wire.etcdmap import EtcdError, PartView
+from wire.limits import DEFAULT_REPLICAS
 from wire.protocol import Op
 from manager.placement import PlacementError, eligible, pick_spare, place
 
@@ -51,7 +54,7 @@ FORGET_S = 10.0    # a partition no replica holds any more is dropped from the m
 class ManagerTasks:
     """The work of ``m`` (a manager.service.Manager: its etcd handle, DataClient, CAS and ``change``)."""
 
-    def __init__(self, m, *, min_writable: int = 2, replicas: int = 3, min_free_mib: int = 256,
+    def __init__(self, m, *, min_writable: int = 2, replicas: int = DEFAULT_REPLICAS, min_free_mib: int = 256,
                  settle_s: float = 2.0, unfinished_after_s: float = 30.0):
         self.m = m
         self.min_writable = min_writable
@@ -154,7 +157,7 @@ class ManagerTasks:
             also = None
             if request is not None:
                 key, body = request
-                body["made"] = body.get("made", []) + [view.to_dict()]
+                body["made"] = body.get("made", []) + [pid]
                 also = (key, body)
             if not await self.m._cas(view, 0, also):
                 raise ClientError(f"partition {pid}: etcd already has it (created concurrently?)")
@@ -314,14 +317,22 @@ class ManagerTasks:
                     raise ValueError(f"unknown request {req.get('op')!r}")
                 count, replicas = int(req["count"]), int(req["replicas"])
                 made = list(req.get("made", []))     # published by a manager before us that did not finish
+                new = []
                 if count > len(made):
-                    made += await self.create(nodes, count - len(made), replicas, request=(key, req),
-                                              volume=req.get("volume") or "")
-                req.update(state="done", partitions=made, manager=self.m.ident)
+                    new = await self.create(nodes, count - len(made), replicas, request=(key, req),
+                                            volume=req.get("volume") or "")
+                req.update(state="done", partitions=await self._views(made) + new, manager=self.m.ident)
             except (PlacementError, ClientError, ValueError, KeyError) as e:
                 req.update(state="failed", error=str(e), manager=self.m.ident)
                 log.warning("request %s failed: %s", key, e)
             await self.m.etcd.put_entry(key, req)
+
+    async def _views(self, made: list) -> list[dict]:
+        """The views of the partitions a request's ``made`` names: ids (their views read from etcd now), or
+        whole views as a manager of an earlier version wrote them."""
+        parts = await self.m.etcd.parts() if any(not isinstance(m, dict) for m in made) else {}
+        return [m if isinstance(m, dict) else parts[int(m)].to_dict() if int(m) in parts else {"id": int(m)}
+                for m in made]
 
     # -- a stopping node's hand-off ------------------------------------------------------------------------
     async def hand_off(self, nodes: dict) -> None:

@@ -16,6 +16,7 @@ import threading
 import time
 
 from datanode import config as config_mod
+from wire.limits import nodes_error
 
 
 _HANDED_OUT: set[int] = set()
@@ -320,8 +321,8 @@ def up(root: pathlib.Path, nodes: int = 3, base_port: int | None = None, *, star
 
     ``cfg`` is node.toml keys (sync, transport, pool_mib, replica_timeout, ...), the same for every node.
     All or nothing: if one node fails to start, the ones already started are stopped again."""
-    if nodes < 1:
-        raise ValueError("a cluster needs at least one node")
+    if nodes_error(nodes):
+        raise ValueError(nodes_error(nodes))
     root.mkdir(parents=True, exist_ok=True)
     if (root / "cluster.json").exists():
         info = load(root)
@@ -389,6 +390,8 @@ def add_node(root: pathlib.Path, port: int | None = None, start_timeout: float =
     """Start one more node (no partitions) in a running cluster's directory, with the cluster's config."""
     info = load(root)
     i = len(info["nodes"]) + 1
+    if nodes_error(i):
+        raise ValueError(nodes_error(i))
     if port is not None and not port_free("127.0.0.1", port):
         raise RuntimeError(f"port {port} on 127.0.0.1 is already in use")
     taken = {int(n["addr"].rpartition(":")[2]) for n in info["nodes"]}

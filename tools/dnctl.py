@@ -18,6 +18,7 @@ from client.sdk import ClientError, DataClient, Location
 from datanode.config import SyncMode
 from wire.transport.base import TransportChoice
 from wire.protocol import Op
+from wire.limits import DEFAULT_REPLICAS, MAX_NODES, replicas_error
 from tools import cluster as cl
 from tools.bench import bench_command
 from tools.clikit import (ADDR, ADDRS, CTX, Group, Login, ProgressLine, bar, cluster_nodes, cluster_option,
@@ -128,8 +129,8 @@ _start_timeout = click.option("--start-timeout", type=click.FloatRange(1, 3600),
 
 
 @cluster.command("up")
-@click.option("--nodes", "count", type=click.IntRange(1, 64), default=3, show_default=True,
-              help="How many datanodes.")
+@click.option("--nodes", "count", type=click.IntRange(1, MAX_NODES), default=3, show_default=True,
+              help="How many datanodes (all on this host, each a process with its own pool).")
 @cluster_option(required=True, help="Cluster directory (created if needed).")
 @click.option("--base-port", type=click.IntRange(1, 65535),
               help="Node i listens on BASE+i-1 (default: free ports picked at random).")
@@ -142,7 +143,7 @@ _start_timeout = click.option("--start-timeout", type=click.FloatRange(1, 3600),
 @click.option("--replica-timeout", type=click.FloatRange(0.1, 600), default=5.0, show_default=True,
               help="Seconds a follower may take to ack a forwarded write.")
 @click.option("--partition", "pid", type=click.IntRange(1), default=1, show_default=True,
-              help="Id of the partition created on all nodes.")
+              help=f"Id of the partition created on the first {DEFAULT_REPLICAS} nodes (all of them if fewer).")
 @etcd_option
 @click.option("--no-etcd", is_flag=True,
               help="No etcd and no manager: the map is what admins set (dnctl replica/partition commands).")
@@ -156,8 +157,8 @@ _start_timeout = click.option("--start-timeout", type=click.FloatRange(1, 3600),
 @click.option("--json", "as_json", is_flag=True)
 def cluster_up(count, cluster, base_port, sync, transport, pool_mib, replica_timeout, pid, etcd, no_etcd,
                min_writable, insecure, secret, start_timeout, as_json):
-    """Start a local cluster: one etcd member, N datanodes (a partition on all of them, leader node1) and
-    a cluster manager.
+    """Start a local cluster: one etcd member, N datanodes (a partition on the first three, leader node1)
+    and a cluster manager.
 
     \b
     Example:
@@ -230,7 +231,7 @@ def cluster_up(count, cluster, base_port, sync, transport, pool_mib, replica_tim
         async with DataClient.open(timeout=10, **credentials()) as dc:
             part = None
             if not info.get("restarted"):
-                part = await admin.create_partition(dc, pid, addrs)
+                part = await admin.create_partition(dc, pid, addrs[:DEFAULT_REPLICAS])
             return part, await admin.node_status(dc, addrs[0]), await admin.partition_list(dc, addrs[0])
 
     try:
@@ -242,6 +243,8 @@ def cluster_up(count, cluster, base_port, sync, transport, pool_mib, replica_tim
             opts = {**opts, **login().paths()}       # the manager authenticates as this command does
             if auth is not None:
                 opts["etcd_credentials"] = str(auth / "manager")    # with its own etcd user
+                if (auth / ec.MAINTENANCE).exists():     # and the user that may defragment etcd
+                    opts["etcd_maintenance_credentials"] = str(auth / ec.MAINTENANCE)
             info["managers"] = live or [ec.start_manager(rootp, etcd_rec["url"], "m1", **opts)]
             cl.save(rootp, info)
     except (click.ClickException, RuntimeError) as e:
@@ -626,8 +629,11 @@ def etcd():
 @click.option("--prefix", default="/datanode", show_default=True, help="The cluster's key prefix in etcd.")
 @click.option("--out", type=click.Path(file_okay=False), required=True,
               help="Directory for the users' credentials (made 0700; one USER:PASSWORD file each, 0600).")
+@click.option("--maintenance", is_flag=True,
+              help="Also a user with etcd's root role for dnmanager --etcd-maintenance-credentials, so the "
+                   "active manager can defragment the members (etcd allows it to no lesser role).")
 @click.option("--json", "as_json", is_flag=True)
-def etcd_setup_auth(etcd, prefix, out, as_json):
+def etcd_setup_auth(etcd, prefix, out, maintenance, as_json):
     """Turn etcd's authentication on for a cluster: one etcd user and role per component, each allowed only
     its keys under --prefix, and the root user (for this setup only; keep its file offline).
 
@@ -636,6 +642,7 @@ def etcd_setup_auth(etcd, prefix, out, as_json):
       manager    reads the map, writes views and its election key  dnmanager --etcd-credentials
       admin      reads the map, writes requests and drain marks   dnctl --etcd-credentials
       mount      reads views and registrations, dnfs metadata     dnfs --etcd-credentials, the SDK
+      maintenance  (--maintenance) etcd's root role, to defragment   dnmanager --etcd-maintenance-credentials
     Copy each file to the hosts of its component only.  On an etcd whose authentication is on already
     (another cluster's), give its root user: dnctl --etcd-credentials ROOT_FILE etcd setup-auth ...
     Example:
@@ -645,7 +652,7 @@ def etcd_setup_auth(etcd, prefix, out, as_json):
     url = etcd_url(etcd, None, what="etcd setup-auth")
     lg = login()
     try:
-        paths = ec.setup_auth(url, pathlib.Path(out), prefix, access=lg.etcd)
+        paths = ec.setup_auth(url, pathlib.Path(out), prefix, access=lg.etcd, maintenance=maintenance)
     except (RuntimeError, OSError) as e:
         raise click.ClickException(str(e)) from None
     emit(paths, as_json, "\n".join(f"{who:9} {path}" for who, path in paths.items())
@@ -699,8 +706,8 @@ def partition_create(pid, replicas, count, volume, etcd, cluster, timeout, as_js
     """
     if replicas.strip().isdigit():
         n = int(replicas)
-        if not 1 <= n <= 16:
-            raise click.BadParameter("a replica count must be 1..16", param_hint="--replicas")
+        if replicas_error(n):
+            raise click.BadParameter(replicas_error(n), param_hint="--replicas")
         if pid is not None:
             raise click.UsageError("--id goes with a HOST:PORT list; with a replica count the manager picks ids")
         et = etcd_map(etcd, cluster, what="placing partitions (--replicas N)")

@@ -30,6 +30,18 @@ AUTH_DIR = "etcd-auth"      # in a cluster directory: one USER:PASSWORD file per
 # bcrypt's least.  It is fixed in a hash when the password is set, so the member runs with it from its start.
 BCRYPT_COST = 4
 
+# What keeps every member's database file bounded (docs/operations.md, "Limits and sizing"):
+# * keep one minute of history: a registration or view rewritten often leaves its old versions behind until
+#   a compaction frees them; a watch that reconnects later than that is told "compacted" and re-reads the
+#   map (wire/etcdmap.py ``_pump_stream``), so a short window costs a re-read, never a missed change;
+# * a quota stated rather than inherited: past it etcd raises its NOSPACE alarm and takes only deletes;
+# * what compaction frees is reused but never returned to the file system: the active manager defragments
+#   a member whose file is much larger than its use (manager/etcdcare.py).
+COMPACTION_RETENTION = "1m"            # etcd's periodic mode: compact to the revision of this long ago
+QUOTA_BACKEND_BYTES = 1 << 30          # bytes
+ETCD_SIZE_FLAGS = ("--auto-compaction-mode", "periodic", "--auto-compaction-retention", COMPACTION_RETENTION,
+                   "--quota-backend-bytes", str(QUOTA_BACKEND_BYTES))
+
 
 def etcd_binary() -> str:
     path = shutil.which("etcd")
@@ -81,7 +93,8 @@ class EtcdProc:
                 "--initial-cluster-state", "existing" if self.existing else "new",
                 "--initial-cluster-token", self.token,
                 "--bcrypt-cost", str(BCRYPT_COST),
-                "--heartbeat-interval", "100", "--election-timeout", "1000", "--log-level", "warn", *self.args]
+                "--heartbeat-interval", "100", "--election-timeout", "1000", "--log-level", "warn",
+                *ETCD_SIZE_FLAGS, *self.args]
         if self.tls:
             argv += ["--cert-file", self.tls.cert, "--key-file", self.tls.key]
             if self.tls.client_ca:
@@ -223,13 +236,16 @@ def start_local_etcd(root: pathlib.Path, rec: dict | None = None, *, auth: bool 
     elif auth:
         root_user = root / AUTH_DIR / "root"
         try:           # a member left by an earlier `up` that failed may have its authentication on already
-            setup_auth(e.url, root / AUTH_DIR,
+            setup_auth(e.url, root / AUTH_DIR, maintenance=True,
                        access=EtcdAccess.load(root_user) if e.existing and root_user.exists() else None)
         except BaseException:
             e.stop()
             raise
         out["auth"] = str((root / AUTH_DIR).resolve())
     return out
+
+
+MAINTENANCE = "maintenance"     # the etcd user that may defragment (etcd's root role), beside the components
 
 
 def user_name(component: str, prefix: str = DEFAULT_PREFIX) -> str:
@@ -240,13 +256,14 @@ def user_name(component: str, prefix: str = DEFAULT_PREFIX) -> str:
 
 
 def setup_auth(url: str, out: pathlib.Path, prefix: str = DEFAULT_PREFIX, *,
-               access: EtcdAccess | None = None) -> dict[str, str]:
+               access: EtcdAccess | None = None, maintenance: bool = False) -> dict[str, str]:
     """Turn etcd's authentication on for the cluster at ``prefix``: one etcd user and role per component,
     each allowed exactly its key ranges (wire/etcdmap.py ``permissions``), and the ``root`` user (setup only).
     Each user's ``USER:PASSWORD`` goes to ``out/NAME`` (0600, ``out`` 0700) before etcd knows it.  ``access``:
     client TLS and, on an etcd whose authentication is on already (another cluster's), its root user -- then
-    only this cluster's users are added.  Returns {component or "root": credentials path}.  RuntimeError
-    says what etcd refused."""
+    only this cluster's users are added.  ``maintenance``: also a user with etcd's root role for the
+    manager's defragmentation (manager/etcdcare.py; etcd grants it to no lesser role).  Returns {component,
+    "maintenance" or "root": credentials path}.  RuntimeError says what etcd refused."""
     access = access or EtcdAccess()
     out.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(out, 0o700)
@@ -259,6 +276,8 @@ def setup_auth(url: str, out: pathlib.Path, prefix: str = DEFAULT_PREFIX, *,
         except EtcdError as e:
             raise RuntimeError(str(e)) from None
     users = {user_name(comp, prefix): comp for comp in COMPONENTS}
+    if maintenance:
+        users[user_name(MAINTENANCE, prefix)] = MAINTENANCE
     if not enabled:
         users["root"] = "root"
     paths = {}
@@ -270,9 +289,9 @@ def setup_auth(url: str, out: pathlib.Path, prefix: str = DEFAULT_PREFIX, *,
             f.write(f"{name}:{pw}\n")
         os.chmod(path, 0o600)
         paths[comp] = str(path.resolve())
-        role = comp if name == "root" else name
+        role = "root" if comp in ("root", MAINTENANCE) else name
         call("/auth/role/add", {"name": role}, exists_ok=True)
-        if name != "root":
+        if role != "root":
             for perm, key, end in permissions(prefix)[comp]:
                 call("/auth/role/grant", {"name": role, "perm": permission(perm, key, end)})
         try:

@@ -242,6 +242,7 @@ def _refusal(e) -> str:
 def _client_class():
     import json as json_mod      # ``post`` has a parameter named json
     import etcd3gw   # imported here: a datanode without etcd configured never needs it
+    import requests.adapters
     import etcd3gw.exceptions as ex
 
     class AuthClient(etcd3gw.Etcd3Client):
@@ -253,6 +254,11 @@ def _client_class():
             super().__init__(host=host, port=port, protocol=protocol, timeout=timeout, api_path="/v3/",
                              ca_cert=access.ca or None, cert_cert=access.cert or None,
                              cert_key=access.key or None)
+            # every call runs in a worker thread: as many connections as threads that may call at once, so
+            # none is opened, used once and thrown away ("Connection pool is full")
+            adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=worker_threads())
+            self.session.mount("http://", adapter)
+            self.session.mount("https://", adapter)
             self.access = access
             self.token = ""
             self._mu = threading.Lock()
@@ -301,6 +307,18 @@ def _client_class():
                                      headers=self.authenticate(), **self._tls())
 
     return AuthClient
+
+
+def worker_threads() -> int:
+    """How many etcd calls may be under way at once in this process: trio's default thread limiter bounds
+    ``trio.to_thread.run_sync`` (through which every call here runs), 40 unless the program changed it."""
+    try:
+        return max(1, int(trio.to_thread.current_default_thread_limiter().total_tokens))
+    except RuntimeError:                   # not in trio (a client made before trio.run)
+        return DEFAULT_WORKER_THREADS
+
+
+DEFAULT_WORKER_THREADS = 40                # trio's default
 
 
 def auth_request(c, path: str, body: dict, *, exists_ok: bool = False) -> None:

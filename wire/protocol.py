@@ -41,6 +41,7 @@ import enum
 import operator
 import struct
 
+from . import limits
 from .crc import crc32c
 
 MAGIC = 0xDA7A
@@ -450,7 +451,7 @@ class BodyError(Exception):
         super().__init__(f"{reason}: {detail}" if detail else reason)
 
 
-MAX_REPLICAS = 16
+MAX_REPLICAS = limits.MAX_REPLICAS
 
 
 def check_address(addr) -> str:
@@ -474,7 +475,7 @@ def decode_view(obj) -> tuple[list[str], int]:
     if not replicas:
         raise BodyError("replicas_empty", "'replicas' is empty")
     if len(replicas) > MAX_REPLICAS:
-        raise BodyError("too_many_replicas", f"{len(replicas)} replicas, at most {MAX_REPLICAS}")
+        raise BodyError("too_many_replicas", limits.replicas_error(len(replicas)))
     for r in replicas:
         check_address(r)
     if len(set(replicas)) != len(replicas):

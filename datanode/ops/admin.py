@@ -11,6 +11,7 @@ from typing import Callable
 
 import trio
 
+from wire.limits import MAX_PARTITIONS_PER_NODE
 from wire.protocol import (
     BodyError,
     Header,
@@ -76,6 +77,10 @@ class AdminOps:
                 if old.replicas == replicas and old.epoch == epoch and volume in ("", old.volume):
                     return h.reply(Result.OK, arg=epoch)
                 raise Reply(Result.EXISTS, arg=old.epoch, why=f"partition {h.partition} exists")
+            if len(self.table.parts) >= MAX_PARTITIONS_PER_NODE:
+                raise Reply(Result.TOO_LARGE, arg=MAX_PARTITIONS_PER_NODE,
+                            why=f"this node holds {len(self.table.parts)} partitions, at most "
+                                f"{MAX_PARTITIONS_PER_NODE} (wire/limits.py)")
             # a copy made at epoch 1 starts a new partition (nothing acknowledged yet); a later epoch adds a
             # replica to one with data: it holds every acknowledged byte once its leader confirmed it
             await store_call(self.table.create, h.partition, replicas, epoch, epoch == 1, volume)

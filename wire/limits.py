@@ -1,0 +1,32 @@
+"""The size limits of a cluster, in one place: the wire checks them, the manager, the datanode and the CLI
+take them as their bounds (docs/operations.md, "Limits and sizing").
+
+* ``MAX_REPLICAS``: replicas of one partition.  A write is acknowledged once every replica holds it, so each
+  one more is one more forward on every write; a view, a PARTITION_CREATE/UPDATE body and a map entry
+  naming more are refused.
+* ``DEFAULT_REPLICAS``: what the manager creates (``dnmanager --replicas``) and ``dnctl cluster up`` puts
+  partition 1 on (fewer with fewer nodes).
+* ``MAX_NODES``: datanodes in one cluster.  Every datanode and the manager follow every registration and
+  view through etcd, and a local cluster (``dnctl cluster up``) runs them all on one host.
+* ``MAX_PARTITIONS_PER_NODE``: partitions one datanode holds.  Its registration in etcd lists them all and
+  must stay under the map's value limit (wire/mapcheck.py ``MAX_VALUE_BYTES``) at a usual replica count; a
+  node refuses to create more, and the manager places none on a node that holds this many.
+"""
+MAX_REPLICAS = 16
+DEFAULT_REPLICAS = 3
+MAX_NODES = 256
+MAX_PARTITIONS_PER_NODE = 4096
+
+
+def replicas_error(n: int) -> str | None:
+    """Why ``n`` is no replica count (one wording everywhere), or None."""
+    if not 1 <= n <= MAX_REPLICAS:
+        return f"a partition has 1..{MAX_REPLICAS} replicas, not {n}"
+    return None
+
+
+def nodes_error(n: int) -> str | None:
+    """Why a cluster cannot have ``n`` datanodes, or None."""
+    if not 1 <= n <= MAX_NODES:
+        return f"a cluster has 1..{MAX_NODES} datanodes, not {n}"
+    return None
