@@ -223,14 +223,20 @@ async def node_view(dc: DataClient, addr: str, pid: int) -> View | None:
     return None
 
 
-async def create_partition(dc: DataClient, pid: int, addrs: list[str], epoch: int = 1, volume: str = "") -> dict:
+async def create_partition(dc: DataClient, pid: int, addrs: list[str], epoch: int = 1, volume: str = "",
+                           *, fresh: bool = False) -> dict:
     """Create partition ``pid`` on every node of ``addrs`` (the followers first, the leader ``addrs[0]``
     last: a leader starts checking its followers at once, and one that found them not hosting the
     partition yet logged it and ran a wasted repair pass).  All or nothing: if one node fails, the
     partition is deleted again from the nodes this call created it on.  ``volume``: the volume it belongs
-    to (every copy keeps it in its meta; fixed for the partition's life)."""
+    to (every copy keeps it in its meta; fixed for the partition's life).
+
+    ``fresh``: the caller has just asked these nodes which partitions they hold (the manager, for a whole
+    batch) and ``pid`` is none of them, so the per-node look for an existing copy is skipped: it lists every
+    partition of each node, which made creating the N-th partition cost O(N).  A node that has the
+    partition after all refuses the create, and the copies this call made are undone as for any failure."""
     existing = {}
-    for addr in addrs:
+    for addr in ([] if fresh else addrs):
         try:
             v = await node_view(dc, addr, pid)
         except ClientError as e:

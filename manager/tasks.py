@@ -48,6 +48,7 @@ MiB = 1 << 20
 # states in which a partition with an installed view takes writes (the SDK's put uses them): a partition
 # that lost a replica for a moment is re-replicated, not replaced by a new one
 TAKES_WRITES = ("writable", "degraded", "recovering")
+CREATE_CHUNK = 32  # partitions created on their nodes at once, then published together (<= CREATE_TXN_MAX)
 FORGET_S = 10.0    # a partition no replica holds any more is dropped from the map after this long
 
 
@@ -147,22 +148,47 @@ class ManagerTasks:
         layout = place(ok, count, replicas, held=held, leading=leading)
         known = set(parts) | {int(p) for r in nodes.values() for p in (r.get("partitions") or {})}
         known |= await self._held_now({a for reps in layout for a in reps})
-        next_id = max(known, default=0) + 1
+        first = max(known, default=0) + 1
+        todo = [(first + i, reps) for i, reps in enumerate(layout)]
         out = []
-        for reps in layout:
-            pid = next_id
-            next_id += 1
-            await admin.create_partition(self.m.dc, pid, reps, volume=volume)
-            view = PartView(pid, reps, 1, want=replicas, synced=list(reps), state="writable", installed=True)
-            also = None
-            if request is not None:
-                key, body = request
-                body["made"] = body.get("made", []) + [pid]
-                also = (key, body)
-            if not await self.m._cas(view, 0, also):
-                raise ClientError(f"partition {pid}: etcd already has it (created concurrently?)")
-            log.warning("partition %d created: replicas %s (leader %s)", pid, ",".join(reps), reps[0])
-            out.append(view.to_dict())
+        # a chunk is created on its nodes concurrently, then published in one etcd transaction: a batch costs
+        # a round trip per chunk, not per partition.  A failed create ends the batch after its chunk's
+        # successes are published (an unpublished copy is dropped later: drop_unfinished).
+        for at in range(0, len(todo), CREATE_CHUNK):
+            chunk = todo[at:at + CREATE_CHUNK]
+            made: dict[int, PartView] = {}
+            failed: list[str] = []
+
+            async def one(pid: int, reps: list[str]) -> None:
+                try:
+                    await admin.create_partition(self.m.dc, pid, reps, volume=volume, fresh=True)
+                except ClientError as e:
+                    failed.append(str(e))
+                    return
+                made[pid] = PartView(pid, reps, 1, want=replicas, synced=list(reps), state="writable",
+                                     installed=True)
+            async with trio.open_nursery() as n:
+                for pid, reps in chunk:
+                    n.start_soon(one, pid, reps)
+            views = [made[pid] for pid, _ in chunk if pid in made]
+            if views:
+                also = None
+                if request is not None:
+                    key, body = request
+                    body["made"] = body.get("made", []) + [v.id for v in views]
+                    also = (key, body)
+                if not await self.m.etcd.create_parts(views, holder=(self.m.etcd.manager_key, self.m.ident),
+                                                      also=also):
+                    raise ClientError(f"partitions {views[0].id}-{views[-1].id}: etcd already has one of them "
+                                      f"(created concurrently?), or this manager is no longer the active one")
+                for v in views:
+                    log.info("partition %d created: replicas %s (leader %s)", v.id, ",".join(v.replicas),
+                             v.replicas[0])
+                log.warning("created partitions %s (%d)", _ids([v.id for v in views]), len(views))
+                out += [v.to_dict() for v in views]
+            if failed:
+                raise ClientError(failed[0] + (f" (and {len(failed) - 1} more in the same batch)"
+                                               if len(failed) > 1 else ""))
         return out
 
     async def _held_now(self, addrs: set[str]) -> set[int]:
@@ -424,3 +450,14 @@ def handoff_plan(view: PartView, leaving: set[str], live: set[str]) -> tuple[lis
         return None, (f"no replica that stays is in sync to take the lead (synced: "
                       f"{','.join(view.synced) or 'none'})")
     return [cands[0]] + [a for a in staying if a != cands[0]], ""
+
+
+def _ids(pids: list[int]) -> str:
+    """``[3, 4, 5, 9]`` -> ``"3-5,9"``: a batch's ids in one short log line."""
+    runs: list[list[int]] = []
+    for p in sorted(pids):
+        if runs and p == runs[-1][1] + 1:
+            runs[-1][1] = p
+        else:
+            runs.append([p, p])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)

@@ -122,6 +122,7 @@ from .mapcheck import Invalid, PartView, check_change, kind_of, map_key, open_en
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "/datanode"
+CREATE_TXN_MAX = 64   # views per ``create_parts`` transaction: each is a compare and a put, under etcd's 128
 # the etcd answers that mean "authenticate again" (a simple token expires after etcd's --auth-token-ttl of
 # disuse, and every token dies with the member that issued it)
 _AUTH_AGAIN = ("invalid auth token", "auth store is old", "user name is empty")
@@ -611,6 +612,27 @@ class Etcd:
         ok, rev = await self.txn(cmp, puts)
         if ok:
             view.rev = rev
+        return ok
+
+    async def create_parts(self, views: list[PartView], *, holder: tuple[str, str],
+                           also: tuple[str, dict] | None = None) -> bool:
+        """Write new partitions' views in one transaction: each only if its key does not exist yet, all only
+        while ``holder`` holds (the manager's election key); ``also``: an admin request's progress, in the
+        same transaction.  All or none.  A batch of creates costs one etcd round trip and one revision, not
+        one per partition (etcd's ``--max-txn-ops``, 128 by default, bounds the batch: ``CREATE_TXN_MAX``)."""
+        if not 0 < len(views) <= CREATE_TXN_MAX:
+            raise ValueError(f"create_parts: {len(views)} views (1 to {CREATE_TXN_MAX} per transaction)")
+        cmp = [{"key": _b64(self.part_key(v.id)), "result": "EQUAL", "target": "CREATE", "create_revision": 0}
+               for v in views]
+        cmp.append({"key": _b64(holder[0]), "result": "EQUAL", "target": "VALUE", "value": _b64(holder[1])})
+        puts = [{"request_put": {"key": _b64(self.part_key(v.id)),
+                                 "value": _b64(self.seal(self.part_key(v.id), v.body()))}} for v in views]
+        if also is not None:
+            puts.append({"request_put": {"key": _b64(also[0]), "value": _b64(self.seal(*also))}})
+        ok, rev = await self.txn(cmp, puts)
+        if ok:
+            for v in views:
+                v.rev = rev
         return ok
 
     async def cas_delete_part(self, pid: int, *, expect_rev: int, holder: tuple[str, str]) -> bool:
