@@ -86,7 +86,7 @@ def check(resp: Header, addr: str, part: PartitionInfo | None = None) -> None:
     raise ClientError(text, res, addr, resp.arg)
 
 
-def _transport_error(addr: str, e: TransportError) -> ClientError:
+def transport_error(addr: str, e: TransportError) -> ClientError:
     err = ClientError(f"{addr}: {e}" if not str(e).startswith(addr) else str(e), node=addr)
     err.silent = isinstance(e, PeerSilent)
     err.auth = isinstance(e, AuthError) and not isinstance(e, NotAdmitted)
@@ -120,7 +120,7 @@ class Channel:
         try:
             await self.links.get(addr)
         except TransportError as e:
-            err = _transport_error(addr, e)
+            err = transport_error(addr, e)
             if err.auth:
                 raise err from None
 
@@ -166,7 +166,7 @@ class Channel:
                 resp = await link.call(h, timeout or self.timeout)
             except TransportError as e:
                 self.metrics.observe(h.opcode, -1, h.length, trio.current_time() - t0)
-                err = _transport_error(addr, e)
+                err = transport_error(addr, e)
                 # a connection we had, found closed (the node restarted, or reset it): a new one may serve
                 err.conn_lost = link is not None and isinstance(e, ConnectionClosed)
                 raise err from None
@@ -235,7 +235,7 @@ class Channel:
                 pending = await link.submit(h, self.timeout)
         except TransportError as e:
             self._unstage(block, region)
-            raise _transport_error(leader, e) from None
+            raise transport_error(leader, e) from None
         except BaseException:
             self._unstage(block, region)
             raise
@@ -245,7 +245,7 @@ class Channel:
             try:
                 resp = await pending.result()
             except TransportError as e:
-                raise _transport_error(leader, e) from None
+                raise transport_error(leader, e) from None
             finally:
                 self._unstage(block, region)
                 self.metrics.observe(Op.WRITE, resp.result if resp is not None else -1, len(data),

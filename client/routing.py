@@ -20,7 +20,7 @@ from typing import Callable
 
 import trio
 
-from client.channel import Channel, ClientError, PartitionInfo, _transport_error, check
+from client.channel import Channel, ClientError, PartitionInfo, transport_error, check
 from wire.etcdmap import Etcd, EtcdError, EtcdUnreachable, PartView, open_channel
 from wire.protocol import OP_SINCE, Header, Op, Result
 from wire.transport.base import TransportError
@@ -109,7 +109,7 @@ class PartitionMap:
         try:
             link = await self.channel.links.get(addr)
         except TransportError as e:
-            raise _transport_error(addr, e) from None      # (a refused hello says so: ``auth``)
+            raise transport_error(addr, e) from None      # (a refused hello says so: ``auth``)
         if link.conn.version < OP_SINCE[Op.MAP_READ]:
             raise NoMapHere(f"{addr}: protocol version {link.conn.version} has no MAP_READ", node=addr)
         while True:

@@ -212,9 +212,15 @@ def test_cluster_follows_real_process_and_restarts_one_node(tmp_path):
         loc = json.loads(dnctl("put", "--cluster", root, "--partition", 1, src, "--json", check=True).out)
         eid = loc["locations"][0]["extent"]
 
-        # restart-node: a new process on the same address, data kept
+        # restart-node: a new process on the same address; the stop handed partition 1 off it (epoch + 1), so
+        # its copy is back once the manager has made it a replica again and repair has filled it
         r = json.loads(dnctl("cluster", "restart-node", b, "--cluster", root, "--json", check=True).out)
         assert r["stopped"]["result"] == "stopped" and r["pid"] != old_b and _pid_gone(old_b)
+        deadline = time.monotonic() + 60
+        while not any(p["id"] == 1 and b in p["replicas"] and b in p["synced"] and p["installed"]
+                      for p in (parts := json.loads(dnctl("partition", "list", "--cluster", root, "--json").out))):
+            assert time.monotonic() < deadline, parts
+            time.sleep(0.5)
         got = tmp_path / "g"
         dnctl("get", "--cluster", root, "--partition", 1, "--extent", eid, "--replica", b, "--out", got, check=True)
         assert got.read_bytes() == src.read_bytes()

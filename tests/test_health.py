@@ -133,7 +133,7 @@ def test_node_health_answers_come_in_pages_that_cover_each_partition_once(monkey
     monkeypatch.setattr(health, "PAGE", 3)
     parts = {pid: NS(pid=pid, leader="L" if pid % 3 else "M", epoch=1, cuts=0, synced=True,
                      store=NS(changes=pid)) for pid in range(1, 21)}
-    table = NS(parts=parts)
+    table = NS(parts=parts, get=parts.get, all=lambda: list(parts.values()))
     seen, start, pages = [], 0, 0
     while start is not None:
         page = health.tokens_page(table, "L", start)
