@@ -91,7 +91,10 @@ class EtcdAgent:
             cap, free = du.total, du.free
         except OSError:
             cap = free = 0
-        parts = {str(p.pid): {"epoch": p.epoch, "replicas": p.replicas} for p in node.table.parts.values()}
+        # a snapshot first: partitions are created in worker threads (store_call), and a comprehension over
+        # the live dict, slow with thousands, fails when one lands in the middle (the node then stopped)
+        held = list(node.table.parts.values())
+        parts = {str(p.pid): {"epoch": p.epoch, "replicas": list(p.replicas)} for p in held}
         return {"addr": node.me, "pid": os.getpid(), "transport": cfg.transport, "zone": cfg.zone,
                 "capacity_bytes": cap, "free_bytes": free, "partitions": parts}
 
