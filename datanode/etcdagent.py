@@ -94,7 +94,7 @@ class EtcdAgent:
             cap, free = du.total, du.free
         except OSError:
             cap = free = 0
-        parts = {str(p.pid): {"epoch": p.epoch, "replicas": p.replicas} for p in node.table.all()}
+        parts = {str(p.pid): {"epoch": p.epoch, "replicas": list(p.replicas)} for p in node.table.all()}
         return {"addr": node.me, "pid": os.getpid(), "transport": cfg.transport, "zone": cfg.zone,
                 "capacity_bytes": cap, "free_bytes": free, "partitions": parts}
 
