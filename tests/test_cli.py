@@ -217,8 +217,10 @@ def test_cluster_follows_real_process_and_restarts_one_node(tmp_path):
         r = json.loads(dnctl("cluster", "restart-node", b, "--cluster", root, "--json", check=True).out)
         assert r["stopped"]["result"] == "stopped" and r["pid"] != old_b and _pid_gone(old_b)
         deadline = time.monotonic() + 60
-        while not any(p["id"] == 1 and b in p["replicas"] and b in p["synced"] and p["installed"]
-                      for p in (parts := json.loads(dnctl("partition", "list", "--cluster", root, "--json").out))):
+        while True:
+            parts = json.loads(dnctl("partition", "list", "--cluster", root, "--json").out)
+            if any(p["id"] == 1 and b in p["replicas"] and b in p["synced"] and p["installed"] for p in parts):
+                break
             assert time.monotonic() < deadline, parts
             time.sleep(0.5)
         got = tmp_path / "g"
