@@ -410,6 +410,10 @@ class Etcd:
         self._mu = threading.Lock()
         self.invalid: dict[str, int] = {}
         self._logged: dict[tuple[str, str], float] = {}
+        # lease requests take threads of their own: behind a burst of map writes (a failover of hundreds of
+        # partitions fills trio's thread limiter) a keepalive waiting for a thread lets the lease lapse, and the
+        # manager that is making the burst loses its election half-way through it
+        self._lease_threads = trio.CapacityLimiter(2)
 
     # -- what is read and written: checked and sealed (wire/mapcheck.py) ------------------------------
     def seal(self, key: str, body: dict) -> str:
@@ -498,11 +502,12 @@ class Etcd:
             return out
         raise EtcdUnreachable("etcd unreachable (" + "; ".join(errors) + ")")
 
-    async def call(self, fn):
-        return await trio.to_thread.run_sync(self._call_sync, fn)
+    async def call(self, fn, *, lease: bool = False):
+        return await trio.to_thread.run_sync(self._call_sync, fn,
+                                             limiter=self._lease_threads if lease else None)
 
-    async def _post(self, path: str, body: dict) -> dict:
-        return await self.call(lambda c: c.post(c.get_url(path), json=body))
+    async def _post(self, path: str, body: dict, *, lease: bool = False) -> dict:
+        return await self.call(lambda c: c.post(c.get_url(path), json=body), lease=lease)
 
     # -- kv -----------------------------------------------------------------------------------------
     async def get_prefix(self, prefix: str) -> tuple[list[tuple[str, bytes, int]], int]:
@@ -535,12 +540,12 @@ class Etcd:
 
     # -- leases -------------------------------------------------------------------------------------
     async def grant(self, ttl: int) -> int:
-        r = await self._post("/lease/grant", {"TTL": int(ttl), "ID": 0})
+        r = await self._post("/lease/grant", {"TTL": int(ttl), "ID": 0}, lease=True)
         return int(r["ID"])
 
     async def keepalive(self, lease: int) -> int:
         """Refresh ``lease``; returns its TTL, or -1 if it has already expired."""
-        r = await self._post("/lease/keepalive", {"ID": lease})
+        r = await self._post("/lease/keepalive", {"ID": lease}, lease=True)
         return int(r.get("result", {}).get("TTL", -1))
 
     async def revoke(self, lease: int) -> None:

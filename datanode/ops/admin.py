@@ -71,19 +71,25 @@ class AdminOps:
             raise bad_body(BodyError("not_a_member", f"this node ({self.me}) is not among the replicas"))
         if not volume and epoch > 1 and self.table.get(h.partition) is None:
             volume = await self._volume_of(h.partition, replicas)
-        async with self.partitions.create_lock:
+        parts = self.partitions
+        async with parts.view_lock(h.partition):     # check-then-create of this id; other ids' go on meanwhile
             old = self.table.get(h.partition)
             if old is not None:
                 if old.replicas == replicas and old.epoch == epoch and volume in ("", old.volume):
                     return h.reply(Result.OK, arg=epoch)
                 raise Reply(Result.EXISTS, arg=old.epoch, why=f"partition {h.partition} exists")
-            if len(self.table.parts) >= MAX_PARTITIONS_PER_NODE:
+            held = len(self.table.parts) + parts.creating
+            if held >= MAX_PARTITIONS_PER_NODE:
                 raise Reply(Result.TOO_LARGE, arg=MAX_PARTITIONS_PER_NODE,
-                            why=f"this node holds {len(self.table.parts)} partitions, at most "
-                                f"{MAX_PARTITIONS_PER_NODE} (wire/limits.py)")
+                            why=f"this node holds {held} partitions, at most {MAX_PARTITIONS_PER_NODE} "
+                                f"(wire/limits.py)")
             # a copy made at epoch 1 starts a new partition (nothing acknowledged yet); a later epoch adds a
             # replica to one with data: it holds every acknowledged byte once its leader confirmed it
-            await store_call(self.table.create, h.partition, replicas, epoch, epoch == 1, volume)
+            parts.creating += 1
+            try:
+                await store_call(self.table.create, h.partition, replicas, epoch, epoch == 1, volume)
+            finally:
+                parts.creating -= 1
         self.partitions.changed(True)
         log.info("partition %d created: replicas %s epoch %d%s", h.partition, ",".join(replicas), epoch,
                  f" volume {volume}" if volume else "")
@@ -183,8 +189,8 @@ class AdminOps:
         """Put a trash entry back as its partition and serve it at once, with the replicas and epoch it had
         (a leader's repair brings it up to date; a newer view fences it).  A partition live here: EXISTS."""
         name = await self.buffers.pull_body(rq.conn, rq.h, decode_trash_restore)
-        async with self.partitions.create_lock, self.partitions.view_lock:   # no create, install or delete
-            pid = int(name.partition(".")[0])
+        pid = int(name.partition(".")[0])
+        async with self.partitions.view_lock(pid):   # no create, install or delete of this partition meanwhile
             if not await trio.to_thread.run_sync((self.table.trash / name).is_dir):
                 raise Reply(Result.NOT_FOUND, why=f"no trash entry {name} on this node")
             live = self.table.get(pid)

@@ -28,8 +28,11 @@ class Partitions:
         self.counters = counters
         self.agent = agent         # the cluster map in etcd, when configured: leaders self-fence by it
         self.changed = changed     # (kick) the partitions held here changed: tell the agent, and repair if kick
-        self.create_lock = trio.Lock()     # partition creates: check-then-create must not interleave
-        self.view_lock = trio.Lock()       # view installs and drops of partitions: one at a time
+        self.creating = 0                  # creates under way (each under its id's view lock): the per-node limit
+        # a partition's view installs, drops and deletes one at a time; other partitions' go on meanwhile: each
+        # saves its meta.json with fsyncs, and a failover moves hundreds of partitions at once -- one node-wide
+        # lock made them wait for each other's fsyncs in a row
+        self._view_locks: dict[int, trio.Lock] = {}
         self.peers = None          # asks another node its REPLICA_STATE (datanode/repair.py Repairer); set by the node
         self.refusals: dict[int, tuple[int, str]] = {}   # pid -> the refused (epoch, why) last logged
 
@@ -83,6 +86,10 @@ class Partitions:
         except StoreError as e:
             raise store_reply(e) from None
 
+    def view_lock(self, pid: int) -> trio.Lock:
+        """The lock of partition ``pid``'s view changes (one per partition id ever seen: a few per node)."""
+        return self._view_locks.setdefault(pid, trio.Lock())
+
     # -- changes ----------------------------------------------------------------------------------------------
     async def install_view(self, pid: int, replicas: list[str], epoch: int) -> bool:
         """Adopt a higher epoch and its replica list (False if ``epoch`` is not above ours).  ViewRefused when
@@ -100,7 +107,7 @@ class Partitions:
         if epoch <= part.epoch:
             return False
         await self._check(part, replicas, epoch)
-        async with self.view_lock:
+        async with self.view_lock(pid):
             part = self.table.get(pid)
             if part is None or epoch <= part.epoch:
                 return False
@@ -129,7 +136,7 @@ class Partitions:
         if part is None or self.me in replicas or not self._newer(part, epoch, equal_ok):
             return False
         await self._check(part, replicas, epoch)
-        async with self.view_lock:
+        async with self.view_lock(pid):
             if self.table.get(pid) is not part or not self._newer(part, epoch, equal_ok):
                 return False
             await store_call(self.table.delete, pid)
@@ -144,7 +151,7 @@ class Partitions:
 
     async def delete_partition(self, pid: int) -> None:
         """An admin's PARTITION_DELETE: the partition and its data go to the trash (idempotent)."""
-        async with self.view_lock:
+        async with self.view_lock(pid):
             if self.table.get(pid) is None:
                 return
             await store_call(self.table.delete, pid)
