@@ -71,8 +71,9 @@ STANDBY_RESYNC_S = 10.0   # a standby looks at the manager key at least this oft
 IDLE_LOOK_S = 5.0         # the active manager passes over a settled map this often (no etcd request)
 MAP_RESYNC_S = 30.0       # full re-read of the map, a safety net under the watch
 # the manager's client pool: one MiB per admin request under way (client/channel.py ADMIN_ANSWER), so this
-# many at once; the rest wait their turn there (a hand-off moves hundreds of partitions at once)
-ADMIN_POOL_MIB = 16
+# many at once; the rest wait their turn there (a hand-off or a failover moves hundreds of partitions at once,
+# two or three installs each: with 16 at once a failover of a third of 1,000 partitions waited on this bound)
+ADMIN_POOL_MIB = 64
 
 
 class Manager:
