@@ -366,7 +366,9 @@ def test_cluster_up_locks_etcd_with_a_role_per_component(tmp_path):
                         await handle.put(key, "{}")
             with pytest.raises(EtcdError, match="permission denied"):
                 await et["datanode"].get(e.key("requests", "r"))   # a node reads views, registrations, hand-offs
-            assert await et["datanode"].get(e.manager_key)            # ... and whether a manager is active
+            with trio.fail_after(15):       # ... and whether a manager is active (it may still be campaigning)
+                while not await et["datanode"].get(e.manager_key):
+                    await trio.sleep(0.2)
             await et["mount"].put("dnfs/v/x", "1")          # dnfs's etcd metadata
         run(main)
         # every --cluster DIR command finds what it needs there
