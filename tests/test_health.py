@@ -8,7 +8,7 @@ import os
 import trio
 
 from wire.protocol import Op
-from tests.conftest import SLACK, create_partition, pattern, run
+from tests.conftest import SLACK, create_partition, open_client, pattern, run
 from tests.test_repair import assert_identical, extent_file, follower
 from client import admin as dr
 
@@ -98,16 +98,17 @@ def test_a_follower_copy_cut_on_disk_while_idle_is_caught_and_repaired(nodes, cl
     run(main)
 
 
-def test_a_follower_of_the_previous_version_is_probed_per_partition(nodes, tmp_path, client):
+def test_a_follower_of_the_previous_version_is_probed_per_partition(nodes, tmp_path):
     """A follower speaking the version before NODE_HEALTH: the leader probes its partitions one by one as
-    before (and the follower of this build once per beat), and both stay healthy."""
+    before (and the follower of this build once per beat), and both stay healthy.  Over TCP, as every
+    version-skew test (tests/test_skew.py starts its nodes so)."""
     from tests.test_skew import MIN_VERSION, VERSION, _start, build
     old = build(tmp_path / "prev", VERSION - 1, MIN_VERSION)
     a, b, c = _start(nodes, [None, old, None], **CFG)
     addrs = [a.addr, b.addr, c.addr]
 
     async def main():
-        async with client(addrs) as dc:
+        async with open_client("tcp", addrs) as dc:
             for pid in range(1, 9):
                 await create_partition(dc, pid, addrs)
                 await dc.write(pid, pattern(pid, 10_000))
