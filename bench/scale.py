@@ -1,4 +1,4 @@
-"""How a default secured cluster copes as its partition count grows (issue 44).
+"""How a default secured cluster copes as its partition count grows.
 
     python bench/scale.py --partitions 10,100,1000 [--nodes 3] [--clients 50] [--json] [--plot scale.png]
 
