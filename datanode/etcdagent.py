@@ -11,10 +11,10 @@ when etcd is unreachable the node keeps serving the map it has:
   (``Node.install_view``, the same path as ``PARTITION_UPDATE``) and the partition is dropped when it does
   not (this node was replaced while it was away: its copy is stale); so is a copy at etcd's own epoch when
   neither view names this node (no node keeps a copy for a view without itself: ops/partitions.py).
-  Partitions etcd does not know are left alone (a cluster run by hand, or not yet adopted by the manager).  Nothing read is obeyed unchecked
-  (wire/mapcheck.py): a view must be well-formed, carry the manager's MAC when the node has a secret, move
-  the epoch forward by a bounded step, and add only registered nodes; anything else is logged, counted
-  (``datanode_etcd_invalid_values_total``) and ignored.
+  Partitions etcd does not know are left alone (a cluster run by hand, or not yet adopted by the manager).
+  Nothing read is obeyed unchecked (wire/mapcheck.py): a view must be well-formed, carry the manager's MAC
+  when the node has a secret, move the epoch forward by a bounded step, and add only registered nodes;
+  anything else is logged, counted (``datanode_etcd_invalid_values_total``) and ignored.
 * **resync**: the whole ``parts/`` range is re-read after (re)registering, after a watch reconnect and every
   ``RESYNC_S``, so a missed event costs at most that long.
 * **leaving** (a controlled shutdown, datanode/drain.py): ``request_handoff`` puts ``handoff/<listen>`` under
@@ -289,8 +289,7 @@ class EtcdAgent:
             # without it (an earlier version installed such views).  Kept, nothing would ever drop or refill
             # it, and the manager would not re-replicate onto a node holding the partition: dropped (checked
             # like any drop: the view's leader must be known to hold every acknowledged byte).
-            if (me not in view.replicas and me not in part.replicas
-                    and await self.node.drop_partition(view.id, view.replicas, view.epoch, equal_ok=True)):
+            if await self.node.drop_partition(view.id, view.replicas, view.epoch, equal_ok=True):
                 log.warning("partition %d: our copy was at etcd's epoch %d, whose replicas (%s) do not name this "
                             "node: dropped", view.id, view.epoch, ",".join(view.replicas))
                 self.changed()
