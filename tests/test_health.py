@@ -27,6 +27,13 @@ async def all_healthy(dc, leader: str, pids, timeout: float = 60.0) -> None:
                 await trio.sleep(HB)
 
 
+async def fill(dc, addrs: list[str], pids, size: int) -> None:
+    """Create each partition of ``pids`` on ``addrs`` (leader first) and write ``size`` bytes into it."""
+    for pid in pids:
+        await create_partition(dc, pid, addrs)
+        await dc.write(pid, pattern(pid, size))
+
+
 async def requests_per_beat(dc, addr: str, seconds: float) -> float:
     """Requests ``addr`` served per heartbeat over ``seconds`` (less the status requests that measure it)."""
     a = (await dc.admin(addr, Op.NODE_STATUS))["counters"]["requests"]
@@ -43,14 +50,10 @@ def test_idle_probes_of_a_follower_node_do_not_grow_with_the_partitions(nodes, c
 
     async def main():
         async with client(addrs) as dc:
-            for pid in range(1, 5):
-                await create_partition(dc, pid, addrs)
-                await dc.write(pid, pattern(pid, 10_000))
+            await fill(dc, addrs, range(1, 5), 10_000)
             await all_healthy(dc, a.addr, range(1, 5))
             few = await requests_per_beat(dc, b.addr, 3.0)
-            for pid in range(5, 65):
-                await create_partition(dc, pid, addrs)
-                await dc.write(pid, pattern(pid, 10_000))
+            await fill(dc, addrs, range(5, 65), 10_000)
             await all_healthy(dc, a.addr, range(1, 65))
             await trio.sleep(2 * HB)
             many = await requests_per_beat(dc, b.addr, 3.0)
@@ -71,9 +74,7 @@ def test_a_follower_copy_cut_on_disk_while_idle_is_caught_and_repaired(nodes, cl
 
     async def main():
         async with client(addrs) as dc:
-            for pid in range(1, 9):
-                await create_partition(dc, pid, addrs)
-                await dc.write(pid, pattern(pid, 300_000))
+            await fill(dc, addrs, range(1, 9), 300_000)
             await all_healthy(dc, a.addr, range(1, 9))
             await trio.sleep(4 * HB)           # idle: every partition is skipped by the node's prober now
             eid = min(await dc.watermarks(victim, a.addr))
@@ -109,9 +110,7 @@ def test_a_follower_of_the_previous_version_is_probed_per_partition(nodes, tmp_p
 
     async def main():
         async with open_client("tcp", addrs) as dc:
-            for pid in range(1, 9):
-                await create_partition(dc, pid, addrs)
-                await dc.write(pid, pattern(pid, 10_000))
+            await fill(dc, addrs, range(1, 9), 10_000)
             await all_healthy(dc, a.addr, range(1, 9))
             conns = {x["identity"]: x for x in (await dc.admin(b.addr, Op.NODE_STATUS))["connections"]
                      if x["identity"]}
