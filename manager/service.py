@@ -35,6 +35,9 @@ partition (design and the no-acknowledged-write-lost argument: wire/etcdmap.py):
 * **install**: a new view is first written to etcd with ``installed = false``; then the datanodes' own
   ``PARTITION_CREATE`` (a new replica) / ``PARTITION_UPDATE`` (followers first, the new leader last) are
   sent, and the view is marked installed.  A member that does not answer is retried on the next tick.
+  Installs run beside the passes (a pass does not wait for them: a follower lost in a failover is removed
+  while the leaders' new views are still being installed), one at a time per partition, and the updates
+  for one node are sent many in a request (manager/viewpush.py: one durable sync per batch on the node).
 
 Nothing read from etcd is obeyed unchecked (wire/mapcheck.py): the map cache ignores -- logs and counts
 (``dnmanager_etcd_invalid_values_total``, ``--metrics-listen``) -- a value that is malformed, lacks the MAC
@@ -64,6 +67,7 @@ from wire.protocol import Op, Result, Role
 from manager.etcdcare import EtcdCare
 from manager.redundancy import Redundancy
 from manager.tasks import ManagerTasks
+from manager.viewpush import ViewPush
 
 log = logging.getLogger(__name__)
 STANDBY_POLL_S = 0.25     # first retry after etcd refused (doubling up to 5 s)
@@ -99,6 +103,9 @@ class Manager:
         self.care = EtcdCare(self.etcd, **(etcd_care or {}))      # etcd's files defragmented (etcdcare.py)
         self.ticks = 0
         self.dc: DataClient | None = None
+        self.push: ViewPush | None = None       # view installs, many per request to a node (viewpush.py)
+        self.installing: set[int] = set()       # partitions whose install runs beside the passes
+        self._bg: trio.Nursery | None = None
         # placement, min_writable, decommission, admins' requests (manager/tasks.py)
         self.tasks = ManagerTasks(self, min_writable=min_writable, replicas=replicas, min_free_mib=min_free_mib,
                                   settle_s=max(2.0, 2 * tick_s), unfinished_after_s=unfinished_after_s)
@@ -111,6 +118,7 @@ class Manager:
                                    **self.login) as dc, \
                 trio.open_nursery() as n:
             self.dc = dc
+            self.push = ViewPush(dc)
             log.info("manager %s: standing by (etcd %s, prefix %s)", self.ident, self.etcd.urls, self.etcd.prefix)
             await n.start(self.cache.run)           # the map, followed by one watch (etcdmap.MapCache)
             delay = STANDBY_POLL_S
@@ -152,6 +160,10 @@ class Manager:
     async def _active_loop(self) -> None:
         """React to the map's changes (pushed by the watch); while something is under way (a replica down
         but not yet ``down_after_s``, an install to retry, a repair to follow) look again every ``tick_s``."""
+        async with trio.open_nursery() as self._bg:
+            await self._react()
+
+    async def _react(self) -> None:
         while True:
             seen = self.cache.seq
             try:
@@ -235,6 +247,8 @@ class Manager:
 
     async def handle(self, view: PartView, nodes: dict, now: float) -> bool:
         """Act on one partition; True while it is not settled (something to look at again soon)."""
+        if view.id in self.installing:
+            return True                             # its new view is being installed (``install_soon``)
         live = set(nodes)
         dead = [r for r in view.replicas if r not in live]
         for r in dead:
@@ -248,17 +262,18 @@ class Manager:
                     await self._set(view, state="read_only")
                 return False                        # until one of its replicas registers again
             survivors = [cands[0]] + [r for r in view.replicas if r in live and r != cands[0]]
-            await self.change(view, survivors, f"leader {view.leader} lost its lease; {cands[0]} leads")
+            await self.change(view, survivors, f"leader {view.leader} lost its lease; {cands[0]} leads",
+                              background=True)
             return True
         gone = [r for r in dead if now - self.down_since[r] >= self.down_after_s]
         if gone:
             await self.change(view, [r for r in view.replicas if r not in gone],
-                              f"follower(s) {','.join(gone)} lost their lease")
+                              f"follower(s) {','.join(gone)} lost their lease", background=True)
             return True
         if dead:
             return True                             # wait down_after_s before shrinking
         if not view.installed:
-            await self.install(view)
+            await self.install_soon(view)
             return True
         unsynced = [r for r in view.replicas if r not in view.synced]
         if unsynced:
@@ -267,7 +282,7 @@ class Manager:
         if len(view.replicas) < view.want:
             spare = self.pick_spare(view, nodes)
             if spare is not None:
-                await self.change(view, view.replicas + [spare], f"re-replicating onto {spare}")
+                await self.change(view, view.replicas + [spare], f"re-replicating onto {spare}", background=True)
                 return True
         if view.state != _state(view):
             await self._set(view, state=_state(view))
@@ -290,7 +305,9 @@ class Manager:
             return True
         return False
 
-    async def change(self, view: PartView, replicas: list[str], why: str) -> None:
+    async def change(self, view: PartView, replicas: list[str], why: str, background: bool = False) -> None:
+        """Move ``view`` to ``replicas`` at epoch + 1 (a CAS in etcd), then install it on its members: before
+        returning, or -- ``background`` -- beside the passes (``install_soon``)."""
         new = PartView(view.id, replicas, view.epoch + 1, want=view.want,
                        synced=[r for r in view.synced if r in replicas], state="recovering", installed=False)
         if not await self._cas(new, view.rev):
@@ -298,14 +315,36 @@ class Manager:
             return
         log.warning("partition %d: epoch %d -> %d, replicas %s -> %s (%s)", view.id, view.epoch, new.epoch,
                     ",".join(view.replicas), ",".join(replicas), why)
-        await self.install(new)
+        if background:
+            await self.install_soon(new)
+        else:
+            await self.install(new)
+
+    async def install_soon(self, view: PartView) -> None:
+        """Install ``view`` beside the passes; until it is done, the passes leave its partition alone.  (A
+        pass run on its own, outside ``run``, installs before returning.)"""
+        if self._bg is None:
+            await self.install(view)
+            return
+        if view.id in self.installing:
+            return
+        self.installing.add(view.id)
+
+        async def run() -> None:
+            try:
+                await self.install(view)
+            except (EtcdError, ClientError) as e:
+                log.warning("partition %d: installing epoch %d: %s (retrying next tick)", view.id, view.epoch, e)
+            finally:
+                self.installing.discard(view.id)    # (a pass is due: tick_s, while this one was busy)
+        self._bg.start_soon(run)
 
     async def install(self, view: PartView) -> None:
         """Deliver ``view`` to its members (followers first, the leader last), then mark it installed."""
         body = {"replicas": view.replicas, "epoch": view.epoch}
         for addr in view.replicas[1:] + view.replicas[:1]:
             try:
-                await self.dc.admin(addr, Op.PARTITION_UPDATE, partition=view.id, body=body)
+                await self.push.update(addr, view.id, body)
             except ClientError as e:
                 if e.result == Result.STALE_EPOCH and e.arg >= view.epoch:
                     continue                        # it has it already (its agent saw etcd first)

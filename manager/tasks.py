@@ -24,7 +24,8 @@ Keys (under the cluster prefix, next to ``nodes/``, ``parts/`` and ``manager``; 
   under its lease, so it goes when the node leaves).  Every partition naming it moves off it at once, one
   change each (``hand_off``, ``handoff_plan``): where it leads, the first synced replica that stays leads
   (epoch + 1: the same fenced change as a failover); where it follows, it is removed (so no write waits for
-  it while it is away).  It gets no new replica while the key lives; once back (a new lease), it is an
+  it while it is away).  The new views are installed beside the passes, many per request to each node
+  (manager/viewpush.py).  It gets no new replica while the key lives; once back (a new lease), it is an
   ordinary spare again and re-replication refills the partitions it left.
 
 A new partition is created on its nodes first (``PARTITION_CREATE``, all or nothing) and then published in
@@ -375,12 +376,14 @@ class ManagerTasks:
             why = (f"{','.join(gone)} stopping: {new[0]} leads" if view.leader in gone else
                    f"{','.join(gone)} stopping: removed until it is back")
             try:
-                await self.m.change(view, new, why)
+                await self.m.change(view, new, why, background=True)
             except (EtcdError, ClientError) as e:
                 log.warning("hand-off: partition %d: %s", view.id, e)
 
         async with trio.open_nursery() as n:
             for view in self.m.cache.parts().values():
+                if view.id in self.m.installing:
+                    continue                        # its new view is being installed: looked at after
                 new, why = handoff_plan(view, self.leaving, live)
                 if new is not None:
                     self._handoff_warned.pop(view.id, None)

@@ -11,11 +11,14 @@ take them as their bounds (docs/operations.md, "Limits and sizing").
 * ``MAX_PARTITIONS_PER_NODE``: partitions one datanode holds.  Its registration in etcd lists them all and
   must stay under the map's value limit (wire/mapcheck.py ``MAX_VALUE_BYTES``) at a usual replica count; a
   node refuses to create more, and the manager places none on a node that holds this many.
+* ``MAX_VIEWS_PER_UPDATE``: views one PARTITION_UPDATE_MANY carries (the manager's batched installs; the
+  answer names the entries not installed as a bitmask of this many bits).
 """
 MAX_REPLICAS = 16
 DEFAULT_REPLICAS = 3
 MAX_NODES = 256
 MAX_PARTITIONS_PER_NODE = 4096
+MAX_VIEWS_PER_UPDATE = 64
 
 
 def replicas_error(n: int) -> str | None:
@@ -29,4 +32,11 @@ def nodes_error(n: int) -> str | None:
     """Why a cluster cannot have ``n`` datanodes, or None."""
     if not 1 <= n <= MAX_NODES:
         return f"a cluster has 1..{MAX_NODES} datanodes, not {n}"
+    return None
+
+
+def views_error(n: int) -> str | None:
+    """Why ``n`` views cannot go in one PARTITION_UPDATE_MANY, or None."""
+    if not 1 <= n <= MAX_VIEWS_PER_UPDATE:
+        return f"a batched view update carries 1..{MAX_VIEWS_PER_UPDATE} views, not {n}"
     return None

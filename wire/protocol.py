@@ -48,10 +48,10 @@ MAGIC = 0xDA7A
 # The protocol versions this build speaks, oldest to newest.  Each connection uses the highest both ends speak
 # (the hello carries each end's range); every header on it carries that number.  What may change within a
 # version and what needs a new one: docs/architecture.md, "Versions and skew".
-VERSION = 8      # 2: BAD_REQUEST split into one result code per condition; 3: authenticated hello, roles;
+VERSION = 9      # 2: BAD_REQUEST split into one result code per condition; 3: authenticated hello, roles;
                  # 4: small WRITE payloads inline (Flag.INLINE); 5: the hello carries a version range and
                  # extensions; 6: NODE_DRAIN; 7: volumes (PARTITION_CREATE's "volume", BAD_BODY bad_volume);
-                 # 8: NODE_HEALTH, MAP_READ
+                 # 8: NODE_HEALTH, MAP_READ; 9: PARTITION_UPDATE_MANY
 MIN_VERSION = 5  # 4 and older send one version and accept only their own: no range to meet them in
 HEADER_SIZE = 88
 MAX_EXTENT = 128 << 20         # an extent is append-only, up to this size
@@ -115,6 +115,11 @@ class Op(enum.IntEnum):
     MAP_READ = 0x2A          # offset = an etcd revision; arg = how long to wait (ms) while nothing changed after
                              #   it; answer: JSON {"ready", "fresh", "rev", "more", "entries": [[key, value, mod_rev]]},
                              #   the ``parts/`` entries changed after ``offset`` as etcd holds them (sealed)
+    PARTITION_UPDATE_MANY = 0x2B  # body: JSON {"views": [{"partition": id, "replicas": [...], "epoch": n}, ...]},
+                             #   at most limits.MAX_VIEWS_PER_UPDATE, ids distinct: each installed as by
+                             #   PARTITION_UPDATE, all made durable together before the answer; answer arg =
+                             #   bitmask of the entries (by index) NOT installed -- ask those one at a time
+                             #   (PARTITION_UPDATE) to learn why.  A view already held counts as installed.
 
 
 class Result(enum.IntEnum):
@@ -189,17 +194,18 @@ OP_ROLES: dict[Op, frozenset] = {
     Op.TRASH_PURGE: frozenset({Role.ADMIN}), Op.NODE_DRAIN: frozenset({Role.ADMIN}),
     # a node may push only a view in which it is the leader (checked by the handler)
     Op.PARTITION_UPDATE: frozenset({Role.ADMIN, Role.NODE}),
+    Op.PARTITION_UPDATE_MANY: frozenset({Role.ADMIN}),
 }
 assert set(OP_ROLES) == set(Op), "every opcode declares its roles"
 # opcodes newer than MIN_VERSION, with the version that brought them: sent only on connections of that
 # version or newer (an older peer refuses them as unknown)
-OP_SINCE: dict[Op, int] = {Op.NODE_DRAIN: 6, Op.NODE_HEALTH: 8, Op.MAP_READ: 8}
+OP_SINCE: dict[Op, int] = {Op.NODE_DRAIN: 6, Op.NODE_HEALTH: 8, Op.MAP_READ: 8, Op.PARTITION_UPDATE_MANY: 9}
 # a PARTITION_CREATE naming a volume goes only to nodes of this version or newer: an older one would drop the
 # key and make a copy in no volume (client/admin.py refuses instead).  A client's hello naming a volume needs
 # such a node too -- an older one drops that hello, which names no HOST:PORT -- but it is sent before any
 # version is agreed: the dialer says so in its error (transport/connect.py).
 VOLUMES_SINCE = 7
-ADMIN_ACTIONS = frozenset({Op.PARTITION_CREATE, Op.PARTITION_UPDATE, Op.PARTITION_DELETE, Op.REPAIR, Op.SCRUB,
+ADMIN_ACTIONS = frozenset({Op.PARTITION_CREATE, Op.PARTITION_UPDATE, Op.PARTITION_UPDATE_MANY, Op.PARTITION_DELETE, Op.REPAIR, Op.SCRUB,
                            Op.TRASH_LIST, Op.TRASH_RESTORE, Op.TRASH_PURGE, Op.NODE_DRAIN})
 
 
@@ -216,7 +222,8 @@ def roles_for(h: "Header") -> frozenset:
 # What a request is allowed to carry.  Checked by decode so handlers see only sane headers:
 # these ops move ``length`` bytes through the requester's buffer, so it must expose at least that many.
 # admin ops whose JSON body the node fetches from the requester's buffer (one-sided READ)
-BODY_OPS = frozenset({Op.PARTITION_CREATE, Op.PARTITION_UPDATE, Op.TRASH_RESTORE, Op.TRASH_PURGE})
+BODY_OPS = frozenset({Op.PARTITION_CREATE, Op.PARTITION_UPDATE, Op.PARTITION_UPDATE_MANY, Op.TRASH_RESTORE,
+                      Op.TRASH_PURGE})
 _LENGTH_IN_BUFFER = frozenset({Op.WRITE, Op.READ, *BODY_OPS})
 MAX_EPOCH = (1 << 63) - 1
 DEFAULT_RESULT_TEXT = {
@@ -485,6 +492,32 @@ def decode_view(obj) -> tuple[list[str], int]:
     if not 1 <= epoch <= MAX_EPOCH:
         raise BodyError("epoch_out_of_range", f"'epoch' must be in 1..{MAX_EPOCH}")
     return list(replicas), epoch
+
+
+def decode_views(obj) -> list[tuple[int, list[str], int]]:
+    """The body of PARTITION_UPDATE_MANY: ``{"views": [{"partition": id, "replicas": [...], "epoch": n}]}``,
+    1..``MAX_VIEWS_PER_UPDATE`` entries, each partition once.  Returns [(id, replicas, epoch)] or raises
+    BodyError naming what is wrong (and which entry)."""
+    obj = _only_keys(obj, {"views"})
+    views = obj.get("views")
+    if not isinstance(views, list) or not views:
+        raise BodyError("missing", "'views' must be a non-empty list")
+    if len(views) > limits.MAX_VIEWS_PER_UPDATE:
+        raise BodyError("too_large", limits.views_error(len(views)))
+    out, seen = [], set()
+    for i, v in enumerate(views):
+        if not isinstance(v, dict):
+            raise BodyError("not_an_object", f"views[{i}] is a {type(v).__name__}, expected an object")
+        pid = v.get("partition")
+        if not isinstance(pid, int) or isinstance(pid, bool) or not 1 <= pid < 1 << 63 or pid in seen:
+            raise BodyError("other", f"views[{i}]: 'partition' must be a distinct id in 1..2^63-1, got {pid!r}")
+        seen.add(pid)
+        try:
+            replicas, epoch = decode_view(_only_keys(v, {"partition", "replicas", "epoch"}))
+        except BodyError as e:
+            raise BodyError(e.reason, f"views[{i}] (partition {pid}): {e.detail}") from None
+        out.append((pid, replicas, epoch))
+    return out
 
 
 MAX_VOLUME_NAME = 64

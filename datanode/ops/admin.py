@@ -21,6 +21,7 @@ from wire.protocol import (
     decode_trash_purge,
     decode_trash_restore,
     decode_view,
+    decode_views,
     decode_volume,
 )
 from ..audit import NOTE as AUDIT_NOTE
@@ -58,6 +59,7 @@ class AdminOps:
 
     def handlers(self) -> dict[Op, Handler]:
         return {Op.PARTITION_CREATE: self.partition_create, Op.PARTITION_UPDATE: self.partition_update,
+                Op.PARTITION_UPDATE_MANY: self.partition_update_many,
                 Op.PARTITION_DELETE: self.partition_delete, Op.PARTITION_LIST: self.partition_list,
                 Op.POOL_STATS: self.pool_stats, Op.NODE_STATUS: self.node_status,
                 Op.PARTITION_HEALTH: self.partition_health, Op.REPAIR: self.request_repair,
@@ -132,6 +134,13 @@ class AdminOps:
         if not installed:
             raise Reply(Result.STALE_EPOCH, arg=part.epoch, why=f"epoch {epoch} is not above {part.epoch}")
         return h.reply(Result.OK, arg=epoch)
+
+    async def partition_update_many(self, rq: Request) -> Header:
+        """Many views at once (a failover, a hand-off), made durable together before the answer; its arg names
+        the entries not installed (a bit per index), each to be sent alone (PARTITION_UPDATE) to learn why."""
+        views = await self.buffers.pull_body(rq.conn, rq.h, decode_views)
+        done = await self.partitions.install_views(views)
+        return rq.h.reply(Result.OK, arg=sum(1 << i for i, ok in enumerate(done) if not ok))
 
     async def partition_delete(self, rq: Request) -> Header:
         self.partitions.hosted(rq.h)

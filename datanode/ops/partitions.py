@@ -3,6 +3,7 @@ it (a self-fenced leader leads nothing), and the changes of the partitions held 
 installed, a partition dropped), one at a time."""
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Callable
 
@@ -122,6 +123,68 @@ class Partitions:
         self.changed(True)                   # leadership may have moved here (or away)
         log.info("partition %d now epoch %d replicas %s", part.pid, epoch, ",".join(replicas))
         return True
+
+    async def install_views(self, views: list[tuple[int, list[str], int]]) -> list[bool]:
+        """``install_view`` for many partitions (PARTITION_UPDATE_MANY: a failover or a hand-off moves hundreds
+        at once), with one durable sync for the batch instead of one per partition; every view is on disk
+        before this returns.  Per view: True when it is installed (now, or was already: the same epoch and
+        replicas).  False -- not here, older, refused (ViewRefused is logged and counted, not raised), or not
+        naming this node (a drop is never batched) -- and the sender asks about it alone to learn why.
+        A disk error saving the batch raises (the request fails; memory holds the new views, as a failed
+        ``install_view`` leaves it)."""
+        ok = [False] * len(views)
+        todo: list[int] = []
+        for i, (pid, replicas, epoch) in enumerate(views):
+            part = self.table.get(pid)
+            if part is None or self.me not in replicas:
+                continue
+            if epoch <= part.epoch:
+                ok[i] = epoch == part.epoch and part.replicas == replicas
+                continue
+            todo.append(i)
+        checked: list[int] = []
+
+        async def check(i: int) -> None:             # may ask the new leader: all of them at once
+            pid, replicas, epoch = views[i]
+            part = self.table.get(pid)
+            if part is None:
+                return
+            try:
+                await self._check(part, replicas, epoch)
+            except ViewRefused:
+                return
+            checked.append(i)
+        async with trio.open_nursery() as n:
+            for i in todo:
+                n.start_soon(check, i)
+        changed: list[tuple[int, Partition]] = []
+        async with contextlib.AsyncExitStack() as locks:
+            for i in sorted(checked, key=lambda i: views[i][0]):    # one order: no two batches deadlock
+                await locks.enter_async_context(self.view_lock(views[i][0]))
+            for i in checked:
+                pid, replicas, epoch = views[i]
+                part = self.table.get(pid)
+                if part is None or epoch <= part.epoch:
+                    continue
+                verdict, why = viewguard.local_verdict(self.me, part.replicas, part.epoch, part.synced, replicas,
+                                                       epoch)
+                if verdict == "refuse":             # our own copy changed while the leader was asked
+                    self._refused(part, replicas, epoch, why)
+                    continue
+                part.synced = viewguard.stays_synced(self.me, part.replicas, part.epoch, part.synced, replicas,
+                                                     epoch)
+                part.replicas, part.epoch = list(replicas), epoch
+                part.acked.clear()
+                changed.append((i, part))
+            if changed:
+                await store_call(self.table.save_many, [part for _, part in changed])
+        for i, part in changed:
+            ok[i] = True
+            self.refusals.pop(part.pid, None)
+            log.info("partition %d now epoch %d replicas %s", part.pid, part.epoch, ",".join(part.replicas))
+        if changed:
+            self.changed(True)
+        return ok
 
     async def drop_partition(self, pid: int, replicas: list[str], epoch: int, *, equal_ok: bool = False) -> bool:
         """A newer view (``replicas`` at ``epoch``) no longer names this node: move our copy to the trash --

@@ -57,8 +57,8 @@ LEADER_ONLY = frozenset({Op.WRITE, Op.TRUNCATE, Op.CREATE_EXTENT, Op.MARK_DELETE
 ON_DATA = LEADER_ONLY | {Op.READ, Op.WATERMARKS, Op.BLOCK_CRCS, Op.REPLICA_STATE, Op.SCRUB_EXTENT}
 # what a node whose data directory is gone refuses: everything that writes under it -- the extent changes a
 # leader alone takes from clients, and the admin ops that change partitions or the trash
-CHANGES_DATA = LEADER_ONLY | {Op.PARTITION_CREATE, Op.PARTITION_UPDATE, Op.PARTITION_DELETE, Op.TRASH_RESTORE,
-                              Op.TRASH_PURGE}
+CHANGES_DATA = LEADER_ONLY | {Op.PARTITION_CREATE, Op.PARTITION_UPDATE, Op.PARTITION_UPDATE_MANY, Op.PARTITION_DELETE,
+                              Op.TRASH_RESTORE, Op.TRASH_PURGE}
 PROVEN_ADMIN = frozenset({Op.TRASH_PURGE})     # never from an unauthenticated peer on another host
 # what a volume-scoped connection may send without naming a partition of its volume: the ops about the node,
 # not a partition (a listing shows ids, replicas and sizes, no data).  Everything else is scoped: an opcode
