@@ -12,6 +12,8 @@ when etcd is unreachable the node keeps serving the map it has:
   not (this node was replaced while it was away: its copy is stale); so is a copy at etcd's own epoch when
   neither view names this node (no node keeps a copy for a view without itself: ops/partitions.py).
   Partitions etcd does not know are left alone (a cluster run by hand, or not yet adopted by the manager).
+  The views of one watch event batch (or of a re-read) that this node takes are installed together, with one
+  durable sync per ``MAX_VIEWS_PER_UPDATE`` (``Node.install_views``): a failover moves hundreds at once.
   Nothing read is obeyed unchecked (wire/mapcheck.py): a view must be well-formed, carry the manager's MAC
   when the node has a secret, move the epoch forward by a bounded step, and add only registered nodes;
   anything else is logged, counted (``datanode_etcd_invalid_values_total``) and ignored.
@@ -41,6 +43,7 @@ import time
 import trio
 
 from wire.etcdmap import Etcd, EtcdError, Lease, PartView, open_channel
+from wire.limits import MAX_VIEWS_PER_UPDATE
 from wire.protocol import Role
 
 from .config import etcd_access
@@ -243,11 +246,13 @@ class EtcdAgent:
                 if batch is None:
                     await self._try_resync()
                     continue
+                views = []
                 for typ, key, value, rev in batch:
                     self.copy.event(typ, key, value, rev)
                     view = self.etcd.open(key, value, rev) if typ == "PUT" else None
                     if view is not None:
-                        await self.apply(view)
+                        views.append(view)
+                await self.apply_many(views)
 
     async def _resync_loop(self) -> None:
         while True:
@@ -263,10 +268,28 @@ class EtcdAgent:
     async def resync(self) -> None:
         kvs, rev = await self.etcd.get_prefix(self.etcd.parts_prefix)
         self.copy.reload(kvs, rev)
-        for key, value, mod in kvs:
-            view = self.etcd.open(key, value, mod)
-            if view is not None:
-                await self.apply(view)
+        views = [self.etcd.open(key, value, mod) for key, value, mod in kvs]
+        await self.apply_many([v for v in views if v is not None])
+
+    async def apply_many(self, views: list[PartView]) -> None:
+        """``apply`` each of ``views``; the plain installs among them (a newer view naming this node, checked
+        here) go together, ``MAX_VIEWS_PER_UPDATE`` per durable sync."""
+        installs: list[PartView] = []
+        for view in views:
+            part = self.node.table.get(view.id)
+            if (part is None or view.epoch <= part.epoch or self.node.me not in view.replicas
+                    or any(r not in part.replicas for r in view.replicas) and self.etcd.mac_key is None):
+                await self.apply(view)              # nothing, a drop, or a check that reads etcd: one at a time
+            elif self.etcd.follows(part.epoch, part.replicas, view):
+                installs.append(view)
+        for at in range(0, len(installs), MAX_VIEWS_PER_UPDATE):
+            chunk = installs[at:at + MAX_VIEWS_PER_UPDATE]
+            try:
+                await self.node.install_views([(v.id, v.replicas, v.epoch) for v in chunk])
+            except Exception:  # noqa: BLE001 - e.g. a disk error saving them: the next resync tries again
+                log.exception("partitions %s: installing etcd's views failed", ",".join(str(v.id) for v in chunk))
+        if installs:
+            self.changed()
 
     async def apply(self, view: PartView) -> None:
         """Install ``view`` if it is newer than ours (or drop our stale copy if it no longer names us).

@@ -60,10 +60,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from client.sdk import ClientError, DataClient
-from wire.etcdmap import Etcd, EtcdAccess, EtcdError, Lease, MapCache, PartView
+from wire.etcdmap import CREATE_TXN_MAX, Etcd, EtcdAccess, EtcdError, Lease, MapCache, PartView
 from wire.limits import DEFAULT_REPLICAS
 from wire.metrics import etcd_invalid_family
 from wire.protocol import Op, Result, Role
+from manager.combine import Combiner
 from manager.etcdcare import EtcdCare
 from manager.redundancy import Redundancy
 from manager.tasks import ManagerTasks
@@ -106,6 +107,10 @@ class Manager:
         self.push: ViewPush | None = None       # view installs, many per request to a node (viewpush.py)
         self.installing: set[int] = set()       # partitions whose install runs beside the passes
         self._bg: trio.Nursery | None = None
+        # the partitions' CASes that wait together go in one etcd transaction (all or none; on a refusal each
+        # is tried alone, to learn which moved)
+        self._cases = Combiner(self._cas_many, max_batch=CREATE_TXN_MAX,
+                               cut_short=lambda _: EtcdError("the view's write to etcd was cut short"))
         # placement, min_writable, decommission, admins' requests (manager/tasks.py)
         self.tasks = ManagerTasks(self, min_writable=min_writable, replicas=replicas, min_free_mib=min_free_mib,
                                   settle_s=max(2.0, 2 * tick_s), unfinished_after_s=unfinished_after_s)
@@ -294,8 +299,33 @@ class Manager:
 
     # -- changes ------------------------------------------------------------------------------------
     async def _cas(self, view: PartView, rev: int, also: tuple[str, str] | None = None) -> bool:
-        return await self.etcd.cas_part(view, expect_rev=rev, holder=(self.etcd.manager_key, self.ident),
-                                        also=also)
+        if also is not None:
+            return await self.etcd.cas_part(view, expect_rev=rev, holder=(self.etcd.manager_key, self.ident),
+                                            also=also)
+        return await self._cases.submit("parts", (view, rev))
+
+    async def _cas_many(self, _dest, items: list[tuple[PartView, int]]) -> list:
+        """Many partitions' CASes: one transaction; refused (some key moved), each alone.  Per item: True
+        (written), False (its key moved: the view changed under us) or the EtcdError it met."""
+        holder = (self.etcd.manager_key, self.ident)
+        if len(items) > 1 and len({v.id for v, _ in items}) == len(items):     # (etcd refuses a key twice)
+            try:
+                if await self.etcd.cas_parts(items, holder=holder):
+                    return [True] * len(items)
+            except EtcdError as e:
+                log.info("%d views in one etcd transaction: %s; writing them one at a time", len(items), e)
+        out: list = [False] * len(items)
+
+        async def alone(i: int) -> None:
+            view, rev = items[i]
+            try:
+                out[i] = await self.etcd.cas_part(view, expect_rev=rev, holder=holder)
+            except EtcdError as e:
+                out[i] = e
+        async with trio.open_nursery() as n:
+            for i in range(len(items)):
+                n.start_soon(alone, i)
+        return out
 
     async def _set(self, view: PartView, **changes) -> bool:
         new = PartView(**{**{k: getattr(view, k) for k in ("id", "replicas", "epoch", "want", "synced",

@@ -619,6 +619,26 @@ class Etcd:
             view.rev = rev
         return ok
 
+    async def cas_parts(self, items: list[tuple[PartView, int]], *, holder: tuple[str, str]) -> bool:
+        """``cas_part`` for many partitions in one transaction, all or none: each view written only if its key
+        is still at its expected revision (0: does not exist yet), all only while ``holder`` holds.  False:
+        some key moved (or the holder changed) -- ``cas_part`` each to learn which.  At most
+        ``CREATE_TXN_MAX`` views (etcd's ``--max-txn-ops``)."""
+        if not 0 < len(items) <= CREATE_TXN_MAX:
+            raise ValueError(f"cas_parts: {len(items)} views (1 to {CREATE_TXN_MAX} per transaction)")
+        cmp, puts = [], []
+        for view, expect_rev in items:
+            key = _b64(self.part_key(view.id))
+            cmp.append({"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": 0} if expect_rev == 0
+                       else {"key": key, "result": "EQUAL", "target": "MOD", "mod_revision": expect_rev})
+            puts.append({"request_put": {"key": key, "value": _b64(self.seal(self.part_key(view.id), view.body()))}})
+        cmp.append({"key": _b64(holder[0]), "result": "EQUAL", "target": "VALUE", "value": _b64(holder[1])})
+        ok, rev = await self.txn(cmp, puts)
+        if ok:
+            for view, _ in items:
+                view.rev = rev
+        return ok
+
     async def create_parts(self, views: list[PartView], *, holder: tuple[str, str],
                            also: tuple[str, dict] | None = None) -> bool:
         """Write new partitions' views in one transaction: each only if its key does not exist yet, all only
