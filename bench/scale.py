@@ -15,6 +15,9 @@ command's limit), and then measures, one row each:
   SDK (bounded concurrency, each retried until it succeeds or the step times out): seconds from the kill
   until the last one succeeded, and how many partitions needed a retry (a write that waited inside the SDK
   for the new view and then succeeded is not a retry);
+* the CPU seconds the cluster's processes (nodes, managers, etcd) spent on the failover, the refill and the
+  controlled stop (until the node exits): the work each costs, which other load on the machine changes far
+  less than it changes their wall time;
 * refill: ``cluster add-node`` (the killed node stays dead); seconds until every partition has its replica
   count again with every replica synced (the etcd map, tools/cluster.py ``sync_pending``);
 * controlled stop: SIGTERM (``cluster stop-node``) the live node holding the most replicas: seconds until
@@ -170,6 +173,43 @@ def node_pids(root: pathlib.Path) -> dict[str, int]:
     return {r["addr"]: r["pid"] for r in cl.status_pids(root) if r["pid"] is not None}
 
 
+def daemon_pids(root: pathlib.Path) -> list[int]:
+    """The cluster's processes now: datanodes, managers, etcd."""
+    info = cl.load(root)
+    pids = list(node_pids(root).values()) + [m["pid"] for m in info.get("managers") or [] if m.get("pid")]
+    return pids + ([info["etcd"]["pid"]] if (info.get("etcd") or {}).get("pid") else [])
+
+
+class DaemonCPU:
+    """CPU seconds the cluster's processes (nodes, managers, etcd) spend between ``start`` and ``stop`` -- the
+    work a step costs, which a machine busy with other work does not change as it does the step's wall time.
+    A process gone by the end counts up to its last reading; one started meanwhile, from its start."""
+
+    def __init__(self, root: pathlib.Path):
+        self.root = root
+        self.first: dict[int, float] = {}
+        self.last: dict[int, float] = {}
+        self.pids = daemon_pids(root)
+        for pid in self.pids:
+            s = cl.cpu_seconds(pid)
+            if s is not None:
+                self.first[pid] = self.last[pid] = s
+
+    def sample(self, look: bool = False) -> None:
+        """Read each process's CPU; ``look``: for processes started meanwhile too (counted from 0)."""
+        if look:
+            self.pids = daemon_pids(self.root)
+        for pid in self.pids:
+            s = cl.cpu_seconds(pid)
+            if s is not None:
+                self.first.setdefault(pid, 0.0)
+                self.last[pid] = s
+
+    def seconds(self) -> float:
+        self.sample(look=True)
+        return round(sum(self.last[p] - self.first[p] for p in self.last), 2)
+
+
 async def idle_cpu(root: pathlib.Path) -> dict:
     pids = node_pids(root)
     before = {a: cl.cpu_seconds(p) for a, p in pids.items()}
@@ -199,6 +239,7 @@ async def failover(root: pathlib.Path, info: dict, et, timeout: float, concurren
     async with DataClient.open(etcd=info["etcd"]["url"], timeout=10, pool_mib=16, **login) as dc:
         await trio.sleep(0.5)                 # the watch is following
         log(f"failover: kill -9 {victim} (leads {leads[victim]} of {len(parts)}; pid {pids[victim]})")
+        cpu = DaemonCPU(root)
         t0 = time.monotonic()
         os.kill(pids[victim], signal.SIGKILL)
 
@@ -215,11 +256,18 @@ async def failover(root: pathlib.Path, info: dict, et, timeout: float, concurren
                         errors[k] = errors.get(k, 0) + 1
                         await trio.sleep(0.2)
 
+        async def sampled() -> None:            # so the victim's last CPU is read close to its death
+            while True:
+                cpu.sample()
+                await trio.sleep(0.5)
         with trio.move_on_after(timeout):
             async with trio.open_nursery() as n:
-                for pid in parts:
-                    n.start_soon(one, pid)
-    out = {"failover_killed": victim, "failover_partitions": len(parts),
+                n.start_soon(sampled)
+                async with trio.open_nursery() as writes:
+                    for pid in parts:
+                        writes.start_soon(one, pid)
+                n.cancel_scope.cancel()
+    out = {"failover_cpu_s": cpu.seconds(),"failover_killed": victim, "failover_partitions": len(parts),
            "failover_retried": sum(1 for p in parts if tries.get(p, 0) > 1),
            "failover_not_writable": len(parts) - len(done),
            "failover_errors": dict(sorted(errors.items(), key=lambda kv: -kv[1])[:8])}
@@ -414,9 +462,11 @@ async def run_one(root: pathlib.Path, n: int, a: argparse.Namespace) -> dict:
     fig.update({f"etcd_{k}_after_failover": v for k, v in st.items()})
 
     async def refill():
+        cpu = DaemonCPU(root)
         t0 = time.monotonic()
         await dnctl("cluster", "add-node", "--cluster", str(root), timeout=120)
         fig["refill_s"] = round(await wait_settled(et, T, t0=t0), 2)
+        fig["refill_cpu_s"] = cpu.seconds()
     await step("refill_s", refill)
 
     async def controlled_stop():
@@ -430,8 +480,18 @@ async def run_one(root: pathlib.Path, n: int, a: argparse.Namespace) -> dict:
         fig["stop_node"] = victim
         fig["stop_node_replicas"] = held[victim]
         log(f"[{n}] SIGTERM {victim} (holds {held[victim]} replicas)")
-        r = await dnctl("cluster", "stop-node", victim, "--cluster", str(root), "--timeout", str(T),
-                        timeout=T + 30)
+        cpu = DaemonCPU(root)
+
+        async def sampled() -> None:
+            while True:
+                cpu.sample()
+                await trio.sleep(0.25)
+        async with trio.open_nursery() as sampling:
+            sampling.start_soon(sampled)
+            r = await dnctl("cluster", "stop-node", victim, "--cluster", str(root), "--timeout", str(T),
+                            timeout=T + 30)
+            sampling.cancel_scope.cancel()
+        fig["stop_cpu_s"] = cpu.seconds()
         if r.get("result") != "stopped":
             fig["notes"] = fig.get("notes", []) + [f"stop-node {victim}: {r.get('result')}"]
             fig["stop_exit_s"] = TIMEOUT
@@ -525,8 +585,11 @@ ROWS = [
     ("a node's idle CPU, cores (median)", "idle_cpu_cores", None),
     ("failover: last partition writable, s", "failover_s", None),
     ("failover: partitions that needed a retry", "failover_retried", None),
+    ("failover: CPU of nodes, manager and etcd, s", "failover_cpu_s", None),
     ("refill after add-node, s", "refill_s", None),
+    ("refill: CPU of nodes, manager and etcd, s", "refill_cpu_s", None),
     ("controlled stop: SIGTERM to exit, s", "stop_exit_s", None),
+    ("controlled stop: CPU until exit, s", "stop_cpu_s", None),
     ("controlled stop: restart to all synced, s", "stop_resync_s", None),
     ("controlled stop: under-replicated 60 s after restart", "stop_under_replicated_60s", None),
     ("clients at once: failures", "clients_failed", None),

@@ -11,7 +11,9 @@ no timer, ``SENDERS`` requests at most under way per node).
 An entry the node did not install (the answer's bitmask: not hosted, an older or refused view, ...) is sent
 again alone as ``PARTITION_UPDATE``, whose result code says why -- the caller sees exactly what a plain
 ``PARTITION_UPDATE`` would have told it.  So does every update to a node whose protocol version predates
-the batch (``OP_SINCE``), and every entry of a batch the node refused as a whole.
+the batch (``OP_SINCE``), and every entry of a batch the node refused as a whole.  A batch the node did not
+answer (unreachable, timed out) fails each of its updates with that error: retried on the next pass, not
+sent again one by one to a node that is already slow.
 """
 from __future__ import annotations
 
@@ -69,7 +71,9 @@ class ViewPush:
                                            body={"views": [{"partition": pid, **body} for pid, body in batch]})
                 again = [i for i in again if resp.arg >> i & 1]
             except ClientError as e:
-                log.info("%s: %d views in one request failed (%s): sending them one at a time", addr,
+                if e.result is None:                # no answer (unreachable, timed out): none is any better
+                    return [e] * len(batch)
+                log.info("%s: %d views in one request refused (%s): sending them one at a time", addr,
                          len(batch), e)
         out: list = [None] * len(batch)
 

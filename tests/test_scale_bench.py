@@ -14,7 +14,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 FIGURES = ["etcd_db_bytes_after_create", "etcd_db_in_use_bytes_after_create", "etcd_db_file_bytes_after_create",
            "etcd_db_bytes_after_failover", "etcd_db_in_use_bytes_after_failover", "create_ms_per_partition",
-           "idle_cpu_cores", "failover_s", "failover_retried", "refill_s", "stop_exit_s", "stop_resync_s",
+           "idle_cpu_cores", "failover_s", "failover_retried", "failover_cpu_s", "refill_s", "refill_cpu_s",
+           "stop_exit_s", "stop_cpu_s", "stop_resync_s",
            "stop_under_replicated_60s", "clients_failed", "clients_open_p50_s", "clients_open_p99_s",
            "etcd_connections_peak"]
 
