@@ -13,7 +13,8 @@ when etcd is unreachable the node keeps serving the map it has:
   neither view names this node (no node keeps a copy for a view without itself: ops/partitions.py).
   Partitions etcd does not know are left alone (a cluster run by hand, or not yet adopted by the manager).
   The views of one watch event batch (or of a re-read) that this node takes are installed together, with one
-  durable sync per ``MAX_VIEWS_PER_UPDATE`` (``Node.install_views``): a failover moves hundreds at once.
+  durable sync per ``MAX_VIEWS_PER_UPDATE`` (``Node.install_views``), and the copies they drop go to the
+  trash together (``Node.drop_partitions``): a failover or a hand-off moves hundreds at once.
   Nothing read is obeyed unchecked (wire/mapcheck.py): a view must be well-formed, carry the manager's MAC
   when the node has a secret, move the epoch forward by a bounded step, and add only registered nodes;
   anything else is logged, counted (``datanode_etcd_invalid_values_total``) and ignored.
@@ -275,20 +276,29 @@ class EtcdAgent:
         """``apply`` each of ``views``; the plain installs among them (a newer view naming this node, checked
         here) go together, ``MAX_VIEWS_PER_UPDATE`` per durable sync."""
         installs: list[PartView] = []
+        drops: list[PartView] = []
         for view in views:
             part = self.node.table.get(view.id)
-            if (part is None or view.epoch <= part.epoch or self.node.me not in view.replicas
+            if (part is None or view.epoch <= part.epoch
                     or any(r not in part.replicas for r in view.replicas) and self.etcd.mac_key is None):
-                await self.apply(view)              # nothing, a drop, or a check that reads etcd: one at a time
+                await self.apply(view)              # nothing, equal epochs, or a check that reads etcd: alone
             elif self.etcd.follows(part.epoch, part.replicas, view):
-                installs.append(view)
+                (installs if self.node.me in view.replicas else drops).append(view)
         for at in range(0, len(installs), MAX_VIEWS_PER_UPDATE):
             chunk = installs[at:at + MAX_VIEWS_PER_UPDATE]
             try:
                 await self.node.install_views([(v.id, v.replicas, v.epoch) for v in chunk])
             except Exception:  # noqa: BLE001 - e.g. a disk error saving them: the next resync tries again
                 log.exception("partitions %s: installing etcd's views failed", ",".join(str(v.id) for v in chunk))
-        if installs:
+        for at in range(0, len(drops), MAX_VIEWS_PER_UPDATE):
+            chunk = drops[at:at + MAX_VIEWS_PER_UPDATE]
+            log.warning("partitions %s: etcd's views no longer name this node; dropping our copies",
+                        ",".join(str(v.id) for v in chunk))
+            try:
+                await self.node.drop_partitions([(v.id, v.replicas, v.epoch) for v in chunk])
+            except Exception:  # noqa: BLE001 - e.g. a disk error moving them: the next resync tries again
+                log.exception("partitions %s: dropping our copies failed", ",".join(str(v.id) for v in chunk))
+        if installs or drops:
             self.changed()
 
     async def apply(self, view: PartView) -> None:

@@ -472,6 +472,28 @@ class PartitionTable:
         log.warning("partition %d: data moved to the trash: %s", pid, dest)
         return dest
 
+    def delete_many(self, pids: list[int]) -> None:
+        """``delete`` for many partitions (a stopping node's hand-off drops every copy it holds): the renames,
+        then one fsync of each of the two directories for all of them."""
+        moved = []
+        try:
+            for pid in pids:
+                p = self.parts.pop(pid)
+                p.dropped = True
+                p.store.close()
+                for k in self._deleted_counts:
+                    self._deleted_counts[k] += getattr(p.store, k)
+                self.trash.mkdir(exist_ok=True)
+                dest = self.trash / f"{pid}.{time.time_ns()}"
+                os.rename(p.root, dest)
+                moved.append((pid, dest))
+        finally:
+            if moved:
+                for d in (self.root, self.trash):
+                    _fsync_dir(d)
+        for pid, dest in moved:
+            log.warning("partition %d: data moved to the trash: %s", pid, dest)
+
     def list_trash(self) -> list[dict]:
         """What the trash holds: [{"name", "partition", "deleted" (unix seconds), "bytes"}], oldest first."""
         out = []

@@ -165,6 +165,9 @@ class Node:
     async def install_views(self, views: list[tuple[int, list[str], int]]) -> list[bool]:
         return await self.partitions.install_views(views)
 
+    async def drop_partitions(self, views: list[tuple[int, list[str], int]]) -> list[bool]:
+        return await self.partitions.drop_partitions(views)
+
     async def drop_partition(self, pid: int, replicas: list[str], epoch: int, *, equal_ok: bool = False) -> bool:
         try:
             return await self.partitions.drop_partition(pid, replicas, epoch, equal_ok=equal_ok)

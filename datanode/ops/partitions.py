@@ -209,6 +209,48 @@ class Partitions:
         self.changed(False)
         return True
 
+    async def drop_partitions(self, views: list[tuple[int, list[str], int]]) -> list[bool]:
+        """``drop_partition`` for many newer views that no longer name this node (a hand-off moves every
+        partition off a stopping node), with one pair of directory fsyncs for the batch.  Per view: True when
+        our copy went to the trash; False when there was nothing to drop or the drop was refused (ViewRefused
+        is logged and counted, not raised)."""
+        ok = [False] * len(views)
+        checked: list[int] = []
+
+        async def check(i: int) -> None:
+            pid, replicas, epoch = views[i]
+            part = self.table.get(pid)
+            if part is None or self.me in replicas or not self._newer(part, epoch, False):
+                return
+            try:
+                await self._check(part, replicas, epoch)
+            except ViewRefused:
+                return
+            checked.append(i)
+        async with trio.open_nursery() as n:
+            for i in range(len(views)):
+                n.start_soon(check, i)
+        gone: list[int] = []
+        async with contextlib.AsyncExitStack() as locks:
+            for i in sorted(checked, key=lambda i: views[i][0]):
+                await locks.enter_async_context(self.view_lock(views[i][0]))
+            for i in checked:
+                pid, _, epoch = views[i]
+                part = self.table.get(pid)
+                if part is not None and self._newer(part, epoch, False):
+                    gone.append(i)
+            if gone:
+                await store_call(self.table.delete_many, [views[i][0] for i in gone])
+        for i in gone:
+            pid, replicas, epoch = views[i]
+            ok[i] = True
+            self.refusals.pop(pid, None)
+            log.info("partition %d dropped for epoch %d (replicas %s, which hold every acknowledged byte); our "
+                     "copy is kept in the trash for %ss", pid, epoch, ",".join(replicas), self.cfg.trash_retention_s)
+        if gone:
+            self.changed(False)
+        return ok
+
     def _newer(self, part: Partition, epoch: int, equal_ok: bool) -> bool:
         return epoch > part.epoch or (equal_ok and epoch == part.epoch and self.me not in part.replicas)
 
