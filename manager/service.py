@@ -26,8 +26,8 @@ partition (design and the no-acknowledged-write-lost argument: wire/etcdmap.py):
   takes writes again with the rest and is ``degraded``.
 * **re-replication**: a partition short of ``want`` replicas gets a spare node (live, not a member, another
   zone than its members where possible, the most free bytes) at epoch + 1; the leader's repair fills it
-  (progress: ``dnctl partition health``); when the leader reports it ``healthy`` it joins ``synced`` and
-  the partition is ``writable`` again.
+  (progress: ``dnctl partition health``; the manager asks it at most every ``FILLED_LOOK_S``); when the
+  leader reports it ``healthy`` it joins ``synced`` and the partition is ``writable`` again.
 * **redundancy** (manager/redundancy.py): every partition below its replica count is tracked from when it
   went under; one under for longer than ``--under-replicated-warn-s`` is logged (metrics: see
   ``ManagerMetrics``).  A node holding a copy that etcd's view does not name is told that view, so it drops
@@ -75,6 +75,9 @@ STANDBY_POLL_S = 0.25     # first retry after etcd refused (doubling up to 5 s)
 STANDBY_RESYNC_S = 10.0   # a standby looks at the manager key at least this often (else: on its deletion)
 IDLE_LOOK_S = 5.0         # the active manager passes over a settled map this often (no etcd request)
 MAP_RESYNC_S = 30.0       # full re-read of the map, a safety net under the watch
+# a partition whose new replica is being filled: its leader is asked how far (PARTITION_HEALTH) at most this
+# often -- a refill of a thousand partitions must not cost a thousand requests every tick_s
+FILLED_LOOK_S = 1.0
 # the manager's client pool: one MiB per admin request under way (client/channel.py ADMIN_ANSWER), so this
 # many at once; the rest wait their turn there (a hand-off or a failover moves hundreds of partitions at once,
 # two or three installs each: with 16 at once a failover of a third of 1,000 partitions waited on this bound)
@@ -106,6 +109,7 @@ class Manager:
         self.dc: DataClient | None = None
         self.push: ViewPush | None = None       # view installs, many per request to a node (viewpush.py)
         self.installing: set[int] = set()       # partitions whose install runs beside the passes
+        self.filled_asked: dict[int, float] = {}   # pid -> when its leader was last asked how far a fill is
         self._bg: trio.Nursery | None = None
         # the partitions' CASes that wait together go in one etcd transaction (all or none; on a refusal each
         # is tried alone, to learn which moved)
@@ -149,6 +153,7 @@ class Manager:
         log.info("manager %s: ACTIVE (lease %x, ttl %ds)", self.ident, lease.id, lease.ttl)
         self.active = True
         self.down_since.clear()
+        self.filled_asked.clear()
         try:
             async with trio.open_nursery() as n:
                 n.start_soon(self._active_loop)
@@ -282,8 +287,11 @@ class Manager:
             return True
         unsynced = [r for r in view.replicas if r not in view.synced]
         if unsynced:
-            await self._check_filled(view, unsynced)
+            if now - self.filled_asked.get(view.id, float("-inf")) >= FILLED_LOOK_S:
+                self.filled_asked[view.id] = now
+                await self._check_filled(view, unsynced)
             return True
+        self.filled_asked.pop(view.id, None)
         if len(view.replicas) < view.want:
             spare = self.pick_spare(view, nodes)
             if spare is not None:
