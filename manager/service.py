@@ -110,6 +110,7 @@ class Manager:
         self.push: ViewPush | None = None       # view installs, many per request to a node (viewpush.py)
         self.installing: set[int] = set()       # partitions whose install runs beside the passes
         self.filled_asked: dict[int, float] = {}   # pid -> when its leader was last asked how far a fill is
+        self.nodes_seen: dict[str, dict] = {}      # the registrations as the last pass saw them
         self._bg: trio.Nursery | None = None
         # the partitions' CASes that wait together go in one etcd transaction (all or none; on a refusal each
         # is tried alone, to learn which moved)
@@ -189,6 +190,7 @@ class Manager:
     async def tick(self) -> bool:
         """One pass over the cached map; True while some partition is not settled (look again soon)."""
         nodes = self.cache.nodes()
+        self.nodes_seen = nodes
         now = trio.current_time()
         for addr in list(self.down_since):
             if addr in nodes:
@@ -381,6 +383,17 @@ class Manager:
         """Deliver ``view`` to its members (followers first, the leader last), then mark it installed."""
         body = {"replicas": view.replicas, "epoch": view.epoch}
         for addr in view.replicas[1:] + view.replicas[:1]:
+            if addr not in view.synced and str(view.id) not in (self.nodes_seen.get(addr) or {}).get("partitions", {}):
+                # a new replica (its registration lists no copy): created at once, not first updated in vain
+                try:
+                    await self.dc.admin(addr, Op.PARTITION_CREATE, partition=view.id, body=body)
+                    log.info("partition %d: created on new replica %s (epoch %d)", view.id, addr, view.epoch)
+                    continue
+                except ClientError as e:
+                    if e.result != Result.EXISTS:   # (it has a copy after all: updated below)
+                        log.warning("partition %d: creating epoch %d on %s failed: %s (retrying next tick)",
+                                    view.id, view.epoch, addr, e)
+                        return
             try:
                 await self.push.update(addr, view.id, body)
             except ClientError as e:

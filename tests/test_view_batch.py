@@ -13,6 +13,8 @@ import trio
 from client.sdk import ClientError
 from manager.viewpush import ViewPush
 from tests.conftest import open_client, run
+from tests.test_etcd import etcd  # noqa: F401 - a single-member etcd of the test's own
+from tools.etcd_cluster import etcd_binary
 from tests.test_skew import _start, build
 from wire.limits import MAX_VIEWS_PER_UPDATE
 from wire.protocol import OP_SINCE, VERSION, Op, Result
@@ -50,7 +52,8 @@ def test_a_batch_installs_what_it_can_and_names_the_rest(nodes):
             again = await dc.admin(a.addr, Op.PARTITION_UPDATE_MANY, body={"views": views})
             assert again.arg == (1 << 3) | (1 << 10)
             # more than the limit, or a partition twice: refused as a whole, nothing changes
-            for bad in ([{"partition": p, "replicas": [a.addr], "epoch": 3} for p in range(1, MAX_VIEWS_PER_UPDATE + 2)],
+            for bad in ([{"partition": p, "replicas": [a.addr], "epoch": 3}
+                         for p in range(1, MAX_VIEWS_PER_UPDATE + 2)],
                         [{"partition": 1, "replicas": [a.addr], "epoch": 3}] * 2):
                 with pytest.raises(ClientError) as ei:
                     await dc.admin(a.addr, Op.PARTITION_UPDATE_MANY, body={"views": bad})
@@ -142,3 +145,101 @@ def test_a_node_of_the_previous_version_gets_one_update_per_partition(nodes, tmp
             assert push.singles < 60, push.singles
     run(main)
     assert "PARTITION_UPDATE_MANY" not in old.log_path.read_text()
+
+
+# ------------------------------------------------------------------ the manager's combiner (pure: no sockets)
+def test_the_combiner_sends_what_waits_together_and_answers_each_caller():
+    """The first item goes at once; what arrives while it is under way goes in the next request (at most
+    max_batch); each caller gets its own result or exception; a cancelled sender strands nobody."""
+    from manager.combine import Combiner
+    sent: list[list] = []
+    gate = trio.Event()
+
+    async def send_many(dest, values):
+        sent.append(list(values))
+        await gate.wait()
+        return [ValueError(v) if v % 7 == 0 else v * 10 for v in values]
+
+    async def main():
+        c = Combiner(send_many, max_batch=4, senders=1, cut_short=lambda d: RuntimeError(f"cut short {d}"))
+        got: dict[int, object] = {}
+
+        async def ask(v):
+            try:
+                got[v] = await c.submit("a", v)
+            except ValueError as e:
+                got[v] = e
+        async with trio.open_nursery() as n:
+            for v in range(1, 11):
+                n.start_soon(ask, v)
+            await trio.sleep(0.01)
+            gate.set()
+        assert [len(b) for b in sent] == [1, 4, 4, 1], sent
+        assert sorted(v for b in sent for v in b) == list(range(1, 11))
+        assert all(got[v] == v * 10 for v in range(1, 11) if v % 7), got
+        assert isinstance(got[7], ValueError)
+        # a sender cancelled mid-request: its batch's other callers get cut_short, later ones still go
+        gate2 = trio.Event()
+        sent.clear()
+
+        async def slow(dest, values):
+            sent.append(list(values))
+            await gate2.wait()
+            return list(values)
+        c2 = Combiner(slow, max_batch=4, senders=1, cut_short=lambda d: RuntimeError("cut short"))
+        out: dict[int, object] = {}
+
+        async def ask2(v):
+            try:
+                out[v] = await c2.submit("a", v)
+            except RuntimeError as e:
+                out[v] = str(e)
+        async with trio.open_nursery() as n:
+            cancel = trio.CancelScope()
+
+            async def first_caller():
+                with cancel:
+                    await c2.submit("a", 1)
+            n.start_soon(first_caller)
+            await trio.sleep(0.01)                       # 1 is under way alone
+            for v in (2, 3):
+                n.start_soon(ask2, v)
+            await trio.sleep(0.01)
+            cancel.cancel()                              # the sender of [1] goes; 2 and 3 are sent by one of them
+            await trio.sleep(0.01)
+            gate2.set()
+        assert sent[0] == [1] and sorted(sent[1]) == [2, 3] and len(sent) == 2, sent
+        assert out == {2: 2, 3: 3}, out
+    run(main)
+
+
+def _no_etcd() -> str:
+    try:
+        etcd_binary()
+    except FileNotFoundError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.skipif(bool(_no_etcd()), reason=_no_etcd() or "-")
+def test_etcd_cas_parts_writes_all_or_none(etcd):  # noqa: F811 - the fixture
+    """Many views in one transaction: written only if every key is at its expected revision and the holder
+    holds; one moved key refuses the whole batch and writes nothing."""
+    from wire.etcdmap import Etcd, PartView
+    e = etcd()
+
+    async def main():
+        et = Etcd(e.url, "/t")
+        await et.put(et.key("manager"), "me")
+        views = [PartView(pid, ["127.0.0.1:1"], 1, want=1, synced=["127.0.0.1:1"]) for pid in (1, 2, 3)]
+        assert await et.cas_parts([(v, 0) for v in views], holder=(et.key("manager"), "me"))
+        parts = await et.parts()
+        assert sorted(parts) == [1, 2, 3] and {p.rev for p in parts.values()} == {views[0].rev}
+        newer = [PartView(pid, ["127.0.0.1:1"], 2, want=1, synced=["127.0.0.1:1"]) for pid in (1, 2, 3)]
+        stale = [(newer[0], parts[1].rev), (newer[1], parts[2].rev - 1), (newer[2], parts[3].rev)]
+        assert not await et.cas_parts(stale, holder=(et.key("manager"), "me"))
+        assert not await et.cas_parts([(v, parts[v.id].rev) for v in newer], holder=(et.key("manager"), "other"))
+        assert {p.epoch for p in (await et.parts()).values()} == {1}
+        assert await et.cas_parts([(v, parts[v.id].rev) for v in newer], holder=(et.key("manager"), "me"))
+        assert {p.epoch for p in (await et.parts()).values()} == {2}
+    run(main)

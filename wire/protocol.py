@@ -205,8 +205,9 @@ OP_SINCE: dict[Op, int] = {Op.NODE_DRAIN: 6, Op.NODE_HEALTH: 8, Op.MAP_READ: 8, 
 # such a node too -- an older one drops that hello, which names no HOST:PORT -- but it is sent before any
 # version is agreed: the dialer says so in its error (transport/connect.py).
 VOLUMES_SINCE = 7
-ADMIN_ACTIONS = frozenset({Op.PARTITION_CREATE, Op.PARTITION_UPDATE, Op.PARTITION_UPDATE_MANY, Op.PARTITION_DELETE, Op.REPAIR, Op.SCRUB,
-                           Op.TRASH_LIST, Op.TRASH_RESTORE, Op.TRASH_PURGE, Op.NODE_DRAIN})
+ADMIN_ACTIONS = frozenset({Op.PARTITION_CREATE, Op.PARTITION_UPDATE, Op.PARTITION_DELETE, Op.REPAIR, Op.SCRUB,
+                           Op.TRASH_LIST, Op.TRASH_RESTORE, Op.TRASH_PURGE, Op.NODE_DRAIN,
+                           Op.PARTITION_UPDATE_MANY})
 
 
 _NODE_ONLY = frozenset({Role.NODE})

@@ -164,7 +164,10 @@ class Partitions:
             for i in checked:
                 pid, replicas, epoch = views[i]
                 part = self.table.get(pid)
-                if part is None or epoch <= part.epoch:
+                if part is None:
+                    continue
+                if epoch <= part.epoch:                 # installed meanwhile (the etcd agent saw it first)?
+                    ok[i] = epoch == part.epoch and part.replicas == replicas
                     continue
                 verdict, why = viewguard.local_verdict(self.me, part.replicas, part.epoch, part.synced, replicas,
                                                        epoch)
