@@ -277,6 +277,7 @@ class EtcdAgent:
         here) go together, ``MAX_VIEWS_PER_UPDATE`` per durable sync."""
         installs: list[PartView] = []
         drops: list[PartView] = []
+        views = list({v.id: v for v in views}.values())     # a partition changed twice in a batch: the last
         for view in views:
             part = self.node.table.get(view.id)
             if (part is None or view.epoch <= part.epoch

@@ -134,9 +134,10 @@ class Partitions:
         ``install_view`` leaves it)."""
         ok = [False] * len(views)
         todo: list[int] = []
+        last = {pid: i for i, (pid, _, _) in enumerate(views)}     # (the wire refuses a partition twice)
         for i, (pid, replicas, epoch) in enumerate(views):
             part = self.table.get(pid)
-            if part is None or self.me not in replicas:
+            if part is None or self.me not in replicas or last[pid] != i:
                 continue
             if epoch <= part.epoch:
                 ok[i] = epoch == part.epoch and part.replicas == replicas
@@ -219,11 +220,12 @@ class Partitions:
         is logged and counted, not raised)."""
         ok = [False] * len(views)
         checked: list[int] = []
+        last = {pid: i for i, (pid, _, _) in enumerate(views)}
 
         async def check(i: int) -> None:
             pid, replicas, epoch = views[i]
             part = self.table.get(pid)
-            if part is None or self.me in replicas or not self._newer(part, epoch, False):
+            if part is None or self.me in replicas or not self._newer(part, epoch, False) or last[pid] != i:
                 return
             try:
                 await self._check(part, replicas, epoch)
