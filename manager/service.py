@@ -26,8 +26,9 @@ partition (design and the no-acknowledged-write-lost argument: wire/etcdmap.py):
   takes writes again with the rest and is ``degraded``.
 * **re-replication**: a partition short of ``want`` replicas gets a spare node (live, not a member, another
   zone than its members where possible, the most free bytes) at epoch + 1; the leader's repair fills it
-  (progress: ``dnctl partition health``; the manager asks it at most every ``FILLED_LOOK_S``); when the
-  leader reports it ``healthy`` it joins ``synced`` and the partition is ``writable`` again.
+  (progress: ``dnctl partition health``; asked every pass, or at most every ``FILLED_LOOK_S`` while more
+  than ``FILLING_EACH_PASS`` partitions are being filled); when the leader reports it ``healthy`` it joins
+  ``synced`` and the partition is ``writable`` again.
 * **redundancy** (manager/redundancy.py): every partition below its replica count is tracked from when it
   went under; one under for longer than ``--under-replicated-warn-s`` is logged (metrics: see
   ``ManagerMetrics``).  A node holding a copy that etcd's view does not name is told that view, so it drops
@@ -75,8 +76,10 @@ STANDBY_POLL_S = 0.25     # first retry after etcd refused (doubling up to 5 s)
 STANDBY_RESYNC_S = 10.0   # a standby looks at the manager key at least this often (else: on its deletion)
 IDLE_LOOK_S = 5.0         # the active manager passes over a settled map this often (no etcd request)
 MAP_RESYNC_S = 30.0       # full re-read of the map, a safety net under the watch
-# a partition whose new replica is being filled: its leader is asked how far (PARTITION_HEALTH) at most this
-# often -- a refill of a thousand partitions must not cost a thousand requests every tick_s
+# partitions whose new replica is being filled: their leaders are asked how far (PARTITION_HEALTH) every pass
+# while at most FILLING_EACH_PASS are; with more, each at most every FILLED_LOOK_S -- a refill of a thousand
+# partitions must not cost a thousand requests every tick_s
+FILLING_EACH_PASS = 64
 FILLED_LOOK_S = 1.0
 # the manager's client pool: one MiB per admin request under way (client/channel.py ADMIN_ANSWER), so this
 # many at once; the rest wait their turn there (a hand-off or a failover moves hundreds of partitions at once,
@@ -111,6 +114,7 @@ class Manager:
         self.installing: set[int] = set()       # partitions whose install runs beside the passes
         self.filled_asked: dict[int, float] = {}   # pid -> when its leader was last asked how far a fill is
         self.nodes_seen: dict[str, dict] = {}      # the registrations as the last pass saw them
+        self.filling = self.filling_before = 0     # partitions being filled, this pass and the last
         self._bg: trio.Nursery | None = None
         # the partitions' CASes that wait together go in one etcd transaction (all or none; on a refusal each
         # is tried alone, to learn which moved)
@@ -191,6 +195,7 @@ class Manager:
         """One pass over the cached map; True while some partition is not settled (look again soon)."""
         nodes = self.cache.nodes()
         self.nodes_seen = nodes
+        self.filling_before, self.filling = self.filling, 0
         now = trio.current_time()
         for addr in list(self.down_since):
             if addr in nodes:
@@ -289,7 +294,9 @@ class Manager:
             return True
         unsynced = [r for r in view.replicas if r not in view.synced]
         if unsynced:
-            if now - self.filled_asked.get(view.id, float("-inf")) >= FILLED_LOOK_S:
+            self.filling += 1
+            every = FILLED_LOOK_S if self.filling_before > FILLING_EACH_PASS else 0.0
+            if now - self.filled_asked.get(view.id, float("-inf")) >= every:
                 self.filled_asked[view.id] = now
                 await self._check_filled(view, unsynced)
             return True

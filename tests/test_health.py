@@ -7,7 +7,7 @@ import os
 
 import trio
 
-from wire.protocol import Op
+from wire.protocol import OP_SINCE, Op
 from tests.conftest import SLACK, create_partition, open_client, pattern, run
 from tests.test_repair import assert_identical, extent_file, follower
 from client import admin as dr
@@ -103,8 +103,9 @@ def test_a_follower_of_the_previous_version_is_probed_per_partition(nodes, tmp_p
     """A follower speaking the version before NODE_HEALTH: the leader probes its partitions one by one as
     before (and the follower of this build once per beat), and both stay healthy.  Over TCP, as every
     version-skew test (tests/test_skew.py starts its nodes so)."""
-    from tests.test_skew import MIN_VERSION, VERSION, _start, build
-    old = build(tmp_path / "prev", VERSION - 1, MIN_VERSION)
+    from tests.test_skew import MIN_VERSION, _start, build
+    before = OP_SINCE[Op.NODE_HEALTH] - 1
+    old = build(tmp_path / "prev", before, MIN_VERSION)
     a, b, c = _start(nodes, [None, old, None], **CFG)
     addrs = [a.addr, b.addr, c.addr]
 
@@ -114,7 +115,7 @@ def test_a_follower_of_the_previous_version_is_probed_per_partition(nodes, tmp_p
             await all_healthy(dc, a.addr, range(1, 9))
             conns = {x["identity"]: x for x in (await dc.admin(b.addr, Op.NODE_STATUS))["connections"]
                      if x["identity"]}
-            assert conns[a.addr]["version"] == VERSION - 1, conns       # the leader's link to it
+            assert conns[a.addr]["version"] == before, conns            # the leader's link to it
             p0 = (await dc.admin(a.addr, Op.NODE_STATUS))["counters"]["health_partition_probes"]
             per_beat = await requests_per_beat(dc, c.addr, 3.0)
             p1 = (await dc.admin(a.addr, Op.NODE_STATUS))["counters"]["health_partition_probes"]
