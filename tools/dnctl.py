@@ -175,8 +175,11 @@ def cluster_up(count, cluster, base_port, sync, transport, pool_mib, replica_tim
       DIR/cluster.secret   a new cluster secret (0600): nodes, the manager and every
                            `--cluster DIR` command authenticate with it, and the map's
                            entries in etcd carry its MAC
+      DIR/etcd-pki/        the etcd CA and a client certificate per component and
+                           per node: etcd takes no connection without one
       DIR/etcd-auth/       the etcd member's users (0600 each): authentication is on,
-                           one user per component (datanode, manager, admin, mount),
+                           one user per component (manager, admin, mount) and per
+                           node (node-HOST_PORT: writes its own registration only),
                            each allowed only its keys; root only for setting it up
     An existing etcd (--etcd URL) is used as it is: its authentication is yours to set up.
     """
@@ -215,11 +218,12 @@ def cluster_up(count, cluster, base_port, sync, transport, pool_mib, replica_tim
     extra = {"etcd": etcd_rec["url"]} if etcd_rec and prev is None else {}
     if prev is None and not insecure:
         extra["secret_file"] = cl.cluster_secret(rootp)
-    if prev is None and auth is not None:
+    if prev is None and auth is not None and not etcd_rec.get("per_node"):
         extra["etcd_credentials"] = str(auth / "datanode")
     try:
         info = cl.up(rootp, count, base_port, sync=sync, transport=transport, pool_mib=pool_mib,
-                     replica_timeout=replica_timeout, start_timeout=start_timeout, **extra)
+                     replica_timeout=replica_timeout, start_timeout=start_timeout,
+                     etcd_rec=etcd_rec if prev is None else None, **extra)
     except (RuntimeError, TimeoutError, ValueError, ConfigError, OSError) as e:
         if started_etcd:
             cl.stop_aux({"etcd": etcd_rec}, "etcd")
@@ -241,9 +245,9 @@ def cluster_up(count, cluster, base_port, sync, transport, pool_mib, replica_tim
             live = [m for m in info.get("managers", []) if cl.aux_process(m, "manager") is not None]
             opts = (info.get("managers") or [{}])[0].get("opts") or {"min_writable": min_writable}
             opts = {**opts, **login().paths()}       # the manager authenticates as this command does
-            if auth is not None:
-                opts["etcd_credentials"] = str(auth / "manager")    # with its own etcd user
-                if (auth / ec.MAINTENANCE).exists():     # and the user that may defragment etcd
+            if auth is not None or etcd_rec.get("pki"):
+                opts.update(cl.local_access_options(etcd_rec, "manager"))    # its own etcd user and certificate
+                if auth is not None and (auth / ec.MAINTENANCE).exists():     # and the user that may defragment
                     opts["etcd_maintenance_credentials"] = str(auth / ec.MAINTENANCE)
             info["managers"] = live or [ec.start_manager(rootp, etcd_rec["url"], "m1", **opts)]
             cl.save(rootp, info)
@@ -589,11 +593,18 @@ def _aux_status(info: dict, timeout: float) -> tuple[list[dict], list[dict]]:
         return [], []
     etcd_st = []
     active = None
+    ctx = None
+    if "https://" in e["url"]:          # the admin's CA and, where the member requires one, its certificate
+        import ssl
+        acc = login().etcd
+        ctx = ssl.create_default_context(cafile=acc.ca or None)
+        if acc.cert:
+            ctx.load_cert_chain(acc.cert, acc.key)
     for url in e["url"].split(","):
         pid = cl.aux_process(e, "etcd") if e.get("managed") else None
         rec = {"url": url, "pid": pid, "managed": bool(e.get("managed")), "dir": e.get("dir"), "health": "down"}
         try:
-            with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout) as r:
+            with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout, context=ctx) as r:
                 rec["health"] = "up" if _json.loads(r.read()).get("health") in ("true", True) else "not healthy"
         except (OSError, ValueError):
             rec["health"] = "not answering" if pid is not None else "down"

@@ -342,6 +342,11 @@ def permission(perm: str, key: str, range_end: str) -> dict:
     return {"permType": perm, "key": _b64(key), **({"range_end": _b64(range_end)} if range_end else {})}
 
 
+def revocation(role: str, key: str, range_end: str) -> dict:
+    """``/auth/role/revoke``'s body: take from ``role`` its permission on exactly ``key`` .. ``range_end``."""
+    return {"role": role, "key": _b64(key), **({"range_end": _b64(range_end)} if range_end else {})}
+
+
 def client(url: str, access: EtcdAccess | None = None, timeout: float = 2.0):
     """An etcd3gw client for one endpoint, authenticating and speaking TLS as ``access`` says (the dnfs etcd
     metadata engine uses its key-value calls directly)."""
@@ -386,6 +391,21 @@ def permissions(prefix: str) -> dict[str, list[tuple[str, str, str]]]:
             "admin": [everything, sub("requests", "READWRITE"), sub("drain", "READWRITE")],
             "mount": [sub("parts", "READ"), sub("nodes", "READ"),
                       ("READWRITE", DNFS_PREFIX, _prefix_end(DNFS_PREFIX))]}
+
+
+def node_permissions(prefix: str, addr: str) -> list[tuple[str, str, str]]:
+    """The role of one datanode's own etcd user: everything ``datanode`` reads, and writes to its own
+    registration and hand-off request only (``nodes/<addr>``, ``handoff/<addr>``).  So one node cannot
+    overwrite or delete another's registration, nor revoke another's lease: etcd revokes a lease only for a
+    user who may write every key attached to it."""
+    root = "/" + prefix.strip("/") + "/"
+    return ([("READ", key, end) for _perm, key, end in permissions(prefix)["datanode"]]
+            + [("READWRITE", root + "nodes/" + addr, ""), ("READWRITE", root + "handoff/" + addr, "")])
+
+
+def shared_node_writes(prefix: str) -> list[tuple[str, str]]:
+    """(key, range end) of the writes the shared ``datanode`` role holds that per-node users replace."""
+    return [(key, end) for perm, key, end in permissions(prefix)["datanode"] if perm == "READWRITE"]
 
 
 class Etcd:

@@ -85,6 +85,11 @@ def _cluster(cluster_dir: str | None, node: tuple[str, ...], etcd: str | None = 
             etcd = etcd or own.get("url")
             if own.get("auth") and access is not None and not access.get("credentials"):
                 access["credentials"] = str(pathlib.Path(own["auth"]) / "mount")
+            if own.get("pki") and access is not None and not (access.get("cert") or access.get("key")):
+                # its etcd requires a client certificate: the mount's, and the cluster's CA
+                pki = pathlib.Path(own["pki"])
+                access.update(cert=str(pki / "mount.pem"), key=str(pki / "mount.key"),
+                              ca=access.get("ca") or str(pki / "ca.pem"))
         except (KeyError, TypeError) as e:
             raise click.ClickException(f"{cluster_dir}/cluster.json is unreadable: {e}") from None
     if not addrs and not etcd:
