@@ -78,6 +78,10 @@ async def _lease_of(et: Etcd, key: str) -> int:
     return int(r["kvs"][0].get("lease", 0)) if r.get("kvs") else 0
 
 
+async def _true(x):
+    return x
+
+
 async def _writable(et: Etcd):
     v = await et.part(1)
     return v if v is not None and v.state == "writable" and v.installed else None
@@ -177,3 +181,142 @@ def test_the_manager_ignores_what_it_cannot_attribute_to_a_node(cluster):
         v2 = await wait_for("the dead follower dropped", dropped, timeout=30)
         assert v2.epoch > v0.epoch
     run(main)
+
+
+# -- the upgrade: password users over plain HTTP -> client certificates and a user per node, while serving --
+def test_a_running_cluster_moves_to_certificates_and_node_users_while_it_serves(tmp_path):
+    """The path of docs/operations.md, on a live cluster made the earlier way (etcd over plain HTTP, password
+    users, one user shared by every node): certificates, etcd serving HTTPS beside HTTP, a user per node, each
+    node and the manager restarted onto HTTPS one at a time, the shared node role locked, HTTP closed.  A
+    writer keeps writing throughout: nothing it was told was written is lost, and at the end anonymous
+    clients and the shared node user are refused."""
+    from client.sdk import ClientError, DataClient
+    from tests.conftest import NODE_DEFAULTS, create_partition, pattern
+    from tools import etcd_pki
+    from tools.cluster import NodeProc, free_port
+    from tools.etcd_cluster import (EtcdProc, ManagerProc, ServerTls, add_node_user, lock_shared_node_role,
+                                    node_user as user_of, setup_auth)
+    from wire.auth import gen_secret
+
+    secret = tmp_path / "cluster.secret"
+    secret.write_text(gen_secret())
+    secret.chmod(0o600)
+    cfg = {**NODE_DEFAULTS, "transport": "tcp", "lease_ttl_s": 2, "heartbeat_s": 0.5, "secret_file": str(secret)}
+    e = EtcdProc(tmp_path / "etcd").start()
+    auth = setup_auth(e.url, tmp_path / "auth")
+    nodes = [NodeProc(tmp_path / f"n{i}", f"127.0.0.1:{free_port()}", etcd=e.url,
+                      etcd_credentials=auth["datanode"], **cfg) for i in range(3)]
+    addrs = [n.addr for n in nodes]
+    mopts = {"lease_ttl_s": 2, "down_after_s": 1, "tick_s": 0.2, "min_writable": 0, "secret_file": str(secret)}
+    mgr = ManagerProc(tmp_path, e.url, "m1", etcd_credentials=auth["manager"], **mopts)
+    pki = tmp_path / "pki"
+    procs = [e, mgr, *nodes]
+    try:
+        for n in nodes:
+            n.start()
+        mgr.start()
+        acked: list[tuple[int, object]] = []
+        old_http = ""
+        failed: list[tuple[str, str]] = []      # (phase, why) of every attempt that failed
+        lost: list[int] = []                    # writes that did not succeed within 10 s
+        phase = ["etcd"]
+
+        async def main():
+            nonlocal e, mgr
+            async with DataClient.open(addrs, transport="tcp", pool_mib=16, secret=str(secret), timeout=10) as dc:
+                await create_partition(dc, 1, addrs)
+                admin_old = Etcd(e.url, access=EtcdAccess.load(auth["admin"]))
+                await wait_for("partition 1 adopted", lambda: _writable(admin_old), timeout=30)
+                stop = trio.Event()
+
+                async def writer():
+                    """As an application writes: a write that fails is tried again, for 10 s at most."""
+                    i = 0
+                    while not stop.is_set():
+                        i += 1
+                        with trio.move_on_after(10):
+                            while True:
+                                try:
+                                    acked.append((i, await dc.write(1, pattern(i, 8192))))
+                                    break
+                                except ClientError as ex:
+                                    failed.append((phase[0], f"{ex}"))
+                                await trio.sleep(0.1)
+                        if not acked or acked[-1][0] != i:
+                            lost.append(i)
+                        await trio.sleep(0.05)
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(writer)
+                    # 1. certificates: the CA, the member's, one per component and node
+                    etcd_pki.make_ca(pki)
+                    etcd_pki.issue(pki, "server", hosts=("127.0.0.1",))
+                    for who in ("root", "manager", "admin", *map(user_of, addrs)):
+                        etcd_pki.issue(pki, who)
+
+                    def tls_of(who):
+                        return {"ca": str(pki / "ca.pem"), "cert": str(pki / f"{who}.pem"),
+                                "key": str(pki / f"{who}.key")}
+                    server = ServerTls(str(pki / "server.pem"), str(pki / "server.key"), str(pki / "ca.pem"),
+                                       client_ca=str(pki / "ca.pem"), client_cert=str(pki / "root.pem"),
+                                       client_key=str(pki / "root.key"))
+                    # 2. the member serves HTTPS (certificates required) beside its HTTP port
+                    nonlocal old_http
+                    old_http = e.url
+                    e.stop()
+                    e = EtcdProc(tmp_path / "etcd", client_port=free_port(), peer_port=e.peer_port,
+                                 plain_port=e.client_port, tls=server)
+                    procs[0] = e
+                    await trio.to_thread.run_sync(e.start)
+                    root = EtcdAccess.load(auth["root"], **tls_of("root"))
+                    # 3. a user per node
+                    users = {a: await trio.to_thread.run_sync(
+                        lambda a=a: add_node_user(e.url, tmp_path / "auth", a, access=root)) for a in addrs}
+                    # 4. each node, then the manager, onto HTTPS with its own user and certificate
+                    for i in (2, 1, 0):
+                        phase[0] = "node restart"
+                        n = nodes[i]
+                        await trio.to_thread.run_sync(n.stop)
+                        tls = {f"etcd_{k}": v for k, v in tls_of(user_of(n.addr)).items()}
+                        nodes[i] = NodeProc(n.root, n.addr, etcd=e.url, etcd_credentials=users[n.addr], **tls, **cfg)
+                        procs[2 + i] = nodes[i]
+                        await trio.to_thread.run_sync(nodes[i].start)
+                        admin = Etcd(e.url, access=EtcdAccess.load(auth["admin"], **tls_of("admin")))
+
+                        async def back(addr=n.addr):
+                            v = await _writable(admin)
+                            return v if v is not None and addr in v.replicas and len(v.replicas) == 3 else None
+                        await wait_for(f"{n.addr} back in partition 1", back, timeout=60)
+                        phase[0] = "etcd"
+                        done = len(acked)
+                        await wait_for("writes going on", lambda: _true(len(acked) > done + 3), timeout=30)
+                    mgr.stop()
+                    mgr = ManagerProc(tmp_path, e.url, "m2", etcd_credentials=auth["manager"],
+                                      **{f"etcd_{k}": v for k, v in tls_of("manager").items()}, **mopts)
+                    procs[1] = mgr
+                    mgr.start()
+                    # 5. the shared node role only reads; 6. HTTP closed
+                    await trio.to_thread.run_sync(lambda: lock_shared_node_role(e.url, access=root))
+                    e.stop()
+                    e = EtcdProc(tmp_path / "etcd", client_port=e.client_port, peer_port=e.peer_port, tls=server)
+                    procs[0] = e
+                    await trio.to_thread.run_sync(e.start)
+                    await trio.sleep(2)
+                    stop.set()
+                # every write the writer was told succeeded reads back
+                for i, locs in acked:
+                    assert b"".join([await dc.read_location(loc) for loc in locs]) == pattern(i, 8192)
+            shared = Etcd(e.url, access=EtcdAccess.load(auth["datanode"], **tls_of("admin")))
+            with pytest.raises(EtcdError, match="permission denied"):
+                await shared.delete(shared.node_key(addrs[0]))
+            with pytest.raises(EtcdError):                 # the old HTTP port is closed
+                await Etcd(old_http)._post("/lease/leases", {})
+            await wait_for("a manager active again", lambda: admin.get(admin.manager_key), timeout=30)
+        run(main)
+        # no write lost; the etcd steps cost no attempt at all (a node's own restart fails some attempts to the
+        # partition it leads, which the writer tries again: a rolling restart's cost, as without the upgrade)
+        assert len(acked) > 20 and not lost, (len(acked), lost)
+        assert not [f for f in failed if f[0] == "etcd"], failed[:5]
+    finally:
+        for p in procs:
+            p.stop()

@@ -185,6 +185,12 @@ def local_access(etcd_rec: dict | None, who: str):
     member requires them, the cluster's CA and its client certificate (tools/etcd_pki.py; the maintenance
     user is the manager's and presents the manager's).  None: the etcd takes anyone."""
     from wire.etcdmap import EtcdAccess
+    files = local_access_files(etcd_rec, who)
+    return EtcdAccess.load(**files) if files else None
+
+
+def local_access_files(etcd_rec: dict | None, who: str) -> dict:
+    """``local_access`` as EtcdAccess.load's arguments (file paths: for another process)."""
     rec = etcd_rec or {}
     files = {}
     if rec.get("auth"):
@@ -193,7 +199,19 @@ def local_access(etcd_rec: dict | None, who: str):
         d = pathlib.Path(rec["pki"])
         cert = "manager" if who == "maintenance" else who
         files.update(ca=str(d / "ca.pem"), cert=str(d / f"{cert}.pem"), key=str(d / f"{cert}.key"))
-    return EtcdAccess.load(**files) if files else None
+    return files
+
+
+def local_tls(etcd_rec: dict | None, who: str = "admin"):
+    """An ssl.SSLContext for plain HTTPS requests to a local cluster's etcd as ``who`` (its /health,
+    /metrics, maintenance status); None where it speaks HTTP."""
+    import ssl
+    files = local_access_files(etcd_rec, who)
+    if not files.get("ca"):
+        return None
+    ctx = ssl.create_default_context(cafile=files["ca"])
+    ctx.load_cert_chain(files["cert"], files["key"])
+    return ctx
 
 
 def local_access_options(etcd_rec: dict | None, who: str) -> dict:

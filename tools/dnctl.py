@@ -628,10 +628,12 @@ def _aux_status(info: dict, timeout: float) -> tuple[list[dict], list[dict]]:
 # -- etcd ---------------------------------------------------------------------------------------------
 @main.group(context_settings=CTX)
 def etcd():
-    """The cluster's etcd: its users.
+    """The cluster's etcd: its users and certificates.
 
     \b
+    dnctl etcd issue --pki /root/etcd-ca --new-ca --server 10.0.0.1 server
     dnctl etcd setup-auth --etcd https://10.0.0.1:2379 --etcd-ca ca.pem --out /etc/datanode/etcd-auth
+    dnctl etcd add-node 10.0.0.5:17310 --etcd https://10.0.0.1:2379 --out /etc/datanode/etcd-auth
     """
 
 
@@ -668,6 +670,86 @@ def etcd_setup_auth(etcd, prefix, out, maintenance, as_json):
         raise click.ClickException(str(e)) from None
     emit(paths, as_json, "\n".join(f"{who:9} {path}" for who, path in paths.items())
          + f"\netcd {url}: authentication on; prefix {prefix}")
+
+
+@etcd.command("add-node")
+@click.argument("addr", metavar="HOST:PORT")
+@etcd_option
+@click.option("--prefix", default="/datanode", show_default=True, help="The cluster's key prefix in etcd.")
+@click.option("--out", type=click.Path(file_okay=False), required=True,
+              help="Directory for the node user's credentials (made 0700; its USER:PASSWORD file 0600).")
+@click.option("--json", "as_json", is_flag=True)
+def etcd_add_node(addr, etcd, prefix, out, as_json):
+    """Give the datanode listening at HOST:PORT an etcd user of its own (through etcd's root user): it reads
+    what every datanode reads and writes only its own registration and hand-off request, so a compromised
+    node cannot unregister or impersonate the others.  Put the file in its node.toml (etcd_credentials).
+
+    
+    Example:
+      dnctl --etcd-credentials root --etcd-ca ca.pem --etcd-cert root.pem --etcd-key root.key \\
+          etcd add-node 10.0.0.5:17310 --etcd https://10.0.0.1:2379 --out ./etcd-auth
+    When every node runs with its own user, take the shared datanode user's writes away:
+    `dnctl etcd lock-node-role` (docs/operations.md, "etcd: certificates and users").
+    """
+    from tools import etcd_cluster as ec
+    url = etcd_url(etcd, None, what="etcd add-node")
+    try:
+        path = ec.add_node_user(url, pathlib.Path(out), addr, prefix, access=login().etcd)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="HOST:PORT") from None
+    except (RuntimeError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    emit({"addr": addr, "user": ec.node_user(addr, prefix), "credentials": path}, as_json,
+         f"{addr}: etcd user {ec.node_user(addr, prefix)}, credentials {path}")
+
+
+@etcd.command("lock-node-role")
+@etcd_option
+@click.option("--prefix", default="/datanode", show_default=True, help="The cluster's key prefix in etcd.")
+def etcd_lock_node_role(etcd, prefix):
+    """The shared datanode role may no longer write registrations or hand-off requests (it keeps its reads):
+    the last step of moving a cluster to a user per node (`dnctl etcd add-node`), once every node runs with
+    its own.  Needs etcd's root user."""
+    from tools import etcd_cluster as ec
+    url = etcd_url(etcd, None, what="etcd lock-node-role")
+    try:
+        ec.lock_shared_node_role(url, prefix, access=login().etcd)
+    except (RuntimeError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"etcd {url}: the shared role {ec.user_name('datanode', prefix)} now only reads")
+
+
+@etcd.command("issue")
+@click.argument("name")
+@click.option("--pki", type=click.Path(file_okay=False), required=True,
+              help="The CA's directory (ca.pem, ca.key; made 0700); the certificate and key go there too.")
+@click.option("--new-ca", is_flag=True, help="Make the CA first (an existing one is kept).")
+@click.option("--server", "hosts", metavar="HOST[,HOST...]",
+              help="A member's server certificate for these IP addresses / names (also a client one, as etcd's "
+                   "gateway needs), instead of a client certificate.")
+@click.option("--json", "as_json", is_flag=True)
+def etcd_issue(name, pki, new_ca, hosts, as_json):
+    """Issue NAME.pem and NAME.key from the cluster's etcd CA: a client certificate (no Common Name: etcd's
+    gateway refuses one that has a name while its users are on) for a component or a node, or with --server
+    the members' certificate.  Give each component its own; etcd then takes no connection without one
+    (etcd --client-cert-auth --trusted-ca-file ca.pem; docs/operations.md).
+
+    
+    Example:
+      dnctl etcd issue --pki /root/etcd-ca --new-ca --server 10.0.0.1,10.0.0.2,10.0.0.3 server
+      dnctl etcd issue --pki /root/etcd-ca node-10.0.0.5_17310
+    """
+    from tools import etcd_pki
+    d = pathlib.Path(pki)
+    try:
+        if new_ca:
+            etcd_pki.make_ca(d)
+        cert, key = etcd_pki.issue(d, name, hosts=tuple(h.strip() for h in hosts.split(",") if h.strip())
+                                   if hosts else ())
+    except (ValueError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    emit({"ca": str((d / "ca.pem").resolve()), "cert": cert, "key": key}, as_json,
+         f"certificate {cert}\nkey         {key}\nCA          {(d / 'ca.pem').resolve()}")
 
 
 # -- partitions ---------------------------------------------------------------------------------------

@@ -57,11 +57,14 @@ class EtcdProc:
 
     def __init__(self, root: pathlib.Path, host: str = "127.0.0.1", name: str = "m0", *,
                  client_port: int | None = None, peer_port: int | None = None, tls: "ServerTls | None" = None,
-                 args: tuple[str, ...] = ()):
+                 plain_port: int | None = None, args: tuple[str, ...] = ()):
         self.root = root
         self.host = host
         self.name = name
         self.client_port = client_port or free_port(host)
+        # with ``tls``: also plain HTTP on this port (no client certificate asked there): the middle step of
+        # moving a running cluster from HTTP to required client certificates (docs/operations.md)
+        self.plain_port = plain_port
         self.peer_port = peer_port or free_port(host)
         self.tls = tls
         self.initial_cluster = f"{name}={self.peer_url}"
@@ -75,11 +78,15 @@ class EtcdProc:
     def peer_url(self) -> str:
         # with client certificates required, the peer port requires them too: an open peer port would take
         # raft messages from anyone who reaches it
-        return f"{'https' if self.tls and self.tls.client_ca else 'http'}://{self.host}:{self.peer_port}"
+        return f"{'https' if self.tls and self.tls.peer else 'http'}://{self.host}:{self.peer_port}"
 
     @property
     def url(self) -> str:
         return f"{'https' if self.tls else 'http'}://{self.host}:{self.client_port}"
+
+    @property
+    def plain_url(self) -> str:
+        return f"http://{self.host}:{self.plain_port if self.tls else self.client_port}"
 
     @property
     def log_path(self) -> pathlib.Path:
@@ -88,8 +95,9 @@ class EtcdProc:
     def start(self, timeout: float = START_TIMEOUT, wait: bool = True) -> "EtcdProc":
         self.root.mkdir(parents=True, exist_ok=True)
         peer = self.peer_url
+        urls = self.url + (f",{self.plain_url}" if self.tls and self.plain_port else "")
         argv = [etcd_binary(), "--name", self.name, "--data-dir", str(self.root / "etcd.data"),
-                "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
+                "--listen-client-urls", urls, "--advertise-client-urls", urls,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                 "--initial-cluster", self.initial_cluster,
                 "--initial-cluster-state", "existing" if self.existing else "new",
@@ -100,8 +108,9 @@ class EtcdProc:
         if self.tls:
             argv += ["--cert-file", self.tls.cert, "--key-file", self.tls.key]
             if self.tls.client_ca:
-                argv += ["--client-cert-auth", "--trusted-ca-file", self.tls.client_ca,
-                         "--peer-cert-file", self.tls.cert, "--peer-key-file", self.tls.key,
+                argv += ["--client-cert-auth", "--trusted-ca-file", self.tls.client_ca]
+            if self.tls.peer:
+                argv += ["--peer-cert-file", self.tls.cert, "--peer-key-file", self.tls.key,
                          "--peer-client-cert-auth", "--peer-trusted-ca-file", self.tls.client_ca]
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([*self.argv_prefix, *argv], stdout=log, stderr=subprocess.STDOUT,
@@ -156,6 +165,11 @@ class ServerTls:
     client_ca: str = ""
     client_cert: str = ""
     client_key: str = ""
+    peer: bool = False          # the peer port too (with client_ca: certificates required there as well)
+
+    def __post_init__(self):
+        if self.peer and not self.client_ca:
+            raise ValueError("peer TLS here requires client certificates (client_ca)")
 
 
 def etcd_cluster(root: pathlib.Path, n: int = 3, host: str = "127.0.0.1") -> list[EtcdProc]:
@@ -237,7 +251,7 @@ def local_server_tls(pki: pathlib.Path) -> ServerTls:
     from tools import etcd_pki
     return ServerTls(str(pki / "server.pem"), str(pki / "server.key"), str(pki / "ca.pem"),
                      client_ca=str(pki / "ca.pem"), client_cert=etcd_pki.paths(pki, "root")["cert"],
-                     client_key=etcd_pki.paths(pki, "root")["key"])
+                     client_key=etcd_pki.paths(pki, "root")["key"], peer=True)
 
 
 def start_local_etcd(root: pathlib.Path, rec: dict | None = None, *, auth: bool = False) -> dict:

@@ -208,8 +208,8 @@ def _hint(refusal: str) -> str:
     if "permission denied" in refusal:
         return " (this etcd user's role does not allow it: see docs/security.md, the cluster map in etcd)"
     if "CommonName of client" in refusal:
-        return (" (etcd's JSON gateway takes no client certificate while its authentication is on: give only "
-                "the CA, no --etcd-cert/--etcd-key)")
+        return (" (etcd's JSON gateway refuses a client certificate that has a Common Name while its "
+                "authentication is on: use one without, as `dnctl etcd issue` makes them)")
     return ""
 
 
