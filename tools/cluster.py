@@ -16,6 +16,7 @@ import threading
 import time
 
 from datanode import config as config_mod
+from wire.etcdmap import DEFAULT_PREFIX
 from wire.limits import nodes_error
 
 
@@ -229,13 +230,28 @@ def local_access_options(etcd_rec: dict | None, who: str) -> dict:
 NODE_ETCD_KEYS = ("etcd_credentials", "etcd_ca", "etcd_cert", "etcd_key")
 
 
-def node_etcd(etcd_rec: dict | None, addr: str) -> dict:
+def node_etcd(etcd_rec: dict | None, addr: str, provision=None) -> dict:
     """node.toml's etcd keys for the node at ``addr`` where the directory's own etcd gives every node a user
-    and a certificate of its own (made now if missing: tools/etcd_cluster.py ``node_access``); else {}."""
+    and a certificate of its own; else {}.  ``provision(addr)`` makes them for a new node and returns the
+    same keys (tools/etcd_cluster.py ``node_access``, which sits above this module)."""
     if not (etcd_rec or {}).get("per_node"):
         return {}
-    from tools.etcd_cluster import node_access
-    return node_access(etcd_rec, addr)
+    if provision is not None:
+        return provision(addr)
+    return local_access_options(etcd_rec, node_user(addr))
+
+
+def user_name(component: str, prefix: str = DEFAULT_PREFIX) -> str:
+    """The etcd user (and role) of a component of the cluster at ``prefix`` (clusters sharing an etcd each
+    have their own)."""
+    p = prefix.strip("/")
+    return component if p == DEFAULT_PREFIX.strip("/") else f"{p.replace('/', '-')}-{component}"
+
+
+def node_user(addr: str, prefix: str = DEFAULT_PREFIX) -> str:
+    """The etcd user (and role) of the datanode listening at ``addr`` (``node-10.0.0.5_17310``: no colon,
+    which would end the user's name in a USER:PASSWORD file)."""
+    return user_name("node-" + addr.replace("[", "").replace("]", "").replace(":", "_"), prefix)
 
 
 def client_login(info: dict) -> dict:
@@ -373,11 +389,12 @@ def cluster_secret(root: pathlib.Path) -> str:
 
 
 def up(root: pathlib.Path, nodes: int = 3, base_port: int | None = None, *, start_timeout: float = START_TIMEOUT,
-       etcd_rec: dict | None = None, **cfg) -> dict:
+       etcd_rec: dict | None = None, provision=None, **cfg) -> dict:
     """Start ``nodes`` daemons (detached: they outlive this process) and record them in cluster.json.
 
     ``cfg`` is node.toml keys (sync, transport, pool_mib, replica_timeout, ...), the same for every node;
-    ``etcd_rec`` (the directory's own etcd) adds each node's own etcd user and certificate (``node_etcd``).
+    ``etcd_rec`` (the directory's own etcd) adds each node's own etcd user and certificate, made by
+    ``provision`` (``node_etcd``).
     All or nothing: if one node fails to start, the ones already started are stopped again."""
     if nodes_error(nodes):
         raise ValueError(nodes_error(nodes))
@@ -413,7 +430,7 @@ def up(root: pathlib.Path, nodes: int = 3, base_port: int | None = None, *, star
                     raise RuntimeError("could not find a free port on 127.0.0.1")
             ports.add(port)
             n = NodeProc(root / f"node{i + 1}", f"127.0.0.1:{port}", **cfg,
-                         **node_etcd(etcd_rec, f"127.0.0.1:{port}"))
+                         **node_etcd(etcd_rec, f"127.0.0.1:{port}", provision))
             started.append(n)
             n.start(start_timeout)
     except BaseException as e:
@@ -446,8 +463,10 @@ def _held_by(ports: list[int]) -> str:
                    for d, held in gone.items())
 
 
-def add_node(root: pathlib.Path, port: int | None = None, start_timeout: float = START_TIMEOUT) -> dict:
-    """Start one more node (no partitions) in a running cluster's directory, with the cluster's config."""
+def add_node(root: pathlib.Path, port: int | None = None, start_timeout: float = START_TIMEOUT,
+             provision=None) -> dict:
+    """Start one more node (no partitions) in a running cluster's directory, with the cluster's config
+    (``provision``: makes its etcd user and certificate, ``node_etcd``)."""
     info = load(root)
     i = len(info["nodes"]) + 1
     if nodes_error(i):
@@ -460,7 +479,7 @@ def add_node(root: pathlib.Path, port: int | None = None, start_timeout: float =
         if port is None:
             raise RuntimeError("could not find a free port on 127.0.0.1")
     proc = NodeProc(root / f"node{i}", f"127.0.0.1:{port}", **info.get("config", {}),
-                    **node_etcd(info.get("etcd"), f"127.0.0.1:{port}"))
+                    **node_etcd(info.get("etcd"), f"127.0.0.1:{port}", provision))
     proc.start(start_timeout)
     rec = {"addr": proc.addr, "pid": proc.pid, "dir": str(proc.root), "log": str(proc.log_path)}
     info["nodes"].append(rec)

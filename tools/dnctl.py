@@ -8,6 +8,7 @@ modules (tools/demo.py, tools/bench.py, tools/trash.py), which do not import thi
 """
 from __future__ import annotations
 
+import functools
 import pathlib
 import sys
 
@@ -223,7 +224,8 @@ def cluster_up(count, cluster, base_port, sync, transport, pool_mib, replica_tim
     try:
         info = cl.up(rootp, count, base_port, sync=sync, transport=transport, pool_mib=pool_mib,
                      replica_timeout=replica_timeout, start_timeout=start_timeout,
-                     etcd_rec=etcd_rec if prev is None else None, **extra)
+                     etcd_rec=etcd_rec if prev is None else None,
+                     provision=functools.partial(ec.node_access, etcd_rec) if etcd_rec else None, **extra)
     except (RuntimeError, TimeoutError, ValueError, ConfigError, OSError) as e:
         if started_etcd:
             cl.stop_aux({"etcd": etcd_rec}, "etcd")
@@ -351,7 +353,10 @@ def cluster_add_node(cluster, port, start_timeout, as_json):
     from datanode.config import ConfigError
     load_cluster(cluster)
     try:
-        rec = cl.add_node(pathlib.Path(cluster), port, start_timeout)
+        from tools import etcd_cluster as ec
+        etcd_rec = cl.load(pathlib.Path(cluster)).get("etcd")
+        rec = cl.add_node(pathlib.Path(cluster), port, start_timeout,
+                          provision=functools.partial(ec.node_access, etcd_rec) if etcd_rec else None)
     except (RuntimeError, TimeoutError, ValueError, ConfigError, OSError) as e:
         raise click.ClickException(str(e)) from None
     emit(rec, as_json, f"{rec['addr']} up (pid {rec['pid']}, log {rec['log']}); add it to a partition with:\n"

@@ -20,7 +20,7 @@ import sys
 import time
 import urllib.request
 
-from tools.cluster import START_TIMEOUT, free_port
+from tools.cluster import START_TIMEOUT, free_port, local_access, local_access_options, node_user, user_name
 from wire.etcdmap import (COMPONENTS, DEFAULT_PREFIX, EtcdAccess, EtcdError, auth_request, client, node_permissions,
                           permission, permissions, revocation, shared_node_writes)
 
@@ -281,7 +281,6 @@ def start_local_etcd(root: pathlib.Path, rec: dict | None = None, *, auth: bool 
         if rec.get("per_node"):
             out["per_node"] = True
     elif auth:
-        from tools.cluster import local_access
         out["auth"] = str((root / AUTH_DIR).resolve())
         out["per_node"] = True
         root_user = root / AUTH_DIR / "root"
@@ -301,7 +300,6 @@ def node_access(etcd_rec: dict, addr: str) -> dict:
     node: its own etcd user (made now, through the root user, if it has none yet) and its own client
     certificate (issued now by the cluster's CA).  {} for an etcd without them."""
     from tools import etcd_pki
-    from tools.cluster import local_access, local_access_options
     if not etcd_rec.get("per_node") or not etcd_rec.get("auth"):
         return {}
     auth = pathlib.Path(etcd_rec["auth"])
@@ -314,19 +312,6 @@ def node_access(etcd_rec: dict, addr: str) -> dict:
 
 
 MAINTENANCE = "maintenance"     # the etcd user that may defragment (etcd's root role), beside the components
-
-
-def user_name(component: str, prefix: str = DEFAULT_PREFIX) -> str:
-    """The etcd user (and role) of a component of the cluster at ``prefix`` (clusters sharing an etcd each
-    have their own)."""
-    p = prefix.strip("/")
-    return component if p == DEFAULT_PREFIX.strip("/") else f"{p.replace('/', '-')}-{component}"
-
-
-def node_user(addr: str, prefix: str = DEFAULT_PREFIX) -> str:
-    """The etcd user (and role) of the datanode listening at ``addr`` (``node-10.0.0.5_17310``: no colon,
-    which would end the user's name in a USER:PASSWORD file)."""
-    return user_name("node-" + addr.replace("[", "").replace("]", "").replace(":", "_"), prefix)
 
 
 def _auth_caller(url: str, access: EtcdAccess):

@@ -14,7 +14,8 @@ the thread returns, and the thread ends before the nursery does (no orphan threa
 etcd3gw has no authentication: ``AuthClient`` adds etcd's -- a token from ``/v3/auth/authenticate`` in every
 request's ``Authorization`` header, taken again when etcd says it expired -- and client TLS (``EtcdAccess``:
 the user's credentials file, a CA, a client certificate).  Each component has its own etcd user and role,
-limited to the keys it reads and writes (``permissions``; ``dnctl etcd setup-auth`` makes them).
+limited to the keys it reads and writes (``permissions``; ``dnctl etcd setup-auth`` makes them), and so does
+each datanode (``node_permissions``; ``dnctl etcd add-node``).
 
 Trust: what is written under the prefix is sealed with a MAC of the cluster secret and everything read is
 checked (wire/mapcheck.py) before anyone acts on it; ``Etcd.open`` logs, counts and drops what fails.
@@ -23,7 +24,9 @@ Keys (under ``etcd_prefix``, default ``/datanode``)
 --------------------------------------------------
 * ``nodes/<addr>``   -- a datanode's registration, attached to its **lease** (``lease_ttl_s``): address, pid,
   transport, zone, capacity/free bytes, and the partitions it holds (id -> epoch, replicas).  It disappears
-  when the node dies or cannot reach etcd for a TTL: that is how the manager learns a node is gone.
+  when the node dies or cannot reach etcd for a TTL: that is how the manager learns a node is gone (only
+  that way: ``MapCache``).  Each node's own etcd user may write this key and no other node's
+  (``node_permissions``).
 * ``parts/<id>``     -- a partition's view (``PartView``): ``replicas`` (leader first), ``epoch``, ``want``
   (its replica count), ``synced`` (replicas known to hold every acknowledged write: only these may lead),
   ``state`` (``writable`` | ``degraded`` | ``recovering`` | ``read_only``) and ``installed`` (every member
@@ -515,10 +518,12 @@ class Etcd:
             try:
                 out = fn(c)
             except (ex.ConnectionFailedError, ex.ConnectionTimeoutError, ex.InternalServerError,
-                    requests.RequestException, ValueError) as e:
+                    requests.RequestException, ValueError, OSError) as e:
                 # etcd3gw passes some of requests' errors through unwrapped: a member killed mid-answer
-                # ends the body early (ChunkedEncodingError) or leaves half a JSON document (ValueError)
-                errors.append(f"{c.base_url}: {type(e).__name__}{_tls_hint(e)}")
+                # ends the body early (ChunkedEncodingError) or leaves half a JSON document (ValueError);
+                # a CA or certificate file gone (replaced while rotating it) is a plain OSError, tried again
+                what = f"{type(e).__name__}: {e}" if type(e) is OSError else type(e).__name__
+                errors.append(f"{c.base_url}: {what}{_tls_hint(e)}")
                 continue
             except ex.Etcd3Exception as e:
                 raise EtcdError(f"etcd {c.base_url} refused the request: {_refusal(e)}"
