@@ -940,11 +940,13 @@ class MapCache:
         """Ask etcd about the leases of registrations kept though their key changed (``unsure``): one
         request per such registration and second, none while there is none."""
         while True:
-            await self._unsure_ev.wait()
+            if not self.unsure:
+                await self._unsure_ev.wait()
             self._unsure_ev = trio.Event()
-            while self.unsure:
-                await self._settle()
-                await trio.sleep(SETTLE_S)
+            await self._settle()
+            if self.unsure:                  # ask again in a second, or at once when another one comes
+                with trio.move_on_after(SETTLE_S):
+                    await self._unsure_ev.wait()
 
     async def _settle(self) -> None:
         changed = False
