@@ -183,6 +183,50 @@ def test_the_manager_ignores_what_it_cannot_attribute_to_a_node(cluster):
     run(main)
 
 
+def test_an_anonymous_keepalive_cannot_hold_a_dead_leaders_lease(cluster):
+    """The attack on etcd's lease API: while a client without a certificate keeps trying to keep a killed
+    leader's lease alive, the lease expires and the partition gets a new leader."""
+    rec = info(cluster)["etcd"]
+    plain = "http://" + rec["url"].split("://", 1)[1]
+    pki = pathlib.Path(rec["pki"]) if rec.get("pki") else None
+    held, refused = [], []
+
+    async def main():
+        admin = handle(cluster, "admin")
+        async def settled():        # (a node killed by the test before: 2 replicas, degraded, is fine)
+            v = await admin.part(1)
+            return v if v is not None and v.installed and len(v.replicas) >= 2 else None
+        v0 = await wait_for("partition 1 settled", settled, timeout=30)
+        leader = v0.replicas[0]
+        lease = await _lease_of(admin, admin.node_key(leader))
+        anonymous = [Etcd(rec["url"]), Etcd(plain)]
+        if pki is not None:
+            anonymous.append(Etcd(rec["url"], access=EtcdAccess.load(ca=str(pki / "ca.pem"))))
+
+        async def attacker():
+            while True:
+                for et in anonymous:
+                    try:
+                        if await et.keepalive(lease) > 0:
+                            held.append(et.urls)
+                    except EtcdError:
+                        refused.append(et.urls)
+                await trio.sleep(0.2)
+
+        async with trio.open_nursery() as n:
+            n.start_soon(attacker)
+            pid = next(x["pid"] for x in info(cluster)["nodes"] if x["addr"] == leader)
+            os.kill(pid, signal.SIGKILL)
+
+            async def moved():
+                v = await admin.part(1)
+                return v if v is not None and v.replicas[0] != leader and v.epoch > v0.epoch else None
+            await wait_for("a new leader for partition 1", moved, timeout=20)
+            n.cancel_scope.cancel()
+    run(main)
+    assert refused and not held, (len(refused), held[:3])
+
+
 # -- the upgrade: password users over plain HTTP -> client certificates and a user per node, while serving --
 def test_a_running_cluster_moves_to_certificates_and_node_users_while_it_serves(tmp_path):
     """The path of docs/operations.md, on a live cluster made the earlier way (etcd over plain HTTP, password
