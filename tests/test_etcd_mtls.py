@@ -364,3 +364,52 @@ def test_a_running_cluster_moves_to_certificates_and_node_users_while_it_serves(
     finally:
         for p in procs:
             p.stop()
+
+
+def test_dnctl_etcd_issue_add_node_and_lock_node_role(tmp_path):
+    """The commands an operator runs on a cluster of several hosts: certificates from the CA (without openssl),
+    a node's own user, the shared node role locked; bad input gets one line, no traceback."""
+    from tools.etcd_cluster import EtcdProc, ServerTls
+    pki = tmp_path / "pki"
+    out = json.loads(dnctl("etcd", "issue", "--pki", pki, "--new-ca", "--server", "127.0.0.1", "server",
+                           "--json").stdout)
+    assert pathlib.Path(out["cert"]).exists() and oct(pathlib.Path(out["key"]).stat().st_mode & 0o777) == "0o600"
+    for who in ("root", "admin"):
+        dnctl("etcd", "issue", "--pki", pki, who)
+    tls = ["--etcd-ca", pki / "ca.pem", "--etcd-cert", pki / "root.pem", "--etcd-key", pki / "root.key"]
+    e = EtcdProc(tmp_path / "etcd", tls=ServerTls(str(pki / "server.pem"), str(pki / "server.key"),
+                                                   str(pki / "ca.pem"), client_ca=str(pki / "ca.pem"),
+                                                   client_cert=str(pki / "root.pem"),
+                                                   client_key=str(pki / "root.key"))).start()
+    try:
+        auth = json.loads(dnctl(*tls, "etcd", "setup-auth", "--etcd", e.url, "--out", tmp_path / "auth",
+                                "--json").stdout)
+        root = ["--etcd-credentials", auth["root"], *tls]
+        node = json.loads(dnctl(*root, "etcd", "add-node", "127.0.0.1:9", "--etcd", e.url, "--out",
+                                tmp_path / "auth", "--json").stdout)
+        assert node["user"] == "node-127.0.0.1_9"
+        p = dnctl(*root, "etcd", "add-node", "nohost", "--etcd", e.url, "--out", tmp_path / "auth", check=False)
+        assert p.returncode == 2 and "Traceback" not in p.stderr and "HOST:PORT" in p.stderr, p.stderr
+        p = dnctl("etcd", "issue", "--pki", tmp_path / "nothing", "x", check=False)
+        assert p.returncode == 1 and "Traceback" not in p.stderr and "ca.pem" in p.stderr, p.stderr
+
+        def as_user(path):
+            return Etcd(e.url, access=EtcdAccess.load(path, ca=str(pki / "ca.pem"), cert=str(pki / "admin.pem"),
+                                                      key=str(pki / "admin.key")))
+
+        async def main(locked: bool):
+            mine, shared = as_user(node["credentials"]), as_user(auth["datanode"])
+            await mine.put(mine.node_key("127.0.0.1:9"), "{}")
+            with pytest.raises(EtcdError, match="permission denied"):
+                await mine.put(mine.node_key("127.0.0.1:8"), "{}")
+            if locked:
+                with pytest.raises(EtcdError, match="permission denied"):
+                    await shared.put(shared.node_key("127.0.0.1:8"), "{}")
+                assert await shared.get(shared.node_key("127.0.0.1:9")) is not None     # still reads
+            else:
+                await shared.put(shared.node_key("127.0.0.1:8"), "{}")
+        run(main, False)
+        dnctl(*root, "etcd", "lock-node-role", "--etcd", e.url)
+        run(main, True)
+    finally:
+        e.stop()
