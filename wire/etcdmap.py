@@ -806,8 +806,9 @@ class MapCache:
     revision (the manager writes the valid view back over it: ``invalid_parts``).
 
     A registration is the node's only while it is attached to a lease, and it ends only with that lease:
-    etcd deletes the key when the lease expires or the node revokes it (a clean stop), and nobody else may
-    revoke it (etcd revokes a lease only for a user allowed to write every key attached to it).  So a
+    etcd deletes the key when the lease expires or the node revokes it (a clean stop), and no other node may
+    revoke it (etcd revokes a lease only for a user allowed to write every key attached to it: the node's own,
+    or etcd's root role).  So a
     registration put without a lease is ignored, and one that is deleted, or overwritten by a value that
     must be ignored, is kept until etcd says its lease is gone (``_settle``): whoever deleted it could not
     end the node's lease, so the deletion says nothing about the node."""
