@@ -136,7 +136,7 @@ def build(dest: pathlib.Path, version: int, min_version: int, zone: bool = False
                                        (r"^MIN_VERSION = \d+", f"MIN_VERSION = {min_version}", 1)])
     if zone:
         _patch(dest / "wire/protocol.py", [
-            (r"^HELLO_EXTENSIONS = \{1: \"software\"\}", f'HELLO_EXTENSIONS = {{1: "software", {ZONE_TAG}: "zone"}}',
+            (r"^HELLO_EXTENSIONS = \{1: \"software\", ", f'HELLO_EXTENSIONS = {{{ZONE_TAG}: "zone", 1: "software", ',
              1),
             (r"^(    software: str = \"\".*)$", '\\1\n    zone: str = ""', 1)])
         _patch(dest / "wire/transport/connect.py", [

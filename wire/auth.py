@@ -81,6 +81,59 @@ def transcript(role: int, client_nonce: bytes, server_nonce: bytes, identity: st
     return b"datanode hello v3|%d|" % role + client_nonce + b"|" + server_nonce + b"|" + identity.encode()
 
 
+# A nonce sent by a build that speaks authenticated sessions ends with this mark (the other 24 bytes are random).
+# The old hello's proofs cover both nonces, so nobody on the path can remove it: a node that speaks sessions
+# and gets a marked hello offering only an older protocol, or a caller that gets a marked answer at an older
+# protocol, knows that the versions were lowered on the way, and refuses (as TLS 1.3 marks its server random).
+SESSION_MARK = b"DNsess09"
+KX_SIZE = 32
+
+
+def session_nonce() -> bytes:
+    return secrets.token_bytes(NONCE_SIZE - len(SESSION_MARK)) + SESSION_MARK
+
+
+def speaks_sessions(nonce: bytes) -> bool:
+    return nonce[-len(SESSION_MARK):] == SESSION_MARK
+
+
+def session_transcript(role: int, client_nonce: bytes, server_nonce: bytes, identity: str, server: str,
+                       client_kx: bytes, server_kx: bytes, client_versions: tuple[int, int],
+                       server_versions: tuple[int, int]) -> bytes:
+    """What a session's proofs and keys cover: the role, both nonces, the caller's identity, the node it
+    dialed (``server``: as the caller named it, and as the node knows itself -- a relay to another node makes
+    the two differ), both key shares and both version ranges.  Each part length-prefixed."""
+    parts = (b"datanode hello v4", b"%d" % role, client_nonce, server_nonce, identity.encode(), server.encode(),
+             client_kx, server_kx, b"%d-%d" % client_versions, b"%d-%d" % server_versions)
+    return b"".join(len(p).to_bytes(2, "big") + p for p in parts)
+
+
+class KeyShare:
+    """One end's ephemeral X25519 key for one hello: the session keys need the shared secret, which nobody
+    who only watched the hello can compute -- also not another holder of the same role key."""
+
+    def __init__(self) -> None:
+        from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+        from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+        self._key = X25519PrivateKey.generate()
+        self.public = self._key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+    def shared(self, peer: bytes) -> bytes:
+        """The shared secret with the peer's share; ValueError for a share that is not one (wrong size, a
+        low-order point)."""
+        from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
+        if len(peer) != KX_SIZE:
+            raise ValueError(f"a key share is {KX_SIZE} bytes, got {len(peer)}")
+        return self._key.exchange(X25519PublicKey.from_public_bytes(peer))
+
+
+def session_keys(key: bytes, text: bytes, shared: bytes) -> tuple[bytes, bytes]:
+    """The session's two keys (caller -> node, node -> caller) from the role key, the transcript and the
+    key shares' shared secret."""
+    root = hmac.digest(key, b"datanode session v1|" + shared + text, "sha256")
+    return hmac.digest(root, b"caller to node", "sha256"), hmac.digest(root, b"node to caller", "sha256")
+
+
 def proof(key: bytes, side: bytes, text: bytes) -> bytes:
     return hmac.new(key, side + b"|" + text, hashlib.sha256).digest()
 
