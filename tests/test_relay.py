@@ -1,0 +1,203 @@
+"""Authenticated sessions against real nodes over TCP: a relayed hello is refused (an admin's, and a node's
+made by a real datanode), and a frame injected into or replayed within a session closes the connection.
+
+The attacker is a relay in this process (``Relay``): it takes connections meant for one address -- a crashed
+node's port taken over, a name that resolves wrongly -- and pipes their bytes to a real node, recording them
+and adding its own.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+
+import pytest
+import trio
+
+from client.sdk import ClientError
+from tests.conftest import eventually, open_client, run
+from tests.test_trust import auth_as, log_of, secret  # noqa: F401 - the cluster secret fixture
+from wire.protocol import Header, Op, Result, Role, decode
+from wire.transport.base import ConnectionClosed, TransportError
+from wire.transport.connect import dial, make_domain
+from wire.transport.tcp import CTRL, FRAME
+
+PID = 7
+
+
+class Relay:
+    """Listens on a port of its own and pipes each connection to ``target`` (HOST:PORT), both ways, keeping
+    what each side sent; ``inject`` adds bytes of its own to the latest connection's stream."""
+
+    def __init__(self, target: str):
+        self._srv = socket.create_server(("127.0.0.1", 0))
+        self.addr = "127.0.0.1:%d" % self._srv.getsockname()[1]
+        self.target = target
+        self.pairs: list[tuple[socket.socket, socket.socket]] = []
+        self.sent: dict[str, list[bytes]] = {"to_node": [], "to_caller": []}   # the latest connection's chunks
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                caller, _ = self._srv.accept()
+            except OSError:
+                return
+            host, _, port = self.target.rpartition(":")
+            node = socket.create_connection((host, int(port)))
+            with self._lock:
+                self.pairs.append((caller, node))
+                self.sent = {"to_node": [], "to_caller": []}
+                sent = self.sent
+            threading.Thread(target=self._pipe, args=(caller, node, sent["to_node"]), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(node, caller, sent["to_caller"]), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, record: list) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                with self._lock:
+                    record.append(data)
+                    dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def inject(self, data: bytes, to: str = "to_node") -> None:
+        with self._lock:
+            caller, node = self.pairs[-1]
+            (node if to == "to_node" else caller).sendall(data)
+
+    def last(self, to: str = "to_node") -> bytes:
+        with self._lock:
+            return self.sent[to][-1]
+
+    def close(self) -> None:
+        self._srv.close()
+        for pair in self.pairs:
+            for s in pair:
+                s.close()
+
+
+@pytest.fixture
+def relay():
+    made = []
+
+    def make(target: str) -> Relay:
+        made.append(Relay(target))
+        return made[-1]
+    yield make
+    for r in made:
+        r.close()
+
+
+def _refusals(node) -> list[str]:
+    return [line for line in log_of(node).splitlines() if "(a relayed hello, or a wrong address)" in line]
+
+
+def test_an_admins_hello_relayed_to_another_node_is_refused(nodes, secret, relay):
+    """An admin dials an address the attacker holds, which relays to another real node: the node refuses the
+    hello (it is not the one dialed) and the admin is told which node answered; nothing is served."""
+    a, b = nodes(2, secret_file=str(secret))
+    r = relay(b.addr)
+
+    async def body():
+        async with open_client("tcp", [], secret=str(secret)) as dc:
+            assert (await dc.admin(b.addr, Op.TRASH_LIST)) == []          # b serves an admin dialing it
+            with pytest.raises(ClientError) as ei:
+                await dc.admin(r.addr, Op.TRASH_LIST)
+            return str(ei.value)
+    said = run(body)
+    assert f"it is node {b.addr}, not {r.addr}" in said, said
+    eventually(lambda: any(f"it dialed {r.addr}, this node is {b.addr}" in line for line in _refusals(b)))
+    assert "TRASH_LIST" not in log_of(b).split(f"it dialed {r.addr}")[-1]
+
+
+def test_a_nodes_hello_relayed_to_a_leader_is_refused(nodes, secret, relay):
+    """A real datanode leading a partition whose follower's address the attacker holds: the leader's node hello
+    (its heartbeat) is relayed to another real node, itself a leader.  That node refuses it at the hello, each
+    time, so the attacker never holds a node session there (from which it could push a view)."""
+    a, b = nodes(2, secret_file=str(secret))
+    r = relay(b.addr)
+
+    async def body():
+        async with open_client("tcp", [], secret=str(secret)) as dc:
+            await dc.admin(b.addr, Op.PARTITION_CREATE, partition=PID + 1, body={"replicas": [b.addr], "epoch": 1})
+            await dc.admin(a.addr, Op.PARTITION_CREATE, partition=PID, body={"replicas": [a.addr, r.addr],
+                                                                              "epoch": 1})
+    run(body)
+    eventually(lambda: any(f"it dialed {r.addr}, this node is {b.addr}" in line for line in _refusals(b)),
+               timeout=15, what="the relayed node hello was not refused")
+    # the leader's log says why its follower cannot be reached: the node there is another one
+    eventually(lambda: f"it is node {b.addr}, not {r.addr}" in log_of(a), timeout=15)
+    assert not [c for c in _status_conns(b, secret) if c["identity"] == a.addr], "a's identity got a session at b"
+
+
+def _status_conns(node, secret) -> list[dict]:
+    async def go():
+        async with open_client("tcp", [], secret=str(secret)) as dc:
+            return (await dc.admin(node.addr, Op.NODE_STATUS))["connections"]
+    return run(go)
+
+
+async def _ping(conn, req_id: int) -> Header:
+    await conn.send(Header(opcode=Op.PING, req_id=req_id).encode(version=conn.version))
+    with trio.fail_after(10):
+        return decode(await conn.recv(), request=False)
+
+
+def _forged(h: Header) -> bytes:
+    """A control frame as an attacker without the session's keys makes it (no MAC: zero tag)."""
+    raw = h.encode()
+    return FRAME.pack(CTRL, 0, 0, len(raw), 0, 0, 0, 0) + raw
+
+
+def test_a_frame_injected_or_replayed_in_a_session_is_refused(nodes, secret, relay, caplog):
+    """An attacker on the path of an admin's authenticated session (the relay passes the hello through to the
+    node the admin dialed): a frame it replays or injects is refused, the connection closed, and the node
+    logs why; the forged request (a partition delete) is not carried out.  A forged answer injected towards
+    the caller is refused by the caller the same way."""
+    [a] = nodes(1, secret_file=str(secret))
+    r = relay(a.addr)
+    host, _, port = r.addr.rpartition(":")
+    admin = auth_as(secret, Role.ADMIN)
+
+    async def body():
+        async with open_client("tcp", [], secret=str(secret)) as dc:
+            await dc.admin(a.addr, Op.PARTITION_CREATE, partition=PID, body={"replicas": [a.addr], "epoch": 1})
+        domain = make_domain("tcp")
+
+        # replayed: the admin's PING frame, sent again by the relay
+        async with dial(host, int(port), domain, transport="tcp", auth=admin, server=a.addr) as conn:
+            assert conn.session is not None
+            assert (await _ping(conn, 1)).result == Result.OK
+            frame = r.last()
+            assert frame[0] == CTRL and len(frame) == FRAME.size + 88, frame
+            r.inject(frame)
+            with pytest.raises(TransportError), trio.fail_after(10):
+                await _ping(conn, 2)                 # no second answer to the replay: the node closed us
+        # injected: a partition delete the attacker forged into the admin's session
+        async with dial(host, int(port), domain, transport="tcp", auth=admin, server=a.addr) as conn:
+            assert (await _ping(conn, 1)).result == Result.OK
+            r.inject(_forged(Header(opcode=Op.PARTITION_DELETE, partition=PID, epoch=1, req_id=99)))
+            with pytest.raises(TransportError), trio.fail_after(10):
+                await _ping(conn, 2)
+        # towards the caller: a forged answer
+        with caplog.at_level(logging.WARNING, logger="wire.transport.tcp"):
+            async with dial(host, int(port), domain, transport="tcp", auth=admin, server=a.addr) as conn:
+                assert (await _ping(conn, 1)).result == Result.OK
+                r.inject(_forged(Header(opcode=Op.PING, req_id=2).reply(Result.OK)), to="to_caller")
+                with pytest.raises(ConnectionClosed), trio.fail_after(10):
+                    await conn.recv()
+                assert not conn.alive
+        assert any("fails the session's MAC" in rec.getMessage() for rec in caplog.records), caplog.text
+        async with open_client("tcp", [], secret=str(secret)) as dc:
+            return [p["id"] for p in await dc.admin(a.addr, Op.PARTITION_LIST)]
+    listed = run(body)
+    assert PID in listed, "the forged delete was carried out"
+    eventually(lambda: log_of(a).count("fails the session's MAC") >= 2, what="the node did not log the refusals")
+    assert "control message #1 fails the session's MAC" in log_of(a)       # the replay: the second message
