@@ -16,7 +16,7 @@ import trio
 
 from client.sdk import ClientError
 from tests.conftest import eventually, open_client, run
-from tests.test_trust import auth_as, log_of, secret  # noqa: F401 - the cluster secret fixture
+from tests.test_trust import auth_as, client_key, log_of, secret  # noqa: F401 - fixtures
 from wire.protocol import Header, Op, Result, Role, decode
 from wire.transport.base import ConnectionClosed, TransportError
 from wire.transport.connect import dial, make_domain
@@ -201,3 +201,66 @@ def test_a_frame_injected_or_replayed_in_a_session_is_refused(nodes, secret, rel
     assert PID in listed, "the forged delete was carried out"
     eventually(lambda: log_of(a).count("fails the session's MAC") >= 2, what="the node did not log the refusals")
     assert "control message #1 fails the session's MAC" in log_of(a)       # the replay: the second message
+
+
+async def _impostor(key: bytes, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """A node played by someone holding only the client role key: it answers a client's hello with the proof
+    that key makes, at the newest protocol, for whatever node the caller names -- everything but the node's
+    signature, which needs the node's own key."""
+    from wire.auth import KeyShare, proof, session_nonce, session_transcript
+    from wire.protocol import (HELLO_SIZE, MIN_VERSION, VERSION, AuthProof, AuthVerdict, Hello, Transport,
+                               decode_extensions, decode_hello)
+    from wire.transport.tcp import recv_exactly, send_all
+
+    async def serve(stream):
+        sock = stream.socket
+        buf = bytearray(HELLO_SIZE)
+        await recv_exactly(sock, memoryview(buf))
+        hello = decode_hello(buf)
+        tail = bytearray(hello.ident_len + hello.ext_len)
+        await recv_exactly(sock, memoryview(tail))
+        hello.identity = tail[:hello.ident_len].decode()
+        decode_extensions(hello, bytes(tail[hello.ident_len:]))
+        share = KeyShare()
+        answer = Hello(transport=Transport.TCP, has_device=False, slots=8, auth=True, nonce=session_nonce(),
+                       kx=share.public)
+        text = session_transcript(hello.role, hello.nonce, answer.nonce, hello.identity, hello.server, hello.kx,
+                                  share.public, (hello.min_version, hello.version), (MIN_VERSION, VERSION))
+        answer.proof = proof(key, b"server", text)
+        await send_all(sock, answer.encode())
+        try:
+            await recv_exactly(sock, memoryview(bytearray(AuthProof.SIZE)))
+        except ConnectionClosed:
+            return                                # the caller saw through it
+        await send_all(sock, AuthVerdict.encode(0))
+        await trio.sleep_forever()
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.serve_listeners, serve, listeners)
+        task_status.started(listeners[0].socket.getsockname()[1])
+
+
+def test_a_client_key_holder_cannot_pass_for_a_node(client_key, tmp_path):
+    """Another tenant's host holds the same client key, so it can make a node's proof with that key.  A client
+    key file carries the node CA's public key: the client checks that the node it reached holds the
+    certificate of the identity it dialed, and the impostor has none.  (A key file made before the field
+    existed lacks it: its holder takes the impostor -- what the field buys.)"""
+    from wire.auth import Credentials, DialAuth
+    from wire.transport.connect import AuthError
+    creds = Credentials.load(client_key)
+    assert creds.node_ca, client_key.read_text()
+    old = tmp_path / "old-client.key"
+    old.write_text(" ".join(client_key.read_text().split()[:4]) + "\n")
+
+    async def body():
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(_impostor, creds.key(Role.CLIENT))
+            with pytest.raises(AuthError, match="failed to prove it is node 127.0.0.1:%d" % port):
+                async with dial("127.0.0.1", port, make_domain("tcp"), transport="tcp", auth=DialAuth(creds)):
+                    pass
+            async with dial("127.0.0.1", port, make_domain("tcp"), transport="tcp",
+                            auth=DialAuth(Credentials.load(old))) as conn:
+                assert conn.session is not None
+            nursery.cancel_scope.cancel()
+    run(body)

@@ -141,3 +141,43 @@ def test_the_hello_carries_the_node_dialed_and_a_binary_key_share():
     got = decode_hello(raw[:HELLO_SIZE])
     decode_extensions(got, raw[HELLO_SIZE + got.ident_len:])
     assert (got.server, got.kx, got.software) == ("10.0.0.1:17310", share, "datanode 9")
+
+
+# ------------------------------------------------------------------------------ node keys and certificates
+def test_a_node_proves_its_own_identity_only():
+    from wire.auth import Credentials, node_proves
+    creds = Credentials.from_secret(b"s" * 32)
+    me = creds.node_signer("10.0.0.1:17310")
+    text = _transcript()
+    sig = me.sign(text)
+    assert node_proves(creds.node_ca, "10.0.0.1:17310", me.cert, sig, text)
+    assert not node_proves(creds.node_ca, "10.0.0.2:17310", me.cert, sig, text)      # another node's name
+    assert not node_proves(creds.node_ca, "10.0.0.1:17310", me.cert, sig, _transcript(server="x:1"))
+    other = Credentials.from_secret(b"t" * 32)                                       # another cluster's CA
+    assert not node_proves(other.node_ca, "10.0.0.1:17310", me.cert, sig, text)
+    forged = other.node_signer("10.0.0.1:17310")
+    assert not node_proves(creds.node_ca, "10.0.0.1:17310", forged.cert, forged.sign(text), text)
+    assert not node_proves(creds.node_ca, "10.0.0.1:17310", b"", b"", text)           # an older node: nothing
+
+
+def test_key_files_carry_the_node_ca_and_older_ones_still_load(tmp_path):
+    from wire.auth import AuthConfigError, Credentials
+    from wire.protocol import Role
+    master = Credentials.from_secret(b"s" * 32)
+    assert len(master.node_ca) == 32
+    new = tmp_path / "client.key"
+    new.write_text(master.role_key_file(Role.CLIENT))
+    got = Credentials.load(new)
+    assert got.node_ca == master.node_ca and got.key(Role.CLIENT) == master.key(Role.CLIENT)
+    assert got.node_signer("10.0.0.1:1") is None                                     # a key file issues nothing
+    old = tmp_path / "old.key"
+    old.write_text(" ".join(new.read_text().split()[:4]) + "\n")                     # made before the field
+    got = Credentials.load(old)
+    assert got.node_ca == b"" and got.key(Role.CLIENT) == master.key(Role.CLIENT)
+    vol = tmp_path / "vol.key"
+    vol.write_text(master.volume_key_file("photos"))
+    assert Credentials.load(vol).node_ca == master.node_ca
+    bad = tmp_path / "bad.key"
+    bad.write_text(" ".join(new.read_text().split()[:4]) + " node-ca=abcd\n")
+    with pytest.raises(AuthConfigError, match="node-ca"):
+        Credentials.load(bad)

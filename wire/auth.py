@@ -134,6 +134,66 @@ def session_keys(key: bytes, text: bytes, shared: bytes) -> tuple[bytes, bytes]:
     return hmac.digest(root, b"caller to node", "sha256"), hmac.digest(root, b"node to caller", "sha256")
 
 
+def _ed25519(seed: bytes):
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    return Ed25519PrivateKey.from_private_bytes(seed)
+
+
+def _raw_public(private) -> bytes:
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+    return private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+
+NODE_CERT_SIZE = 96        # the node's public key (32) and the node CA's signature of it with its identity (64)
+NODE_SIG_SIZE = 64
+
+
+def node_ca_seed(secret: bytes) -> bytes:
+    return hmac.digest(secret, b"datanode node ca v1", "sha256")
+
+
+def _cert_text(identity: str, node_public: bytes) -> bytes:
+    return b"datanode node cert v1|" + identity.encode() + b"|" + node_public
+
+
+def _sig_text(text: bytes) -> bytes:
+    return b"datanode node proof v1|" + text
+
+
+class NodeSigner:
+    """A node's own key and its certificate: the node CA's signature binding the key to the node's identity
+    (HOST:PORT).  Both derived from the cluster secret (the node CA's key is ``HMAC(secret, "datanode node ca
+    v1")``, a node's ``HMAC(secret, "datanode node key v1/" + identity)``), so a datanode issues its own at
+    start; what a caller needs to check them is the node CA's *public* key alone, which proves nothing else."""
+
+    def __init__(self, secret: bytes, identity: str) -> None:
+        ca = _ed25519(node_ca_seed(secret))
+        self._key = _ed25519(hmac.digest(secret, b"datanode node key v1/" + identity.encode(), "sha256"))
+        public = _raw_public(self._key)
+        self.identity = identity
+        self.cert = public + ca.sign(_cert_text(identity, public))
+
+    def sign(self, text: bytes) -> bytes:
+        """The node's signature of a session transcript (one naming this node as the one dialed)."""
+        return self._key.sign(_sig_text(text))
+
+
+def node_proves(ca_public: bytes, identity: str, cert: bytes, sig: bytes, text: bytes) -> bool:
+    """Whether ``cert`` is the node CA's certificate for node ``identity`` and ``sig`` that node's signature of
+    the transcript ``text``."""
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+    if len(cert) != NODE_CERT_SIZE or len(sig) != NODE_SIG_SIZE or len(ca_public) != 32:
+        return False
+    public, cert_sig = cert[:32], cert[32:]
+    try:
+        Ed25519PublicKey.from_public_bytes(ca_public).verify(cert_sig, _cert_text(identity, public))
+        Ed25519PublicKey.from_public_bytes(public).verify(sig, _sig_text(text))
+    except (InvalidSignature, ValueError):
+        return False
+    return True
+
+
 def proof(key: bytes, side: bytes, text: bytes) -> bytes:
     return hmac.new(key, side + b"|" + text, hashlib.sha256).digest()
 
@@ -146,18 +206,23 @@ class Credentials:
     """The role keys this process holds: all of them (from the cluster secret) or one (a role key file, or a
     volume key file: the ``client`` role scoped to the partitions of ``volume``)."""
 
-    def __init__(self, keys: dict[Role, bytes], source: str = "", master: bool = False, volume: str = ""):
+    def __init__(self, keys: dict[Role, bytes], source: str = "", master: bool = False, volume: str = "",
+                 secret: bytes = b"", node_ca: bytes = b""):
         self.keys = dict(keys)
         self.source = source
         self.master = master
         self.volume = volume       # a volume key: the hello names the volume as the client's identity
+        self._secret = secret      # the cluster secret (master only): a node's own key and certificate
+        # the node CA's public key: with it a caller checks which node answered (key files made before it
+        # existed lack it: their holders then rely on the node's proof with the role key alone)
+        self.node_ca = node_ca or (_raw_public(_ed25519(node_ca_seed(secret))) if secret else b"")
 
     @classmethod
     def from_secret(cls, secret: bytes, source: str = "") -> "Credentials":
         if len(secret) < MIN_SECRET:
             raise AuthConfigError(f"{source or 'secret'}: the cluster secret is {len(secret)} bytes, "
                                   f"at least {MIN_SECRET} are needed (make one with: datanode gen-secret)")
-        return cls({r: role_key(secret, r) for r in Role}, source, master=True)
+        return cls({r: role_key(secret, r) for r in Role}, source, master=True, secret=secret)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Credentials":
@@ -170,8 +235,10 @@ class Credentials:
         text = raw.strip()
         if text.startswith(VOLUME_KEY_MAGIC.encode()):
             parts = text.decode(errors="replace").split()
+            node_ca = _node_ca_field(p, parts)
             if len(parts) != 4 or parts[1] != "v1":
-                raise AuthConfigError(f"volume key file {p}: expected '{VOLUME_KEY_MAGIC} v1 VOLUME HEX'")
+                raise AuthConfigError(f"volume key file {p}: expected '{VOLUME_KEY_MAGIC} v1 VOLUME HEX "
+                                      f"[{NODE_CA_FIELD}HEX]'")
             try:
                 name = check_volume(parts[2])
                 key = bytes.fromhex(parts[3])
@@ -181,11 +248,12 @@ class Credentials:
                 raise AuthConfigError(f"volume key file {p}: the key is not hex") from None
             if len(key) != 32:
                 raise AuthConfigError(f"volume key file {p}: the key must be 32 bytes (64 hex digits)")
-            return cls({Role.CLIENT: key}, str(p), volume=name)
+            return cls({Role.CLIENT: key}, str(p), volume=name, node_ca=node_ca)
         if text.startswith(KEY_FILE_MAGIC.encode()):
             parts = text.decode(errors="replace").split()
+            node_ca = _node_ca_field(p, parts)
             if len(parts) != 4 or parts[1] != "v1" or parts[2] not in ROLE_NAMES:
-                raise AuthConfigError(f"key file {p}: expected '{KEY_FILE_MAGIC} v1 ROLE HEX' "
+                raise AuthConfigError(f"key file {p}: expected '{KEY_FILE_MAGIC} v1 ROLE HEX [{NODE_CA_FIELD}HEX]' "
                                       f"with ROLE one of {', '.join(ROLE_NAMES)}")
             try:
                 key = bytes.fromhex(parts[3])
@@ -193,7 +261,7 @@ class Credentials:
                 raise AuthConfigError(f"key file {p}: the key is not hex") from None
             if len(key) != 32:
                 raise AuthConfigError(f"key file {p}: the key must be 32 bytes (64 hex digits)")
-            return cls({ROLE_NAMES[parts[2]]: key}, str(p))
+            return cls({ROLE_NAMES[parts[2]]: key}, str(p), node_ca=node_ca)
         return cls.from_secret(text, str(p))
 
     def key(self, role: Role) -> bytes | None:
@@ -210,7 +278,14 @@ class Credentials:
         """The text of a role key file for ``role`` (only from the cluster secret)."""
         if not self.master:
             raise AuthConfigError(f"{self.source}: a role key file cannot make other keys; use the cluster secret")
-        return f"{KEY_FILE_MAGIC} v1 {role.name.lower()} {self.keys[role].hex()}\n"
+        return f"{KEY_FILE_MAGIC} v1 {role.name.lower()} {self.keys[role].hex()}{self._ca_field()}\n"
+
+    def _ca_field(self) -> str:
+        return f" {NODE_CA_FIELD}{self.node_ca.hex()}" if self.node_ca else ""
+
+    def node_signer(self, identity: str) -> "NodeSigner | None":
+        """This node's key and certificate for ``identity`` (None without the cluster secret)."""
+        return NodeSigner(self._secret, identity) if self._secret else None
 
 
     def volume_key_file(self, volume: str) -> str:
@@ -219,9 +294,26 @@ class Credentials:
         if admin is None:
             raise AuthConfigError(f"{self.source}: making a volume key needs the cluster secret or an admin key file")
         try:
-            return f"{VOLUME_KEY_MAGIC} v1 {volume} {volume_key(admin, volume).hex()}\n"
+            return f"{VOLUME_KEY_MAGIC} v1 {volume} {volume_key(admin, volume).hex()}{self._ca_field()}\n"
         except BodyError as e:
             raise AuthConfigError(e.detail) from None
+
+
+NODE_CA_FIELD = "node-ca="
+
+
+def _node_ca_field(path, parts: list[str]) -> bytes:
+    """The optional last field of a key file, ``node-ca=HEX``: the node CA's public key (removed from
+    ``parts``)."""
+    if not parts or not parts[-1].startswith(NODE_CA_FIELD):
+        return b""
+    try:
+        ca = bytes.fromhex(parts.pop()[len(NODE_CA_FIELD):])
+    except ValueError:
+        ca = b""
+    if len(ca) != 32:
+        raise AuthConfigError(f"key file {path}: {NODE_CA_FIELD} must be 32 bytes (64 hex digits)")
+    return ca
 
 
 class DialAuth:

@@ -623,9 +623,10 @@ STATUS_NO_SHARE = 10
 STATUS_DOWNGRADE = 11
 # Extension tag -> the Hello field it carries (at most 255 bytes: a UTF-8 string, or raw bytes for the tags in
 # HELLO_BINARY).  Tags are never reused.  2: the node the caller dialed (its HOST:PORT identity, bound into the
-# proofs); 3: the sender's X25519 key share (wire/auth.py).
-HELLO_EXTENSIONS = {1: "software", 2: "server", 3: "kx"}
-HELLO_BINARY = frozenset({3})
+# proofs); 3: the sender's X25519 key share; 4, 5: the answering node's certificate and its signature of the
+# transcript (wire/auth.py).
+HELLO_EXTENSIONS = {1: "software", 2: "server", 3: "kx", 4: "node_cert", 5: "node_sig"}
+HELLO_BINARY = frozenset({3, 4, 5})
 
 
 class Transport(enum.IntEnum):
@@ -654,6 +655,8 @@ class Hello:
     software: str = ""            # extension 1: the sender's build ("datanode 0.1.0"), for operators
     server: str = ""              # extension 2: the node the caller dialed (HOST:PORT)
     kx: bytes = b""               # extension 3: the sender's session key share
+    node_cert: bytes = b""        # extension 4: the answering node's key, signed by the node CA
+    node_sig: bytes = b""         # extension 5: the answering node's signature of the transcript
 
     def encode(self) -> bytes:
         ident = self.identity.encode()

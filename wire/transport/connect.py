@@ -32,8 +32,8 @@ from typing import AsyncIterator
 import trio
 
 from .. import aio
-from ..auth import (Credentials, DialAuth, KeyShare, new_nonce, proof, session_keys, session_nonce,
-                    session_transcript, speaks_sessions, transcript, volume_key)
+from ..auth import (Credentials, DialAuth, KeyShare, NodeSigner, new_nonce, node_proves, proof, session_keys,
+                    session_nonce, session_transcript, speaks_sessions, transcript, volume_key)
 from .base import TransportChoice, TransportOptions
 from ..protocol import (HEADER_SIZE, HELLO_SIZE, HELLO_STATUS, MIN_VERSION, SESSIONS_SINCE, STATUS_DOWNGRADE,
                         STATUS_NO_SHARE, STATUS_NOT_DIALED, STATUS_VERSION, VERSION, AuthProof, AuthVerdict, Hello,
@@ -208,6 +208,10 @@ async def dial(host: str, port: int, domain: Domain, *, transport: str = "auto",
                         keys = session_keys(key, text, share.shared(answer.kx))
                     except ValueError as e:
                         raise AuthError(f"{peer} sent no usable session key share: {e}") from None
+                    ca = auth.creds.node_ca
+                    if ca and not node_proves(ca, server, answer.node_cert, answer.node_sig, text):
+                        raise AuthError(f"{peer} failed to prove it is node {server}: its certificate or signature "
+                                        f"does not check out against the cluster's node CA")
                 else:
                     if share is not None and speaks_sessions(answer.nonce):
                         raise AuthError(f"{peer} speaks authenticated sessions but answered at protocol {version}: "
@@ -336,6 +340,8 @@ async def _authenticate(sock, peer: str, hello: Hello, creds: Credentials | None
             answer.status, answer.transport, answer.kx = STATUS_NO_SHARE, Transport.AUTO, b""
             await send_all(sock, answer.encode())
             raise AuthError(f"connection from {peer} refused: {e}") from None
+        signer = _signer(creds, me)
+        answer.node_cert, answer.node_sig = signer.cert, signer.sign(text)
     else:
         if VERSION >= SESSIONS_SINCE and speaks_sessions(hello.nonce):
             answer.status, answer.transport = STATUS_DOWNGRADE, Transport.AUTO
@@ -420,6 +426,13 @@ async def accept(sock, peer: str, domain: Domain, *, transport: str = "auto", sl
             raise
     async with _running(conn) as c:
         yield c
+
+
+@functools.lru_cache(maxsize=16)
+def _signer(creds: Credentials, identity: str) -> NodeSigner:
+    """This node's key and certificate for ``identity`` (made once: two Ed25519 key derivations and a
+    signature)."""
+    return creds.node_signer(identity)
 
 
 def _local_identity(sock) -> str:
