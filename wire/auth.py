@@ -1,4 +1,4 @@
-"""Cluster credentials and the proofs exchanged in the connection hello (HMAC-SHA256, standard library only).
+"""Cluster credentials, the proofs exchanged in the connection hello, and the keys of the session after it.
 
 Threat model: docs/security.md.  Against whom: any host that can open a TCP connection to a datanode
 (a tenant's machine, a compromised client host holding only a ``client`` key, a stranger on the network).
@@ -10,19 +10,23 @@ on TCP a peer reaches our memory only inside a grant (the range a request in fli
 connection); every admin body is validated before anything changes, and deleted data goes to the trash first;
 a peer cannot starve the others (per-connection requests in flight, pool share, answer bytes, hello deadline,
 idle and connection limits); a follower copy that differs from its leader's is reported within a heartbeat
-and repaired.  With TLS (transport/tls.py) the stream is also encrypted and integrity-protected, and the client
-checks the node's certificate.  Not protected: without TLS an on-path attacker can read and alter traffic
-after the hello (the HMAC covers the hello only); every datanode holds the cluster secret, so a compromised
-datanode can act as any node or admin; a client key holder can overwrite nothing but can append garbage to,
+and repaired.  A caller reaches the node it dialed or none: the hello names it, the node proves it (a relayed
+hello fails), and every control message after it carries a MAC of the session (wire/session.py), so nobody on
+the path injects, replays, reorders or alters a request or an answer.  With TLS (transport/tls.py) the stream
+is also encrypted, its payloads integrity-protected, and the client checks the node's X.509 certificate.  Not
+protected: without TLS an on-path attacker can read traffic and alter payloads (covered by CRC32C only); on
+verbs control messages carry no MAC; a connection with a peer of a build before sessions is not a session;
+every datanode holds the cluster secret, so a compromised datanode can act as any node or admin; a client key
+holder can overwrite nothing but can append garbage to,
 delete, or fill (to its share) any partition, a *volume key* the same on its volume's partitions only
 (FORBIDDEN elsewhere: datanode/ops/wrap.py); on verbs a grant is a
 type-2 memory window bound per request on the peer's queue pair (the MR itself has no remote rights), but
 rdma_rxe bounds a window by its MR, so during its own request a peer can reach the rest of that region, and a
 device without type-2 windows falls back to MR-wide rkeys (transport/verbs.py); floods of connections are
 bounded per address and in all (datanode/ops/admission.py), shared among addresses, not people.  Without a
-secret a node takes peers on its own host only (unless ``insecure``), and every such peer is trusted.  Authentication and the checks cost
-the data path nothing measurable; TLS costs a lot (Python-level record handling in trio.SSLStream):
-``bench/trust_cost.py`` measures both.
+secret a node takes peers on its own host only (unless ``insecure``), and every such peer is trusted.
+Authentication, the checks and the frame MACs cost the data path little; TLS costs a lot (Python-level record
+handling in trio.SSLStream): ``bench/trust_cost.py`` measures them.
 
 Keys.  The *cluster secret* is a file of random bytes (``datanode gen-secret``) held by the datanodes and the
 admin hosts.  Each role has its own key derived from it: ``K_role = HMAC-SHA256(secret, "datanode role key
@@ -35,13 +39,28 @@ can never claim those roles.  Where each lives:
     client hosts   a ``client`` role key file (the SDK, a FUSE mount), or a *volume key file*: the client role
                    on one volume's partitions (``volume_key``; the hello names the volume as its identity)
 
+Node keys.  Each datanode has an Ed25519 key of its own and a certificate binding it to its identity
+(HOST:PORT), signed by the *node CA*; both keys are derived from the cluster secret (``NodeSigner``), so a node
+makes its own at start.  A caller checks them with the node CA's public key alone: derived by holders of the
+secret, carried by role and volume key files (``node-ca=``).  Why signatures: every client host holds
+``K_client``, and whoever can check an HMAC proof can make it -- with HMAC alone a client key holder could play
+any node to another client.  A key file without the field still works, without that check.
+
 The hello (wire/transport/connect.py) is a mutual challenge-response: the client sends its role, a fresh
-32-byte nonce and (role ``node``) its identity; the server answers with its own nonce and
-``HMAC(K_role, "server" | transcript)``; the client checks that, then sends ``HMAC(K_role, "client" |
-transcript)``; the transcript binds the role, both nonces and the identity.  Neither side can replay an old
+32-byte nonce, (role ``node``) its identity, the identity of the node it dialed (``server``) and an X25519 key
+share; the server -- refusing a hello that names another node -- answers with its own nonce and share,
+``HMAC(K_role, "server" | transcript)``, its node certificate and its signature of the transcript; the client
+checks them (the signature where it holds the node CA's public key), then sends ``HMAC(K_role, "client" |
+transcript)``.  The transcript (``session_transcript``) binds the role, both nonces, the caller's identity, the
+node dialed as each side knows it, both shares and both version ranges.  Neither side can replay an old
 exchange (the other side's nonce is fresh), and the two proofs use different labels, so one is never usable as
-the other.  Without TLS the stream after the hello is not encrypted or integrity-protected (see
-docs/security.md).
+the other.  The session's two keys (``session_keys``) come from the role key, the transcript and the shares'
+shared secret, which nobody who only watched the hello can compute, a holder of the same role key included.
+
+Upgrades.  With a peer whose newest protocol predates sessions (``protocol.SESSIONS_SINCE``) the hello is the
+older one: transcript ``transcript`` (role, nonces, identity), no session.  A build that speaks sessions ends
+its nonces with ``SESSION_MARK``; the older proofs cover the nonces, so a hello or answer lowered on the way to
+an older protocol between two such builds is seen and refused.
 """
 from __future__ import annotations
 
