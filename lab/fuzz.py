@@ -37,8 +37,8 @@ from wire.crc import crc32c
 from wire.auth import (DialAuth, KeyShare, proof, session_keys, session_nonce, session_transcript,
                        transcript)
 from wire.protocol import (HEADER_SIZE, HELLO_SIZE, HELLO_STATUS, MAX_EPOCH, MIN_VERSION, SESSIONS_SINCE, VERSION,
-                           AuthProof, AuthVerdict, Flag, Header, Hello, Op, Result, Transport, decode, decode_extensions,
-                           decode_hello)
+                           AuthProof, AuthVerdict, Flag, Header, Hello, NodeProof, Op, Result, Transport, decode,
+                           decode_extensions, decode_hello)
 from wire.session import Session
 from wire.transport.tcp import CTRL, FRAME, READ_REQ, READ_RESP, WRITE_REQ, WRITE_RESP
 from tools.clikit import ADDR, CTX, Command, ProgressLine, emit
@@ -134,6 +134,8 @@ def hello(sock: socket.socket, slots: int = 8, auth: DialAuth | None = None, ser
         verdict = AuthVerdict.decode(recv_exactly(sock, AuthVerdict.SIZE))
         if verdict:
             raise Refused(HELLO_STATUS[verdict] if verdict < len(HELLO_STATUS) else str(verdict))
+        if keys is not None:
+            NodeProof.decode(recv_exactly(sock, NodeProof.SIZE))      # (not checked: the node is ours)
     return ans
 
 

@@ -208,8 +208,8 @@ async def _impostor(key: bytes, task_status=trio.TASK_STATUS_IGNORED) -> None:
     that key makes, at the newest protocol, for whatever node the caller names -- everything but the node's
     signature, which needs the node's own key."""
     from wire.auth import KeyShare, proof, session_nonce, session_transcript
-    from wire.protocol import (HELLO_SIZE, MIN_VERSION, VERSION, AuthProof, AuthVerdict, Hello, Transport,
-                               decode_extensions, decode_hello)
+    from wire.protocol import (HELLO_SIZE, MIN_VERSION, VERSION, AuthProof, AuthVerdict, Hello, NodeProof,
+                               Transport, decode_extensions, decode_hello)
     from wire.transport.tcp import recv_exactly, send_all
 
     async def serve(stream):
@@ -232,7 +232,7 @@ async def _impostor(key: bytes, task_status=trio.TASK_STATUS_IGNORED) -> None:
             await recv_exactly(sock, memoryview(bytearray(AuthProof.SIZE)))
         except ConnectionClosed:
             return                                # the caller saw through it
-        await send_all(sock, AuthVerdict.encode(0))
+        await send_all(sock, AuthVerdict.encode(0) + NodeProof.MAGIC + bytes(NodeProof.SIZE - 4))   # no key: none
         await trio.sleep_forever()
 
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")

@@ -181,3 +181,14 @@ def test_key_files_carry_the_node_ca_and_older_ones_still_load(tmp_path):
     bad.write_text(" ".join(new.read_text().split()[:4]) + " node-ca=abcd\n")
     with pytest.raises(AuthConfigError, match="node-ca"):
         Credentials.load(bad)
+
+
+def test_the_node_proof_message():
+    from wire.protocol import NodeProof, ProtocolError
+    cert, sig = os.urandom(96), os.urandom(64)
+    raw = NodeProof.encode(cert, sig)
+    assert len(raw) == NodeProof.SIZE and NodeProof.decode(raw) == (cert, sig)
+    with pytest.raises(ProtocolError):
+        NodeProof.decode(b"XXXX" + raw[4:])
+    with pytest.raises(ProtocolError):
+        NodeProof.encode(cert[:95], sig)

@@ -48,10 +48,12 @@ any node to another client.  A key file without the field still works, without t
 
 The hello (wire/transport/connect.py) is a mutual challenge-response: the client sends its role, a fresh
 32-byte nonce, (role ``node``) its identity, the identity of the node it dialed (``server``) and an X25519 key
-share; the server -- refusing a hello that names another node -- answers with its own nonce and share,
-``HMAC(K_role, "server" | transcript)``, its node certificate and its signature of the transcript; the client
-checks them (the signature where it holds the node CA's public key), then sends ``HMAC(K_role, "client" |
-transcript)``.  The transcript (``session_transcript``) binds the role, both nonces, the caller's identity, the
+share; the server -- refusing a hello that names another node -- answers with its own nonce and share and
+``HMAC(K_role, "server" | transcript)``; the client checks that, then sends ``HMAC(K_role, "client" |
+transcript)``; the server checks that and answers with its verdict, then (a session) its node certificate and
+its signature of the transcript (``protocol.NodeProof``), which the client checks where it holds the node CA's
+public key.  The signature and the key exchange wait for the caller's proof, and the node's share is reused
+for a while: a caller without a key costs the node HMACs only.  The transcript (``session_transcript``) binds the role, both nonces, the caller's identity, the
 node dialed as each side knows it, both shares and both version ranges.  Neither side can replay an old
 exchange (the other side's nonce is fresh), and the two proofs use different labels, so one is never usable as
 the other.  The session's two keys (``session_keys``) come from the role key, the transcript and the shares'

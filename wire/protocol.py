@@ -623,10 +623,9 @@ STATUS_NO_SHARE = 10
 STATUS_DOWNGRADE = 11
 # Extension tag -> the Hello field it carries (at most 255 bytes: a UTF-8 string, or raw bytes for the tags in
 # HELLO_BINARY).  Tags are never reused.  2: the node the caller dialed (its HOST:PORT identity, bound into the
-# proofs); 3: the sender's X25519 key share; 4, 5: the answering node's certificate and its signature of the
-# transcript (wire/auth.py).
-HELLO_EXTENSIONS = {1: "software", 2: "server", 3: "kx", 4: "node_cert", 5: "node_sig"}
-HELLO_BINARY = frozenset({3, 4, 5})
+# proofs); 3: the sender's X25519 key share (wire/auth.py).
+HELLO_EXTENSIONS = {1: "software", 2: "server", 3: "kx"}
+HELLO_BINARY = frozenset({3})
 
 
 class Transport(enum.IntEnum):
@@ -655,8 +654,6 @@ class Hello:
     software: str = ""            # extension 1: the sender's build ("datanode 0.1.0"), for operators
     server: str = ""              # extension 2: the node the caller dialed (HOST:PORT)
     kx: bytes = b""               # extension 3: the sender's session key share
-    node_cert: bytes = b""        # extension 4: the answering node's key, signed by the node CA
-    node_sig: bytes = b""         # extension 5: the answering node's signature of the transcript
 
     def encode(self) -> bytes:
         ident = self.identity.encode()
@@ -788,6 +785,26 @@ class AuthVerdict:
         if len(raw) != AuthVerdict.SIZE or raw[:4] != b"DNOK":
             raise ProtocolError("bad_magic", "not an authentication verdict")
         return raw[4]
+
+
+class NodeProof:
+    """Server -> client after an accepting ``AuthVerdict``, on a session only: ``"DNNP" | node certificate 96 |
+    signature 64`` -- the node's key signed by the node CA, and its signature of the transcript (wire/auth.py).
+    Sent once the caller has proven its key: a caller without one costs the node no signature."""
+    MAGIC = b"DNNP"
+    SIZE = 4 + 96 + 64
+
+    @staticmethod
+    def encode(cert: bytes, sig: bytes) -> bytes:
+        if len(cert) != 96 or len(sig) != 64:
+            raise ProtocolError("field_range", "a node proof is a 96-byte certificate and a 64-byte signature")
+        return NodeProof.MAGIC + cert + sig
+
+    @staticmethod
+    def decode(raw: bytes) -> tuple[bytes, bytes]:
+        if len(raw) != NodeProof.SIZE or raw[:4] != NodeProof.MAGIC:
+            raise ProtocolError("bad_magic", "not a node proof")
+        return bytes(raw[4:100]), bytes(raw[100:])
 
 
 @dataclasses.dataclass(slots=True)

@@ -26,19 +26,20 @@ from __future__ import annotations
 import functools
 import hmac
 import logging
+import time
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
 import trio
 
 from .. import aio
-from ..auth import (Credentials, DialAuth, KeyShare, NodeSigner, new_nonce, node_proves, proof, session_keys,
+from ..auth import (KX_SIZE, Credentials, DialAuth, KeyShare, NodeSigner, new_nonce, node_proves, proof, session_keys,
                     session_nonce, session_transcript, speaks_sessions, transcript, volume_key)
 from .base import TransportChoice, TransportOptions
 from ..protocol import (HEADER_SIZE, HELLO_SIZE, HELLO_STATUS, MIN_VERSION, SESSIONS_SINCE, STATUS_DOWNGRADE,
                         STATUS_NO_SHARE, STATUS_NOT_DIALED, STATUS_VERSION, VERSION, AuthProof, AuthVerdict, Hello,
-                        ProtocolError, Role, Transport, decode_extensions, decode_hello, decode_identity, negotiate,
-                        version_refusal)
+                        NodeProof, ProtocolError, Role, Transport, decode_extensions, decode_hello, decode_identity,
+                        negotiate, version_refusal)
 from ..session import Session
 from .base import Connection, Domain, TransportError
 from . import tls
@@ -204,14 +205,6 @@ async def dial(host: str, port: int, domain: Domain, *, transport: str = "auto",
                     text = session_transcript(int(auth.role), nonce, answer.nonce, auth.identity, server,
                                               share.public, answer.kx, (MIN_VERSION, VERSION),
                                               (answer.min_version, answer.version))
-                    try:
-                        keys = session_keys(key, text, share.shared(answer.kx))
-                    except ValueError as e:
-                        raise AuthError(f"{peer} sent no usable session key share: {e}") from None
-                    ca = auth.creds.node_ca
-                    if ca and not node_proves(ca, server, answer.node_cert, answer.node_sig, text):
-                        raise AuthError(f"{peer} failed to prove it is node {server}: its certificate or signature "
-                                        f"does not check out against the cluster's node CA")
                 else:
                     if share is not None and speaks_sessions(answer.nonce):
                         raise AuthError(f"{peer} speaks authenticated sessions but answered at protocol {version}: "
@@ -225,6 +218,16 @@ async def dial(host: str, port: int, domain: Domain, *, transport: str = "auto",
                     raise AuthError(f"{peer} refused the connection: {_status(verdict)}")
                 if verdict:
                     raise AuthError(f"{peer} refused our credentials: {_status(verdict)}")
+                if version >= SESSIONS_SINCE:
+                    cert, sig = NodeProof.decode(await _read(sock, NodeProof.SIZE))
+                    ca = auth.creds.node_ca
+                    if ca and not node_proves(ca, server, cert, sig, text):
+                        raise AuthError(f"{peer} failed to prove it is node {server}: its certificate or signature "
+                                        f"does not check out against the cluster's node CA")
+                    try:
+                        keys = session_keys(key, text, share.shared(answer.kx))
+                    except ValueError as e:
+                        raise AuthError(f"{peer} sent no usable session key share: {e}") from None
             if answer.transport == Transport.AUTO:
                 raise NegotiationError(f"{peer} refused the connection: transports cannot agree "
                                        f"(we asked for {transport}, device={device})")
@@ -323,25 +326,22 @@ async def _authenticate(sock, peer: str, hello: Hello, creds: Credentials | None
     # client's hello proves nothing and is ignored, as it always was.)
     volume = hello.identity if role == Role.CLIENT and ":" not in hello.identity else ""
     key = volume_key(creds.key(Role.ADMIN), volume) if volume else creds.key(role)
-    keys = None
     if version >= SESSIONS_SINCE:
         if hello.server != me:        # the caller meant another node: its hello was relayed (or misaddressed)
             answer.status, answer.transport, answer.identity = STATUS_NOT_DIALED, Transport.AUTO, me
             await send_all(sock, answer.encode())
             raise AuthError(f"connection from {peer} refused: it dialed {hello.server or '(no node named)'}, "
                             f"this node is {me} (a relayed hello, or a wrong address)")
-        share = KeyShare()
+        if len(hello.kx) != KX_SIZE:
+            answer.status, answer.transport = STATUS_NO_SHARE, Transport.AUTO
+            await send_all(sock, answer.encode())
+            raise AuthError(f"connection from {peer} refused: {_status(STATUS_NO_SHARE)}")
+        # until the caller has proven its key the node does only HMACs: the key exchange and the signature
+        # come after, and its key share is reused for a while (a caller without a key costs it no more work)
+        share = _server_share()
         answer.kx = share.public
         text = session_transcript(int(role), hello.nonce, answer.nonce, hello.identity, me, hello.kx, share.public,
                                   (hello.min_version, hello.version), (MIN_VERSION, VERSION))
-        try:
-            keys = session_keys(key, text, share.shared(hello.kx))
-        except ValueError as e:
-            answer.status, answer.transport, answer.kx = STATUS_NO_SHARE, Transport.AUTO, b""
-            await send_all(sock, answer.encode())
-            raise AuthError(f"connection from {peer} refused: {e}") from None
-        signer = _signer(creds, me)
-        answer.node_cert, answer.node_sig = signer.cert, signer.sign(text)
     else:
         if VERSION >= SESSIONS_SINCE and speaks_sessions(hello.nonce):
             answer.status, answer.transport = STATUS_DOWNGRADE, Transport.AUTO
@@ -361,7 +361,16 @@ async def _authenticate(sock, peer: str, hello: Hello, creds: Credentials | None
     if status:
         await send_all(sock, AuthVerdict.encode(status))
         raise NotAdmitted(f"connection from {peer} ({role.name.lower()}) refused: {_status(status)}")
-    await send_all(sock, AuthVerdict.encode(0))
+    if version < SESSIONS_SINCE:
+        await send_all(sock, AuthVerdict.encode(0))
+        return role, identity, None
+    try:
+        keys = session_keys(key, text, share.shared(hello.kx))
+    except ValueError as e:                # a share that is no point of the curve's group (low order)
+        await send_all(sock, AuthVerdict.encode(STATUS_NO_SHARE))
+        raise AuthError(f"connection from {peer} refused: {e}") from None
+    signer = _signer(creds, me)
+    await send_all(sock, AuthVerdict.encode(0) + NodeProof.encode(signer.cert, signer.sign(text)))
     return role, identity, keys
 
 
@@ -426,6 +435,17 @@ async def accept(sock, peer: str, domain: Domain, *, transport: str = "auto", sl
             raise
     async with _running(conn) as c:
         yield c
+
+
+SHARE_REUSE_S = 60.0      # a node's key share serves the hellos of this long (the sessions' keys differ: nonces)
+_share: list = [None, 0.0]
+
+
+def _server_share() -> KeyShare:
+    now = time.monotonic()
+    if _share[0] is None or now - _share[1] > SHARE_REUSE_S:
+        _share[:] = [KeyShare(), now]
+    return _share[0]
 
 
 @functools.lru_cache(maxsize=16)
