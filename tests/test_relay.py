@@ -29,7 +29,8 @@ class Relay:
     """Listens on a port of its own and pipes each connection to ``target`` (HOST:PORT), both ways, keeping
     what each side sent; ``inject`` adds bytes of its own to the latest connection's stream."""
 
-    def __init__(self, target: str):
+    def __init__(self, target: str, tamper=None):
+        self.tamper = tamper or {}       # "to_node" / "to_caller" -> f(first chunk) -> the chunk passed on
         self._srv = socket.create_server(("127.0.0.1", 0))
         self.addr = "127.0.0.1:%d" % self._srv.getsockname()[1]
         self.target = target
@@ -50,12 +51,16 @@ class Relay:
                 self.pairs.append((caller, node))
                 self.sent = {"to_node": [], "to_caller": []}
                 sent = self.sent
-            threading.Thread(target=self._pipe, args=(caller, node, sent["to_node"]), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(node, caller, sent["to_caller"]), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(caller, node, sent["to_node"], self.tamper.get("to_node")),
+                             daemon=True).start()
+            threading.Thread(target=self._pipe, args=(node, caller, sent["to_caller"], self.tamper.get("to_caller")),
+                             daemon=True).start()
 
-    def _pipe(self, src: socket.socket, dst: socket.socket, record: list) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, record: list, tamper=None) -> None:
         try:
             while data := src.recv(1 << 16):
+                if tamper is not None and not record:
+                    data = tamper(data)
                 with self._lock:
                     record.append(data)
                     dst.sendall(data)
@@ -89,6 +94,18 @@ def relay():
 
     def make(target: str) -> Relay:
         made.append(Relay(target))
+        return made[-1]
+    yield make
+    for r in made:
+        r.close()
+
+
+@pytest.fixture
+def tampering_relay():
+    made = []
+
+    def make(target: str, **tamper) -> Relay:
+        made.append(Relay(target, tamper))
         return made[-1]
     yield make
     for r in made:
@@ -264,3 +281,34 @@ def test_a_client_key_holder_cannot_pass_for_a_node(client_key, tmp_path):
                 assert conn.session is not None
             nursery.cancel_scope.cancel()
     run(body)
+
+
+def _older(hello: bytes) -> bytes:
+    """A hello (the first bytes each side sends) whose newest protocol is lowered to the one before sessions."""
+    from wire.protocol import HELLO_MAGIC, SESSIONS_SINCE
+    assert hello[:4] == HELLO_MAGIC and hello[4] >= SESSIONS_SINCE, hello[:12]
+    return hello[:4] + bytes([SESSIONS_SINCE - 1]) + hello[5:]
+
+
+@pytest.mark.parametrize("side", ["to_node", "to_caller"])
+def test_a_hello_lowered_to_the_protocol_before_sessions_is_refused(nodes, secret, tampering_relay, side):
+    """An attacker on the path lowers the version range of the caller's hello (or of the node's answer) so that
+    the two would meet at the protocol without sessions: the older hello's proofs cover the nonces, and a
+    build that speaks sessions marks its nonce, so the side that gets the lowered message refuses it."""
+    [a] = nodes(1, secret_file=str(secret))
+    r = tampering_relay(a.addr, **{side: _older})
+    host, _, port = r.addr.rpartition(":")
+
+    async def body():
+        from wire.transport.connect import AuthError
+        with pytest.raises(AuthError) as ei:
+            async with dial(host, int(port), make_domain("tcp"), transport="tcp", auth=auth_as(secret, Role.ADMIN),
+                            server=a.addr):
+                pass
+        return str(ei.value)
+    said = run(body)
+    if side == "to_node":
+        assert "altered on the way" in said, said
+        eventually(lambda: "altered on the way (a downgrade)" in log_of(a))
+    else:
+        assert "answered at protocol" in said and "a downgrade" in said, said
