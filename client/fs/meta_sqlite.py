@@ -40,7 +40,7 @@ from collections import Counter
 import trio
 
 from client.fs.meta import DIRENT, ROOT, Attr, Meta, MetaBusy, MetaError, MetaTx, Slice
-from wire.aio import InlinePause
+from wire.aio import InlinePause, Workers
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ class SqliteMeta(Meta):
                             (ROOT, stat.S_IFDIR | 0o755, 2, os.getuid(), os.getgid(), 0, 2 * DIRENT, now, now, now,
                              b""))
         self._limiter = trio.CapacityLimiter(1)          # the connection: one SQLite call at a time
-        self._sync_limiter = trio.CapacityLimiter(1)     # the WAL fsync's own thread
+        self._syncer = Workers(most=1, name="meta-wal-sync")   # the WAL fsync's own thread (a lean hand-over)
         self._seq = 0                 # commits made (counted once COMMIT has returned)
         self._synced = 0              # of those, the ones a finished WAL fsync covers
         self._sync_out: trio.Event | None = None          # set when the WAL fsync out ends
@@ -243,7 +243,7 @@ class SqliteMeta(Meta):
                         self.inline.took(t0)
                 else:
                     self.thread_txs += 1
-                    await trio.to_thread.run_sync(self._fsync_wal, limiter=self._sync_limiter)
+                    await self._syncer.run_sync(self._fsync_wal)
                 self.wal_syncs += 1
                 self._synced = max(self._synced, upto)
             finally:
