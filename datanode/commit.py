@@ -153,8 +153,8 @@ def _flush_all(want: dict, pool: ThreadPoolExecutor | None = None) -> dict:
     failed.  With ``pool`` and more than one extent, the extents are flushed side by side in its threads (the
     module docstring)."""
     jobs = [(store, [eid]) for store, extents in want.items() for eid in sorted(extents)]
-    if pool is not None and len(jobs) > 1:
-        jobs = [(store, ids, pool.submit(store.flush, ids)) for store, ids in jobs]
+    if pool is not None and len(jobs) > 1:      # all but the first to the pool; this thread does that one
+        jobs = [(*jobs[0], None)] + [(store, ids, pool.submit(store.flush, ids)) for store, ids in jobs[1:]]
     else:
         jobs = [(store, ids, None) for store, ids in jobs]
     failed = {}
