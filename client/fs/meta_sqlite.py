@@ -194,6 +194,9 @@ class SqliteMeta(Meta):
         self._seq = 0                 # commits made (counted once COMMIT has returned)
         self._synced = 0              # of those, the ones a finished WAL fsync covers
         self._sync_out: trio.Event | None = None          # set when the WAL fsync out ends
+        # A failed WAL fsync may have dropped dirty pages the kernel then calls clean: a later fsync would
+        # "succeed" without them.  So one failure fails every durable commit after it (remount to recover).
+        self._wal_failed: OSError | None = None
         self.wal_syncs = 0            # WAL fsyncs done ...
         self.durable_waits = 0        # ... for this many durable commits and syncs (group commit: fewer)
         self.inline = InlinePause()   # when a transaction may run right in the event loop
@@ -219,6 +222,7 @@ class SqliteMeta(Meta):
         """The transaction, then a WAL fsync that covers it -- shared with the other durable commits and
         syncs waiting meanwhile (the module docstring).  Alone in the mount (``quiet``, no WAL fsync out), both
         in one step: right here when the connection is free, no pass of the loop between them."""
+        self._check_wal()
         if self._sync_out is None and self.quiet is not None and self.quiet():
             def both():
                 out = self._tx(lambda db: fn(SqliteTx(db, self), *args))
@@ -239,6 +243,7 @@ class SqliteMeta(Meta):
         want = self._seq
         self.durable_waits += 1
         while self._synced < want:
+            self._check_wal()
             if self._sync_out is not None:
                 await self._sync_out.wait()             # it may have started before our commit: look again
                 continue
@@ -325,13 +330,23 @@ class SqliteMeta(Meta):
         the other syncs and durable commits waiting meanwhile (``_durable``)."""
         await self._durable()
 
+    def _check_wal(self) -> None:
+        if self._wal_failed is not None:
+            raise OSError(errno.EIO, f"metadata WAL of {self.path} failed to sync earlier "
+                                     f"({self._wal_failed.strerror}): remount") from self._wal_failed
+
     def _fsync_wal(self) -> None:
+        self._check_wal()
         try:
             fd = os.open(self.path + "-wal", os.O_RDONLY)
         except FileNotFoundError:       # no WAL: every commit is in the database file (closed cleanly)
             fd = os.open(self.path, os.O_RDONLY)
         try:
             os.fdatasync(fd)            # what SQLite itself does: the bytes and the length that reads them
+        except OSError as e:
+            self._wal_failed = e
+            log.error("metadata WAL fsync of %s failed: %s; durable commits fail until remount", self.path, e)
+            raise
         finally:
             os.close(fd)
 
