@@ -358,8 +358,8 @@ def test_the_capability_question_before_each_write_is_answered_from_memory_while
     (set, removed) are what it answers after."""
     from client.fs.fs import CAPS as NAME, DnFS
     from client.fs.meta import ROOT
+    from client.fs.fuse_types import FUSEError
     from client.fs.meta_sqlite import SqliteMeta
-    import pyfuse3
 
     async def main():
         meta = SqliteMeta(str(tmp_path / "m.db"))
@@ -374,7 +374,7 @@ def test_the_capability_question_before_each_write_is_answered_from_memory_while
         async def caps(ino):
             try:
                 return await fs.getxattr(ino, NAME, None)
-            except pyfuse3.FUSEError as e:
+            except FUSEError as e:
                 assert e.errno == errno.ENODATA
                 return None
 

@@ -382,9 +382,10 @@ def stats_cmd(mountpoint, timeout, as_json):
         click.echo(f"{'request':12} {'count':>10} {'failed':>8} {'ms avg':>8}")
         for k, r in sorted(reqs.items(), key=lambda kv: -kv[1]["seconds"]):
             click.echo(f"{k:12} {r['count']:10d} {r['failed']:8d} {1e3 * r['seconds'] / max(1, r['count']):8.3f}")
-    if st.get("fuse_reads"):
-        fr = st["fuse_reads"]
-        click.echo(f"FUSE requests read at once (one was waiting): {fr['at_once']}, waited for: {fr['waited']}")
+    if st.get("fuse"):
+        fu = st["fuse"]
+        click.echo(f"FUSE: {fu['requests']} requests read in {fu['wakeups']} wakeups, {fu['inline']} answered "
+                   f"inline, {fu['interrupted']} interrupted, {fu['malformed']} not understood")
     if st["meta"]:
         click.echo("metadata: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in st["meta"].items()))
 

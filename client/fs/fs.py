@@ -1,4 +1,4 @@
-"""The FUSE operations of dnfs (pyfuse3, in the SDK's trio loop): POSIX calls -> metadata + data path.
+"""The FUSE operations of dnfs (served by :mod:`client.fs.fuse_session` in the SDK's trio loop): POSIX calls -> metadata + data path.
 
 Data path.  ``write`` hands the bytes to the mount's writer (:mod:`client.fs.writer`: write-back buffers,
 flushes, retries, slices); ``flush`` (close), ``fsync`` and ``release`` flush synchronously -- with
@@ -32,10 +32,11 @@ import stat
 import time
 from collections import Counter
 
-import pyfuse3
 import trio
 
 from client.fs import acl
+from client.fs.fuse_types import (ENOATTR, RENAME_EXCHANGE, RENAME_NOREPLACE, EntryAttributes, FileInfo,
+                                   FUSEError, StatvfsData)
 from client.fs.meta import DIRENT, ROOT, Attr, Meta, MetaError, Slice
 from client.fs.reclaim import DataLock, Reclaimer
 from client.fs.writeback import BUDGET, CHUNK, WRITE_RETRY_S
@@ -72,17 +73,17 @@ def fuse_op(fn):
             out = await fn(self, *args, **kw)
             ok = True
             return out
-        except pyfuse3.FUSEError:
+        except FUSEError:
             raise
         except MetaError as e:
-            raise pyfuse3.FUSEError(e.errno) from None
+            raise FUSEError(e.errno) from None
         except ClientError as e:
-            raise pyfuse3.FUSEError(data_errno(e, fn.__name__)) from None
+            raise FUSEError(data_errno(e, fn.__name__)) from None
         except OSError as e:
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+            raise FUSEError(e.errno or errno.EIO) from None
         except Exception:
             log.exception("%s failed", fn.__name__)
-            raise pyfuse3.FUSEError(errno.EIO) from None
+            raise FUSEError(errno.EIO) from None
         finally:
             self.inflight -= 1
             c = self.ops.get(name)
@@ -111,6 +112,7 @@ class FileState(FileWriter):
         self.committed_slices = 0             # slices committed since the last compaction check
         self.caps = _UNKNOWN                  # its security.capability (None: it has none), once asked ...
         self.caps_gen = 0                     # ... and the changes of it begun here (DnFS.getxattr)
+        self.no_privs = False                 # known to have no set-user/group-ID bit (DnFS._kill_suidgid)
 
     def changed(self) -> None:
         self.gen += 1
@@ -121,6 +123,12 @@ class FileState(FileWriter):
         self.seen = (attr.mtime_ns, attr.ctime_ns)
         self.committed_slices += nslices
         self.changed()
+
+
+def killed_privs(mode: int) -> int:
+    """``mode`` without what a write, truncate or chown takes away."""
+    mode &= ~stat.S_ISUID
+    return mode & ~stat.S_ISGID if mode & stat.S_IXGRP else mode
 
 
 def keeps_sgid(ctx, gid: int) -> bool:
@@ -134,7 +142,7 @@ def keeps_sgid(ctx, gid: int) -> bool:
     return acl.in_group_or_capable(status, gid)
 
 
-class DnFS(pyfuse3.Operations):
+class DnFS:
     enable_writeback_cache = False
     enable_acl = acl.kernel_enforces(os.uname().release)   # the kernel enforces POSIX ACLs; Meta keeps the
                                                             # mode in step (without: ACLs are refused)
@@ -142,7 +150,6 @@ class DnFS(pyfuse3.Operations):
     def __init__(self, meta: Meta, dc: DataClient, partitions: list[int], nursery: trio.Nursery, *,
                  budget: int = BUDGET, chunk: int = CHUNK, write_retry_s: float = WRITE_RETRY_S,
                  writeback: bool = False):
-        super().__init__()
         if not partitions:
             raise ValueError("no data partition to write to")
         self.meta, self.dc, self.partitions, self.nursery = meta, dc, partitions, nursery
@@ -166,6 +173,7 @@ class DnFS(pyfuse3.Operations):
         self.ops: dict[str, list] = {}             # FUSE request kind -> [count, answered with an errno, seconds]
         meta.quiet = lambda: self.inflight <= 1    # the engine may block the loop for an fsync nobody waits behind
         self.timeout = TIMEOUT if meta.single_mount else 0.0   # shared: ask the metadata every time
+        self.invalidate = None                     # ino -> None: drop the kernel's cache of it (the session's)
 
     # -- helpers
     async def startup(self) -> None:
@@ -194,9 +202,9 @@ class DnFS(pyfuse3.Operations):
             except MetaError as e:
                 log.warning("orphan sweep: %s", e)
 
-    def entry(self, a: Attr) -> pyfuse3.EntryAttributes:
+    def entry(self, a: Attr) -> EntryAttributes:
         st = self.files.get(a.ino)
-        e = pyfuse3.EntryAttributes()
+        e = EntryAttributes()
         e.st_ino = a.ino
         e.generation = 0
         e.entry_timeout = e.attr_timeout = self.timeout
@@ -209,7 +217,7 @@ class DnFS(pyfuse3.Operations):
         e.st_atime_ns, e.st_mtime_ns, e.st_ctime_ns = a.atime_ns, a.mtime_ns, a.ctime_ns
         return e
 
-    def _looked_up(self, a: Attr, parent: int) -> pyfuse3.EntryAttributes:
+    def _looked_up(self, a: Attr, parent: int) -> EntryAttributes:
         self.lookups[a.ino] += 1
         if a.is_dir:
             self.parents[a.ino] = parent
@@ -230,7 +238,7 @@ class DnFS(pyfuse3.Operations):
     def _raise_error(self, st: FileState) -> None:
         err = st.take_error()
         if err is not None:
-            raise pyfuse3.FUSEError(err)
+            raise FUSEError(err)
 
     def _forgotten(self, st: FileState) -> None:
         """The writer let go of a closed file: what it was at its close decides ``keep_cache`` at the next open."""
@@ -244,12 +252,28 @@ class DnFS(pyfuse3.Operations):
         st.seen = (-1, -1)
         self.nursery.start_soon(self._uncache, st.ino)
 
-    @staticmethod
-    async def _uncache(ino: int) -> None:
+    async def _uncache(self, ino: int) -> None:
+        if self.invalidate is None:
+            return
         try:        # in a thread, never in the request that failed: the kernel may hold the pages it writes
-            await trio.to_thread.run_sync(pyfuse3.invalidate_inode, ino)
+            await trio.to_thread.run_sync(self.invalidate, ino)
         except OSError as e:
             log.debug("invalidating inode %d: %s", ino, e)
+
+    async def _kill_suidgid(self, ino: int, st: FileState | None = None) -> None:
+        """What a write, truncate or chown by a caller without CAP_FSETID does to a file (the kernel leaves it
+        to us, FUSE_HANDLE_KILLPRIV_V2): set-user-ID goes, and set-group-ID if the group may execute it.
+        With a single-mount engine an open file known to have neither is not asked again."""
+        if st is not None and st.no_privs:
+            return
+        a = await self.meta.getattr(ino)
+        mode = killed_privs(a.mode)
+        if mode != a.mode:
+            a = await self.meta.setattr(ino, mode=mode, ctime_ns=time.time_ns())
+            if st is not None:
+                st.seen = (a.mtime_ns, a.ctime_ns)
+        elif st is not None and self.meta.single_mount and not a.mode & (stat.S_ISUID | stat.S_ISGID):
+            st.no_privs = True
 
     async def _truncate(self, st: FileState, size: int) -> Attr:
         await self._flush_checked(st)
@@ -273,20 +297,41 @@ class DnFS(pyfuse3.Operations):
         except MetaError as e:
             if e.errno != errno.ENOENT or not self.negative_cache:
                 raise
-            neg = pyfuse3.EntryAttributes()     # inode 0: the kernel caches "no such name" for a while
+            neg = EntryAttributes()     # inode 0: the kernel caches "no such name" for a while
             neg.st_ino = 0
             neg.entry_timeout = TIMEOUT
             return neg
 
-    @fuse_op
-    async def forget(self, inode_list):
+    def forget_now(self, inode_list) -> list[int]:
+        """The kernel forgot inodes (FORGET, BATCH_FORGET: answered inline, no I/O); returns those that may go
+        now (unlinked, and nothing has them open: ``remove_forgotten``)."""
+        t0 = time.perf_counter()
+        gone = []
+        lookups = self.lookups
         for ino, n in inode_list:
-            self.lookups[ino] -= n
-            if self.lookups[ino] <= 0:
-                del self.lookups[ino]
-                if ino != ROOT:
-                    self.parents.pop(ino, None)
-                await self._maybe_remove(ino)
+            left = lookups[ino] - n
+            if left > 0:
+                lookups[ino] = left
+                continue
+            lookups.pop(ino, None)
+            if ino != ROOT:
+                self.parents.pop(ino, None)
+            if ino in self.unlinked:
+                gone.append(ino)
+        c = self.ops.get("forget")
+        if c is None:
+            c = self.ops["forget"] = [0, 0, 0.0]
+        c[0] += 1
+        c[2] += time.perf_counter() - t0
+        return gone
+
+    @fuse_op
+    async def remove_forgotten(self, inos: list[int]) -> None:
+        for ino in inos:
+            await self._maybe_remove(ino)
+
+    async def forget(self, inode_list):
+        await self.remove_forgotten(self.forget_now(inode_list))
 
     @fuse_op
     async def getattr(self, inode, ctx=None):
@@ -295,6 +340,14 @@ class DnFS(pyfuse3.Operations):
     @fuse_op
     async def setattr(self, inode, attr, fields, fh, ctx):
         now = time.time_ns()
+        mode = attr.st_mode if fields.update_mode else None
+        st = self.files.get(inode)
+        if st is not None and (fields.update_mode or fields.update_uid or fields.update_gid):
+            st.no_privs = False
+        if getattr(fields, "kill_suidgid", False) and mode is None:
+            cur = await self.meta.getattr(inode)
+            if killed_privs(cur.mode) != cur.mode:
+                mode = killed_privs(cur.mode)
         if fields.update_size:
             st = self.files.get(inode)
             if st is not None:
@@ -302,10 +355,10 @@ class DnFS(pyfuse3.Operations):
             else:
                 a = await self.meta.truncate(inode, attr.st_size, now)
             self.reclaimer.kick()
-        if fields.update_mode or fields.update_uid or fields.update_gid or fields.update_atime \
+        if mode is not None or fields.update_uid or fields.update_gid or fields.update_atime \
                 or fields.update_mtime or not fields.update_size:
             a = await self.meta.setattr(
-                inode, mode=attr.st_mode if fields.update_mode else None,
+                inode, mode=mode,
                 uid=attr.st_uid if fields.update_uid else None, gid=attr.st_gid if fields.update_gid else None,
                 atime_ns=attr.st_atime_ns if fields.update_atime else None,
                 mtime_ns=attr.st_mtime_ns if fields.update_mtime else None, ctime_ns=now)
@@ -356,14 +409,14 @@ class DnFS(pyfuse3.Operations):
     @fuse_op
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
         replaced = await self.meta.rename(parent_inode_old, name_old, parent_inode_new, name_new,
-                                          noreplace=bool(flags & pyfuse3.RENAME_NOREPLACE),
-                                          exchange=bool(flags & pyfuse3.RENAME_EXCHANGE))
+                                          noreplace=bool(flags & RENAME_NOREPLACE),
+                                          exchange=bool(flags & RENAME_EXCHANGE))
         if replaced is not None and replaced.nlink <= 0:
             self.unlinked.add(replaced.ino)
             await self._maybe_remove(replaced.ino)
         if parent_inode_old != parent_inode_new:       # a directory moved: its ".." is the new parent
             moved = [(parent_inode_new, name_new)]
-            if flags & pyfuse3.RENAME_EXCHANGE:
+            if flags & RENAME_EXCHANGE:
                 moved.append((parent_inode_old, name_old))
             for p, n in moved:
                 try:
@@ -378,22 +431,22 @@ class DnFS(pyfuse3.Operations):
     async def opendir(self, inode, ctx):
         a = await self.meta.getattr(inode)
         if not a.is_dir:
-            raise pyfuse3.FUSEError(errno.ENOTDIR)
+            raise FUSEError(errno.ENOTDIR)
         return inode
 
     @staticmethod
-    def _dot(ino: int) -> pyfuse3.EntryAttributes:
+    def _dot(ino: int) -> EntryAttributes:
         """"." or "..": the kernel takes only the inode number and type (and counts no lookup of them)."""
-        e = pyfuse3.EntryAttributes()
+        e = EntryAttributes()
         e.st_ino, e.st_mode = ino, stat.S_IFDIR
         return e
 
     @fuse_op
     async def readdir(self, fh, start_id, token):
         """"." (cookie 1) and ".." (cookie 2) first, then the entries, each cookie the engine's plus 2."""
-        if start_id == 0 and not pyfuse3.readdir_reply(token, b".", self._dot(fh), 1):
+        if start_id == 0 and not token.add(b".", self._dot(fh), 1):
             return
-        if start_id <= 1 and not pyfuse3.readdir_reply(token, b"..", self._dot(self.parents.get(fh, fh)), 2):
+        if start_id <= 1 and not token.add(b"..", self._dot(self.parents.get(fh, fh)), 2):
             return
         after = max(start_id - 2, 0)
         while True:
@@ -401,11 +454,12 @@ class DnFS(pyfuse3.Operations):
             if not batch:
                 return
             for name, a, cookie in batch:
-                if not pyfuse3.readdir_reply(token, name, self.entry(a), cookie + 2):
+                if not token.add(name, self.entry(a), cookie + 2):
                     return
-                self.lookups[a.ino] += 1
-                if a.is_dir:
-                    self.parents[a.ino] = fh
+                if token.plus:                  # the kernel counts a lookup of each entry with attributes
+                    self.lookups[a.ino] += 1
+                    if a.is_dir:
+                        self.parents[a.ino] = fh
                 after = cookie
 
     async def releasedir(self, fh):
@@ -416,7 +470,7 @@ class DnFS(pyfuse3.Operations):
         await self.meta.sync()
 
     # -- files
-    async def _open(self, a: Attr) -> pyfuse3.FileInfo:
+    async def _open(self, a: Attr) -> FileInfo:
         st = self.files.get(a.ino)
         if st is None:
             st = self.files[a.ino] = FileState(a.ino, a.size, self.writer)
@@ -431,19 +485,21 @@ class DnFS(pyfuse3.Operations):
         self.next_fh += 1
         self.handles[fh] = a.ino
         keep = self.seen.get(a.ino) == (a.mtime_ns, a.ctime_ns)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=keep)
+        return FileInfo(fh=fh, keep_cache=keep)
 
     @fuse_op
-    async def open(self, inode, flags, ctx):
+    async def open(self, inode, flags, ctx, kill_suidgid=False):
         a = await self.meta.getattr(inode)
         if a.is_dir:
-            raise pyfuse3.FUSEError(errno.EISDIR)
-        if flags & os.O_TRUNC and a.size:          # libfuse asks for atomic O_TRUNC: it is ours to do
+            raise FUSEError(errno.EISDIR)
+        if flags & os.O_TRUNC and a.size:          # we ask for atomic O_TRUNC: it is ours to do
             st = self.files.get(inode)
             if st is not None:
                 await self._truncate(st, 0)
             a = await self.meta.truncate(inode, 0, time.time_ns())
             self.reclaimer.kick()
+        if flags & os.O_TRUNC and kill_suidgid and killed_privs(a.mode) != a.mode:
+            a = await self.meta.setattr(inode, mode=killed_privs(a.mode), ctime_ns=time.time_ns())
         return await self._open(a)
 
     @fuse_op
@@ -554,9 +610,11 @@ class DnFS(pyfuse3.Operations):
         return bytes(out)
 
     @fuse_op
-    async def write(self, fh, off, buf):
+    async def write(self, fh, off, buf, kill_suidgid=False):
         st = self.files[self.handles[fh]]
         self._raise_error(st)
+        if kill_suidgid:
+            await self._kill_suidgid(st.ino, st)
         await self.writer.write(st, off, buf)
         return len(buf)
 
@@ -707,7 +765,7 @@ class DnFS(pyfuse3.Operations):
         else shares the disks).  Inodes: the metadata sets no limit; 2^32 stands for it."""
         inodes, used = await self.usage()
         _total, free = await self.capacity()
-        s = pyfuse3.StatvfsData()
+        s = StatvfsData()
         s.f_bsize, s.f_frsize, s.f_namemax = 1 << 20, 4096, 255
         s.f_bfree = s.f_bavail = free // s.f_frsize
         s.f_blocks = s.f_bfree + -(-used // s.f_frsize)
@@ -720,7 +778,7 @@ class DnFS(pyfuse3.Operations):
     async def setxattr(self, inode, name, value, ctx):
         if name in acl.NAMES:
             if not self.enable_acl:
-                raise pyfuse3.FUSEError(errno.EOPNOTSUPP)
+                raise FUSEError(errno.EOPNOTSUPP)
             await self._set_acl(inode, name, value, ctx)
             return
         change = self._caps_changing(inode, name)
@@ -737,10 +795,10 @@ class DnFS(pyfuse3.Operations):
             raise MetaError(errno.EINVAL, str(e)) from None
         a = await self.meta.getattr(inode)
         if stat.S_ISLNK(a.mode):
-            raise pyfuse3.FUSEError(errno.EOPNOTSUPP)
+            raise FUSEError(errno.EOPNOTSUPP)
         if name == acl.DEFAULT:
             if not a.is_dir:
-                raise pyfuse3.FUSEError(errno.EACCES)
+                raise FUSEError(errno.EACCES)
             await self.meta.setxattr(inode, name, value)
             return
         keep = not a.mode & stat.S_ISGID or keeps_sgid(ctx, a.gid)
@@ -771,7 +829,7 @@ class DnFS(pyfuse3.Operations):
             if st is not None and st.caps_gen == gen:      # no change of it began meanwhile
                 st.caps = value
         if value is None:
-            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+            raise FUSEError(ENOATTR)
         return value
 
     def _caps_changing(self, inode: int, name: bytes):
@@ -802,5 +860,5 @@ class DnFS(pyfuse3.Operations):
             self._caps_changed(change, None)
         except MetaError as e:
             if e.errno == errno.ENODATA:
-                raise pyfuse3.FUSEError(pyfuse3.ENOATTR) from None
+                raise FUSEError(ENOATTR) from None
             raise
