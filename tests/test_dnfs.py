@@ -356,7 +356,8 @@ def test_the_capability_question_before_each_write_is_answered_from_memory_while
     """The kernel's security.capability lookup before every write reaches the metadata engine once per open
     file, not once per write (and not at all for a file the mount created); this mount's own changes of it
     (set, removed) are what it answers after."""
-    from client.fs.fs import CAPS as NAME, DnFS
+    from client.fs.fs import DnFS
+    from client.fs.fs_common import CAPS as NAME
     from client.fs.meta import ROOT
     from client.fs.fuse_types import FUSEError
     from client.fs.meta_sqlite import SqliteMeta

@@ -33,7 +33,7 @@ import time
 import trio
 
 from client.fs import fuse_proto as fp
-from client.fs.fuse_types import FUSEError, RequestContext, SetattrFields, EntryAttributes
+from client.fs.fuse_types import EntryAttributes, FUSEError, RequestContext, SetattrFields
 
 log = logging.getLogger(__name__)
 
