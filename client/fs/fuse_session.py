@@ -202,12 +202,16 @@ class Session:
 
     async def _read_loop(self) -> None:
         fd, dispatch, counts = self.fd, self._dispatch, self.counts
+        # one buffer for every read, each request copied out at its size: os.read would allocate (and
+        # page-fault) a whole write's worth for every few-byte request
+        buf = bytearray(BUFSIZE)
+        view, into = memoryview(buf), [buf]
         while True:
             await trio.lowlevel.wait_readable(fd)
             counts["wakeups"] += 1
             for _ in range(BURST):
                 try:
-                    buf = os.read(fd, BUFSIZE)
+                    n = os.readv(fd, into)
                 except BlockingIOError:
                     break
                 except InterruptedError:
@@ -218,7 +222,7 @@ class Session:
                     if e.errno == errno.ENODEV:      # unmounted
                         return
                     raise
-                dispatch(buf)
+                dispatch(bytes(view[:n]))
 
     def _dispatch(self, buf: bytes) -> None:
         self.counts["requests"] += 1
