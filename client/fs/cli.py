@@ -387,8 +387,9 @@ def stats_cmd(mountpoint, timeout, as_json):
             click.echo(f"{k:12} {r['count']:10d} {r['failed']:8d} {1e3 * r['seconds'] / max(1, r['count']):8.3f}")
     if st.get("fuse"):
         fu = st["fuse"]
-        click.echo(f"FUSE: {fu['requests']} requests read in {fu['wakeups']} wakeups, {fu['inline']} answered "
-                   f"inline, {fu['interrupted']} interrupted, {fu['malformed']} not understood")
+        click.echo(f"FUSE: {fu['requests']} requests ({fu['after_reply']} read right after an answer, the rest in "
+                   f"{fu['wakeups']} wakeups), {fu['inline']} answered inline, {fu['interrupted']} interrupted, "
+                   f"{fu['malformed']} not understood")
     if st["meta"]:
         click.echo("metadata: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in st["meta"].items()))
 

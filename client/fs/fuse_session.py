@@ -20,6 +20,7 @@ goes on.  Unmounting (ENODEV on read) ends the loop once the handlers under way 
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import ctypes.util
 import errno
@@ -98,7 +99,20 @@ class Session:
         self.running: dict[int, trio.CancelScope] = {}     # interruptible requests under way
         self._reader: trio.CancelScope | None = None
         self._closing = False
-        self.counts = {"wakeups": 0, "requests": 0, "inline": 0, "malformed": 0, "interrupted": 0}
+        self._gone = False                   # the kernel ended the session (unmounted)
+        # requests waiting for a worker; a worker is a task serving them one after another (a task per
+        # request would cost a spawn each); ``_free`` of them are parked in ``_lot``
+        self._queue: collections.deque = collections.deque()
+        self._lot = trio.lowlevel.ParkingLot()
+        self._free = 0
+        self._workers = 0
+        self._stopping = False
+        # one buffer for every read, each request copied out at its size: os.read would allocate (and
+        # page-fault) a whole write's worth for every few-byte request
+        self._buf = bytearray(BUFSIZE)
+        self._view, self._into = memoryview(self._buf), [self._buf]
+        self.counts = {"wakeups": 0, "requests": 0, "inline": 0, "malformed": 0, "interrupted": 0,
+                       "after_reply": 0}
         self._handlers = {
             fp.Op.LOOKUP: self._lookup, fp.Op.GETATTR: self._getattr, fp.Op.SETATTR: self._setattr,
             fp.Op.READLINK: self._readlink, fp.Op.SYMLINK: self._symlink, fp.Op.MKNOD: self._mknod,
@@ -199,30 +213,63 @@ class Session:
             with trio.CancelScope() as self._reader:
                 if not self._closing:
                     await self._read_loop()
+            self._stopping = True              # the workers finish what is queued, then end
+            self._lot.unpark_all()
 
     async def _read_loop(self) -> None:
-        fd, dispatch, counts = self.fd, self._dispatch, self.counts
-        # one buffer for every read, each request copied out at its size: os.read would allocate (and
-        # page-fault) a whole write's worth for every few-byte request
-        buf = bytearray(BUFSIZE)
-        view, into = memoryview(buf), [buf]
-        while True:
+        fd, counts = self.fd, self.counts
+        while not self._gone:
             await trio.lowlevel.wait_readable(fd)
             counts["wakeups"] += 1
-            for _ in range(BURST):
-                try:
-                    n = os.readv(fd, into)
-                except BlockingIOError:
-                    break
-                except InterruptedError:
+            self._read_queued()
+            self._wake(0)
+
+    def _wake(self, keep: int) -> None:
+        """A worker for every queued request beyond the ``keep`` the calling worker serves itself."""
+        for _ in range(len(self._queue) - keep):
+            if self._free:
+                self._free -= 1
+                self._lot.unpark()
+            else:
+                self._workers += 1
+                self._nursery.start_soon(self._worker)
+
+    async def _worker(self) -> None:
+        q = self._queue
+        while True:
+            while q:
+                req, fn = q.popleft()
+                await self._serve(req, fn)
+            if self._stopping:
+                return
+            self._free += 1
+            await self._lot.park()
+
+    def _read_queued(self) -> int:
+        """Read and dispatch the requests waiting (BURST at most); returns how many.  Called by the loop when
+        the descriptor is readable, and right after each answer: a caller that was waiting for it has often
+        sent its next request by then, which is read without a trip through the event loop's poll."""
+        fd, view, into = self.fd, self._view, self._into
+        got = 0
+        while got < BURST:
+            try:
+                n = os.readv(fd, into)
+            except BlockingIOError:
+                break
+            except InterruptedError:
+                continue
+            except OSError as e:
+                if e.errno == errno.ENOENT:          # interrupted before we got to it
                     continue
-                except OSError as e:
-                    if e.errno == errno.ENOENT:      # interrupted before we got to it
-                        continue
-                    if e.errno == errno.ENODEV:      # unmounted
-                        return
-                    raise
-                dispatch(bytes(view[:n]))
+                if e.errno in (errno.ENODEV, errno.EBADF):   # unmounted (or closed)
+                    self._gone = True
+                    if self._reader is not None:
+                        self._reader.cancel()
+                    break
+                raise
+            got += 1
+            self._dispatch(bytes(view[:n]))
+        return got
 
     def _dispatch(self, buf: bytes) -> None:
         self.counts["requests"] += 1
@@ -249,7 +296,7 @@ class Session:
             if out is not None:
                 self._send(out)
             return
-        self._nursery.start_soon(self._serve, req, fn)
+        self._queue.append((req, fn))
 
     async def _serve(self, req: fp.Request, fn) -> None:
         try:
@@ -271,6 +318,9 @@ class Session:
             log.exception("FUSE %s failed: %r", fp.NAMES.get(req.opcode), req)
             out = fp.error(req.unique, errno.EIO)
         self._send(out)
+        if not self._closing and not self._gone and self.fd >= 0:
+            self.counts["after_reply"] += self._read_queued()
+            self._wake(1)                      # this worker takes the next one itself
 
     def _send(self, out) -> None:
         fd = self.fd
@@ -473,4 +523,4 @@ class Session:
         return fp.error(req.unique, 0)
 
     def stats(self) -> dict:
-        return {**self.counts, "flags": hex(self.flags)}
+        return {**self.counts, "workers": self._workers, "flags": hex(self.flags)}

@@ -60,9 +60,11 @@ class SetattrFields:
     __slots__ = ("update_mode", "update_uid", "update_gid", "update_size", "update_atime", "update_mtime",
                  "update_ctime", "kill_suidgid")
 
-    def __init__(self, **kw) -> None:
-        for k in self.__slots__:
-            setattr(self, k, kw.get(k, False))
+    def __init__(self, update_mode=False, update_uid=False, update_gid=False, update_size=False,
+                 update_atime=False, update_mtime=False, update_ctime=False, kill_suidgid=False) -> None:
+        self.update_mode, self.update_uid, self.update_gid = update_mode, update_uid, update_gid
+        self.update_size, self.update_atime, self.update_mtime = update_size, update_atime, update_mtime
+        self.update_ctime, self.kill_suidgid = update_ctime, kill_suidgid
 
 
 class RequestContext:
