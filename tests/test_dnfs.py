@@ -438,6 +438,28 @@ def test_writes_cost_one_request_each_and_a_small_tree_few_per_file(mnt, tmp_pat
     assert (mnt.path / "t/d3/f7").read_bytes() == pattern(307, 100 + 37 * 7)
 
 
+def test_sigterm_unmounts_after_writing_what_is_buffered(cluster, tmp_path):
+    """SIGTERM to the mount process ends it like an unmount: the buffered bytes (--writeback: closed files'
+    too) are written, the mount point is let go, the process exits; the files are whole at the next mount."""
+    m = Mount(cluster, tmp_path).mount("--writeback")
+    try:
+        files = {f"f{i}": pattern(i, 5000 + 1000 * i) for i in range(10)}
+        for name, data in files.items():
+            (m.path / name).write_bytes(data)
+        os.kill(m.pid, signal.SIGTERM)
+        for _ in range(300):
+            if not os.path.exists(f"/proc/{m.pid}"):
+                break
+            time.sleep(0.1)
+        assert not os.path.exists(f"/proc/{m.pid}"), "the mount process did not exit"
+        assert str(m.path) not in open("/proc/mounts").read()
+        m.pid = None
+        m.mount()
+        assert {n: (m.path / n).read_bytes() for n in files} == files
+    finally:
+        m.cleanup()
+
+
 def test_readdir_many_entries(mnt):
     n = 10_000
     d = mnt.path / "many"
