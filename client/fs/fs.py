@@ -54,7 +54,6 @@ ORPHAN_SWEEP_S = 5.0               # shared engines: how often unlinked inodes o
 class DnFS(DirOps, FileOps, XattrOps):
     """The mount's handlers: the superblock's part here (the inodes the kernel knows, statfs, sync, stats),
     directories, files and xattrs in their mixins."""
-    enable_writeback_cache = False
     enable_acl = acl.kernel_enforces(os.uname().release)   # the kernel enforces POSIX ACLs; Meta keeps the
                                                             # mode in step (without: ACLs are refused)
 
