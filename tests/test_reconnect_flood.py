@@ -11,14 +11,16 @@ import socket
 import threading
 import time
 
+import pytest
 import trio
 
 from tests.conftest import create_partition, open_client, pattern, run
 from tests.test_trust import auth_as, secret  # noqa: F401 - secret: the fixture (a cluster secret file)
 from wire.protocol import Header, Hello, Op, Result, Role, Transport
-from wire.rpc import Links
+from wire.auth import Credentials, DialAuth
+from wire.rpc import Links, Redial
 from wire.transport.base import TransportOptions
-from wire.transport.connect import make_domain
+from wire.transport.connect import AuthError, NotAdmitted, make_domain
 
 KiB = 1 << 10
 PID = 5
@@ -144,3 +146,34 @@ def test_reconnect_flood_from_the_callers_host_fails_no_operation(nodes, secret)
     flooded = run(body)
     assert flooded > 2000, f"the flood made only {flooded} connections"
     assert ops >= 9 and not failures, (len(failures), ops, failures[:5])
+
+
+def test_redial_pauses_grow_with_jitter_up_to_a_cap():
+    """The pauses between dials: doubling from ``Redial.FIRST`` up to ``Redial.CAP``, each between half and
+    all of its step (callers turned away together do not come back together)."""
+    lo, hi = Redial(rand=lambda: 0.0), Redial(rand=lambda: 0.999999)
+    steps = [Redial.FIRST * 2 ** i for i in range(10)]
+    for step in steps:
+        a, b = lo.next(), hi.next()
+        cap = min(step, Redial.CAP)
+        assert a == pytest.approx(cap / 2) and b == pytest.approx(cap, rel=1e-5)
+    assert lo.tries == 11
+
+
+def test_a_refused_credential_is_not_dialed_again(nodes, secret):
+    """Only a hello the node closed or turned away for room is dialed again: a node that does not prove our
+    secret (or refuses our proof) fails the dial at once, with the reason."""
+    [n] = nodes(1, secret_file=str(secret))
+    forged = DialAuth(Credentials.from_secret(b"x" * 32), Role.ADMIN)
+
+    async def body():
+        domain = make_domain("tcp", TransportOptions())
+        async with trio.open_nursery() as nursery:
+            links = Links(nursery, domain, transport="tcp", slots=8, connect_timeout=10.0, auth=forged)
+            t0 = trio.current_time()
+            with pytest.raises(AuthError, match="failed to prove") as err:
+                await links.get(n.addr)
+            assert not isinstance(err.value, NotAdmitted)
+            assert trio.current_time() - t0 < 2.0
+            nursery.cancel_scope.cancel()
+    run(body)
