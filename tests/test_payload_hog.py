@@ -192,3 +192,51 @@ def test_a_payload_read_not_served_in_time_fails_its_request_and_frees_its_block
     finally:
         s.close()
     assert run(in_use) == 0
+
+
+def test_the_budget_for_awaited_payloads_is_shared_and_waited_for():
+    """``Buffers.await_payload`` alone (no sockets): a connection over its share is told BUSY at once; one
+    with nothing awaited waits for the budget and gets the bytes freed first; past ``pool_wait``, POOL_BUSY."""
+    from datanode.config import Config
+    from datanode.ops.base import Reply
+    from datanode.ops.buffers import Buffers
+    from wire.pool import BuddyPool
+
+    class Peer:
+        def __init__(self, name):
+            self.peer = name
+    cfg = Config(pool_mib=16, max_block_kib=1024, conn_fetch_mib=4, fetch_pool_share=0.5, pool_wait=0.5)
+    with BuddyPool(16 * MiB, MiB) as pool:
+        bufs = Buffers(cfg, pool, None)
+        a, b, victim = Peer("a"), Peer("b"), Peer("victim")
+
+
+        async def main():
+            for peer in (a, b):                          # each its cap (4 MiB): the whole 8 MiB budget
+                for _ in range(4):
+                    await bufs.await_payload(peer, MiB)
+                with pytest.raises(Reply) as busy:       # over its share: BUSY at once
+                    await bufs.await_payload(peer, MiB)
+                assert busy.value.result == Result.BUSY
+            assert bufs.awaiting_bytes == 8 * MiB
+            with pytest.raises(Reply) as full:           # nothing left, and nothing freed within pool_wait
+                await bufs.await_payload(victim, MiB)
+            assert full.value.result == Result.POOL_BUSY
+            got = []
+
+            async def waits():
+                await bufs.await_payload(victim, MiB)
+                got.append(trio.current_time())
+            async with trio.open_nursery() as n:
+                n.start_soon(waits)
+                await trio.sleep(0.1)
+                assert not got
+                t0 = trio.current_time()
+                bufs.payload_done(a, MiB)                # a's READ timed out: its bytes go to the one waiting
+            assert got and got[0] - t0 < 0.05 and bufs.awaiting[victim] == MiB
+            assert bufs.fetch_share(victim) == max(MiB, 8 * MiB // 3)   # an equal share among three
+            for peer, k in ((a, 3), (b, 4), (victim, 1)):
+                for _ in range(k):
+                    bufs.payload_done(peer, MiB)
+            assert bufs.awaiting == {} and bufs.awaiting_bytes == 0
+        trio.run(main)
