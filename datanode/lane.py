@@ -46,7 +46,8 @@ class LaneState:
     def fetched(self, ticket: int) -> None:
         """``ticket``'s payload is in hand: from now on it waits for its turn, and nobody passes it.  (No
         one's turn may begin because of that: no wake-up.)"""
-        self._fetching.pop(ticket, None)
+        if self._fetching:
+            self._fetching.pop(ticket, None)
 
     def _next(self) -> int | None:
         """The ticket whose turn may begin next: the oldest not ended, passing fetching tickets and, behind
@@ -69,7 +70,9 @@ class LaneState:
     def up(self, ticket: int) -> bool:
         """It is ``ticket``'s turn and no handed-over write is out: an append holding it may be done right
         away, with no turn to wait for (``DataOps.append_now``)."""
-        return (self.held is None or self.held == ticket) and ticket == self._next() and not self.writing
+        if self.writing or (self.held is not None and self.held != ticket):
+            return False
+        return ticket == self.serving if not self._fetching else ticket == self._next()
 
     def newest(self, ticket: int) -> bool:
         """No ticket was taken after ``ticket``."""
@@ -77,7 +80,9 @@ class LaneState:
 
     def blocker(self, ticket: int, settle: bool) -> str | None:
         """What ``ticket``'s turn waits for (``TURN`` or ``WRITES``), or None: it may begin now."""
-        if (self.held is not None and self.held != ticket) or ticket != self._next():
+        if self.held is not None and self.held != ticket:
+            return TURN
+        if ticket != self.serving and (not self._fetching or ticket != self._next()):
             return TURN
         if settle and self.writing:
             return WRITES
@@ -90,18 +95,21 @@ class LaneState:
             return None
         if self.held == ticket:
             self.held = None
-        if self._owners:
+        passing = bool(self._owners)        # tickets were taken behind a fetching one: turns may go out of order
+        if passing:
             self._fetching.pop(ticket, None)
             self._owners.pop(ticket, None)
         if ticket > self.serving:
             self._skipped.add(ticket)
-            return self._next() if self.held is None else None
+            return self._next() if passing and self.held is None else None
         nxt = ticket + 1
         while nxt in self._skipped:
             self._skipped.discard(nxt)
             nxt += 1
         self.serving = nxt
-        return self._next() if self.held is None else None
+        if self.held is not None:
+            return None
+        return nxt if nxt not in self._fetching else self._next()
 
     def handed(self, end: int) -> None:
         """In an append's turn: its local write, which ends the extent at ``end``, is handed over."""

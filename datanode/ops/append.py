@@ -76,7 +76,8 @@ class Appends:
         block = None
         try:
             view, block = await self._payload(rq, part, fanout, holder)
-            lane.fetched(t)
+            if rq.payload is None:               # fetched: nobody passes it in the lane from now on
+                lane.fetched(t)
             pieces = self._checked(h, view)
             st.mark(FETCHED)
             async with lane.turn(t, settle=False):
