@@ -343,6 +343,7 @@ class Redial:
     together)."""
     FIRST = 0.02
     CAP = 1.0
+    LEAST = 0.25        # no dial with less time left than this: it could only time out
 
     def __init__(self, rand=random.random) -> None:
         self.rand = rand
@@ -422,7 +423,7 @@ class Links:
                                                  max(0.0, deadline - trio.current_time()))
             except NotAdmitted as e:
                 pause = redial.next()
-                if trio.current_time() + pause >= deadline:
+                if trio.current_time() + pause + Redial.LEAST >= deadline:
                     raise NotAdmitted(f"{e} (dialed {redial.tries} times)") from None
                 log.debug("%s:%s: %s; dialing again in %.2fs", host, port, e, pause)
                 await trio.sleep(pause)
