@@ -320,7 +320,8 @@ KEY_HELP: dict[str, tuple[str, str]] = {
     "preauth_max": ("count", "connections still in their hello at once, all hosts (0: no limit); at the limit a "
                              "new one from a quieter address takes the place of the oldest of the busiest address"),
     "preauth_per_host": ("count", "connections still in their hello from one address; a new one takes the "
-                                  "place of the oldest (0: no limit)"),
+                                  "place of the oldest that has not sent its whole hello, else of the oldest "
+                                  "(0: no limit)"),
     "preauth_early_drop": ("count", "from this many connections in their hello, a new one from an address that "
                                     "has one pending is dropped at random, 30% rising to 100% at preauth_max "
                                     "(sshd's MaxStartups)"),
