@@ -87,7 +87,8 @@ class Node:
             raise config_mod.ConfigError(f"config key 'tls_cert'/'tls_key'/'tls_ca': {e}") from None
         try:
             creds = Credentials.load(cfg.secret_file) if cfg.secret_file else None
-            self.server_auth = ServerAuth(creds, server_tls, cfg.tls_required, transition=cfg.auth_transition)
+            self.server_auth = ServerAuth(creds, server_tls, cfg.tls_required, transition=cfg.auth_transition,
+                                          identity=self.me)     # what callers must name as the node they dialed
         except (AuthConfigError, ValueError) as e:
             raise config_mod.ConfigError(f"config key 'secret_file': {e}") from None
         # towards other datanodes we are role ``node``, identified by our listen address (also without a

@@ -132,18 +132,18 @@ def _abusers(addr: str, secret: str, target: dict, idle: int, stop, counts, kind
                                      crc=0, epoch=epoch, addr=0x100000, rkey=9, rlen=MiB, req_id=i + 1).encode())
         wait_dropped(s)
 
-    # 256 READ requests, framed once: the flood costs this (abusive) side no Python work per request -- an
-    # abuser's CPU is its own host's, and must not take this machine's cores from the node and the clients
-    flood = b"".join(fuzz.FRAME.pack(fuzz.CTRL, 0, 0, len(raw), 0, 0, 0, 0) + raw for raw in (
-        Header(opcode=Op.READ, partition=PID, extent=extents[0], offset=0, length=MiB, epoch=epoch,
-               addr=0x100000, rkey=9, rlen=MiB, req_id=i + 1).encode() for i in range(256)))
+    # 256 READ requests, encoded once: the flood costs this (abusive) side little Python work per request (a
+    # session MAC each) -- an abuser's CPU is its own host's, and must not take this machine's cores from the
+    # node and the clients
+    reads = [Header(opcode=Op.READ, partition=PID, extent=extents[0], offset=0, length=MiB, epoch=epoch,
+                    addr=0x100000, rkey=9, rlen=MiB, req_id=i + 1).encode() for i in range(256)]
 
     def unread(s):                                # answers never read
         fuzz.hello(s, auth=auth)
         s.settimeout(1.0)
         while not stop.is_set():
             try:
-                s.sendall(flood)
+                s.sendall(b"".join(fuzz.ctrl_frame(s, raw) for raw in reads))
             except socket.timeout:
                 break                             # stalled: now just sit there, never reading
         while not stop.is_set() and _established(s):   # until the node drops us (never reading a byte)

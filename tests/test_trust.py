@@ -796,12 +796,11 @@ def test_requests_beyond_max_inflight_are_answered_busy(nodes, secret):
     s = fuzz.connect(n.addr, timeout=1.0)
     fuzz.hello(s, auth=cl)
     raw = Header(opcode=Op.PING, req_id=1).encode()
-    ping = FRAME.pack(fuzz.CTRL, 0, 0, len(raw), 0, 0, 0, 0) + raw
     dropped = False
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
-            s.sendall(ping * 1024)
+            s.sendall(b"".join(fuzz.ctrl_frame(s, raw) for _ in range(1024)))     # (each with its session MAC)
         except socket.timeout:
             continue                                 # our send buffer is full: the node reads no more
         except OSError:
