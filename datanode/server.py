@@ -25,11 +25,12 @@ import trio
 from wire import crc, sdnotify
 from wire.auth import AuthConfigError, Credentials, DialAuth
 from wire.pool import BuddyPool
-from wire.protocol import ProtocolError, Role
+from wire.protocol import HELLO_SIZE, ProtocolError, Role
 from wire.rpc import Links
 from wire.transport import tls
 from wire.transport.base import Access, Connection, ConnectionClosed, Domain, TransportError
 from wire.transport.connect import NotAdmitted, ServerAuth, accept, make_domain, refuse
+from wire.transport.tcp import received_bytes
 from . import config as config_mod
 from .audit import AuditLog
 from .commit import GroupCommit
@@ -296,7 +297,9 @@ class Node:
             return
         peer = f"{host}:{port}"
         scope = trio.CancelScope()
-        v = self.admission.arrive(host, trio.current_time(), scope)
+        sock = stream.socket
+        v = self.admission.arrive(host, trio.current_time(), scope,
+                                  lambda: (received_bytes(sock) or 0) >= HELLO_SIZE)
         self._make_room(v.close)
         if v.entry is None:
             self._refused(peer, v.why)

@@ -6,7 +6,8 @@ separate process at the lowest CPU priority (nice 19: abusers live on other host
 not take the cores from the node and the clients -- what the node does for them is what is measured):
 
 * **unserved reads**  -- WRITE headers of 1 MiB whose payload the peer never serves (the node's one-sided READ
-  waits ``peer_timeout``, holding a pool block, then the node drops the connection; the peer reconnects);
+  waits ``payload_timeout``, holding a pool block, then the node answers PAYLOAD_TIMEOUT and drops the
+  connection; the peer reconnects);
 * **unread answers**  -- READ requests of 1 MiB whose answers (the node's one-sided WRITEs) the peer never
   reads, sent until its socket stalls; the node drops it; it reconnects;
 * **slowloris**       -- connections that send their hello one byte at a time, slower than ``hello_timeout``;
@@ -287,7 +288,7 @@ def soak(*, seconds: float, clients: int, size: int, idle: int, pairs: int = 3, 
         with open(secret, "w", opener=lambda p, f: os.open(p, f, 0o600)) as f:
             f.write(gen_secret())
         node_cfg = {"secret_file": secret, "max_connections": idle + 512, "peer_timeout": 2.0,
-                    "hello_timeout": 2.0, "sync": "none", "penalty_max_s": 2.0, **cfg}
+                    "payload_timeout": 2.0, "hello_timeout": 2.0, "sync": "none", "penalty_max_s": 2.0, **cfg}
         with scratch_node(d, **node_cfg) as node:
             target = trio.run(_setup, node.addr, secret)
             ctx = multiprocessing.get_context("spawn")

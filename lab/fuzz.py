@@ -490,8 +490,8 @@ def scratch_node(root, **cfg):
     """A throw-away single datanode under ``root`` (TCP, short peer timeout) for a soak; yields its address."""
     from tools.cluster import NodeProc, free_port
     node = NodeProc(pathlib.Path(root), f"127.0.0.1:{free_port()}",
-                    **{"pool_mib": 64, "transport": "tcp", "peer_timeout": 2.0, "sync": "none",
-                       "penalty_max_s": 0.0, **cfg})
+                    **{"pool_mib": 64, "transport": "tcp", "peer_timeout": 2.0, "payload_timeout": 2.0,
+                       "sync": "none", "penalty_max_s": 0.0, **cfg})
     node.start()
     try:
         yield node

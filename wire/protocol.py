@@ -149,6 +149,8 @@ class Result(enum.IntEnum):
                                 #   (it would leave no copy that does); arg = the receiver's epoch
     CONFIRM = 0xEB              # a destructive request needs its confirmation: send it again with this token
                                 #   (arg; valid for a short while, for what was asked then, from this peer)
+    PAYLOAD_TIMEOUT = 0xEC      # the request's payload (the node's one-sided READ of the sender's buffer) was
+                                #   not served within payload_timeout: the request failed, the connection is closed
 
 
 # Why an admin request's JSON body was refused; a BAD_BODY result carries the index in ``arg``.
@@ -249,6 +251,8 @@ DEFAULT_RESULT_TEXT = {
     Result.LAST_COPY: "refused: the new view's leader is not known to hold every acknowledged byte "
                       "(it would leave no copy that does)",
     Result.CONFIRM: "needs confirmation: send the request again with the token the node gave",
+    Result.PAYLOAD_TIMEOUT: "the node's read of this request's payload was not served in time (payload_timeout): "
+                            "the request failed and the connection was closed",
 }
 # What a response's ``arg`` means, per result (for the human sentence).
 _ARG_TEXT = {

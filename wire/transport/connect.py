@@ -41,7 +41,7 @@ from ..protocol import (HEADER_SIZE, HELLO_SIZE, HELLO_STATUS, MIN_VERSION, SESS
                         NodeProof, ProtocolError, Role, Transport, decode_extensions, decode_hello, decode_identity,
                         negotiate, version_refusal)
 from ..session import Session
-from .base import Connection, Domain, TransportError
+from .base import Connection, ConnectionClosed, Domain, TransportError
 from . import tls
 from .tcp import TcpConnection, recv_exactly, send_all, tune_socket
 
@@ -61,7 +61,9 @@ class AuthError(NegotiationError):
 
 
 class NotAdmitted(AuthError):
-    """The server's ``admit`` refused a peer (e.g. too many connections of its kind); it was told why."""
+    """The server's ``admit`` refused a peer (e.g. too many connections of its kind); it was told why.  A
+    dialer gets it too when the node said "too many connections" or closed the connection before the hello
+    completed (a flood's pre-auth budget): nothing about its credentials, so worth dialing again."""
 
 
 def _status(code: int) -> str:
@@ -196,7 +198,8 @@ async def dial(host: str, port: int, domain: Domain, *, transport: str = "auto",
                                 f"{server} (a relay, or a wrong address: dial a node by the address it "
                                 f"registered, as the cluster map lists it)")
             if answer.status:
-                raise AuthError(f"{peer} refused the connection: {_status(answer.status)}")
+                raise (NotAdmitted if answer.status == 3 else AuthError)(
+                    f"{peer} refused the connection: {_status(answer.status)}")
             if key is not None and not answer.auth:
                 _unauthenticated_server(peer, auth)
             keys = None
@@ -215,7 +218,7 @@ async def dial(host: str, port: int, domain: Domain, *, transport: str = "auto",
                 await send_all(sock, AuthProof.encode(proof(key, b"client", text)))
                 verdict = AuthVerdict.decode(await _read(sock, AuthVerdict.SIZE))
                 if verdict == 3:                  # too many connections: not about our credentials
-                    raise AuthError(f"{peer} refused the connection: {_status(verdict)}")
+                    raise NotAdmitted(f"{peer} refused the connection: {_status(verdict)}")
                 if verdict:
                     raise AuthError(f"{peer} refused our credentials: {_status(verdict)}")
                 if version >= SESSIONS_SINCE:
@@ -243,6 +246,9 @@ async def dial(host: str, port: int, domain: Domain, *, transport: str = "auto",
     except trio.TooSlowError:
         raw.close()
         raise TransportError(f"connecting to {peer} timed out after {timeout}s") from None
+    except (ConnectionClosed, ConnectionResetError, BrokenPipeError) as e:
+        raw.close()            # connected, then closed before the hello completed
+        raise NotAdmitted(f"{peer} closed the connection before the hello completed: {e}") from None
     except (ProtocolError, OSError) as e:
         raw.close()
         raise TransportError(f"connecting to {peer}: {e}") from None

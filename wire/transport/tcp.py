@@ -593,6 +593,19 @@ class TcpConnection(Connection):
                         return
 
 
+_TCP_INFO_RECEIVED = struct.Struct("=Q")   # struct tcp_info's tcpi_bytes_received (Linux 4.1+), at offset 128
+
+
+def received_bytes(sock) -> int | None:
+    """Bytes the kernel has received from the peer on a TCP socket (None where it does not say): whether a
+    peer has sent something, without reading it."""
+    try:
+        info = sock.getsockopt(_socket.IPPROTO_TCP, _socket.TCP_INFO, 136)
+    except (OSError, AttributeError):
+        return None
+    return _TCP_INFO_RECEIVED.unpack_from(info, 128)[0] if len(info) >= 136 else None
+
+
 def congestion_of(sock) -> str | None:
     """The congestion control a TCP socket uses (None where the kernel does not say)."""
     try:
