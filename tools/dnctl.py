@@ -1427,6 +1427,7 @@ def _status_text(s: dict) -> str:
     for conn in conns:
         kind = conn["transport"] + (f" ({conn['congestion']})" if conn.get("congestion") else "")
         lines.append(f"  {conn['peer']:22} {kind:12} protocol {conn.get('version', '?')} "
+                     + ("session " if conn.get("session") else "")       # every control message MAC'd
                      + (f"volume {conn['volume']} " if conn.get("volume") else "") +
                      f"sends {fmt_count(conn.get('sends'))} "
                      f"recvs {fmt_count(conn.get('recvs'))} served reads {fmt_count(conn.get('served_reads'))} "
