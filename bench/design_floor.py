@@ -1,5 +1,6 @@
-"""The fastest a 4 KiB durable 3-replica write at depth 1 can be on this box in this design, with no datanode:
-four processes (a client, a leader, two followers) on loopback TCP doing only what the design must.
+"""The fastest a 4 KiB durable 3-replica write can be on this box in this design, with no datanode, and what
+each candidate shape of the append path costs: four processes (a client, a leader, two followers) on loopback
+TCP doing only what the design must.
 
 The client sends a 64-byte header and the 4 KiB payload in one message (as our TCP transport sends a small
 append inline); the leader forwards both to the two followers, makes its own copy durable, waits for the
@@ -19,11 +20,34 @@ and a third topology, ``trio-direct``: as ``trio``, but the followers ack the cl
 once its own copy is durable, so the client completes a write on three acks -- one hop fewer on the way back
 (what "followers answer the client directly" could buy).
 
-Variants run in turns (``--rounds``, each ``--writes`` writes back to back), so the box's hour weighs on each
-alike.  With ``--cluster DIR`` (a running ``dnctl cluster up``, ``sync = always``) every turn also runs
-``dnctl bench --size 4KiB --depth 1 --mode write`` on it (``--seconds`` each): ours beside the floor, same run.
+Those three run at depth 1.  The candidate shapes of a lean append path run at every ``--depths`` and do
+every step of an append: each node's loop takes what its socket holds, forwards the whole messages to the
+followers in one send each, checks each message's length and CRC32C, pwrites it and its entry, makes the
+batch durable with ONE fdatasync (group commit: at depth 16 a batch is several appends), and acks them once
+the followers have.  The client keeps ``depth`` appends in flight (blocking sockets, the same for every shape).
+The shapes differ only in what runs that loop:
 
-    python bench/design_floor.py [--dir /var/tmp] [--rounds 4] [--writes 1500] [--cluster DIR] [--json]
+- ``c-threads``: a small C data plane (compiled here by cffi, API mode, SSE4.2 CRC32C where the CPU has it)
+  on a thread outside trio, the trio loop idle beside it as the control plane would be;
+- ``py-threads``: the same loop in Python with blocking sockets on such a thread (the GIL dropped in every
+  system call);
+- ``trio-lean``: the same loop in the trio loop itself, a socket call first and a wait only when it would
+  block, the flush inline.
+
+``fio`` runs fio's 4 KiB write + fdatasync (psync, a file per job, ``depth`` jobs) on the same disk in the same
+turns: a durable 3-replica append on one disk should reach at least 0.8x a third of it.
+
+A node's CPU is counted from the start of its serving loop to its end (user + system, every thread; the fork
+and the trio loop's start are left out, as a long-running node pays them once); the user/system split is the
+kernel's tick sampling, the sum is exact.  Variants run in turns (``--rounds``, each ``--writes`` writes back
+to back, four times as many at depths above 1; the order turns each round), so the box's hour weighs on each
+alike, and the summary gives medians of same-round ratios against the first shape.  With ``--cluster DIR`` (a
+running ``dnctl cluster up``, ``sync = always``) every turn also runs ``dnctl bench --size 4KiB --depth 1
+--mode write`` on it (``--seconds`` each): ours beside the floor, same run.
+
+    python bench/design_floor.py [--dir /var/tmp] [--rounds 4] [--writes 1500] [--depths 1,16]
+                                 [--variants c-threads,py-threads,trio-lean,fio,blocking,trio]
+                                 [--cluster DIR] [--json]
 """
 from __future__ import annotations
 
@@ -654,7 +678,7 @@ def main() -> None:
     ap.add_argument("--dir", default="/var/tmp", help="where the replicas' scratch files go (the data disk)")
     ap.add_argument("--rounds", type=int, default=4, help="turns of every variant")
     ap.add_argument("--writes", type=int, default=1500, help="writes per variant per turn (x4 at depths > 1)")
-    ap.add_argument("--variants", default=",".join((*SHAPES, FIO)),
+    ap.add_argument("--variants", default=",".join((*SHAPES, FIO, "blocking", "trio")),
                     help="comma-separated, of: " + ", ".join((*VARIANTS, *SHAPES, FIO)))
     ap.add_argument("--depths", default="1,16", help="appends in flight, comma-separated (the shapes and fio; "
                     f"{', '.join(VARIANTS)} run at depth 1 only)")
@@ -715,7 +739,9 @@ def main() -> None:
                         "per_s": med("per_s"), f"nodes_cpu_vs_{first}": cpu_vs.get((v, d)),
                         f"p50_vs_{first}": p50_vs.get((v, d)), "per_s_vs_fio_over_3": rate_vs_fio.get((v, d))})
     if a.json:
-        print(json.dumps({"runs": runs, "summary": summary}))
+        depth1 = {s["variant"]: {"p50_ms_median": s["p50_ms"], "p99_ms_median": s["p99_ms"]}
+                  for s in summary if s["depth"] == 1}          # by variant, as bench/targets.py reads it
+        print(json.dumps({"runs": runs, "summary": depth1, "table": summary}))
         return
     print(f"medians over {a.rounds} rounds (ratios: medians of same-round ratios)")
     for s in summary:
