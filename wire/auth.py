@@ -15,7 +15,7 @@ hello fails), and every control message after it carries a MAC of the session (w
 the path injects, replays, reorders or alters a request or an answer.  With TLS (transport/tls.py) the stream
 is also encrypted, its payloads integrity-protected, and the client checks the node's X.509 certificate.  Not
 protected: without TLS an on-path attacker can read traffic and alter payloads (covered by CRC32C only); on
-verbs control messages carry no MAC; a connection with a peer of a build before sessions is not a session;
+a connection with a peer of a build before sessions is not a session;
 every datanode holds the cluster secret, so a compromised datanode can act as any node or admin; a client key
 holder can overwrite nothing but can append garbage to,
 delete, or fill (to its share) any partition, a *volume key* the same on its volume's partitions only

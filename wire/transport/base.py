@@ -397,6 +397,10 @@ class Connection(abc.ABC):
         arrival order is kept).  ``recv`` raises ConnectionClosed at the end as before."""
         self._on_message = on_message
 
+    def bind_session(self, session) -> None:
+        """From now on every control message is MAC'd with ``session``'s keys (the hello made them)."""
+        self.session = session
+
     def _land(self, msg, tag=None) -> bool:
         """A transport's hand-over of one control message (False: more messages than our slots); ``tag``:
         the session MAC it came with.  A message that fails the session's MAC raises TransportError: the

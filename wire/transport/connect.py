@@ -241,8 +241,8 @@ async def dial(host: str, port: int, domain: Domain, *, transport: str = "auto",
                 conn = TcpConnection(sock, domain, peer, answer.slots, slots)
             conn.tls = auth.tls is not None
             conn.version, conn.peer_software = version, answer.software
-            if keys is not None and isinstance(conn, TcpConnection):    # (verbs: docs/security.md)
-                conn.session = Session(keys[0], keys[1])
+            if keys is not None:
+                conn.bind_session(Session(keys[0], keys[1]))
     except trio.TooSlowError:
         raw.close()
         raise TransportError(f"connecting to {peer} timed out after {timeout}s") from None
@@ -428,8 +428,8 @@ async def accept(sock, peer: str, domain: Domain, *, transport: str = "auto", sl
         conn.role, conn.identity, conn.tls = role, identity, secure
         conn.volume = identity if role == Role.CLIENT else ""     # proven: scopes it (datanode/ops/wrap.py)
         conn.version, conn.peer_software = version, hello.software
-        if keys is not None and isinstance(conn, TcpConnection):    # (verbs: docs/security.md)
-            conn.session = Session(keys[1], keys[0])
+        if keys is not None:
+            conn.bind_session(Session(keys[1], keys[0]))
     log.debug("connection from %s on %s%s (role %s, protocol %d, %s)", peer, conn.transport,
               "+tls" if secure else "", role.name.lower() if role is not None else "unauthenticated", version,
               hello.software or "software unknown")
