@@ -14,7 +14,7 @@ and repaired.  A caller reaches the node it dialed or none: the hello names it, 
 hello fails), and every control message after it carries a MAC of the session (wire/session.py), so nobody on
 the path injects, replays, reorders or alters a request or an answer.  With TLS (transport/tls.py) the stream
 is also encrypted, its payloads integrity-protected, and the client checks the node's X.509 certificate.  Not
-protected: without TLS an on-path attacker can read traffic and alter payloads (covered by CRC32C only); on
+protected: without TLS an on-path attacker can read traffic and alter payloads (covered by CRC32C only);
 a connection with a peer of a build before sessions is not a session;
 every datanode holds the cluster secret, so a compromised datanode can act as any node or admin; a client key
 holder can overwrite nothing but can append garbage to,
