@@ -450,7 +450,7 @@ def test_verbs_peer_reaches_only_the_window_a_request_bound_for_it(nodes, secret
         host, port = a.addr.rsplit(":", 1)
         async with dial(host, int(port), domain, transport="verbs",
                         auth=auth_as(secret, Role.NODE, fol.addr)) as conn:
-            assert conn.transport == "verbs"
+            assert conn.transport == "verbs" and conn.session is not None     # its messages are MAC'd
             with pytest.raises(RemoteAccessError):
                 await conn.read(RemoteBufT(addr, rkey, n), fol.region.view[:n], fol.region)
             assert not conn.alive                   # torn down
