@@ -39,7 +39,7 @@ from wire.etcdmap import EtcdAccess, _client_class
 _client_class()          # etcd3gw and requests imported: the open is timed, not the imports
 url, cred, secret, timeout, n = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]), int(sys.argv[5])
 nodes, via = [a for a in sys.argv[6].split(",") if a], sys.argv[7]
-access = EtcdAccess.load(cred) if cred else None
+access = EtcdAccess.load(**json.loads(cred)) if cred else None
 print("ready", flush=True)
 sys.stdin.readline()
 
@@ -80,9 +80,9 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _started(url: str) -> dict[str, float]:
-    """etcd's ``grpc_server_started_total`` by method."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+def _started(url: str, tls=None) -> dict[str, float]:
+    """etcd's ``grpc_server_started_total`` by method (``tls``: an ssl context where it requires a certificate)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10, context=tls) as r:
         text = r.read().decode()
     out: dict[str, float] = {}
     for m in re.finditer(r'^grpc_server_started_total\{grpc_method="([^"]+)".*\}\s+(\S+)$', text, re.M):
@@ -102,10 +102,11 @@ def storm(cluster: pathlib.Path, clients: int, per_process: int = 1, timeout: fl
     """Open ``clients`` SDK clients at once against the local cluster in ``cluster`` (``dnctl cluster up``'s
     directory), each following the map ``via`` etcd or the cluster's nodes (``DataClient(map_via=)``, with
     the nodes given to open); returns what ``main`` prints."""
+    from tools.cluster import local_access_files, local_tls
     info = json.loads((cluster / "cluster.json").read_text())
     url = info["etcd"]["url"]
-    auth = info["etcd"].get("auth")
-    cred = str(pathlib.Path(auth) / "mount") if auth else ""
+    files = local_access_files(info["etcd"], "mount")      # its etcd user and, where required, certificate
+    cred = json.dumps(files) if files else ""
     secret = info["config"].get("secret_file") or ""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     counts = [per_process] * (clients // per_process) + ([clients % per_process] if clients % per_process else [])
@@ -121,7 +122,7 @@ def storm(cluster: pathlib.Path, clients: int, per_process: int = 1, timeout: fl
             if line.strip() != "ready":
                 raise RuntimeError(f"a client process did not start: {line!r} {p.stderr.read()[-2000:]}")
         etcd_pid = info["etcd"]["pid"]
-        cpu0, rpc0 = _cpu_s(etcd_pid), _started(url)
+        cpu0, rpc0 = _cpu_s(etcd_pid), _started(url, local_tls(info["etcd"]))
         conns0 = _connections(info["etcd"]["client_port"])
         for p in procs:
             p.stdin.write("go\n")
@@ -138,7 +139,7 @@ def storm(cluster: pathlib.Path, clients: int, per_process: int = 1, timeout: fl
                                 + p.stderr.read()[-500:]})
         time.sleep(1.0)           # the follow tasks are up: count etcd's connections with every client open
         conns = _connections(info["etcd"]["client_port"])
-        cpu1, rpc1 = _cpu_s(etcd_pid), _started(url)
+        cpu1, rpc1 = _cpu_s(etcd_pid), _started(url, local_tls(info["etcd"]))
     finally:
         for p in procs:
             try:

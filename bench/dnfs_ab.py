@@ -16,7 +16,8 @@ Workloads:
   tar       tar x of 2,000 small files (0-3 KiB), timed until unmounted: files/s, mount CPU per file
   utime     os.utime in a loop for --seconds: ops/s, mount CPU per op (one FUSE SETATTR each)
   tree      the peers' small-file row: tar -x of a real source tree (--tree, default Python's standard
-            library) + sync -f, cp -a of it + sync -f, rm -rf of both: seconds and mount CPU of each step
+            library) + sync -f, cp -a of it + sync -f, rm -rf of both: seconds and mount CPU of each step,
+            and the FUSE requests per tree entry (files, directories, links) of the untar (`dnfs stats`)
 Run ../shared/bench/warm-memory first on a fresh VM.
 """
 from __future__ import annotations
@@ -95,13 +96,22 @@ def one(code: str, opts: list[str], workload: str, a, work: pathlib.Path) -> str
             subprocess.run(["tar", "-C", a.tree, "-cf", str(tar), "."], check=True)
             w = mnt / "tree"
             t, cpu = {}, {}
+            entries = len(subprocess.run(["tar", "-tf", str(tar)], capture_output=True, text=True,
+                                         check=True).stdout.splitlines())
+
+            def requests() -> int:
+                st = json.loads(_py(code, "-m", "client.fs.cli", "stats", str(mnt), "--json").stdout)
+                return sum(r["count"] for r in st["requests"].values())
+            r0 = requests()
             for step, cmd in (("untar+sync", f"mkdir -p {w} && tar -C {w} -xf {tar} && sync -f {w}"),
                               ("cp -a+sync", f"cp -a {w} {w}.copy && sync -f {w}"),
                               ("rm -rf", f"rm -rf {w} {w}.copy")):
                 t0, c1 = time.monotonic(), _cpu(pid)
                 subprocess.run(cmd, shell=True, check=True)
                 t[step], cpu[step] = time.monotonic() - t0, _cpu(pid) - c1
-            return (" / ".join(f"{k} {v:6.2f} s" for k, v in t.items()) +
+                if step == "untar+sync":
+                    per_entry = (requests() - r0) / entries
+            return (" / ".join(f"{k} {v:6.2f} s" for k, v in t.items()) + f"  untar {per_entry:.1f} requests/entry" +
                     f"  total {sum(t.values()):6.2f} s  mount CPU " +
                     " / ".join(f"{v:.2f}" for v in cpu.values()) + f" = {_cpu(pid) - c0:.1f} s")
         if workload == "utime":

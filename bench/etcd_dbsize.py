@@ -40,12 +40,14 @@ def status(url: str, root: pathlib.Path) -> dict:
     """The member's sizes, after a one-key write as etcd's root user: etcd counts the pages a compaction
     freed as free only once a later write commits (an idle member reports them in use)."""
     sys.path.insert(0, CODE)
-    from wire.etcdmap import EtcdAccess, _b64, client
-    c = client(url, EtcdAccess.load(str(root / "etcd-auth" / "root")), timeout=10)
+    from tools.cluster import local_access, local_tls
+    from wire.etcdmap import _b64, client
+    rec = json.loads((root / "cluster.json").read_text())["etcd"]
+    c = client(url, local_access(rec, "root"), timeout=10)
     c.post(c.get_url("/kv/put"), json={"key": _b64("etcd-dbsize-probe"), "value": _b64("1")})
     time.sleep(0.5)
     req = urllib.request.Request(url + "/v3/maintenance/status", data=b"{}", method="POST")
-    with urllib.request.urlopen(req, timeout=10) as r:
+    with urllib.request.urlopen(req, timeout=10, context=local_tls(rec, "root")) as r:
         s = json.loads(r.read())
     return {"db_mb": round(int(s["dbSize"]) / 1e6, 2), "in_use_mb": round(int(s["dbSizeInUse"]) / 1e6, 2),
             "revision": int(s["header"]["revision"])}

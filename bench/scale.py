@@ -147,7 +147,7 @@ def etcd_status(info: dict) -> dict:
     try:
         req = urllib.request.Request(url + "/v3/maintenance/status", data=b"{}", method="POST",
                                      headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=10) as r:
+        with urllib.request.urlopen(req, timeout=10, context=cl.local_tls(info["etcd"])) as r:
             st = json.loads(r.read())
         out["db_bytes"] = int(st.get("dbSize", 0))
         out["db_in_use_bytes"] = int(st.get("dbSizeInUse", 0))
@@ -279,9 +279,8 @@ async def clients_at_once(info: dict, k: int, timeout: float) -> dict:
     """K processes open an SDK client together; each reads the map; open time per process, failures, and the
     most etcd client connections seen."""
     port = int(info["etcd"]["url"].rpartition(":")[2])
-    auth = pathlib.Path(info["etcd"]["auth"])
     env = {**os.environ, "SCALE_ETCD": info["etcd"]["url"], "SCALE_SECRET": info["config"]["secret_file"],
-           "SCALE_ETCD_USER": str(auth / "mount")}
+           "SCALE_ETCD_ACCESS": json.dumps(cl.local_access_files(info["etcd"], "mount"))}
     baseline = etcd_connections(port)
     procs: list[trio.Process] = []
     results: list[dict] = []
@@ -387,7 +386,7 @@ def client_main() -> None:
             with trio.fail_after(60):
                 async with DataClient.open(etcd=os.environ["SCALE_ETCD"], secret=os.environ["SCALE_SECRET"],
                                            role="client", etcd_access=EtcdAccess.load(
-                                               credentials=os.environ["SCALE_ETCD_USER"]),
+                                               **json.loads(os.environ["SCALE_ETCD_ACCESS"])),
                                            timeout=30, pool_mib=2) as dc:
                     n = len(dc.partitions)
                     el = time.monotonic() - t0

@@ -2,11 +2,15 @@
 three scratch datanodes started side by side in the same run:
 
     off     no secret (no authentication; grants and limits still apply: they are always on)
-    auth    a cluster secret (HMAC hello, role checks per request)
+    nomac   a cluster secret, the node a copy of this tree that speaks the protocol before sessions (the
+            authenticated hello, role checks per request, no frame MACs): what a session adds is auth - nomac
+    auth    a cluster secret: an authenticated session (every control message MAC'd: wire/session.py)
     tls     a cluster secret and TLS on the stream (transport/tls.py)
 
-Rounds alternate between the three so that the machine's noise hits each alike.  Prints, per setting and size,
-appends/s, MiB/s and p50/p99 latency.  Needs the ``openssl`` CLI (a throwaway CA in a temp dir).
+Rounds alternate between the settings so that the machine's noise hits each alike.  Prints, per setting and
+size, appends/s, MiB/s, p50/p99 latency and CPU per append (the node's and this client's, from /proc and
+process_time), then the same-run ratios of auth to nomac.  Needs the ``openssl`` CLI (a throwaway CA in a
+temp dir).
 
     .venv/bin/python bench/trust_cost.py [--rounds 5] [--seconds 2]
 """
@@ -15,6 +19,8 @@ from __future__ import annotations
 import argparse
 import pathlib
 import random
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -27,7 +33,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from client.sdk import DataClient  # noqa: E402
 from wire.protocol import Op  # noqa: E402
-from tools.cluster import NodeProc, cluster_secret, free_port  # noqa: E402
+from tools.cluster import NodeProc, cluster_secret, cpu_seconds, free_port  # noqa: E402
+from wire.protocol import SESSIONS_SINCE  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = (4 * KiB, MiB)
@@ -42,6 +49,20 @@ def make_pki(d: pathlib.Path) -> tuple[str, str, str]:
     run("x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out",
         "node.pem", "-days", "1", "-extfile", "san.ext")
     return str(d / "ca.pem"), str(d / "node.pem"), str(d / "node.key")
+
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def tree_before_sessions(dest: pathlib.Path) -> pathlib.Path:
+    """A copy of this tree's packages whose newest protocol is the one before sessions."""
+    for pkg in ("wire", "datanode", "client", "manager", "tools"):
+        shutil.copytree(REPO / pkg, dest / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    proto = dest / "wire/protocol.py"
+    text, n = re.subn(r"^VERSION = \d+", f"VERSION = {SESSIONS_SINCE - 1}", proto.read_text(), flags=re.M)
+    assert n == 1, "wire/protocol.py has no VERSION line to patch"
+    proto.write_text(text)
+    return dest
 
 
 async def appends(addr: str, client_kw: dict, size: int, seconds: float) -> list[float]:
@@ -74,7 +95,9 @@ def main() -> int:
         d = pathlib.Path(d)
         ca, cert, key = make_pki(d)
         secret = cluster_secret(d)
+        old = tree_before_sessions(d / "nomac-tree")
         settings = {"off": ({}, {}),
+                    "nomac": ({"secret_file": secret}, {"secret": secret}),
                     "auth": ({"secret_file": secret}, {"secret": secret}),
                     "tls": ({"secret_file": secret, "tls_cert": cert, "tls_key": key},
                             {"secret": secret, "tls_ca": ca})}
@@ -82,25 +105,33 @@ def main() -> int:
         try:
             for name, (cfg, ckw) in settings.items():
                 n = NodeProc(d / name, f"127.0.0.1:{free_port()}", transport="tcp", sync="none", pool_mib=64, **cfg)
+                if name == "nomac":
+                    n.argv_prefix = ["env", f"PYTHONPATH={old}"]
                 n.start()
                 nodes[name] = n
                 trio.run(setup, n.addr, ckw)
             lat = {(name, size): [] for name in settings for size in SIZES}
+            cpu = {(name, size): 0.0 for name in settings for size in SIZES}
             for r in range(args.rounds):
                 for size in SIZES:
                     for name in (list(settings) if r % 2 == 0 else list(reversed(settings))):
+                        node0, me0 = cpu_seconds(nodes[name].pid), time.process_time()
                         lat[name, size] += trio.run(appends, nodes[name].addr, settings[name][1], size, args.seconds)
+                        cpu[name, size] += cpu_seconds(nodes[name].pid) - node0 + time.process_time() - me0
         finally:
             for n in nodes.values():
                 n.stop()
     total = args.rounds * args.seconds
-    print(f"{'setting':8} {'size':>8} {'appends/s':>10} {'MiB/s':>8} {'p50 ms':>8} {'p99 ms':>8}")
+    print(f"{'setting':8} {'size':>8} {'appends/s':>10} {'MiB/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'CPU us/op':>10}")
     for size in SIZES:
         for name in settings:
             xs = sorted(lat[name, size])
             p99 = xs[min(len(xs) - 1, int(0.99 * len(xs)))]
             print(f"{name:8} {size:>8} {len(xs) / total:>10.0f} {len(xs) * size / MiB / total:>8.1f} "
-                  f"{statistics.median(xs) * 1e3:>8.3f} {p99 * 1e3:>8.3f}")
+                  f"{statistics.median(xs) * 1e3:>8.3f} {p99 * 1e3:>8.3f} {cpu[name, size] / len(xs) * 1e6:>10.1f}")
+    per_op = {k: cpu[k] / len(lat[k]) for k in lat}
+    print(f"sessions (auth / nomac, same run): 4 KiB CPU per append {per_op['auth', 4 * KiB] / per_op['nomac', 4 * KiB]:.3f}x, "
+          f"1 MiB throughput {len(lat['auth', MiB]) / len(lat['nomac', MiB]):.3f}x")
     return 0
 
 

@@ -122,7 +122,9 @@ def gen_secret():
 def derive_key(secret_file, role, volume):
     """Print a role key file: it proves ROLE and nothing else (it cannot derive the other roles' keys).
     Use it as the SDK's secret= / DATANODE_SECRET_FILE on hosts that must not administer the cluster.
-    With --volume NAME: a volume key file (dnctl volume key NAME does the same)."""
+    With --volume NAME: a volume key file (dnctl volume key NAME does the same).  The file also carries the
+    node CA's public key (node-ca=...), with which its holder checks that a node it reaches is the one it
+    dialed; key files made without it keep working, without that check."""
     from wire.auth import ROLE_NAMES, AuthConfigError, Credentials
     if bool(role) == bool(volume):
         raise click.UsageError("give one of --role ROLE or --volume NAME")

@@ -12,6 +12,12 @@ fdatasyncs.  ``sync = always`` keeps its meaning: the handler answers only after
 on the leader, after every follower answered the same).  Which append waits for which flush is
 ``batching.Batches``'s to say; this module runs the flushes and wakes the waiters.
 
+A batch's extents are flushed side by side, each in a thread of the flusher's pool (up to ``FLUSH_THREADS``
+at once), not one after another: every extent flush ends in a cache flush of the device, and concurrent ones
+share it (the block layer merges them; ext4 groups their journal commits), while in a row each pays its own --
+eight writers to eight extents took eight flushes' time per batch, and each of their acknowledgements waited
+for all of them.
+
 The flusher is one OS thread of its own, fed through a queue, handing each result back with
 ``TrioToken.run_sync_soon`` -- no flusher task to wake in between: at depth 1 there is a flush per write, and
 ``trio.to_thread.run_sync`` (a capacity limiter, the thread cache's hand-over, a context copy) plus a flusher
@@ -32,12 +38,15 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import trio
 
 from wire.aio import InlinePause
 from .batching import Batch, Batches, CommitCounters
 from .store import ExtentStore, StoreError
+
+FLUSH_THREADS = 16       # extents of one batch flushed at once (more wait for a free thread)
 
 
 class GroupCommit:
@@ -108,7 +117,8 @@ class GroupCommit:
         running before any request can wait on it), and then waits for the flush the thread may be in (it
         touches the extents' files, which the node closes next)."""
         self._token = trio.lowlevel.current_trio_token()
-        thread = threading.Thread(target=_flusher_thread, args=(self._jobs, self._token), name="group-commit",
+        pool = ThreadPoolExecutor(FLUSH_THREADS, thread_name_prefix="group-commit-extent")
+        thread = threading.Thread(target=_flusher_thread, args=(self._jobs, self._token, pool), name="group-commit",
                                   daemon=True)
         thread.start()
         task_status.started()
@@ -118,16 +128,17 @@ class GroupCommit:
             self._jobs.put(None)            # the thread ends after the flush it may be in
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(thread.join)
+                pool.shutdown(wait=False)
 
 
-def _flusher_thread(jobs: queue.SimpleQueue, token) -> None:
+def _flusher_thread(jobs: queue.SimpleQueue, token, pool: ThreadPoolExecutor) -> None:
     while True:
         job = jobs.get()
         if job is None:
             return
         want, deliver = job
         try:
-            failed = _flush_all(want)
+            failed = _flush_all(want, pool)
         except BaseException as e:          # pragma: no cover - _flush_all reports per extent
             failed = {(store, eid): StoreError("disk", f"flush failed: {e}") for store, ids in want.items()
                       for eid in ids}
@@ -137,13 +148,21 @@ def _flusher_thread(jobs: queue.SimpleQueue, token) -> None:
             return
 
 
-def _flush_all(want: dict) -> dict:
+def _flush_all(want: dict, pool: ThreadPoolExecutor | None = None) -> dict:
+    """Flush every extent of ``want`` ({store: {extent ids}}); returns {(store, extent): error} of those that
+    failed.  With ``pool`` and more than one extent, the extents are flushed side by side in its threads (the
+    module docstring)."""
+    jobs = [(store, [eid]) for store, extents in want.items() for eid in sorted(extents)]
+    if pool is not None and len(jobs) > 1:      # all but the first to the pool; this thread does that one
+        jobs = [(*jobs[0], None)] + [(store, ids, pool.submit(store.flush, ids)) for store, ids in jobs[1:]]
+    else:
+        jobs = [(store, ids, None) for store, ids in jobs]
     failed = {}
-    for store, extents in want.items():
+    for store, ids, fut in jobs:
         try:
-            for eid, err in store.flush(sorted(extents)).items():
+            for eid, err in (store.flush(ids) if fut is None else fut.result()).items():
                 failed[(store, eid)] = err
         except StoreError as e:            # pragma: no cover - flush reports per extent
-            for eid in extents:
+            for eid in ids:
                 failed[(store, eid)] = e
     return failed

@@ -86,6 +86,9 @@ class Config:
     idle_max: int = 128            # idle client connections kept (memory); the least active go (0: no limit)
     idle_per_host: int = 32        # of those, from one host (0: no limit)
     conn_pool_share: float = 0.5   # most of the pool one connection's requests may hold (fraction)
+    payload_timeout: float = 5.0   # seconds a client may take to serve its payload READ (else PAYLOAD_TIMEOUT)
+    conn_fetch_mib: int = 32       # MiB of pool one connection's requests may hold awaiting their payload READs
+    fetch_pool_share: float = 0.5  # most of the pool all blocks awaiting a payload READ may hold (fraction)
     max_inflight: int = 0          # requests one connection may have in flight; more are answered BUSY (0: = slots)
     penalty_max_s: float = 2.0     # a host+role (node: +identity) whose peer was dropped for abuse: its new connections wait (0: never)
     trash_retention_s: float = 86400.0   # a deleted/removed partition's data is kept in data_dir/trash this long
@@ -189,9 +192,13 @@ def _check(cfg: Config) -> Config:
         bad("max_inflight", "must be >= 0 (0: the same as slots)")
     if not 0 < cfg.conn_pool_share <= 1:
         bad("conn_pool_share", "must be in (0, 1]")
+    if not 0 < cfg.fetch_pool_share <= 1:
+        bad("fetch_pool_share", "must be in (0, 1]")
+    if cfg.conn_fetch_mib << 20 < cfg.max_block_kib << 10:
+        bad("conn_fetch_mib", f"must hold at least one max block ({cfg.max_block_kib} KiB)")
     if cfg.trash_retention_s < 0:
         bad("trash_retention_s", "must be >= 0 seconds (0: purge at once)")
-    for key in ("pool_wait", "peer_timeout"):
+    for key in ("pool_wait", "peer_timeout", "payload_timeout"):
         if getattr(cfg, key) <= 0:
             bad(key, "must be > 0 seconds")
     if not (1 <= cfg.slots <= 4096):
@@ -313,7 +320,8 @@ KEY_HELP: dict[str, tuple[str, str]] = {
     "preauth_max": ("count", "connections still in their hello at once, all hosts (0: no limit); at the limit a "
                              "new one from a quieter address takes the place of the oldest of the busiest address"),
     "preauth_per_host": ("count", "connections still in their hello from one address; a new one takes the "
-                                  "place of the oldest (0: no limit)"),
+                                  "place of the oldest that has not sent its whole hello, else of the oldest "
+                                  "(0: no limit)"),
     "preauth_early_drop": ("count", "from this many connections in their hello, a new one from an address that "
                                     "has one pending is dropped at random, 30% rising to 100% at preauth_max "
                                     "(sshd's MaxStartups)"),
@@ -332,6 +340,14 @@ KEY_HELP: dict[str, tuple[str, str]] = {
                                           "'too many connections' (0: no per-host limit; mind NAT and loopback)"),
     "idle_timeout_s": ("seconds", "a connection with nothing in flight this long is closed (0: never)"),
     "conn_pool_share": ("fraction", "most of the pool one connection may hold (BUSY beyond; fair share when short)"),
+    "payload_timeout": ("seconds", "how long a client may take to serve the one-sided READ of its WRITE's payload "
+                                   "(or a request body): beyond, the request fails PAYLOAD_TIMEOUT, its pool block "
+                                   "is freed and its connection dropped (a node's forwards: peer_timeout)"),
+    "conn_fetch_mib": ("MiB", "pool one connection's requests may hold awaiting their payload READs at once "
+                              "(BUSY beyond)"),
+    "fetch_pool_share": ("fraction", "most of the pool all connections together may hold awaiting payload READs "
+                                     "(BUSY beyond; an equal share each when more than half is taken): the rest "
+                                     "stays for reads, answers and forwards"),
     "max_inflight": ("count", "requests one connection may have in flight; more are answered BUSY at once "
                               "(0: the same as slots)"),
     "penalty_max_s": ("seconds", "after a peer is dropped for abuse (payload not served, answers not read, "

@@ -227,6 +227,7 @@ class _Turn:
     async def __aenter__(self) -> None:
         if self.lane.blocker(self.t, self.settle) is not None:
             await self.lane._begin(self.t, self.settle)
+        self.lane.held = self.t
 
     async def __aexit__(self, *exc) -> None:
         self.lane.done(self.t)

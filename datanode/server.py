@@ -25,11 +25,12 @@ import trio
 from wire import crc, sdnotify
 from wire.auth import AuthConfigError, Credentials, DialAuth
 from wire.pool import BuddyPool
-from wire.protocol import ProtocolError, Role
+from wire.protocol import HELLO_SIZE, ProtocolError, Role
 from wire.rpc import Links
 from wire.transport import tls
 from wire.transport.base import Access, Connection, ConnectionClosed, Domain, TransportError
 from wire.transport.connect import NotAdmitted, ServerAuth, accept, make_domain, refuse
+from wire.transport.tcp import received_bytes
 from . import config as config_mod
 from .audit import AuditLog
 from .commit import GroupCommit
@@ -86,7 +87,8 @@ class Node:
             raise config_mod.ConfigError(f"config key 'tls_cert'/'tls_key'/'tls_ca': {e}") from None
         try:
             creds = Credentials.load(cfg.secret_file) if cfg.secret_file else None
-            self.server_auth = ServerAuth(creds, server_tls, cfg.tls_required, transition=cfg.auth_transition)
+            self.server_auth = ServerAuth(creds, server_tls, cfg.tls_required, transition=cfg.auth_transition,
+                                          identity=self.me)     # what callers must name as the node they dialed
         except (AuthConfigError, ValueError) as e:
             raise config_mod.ConfigError(f"config key 'secret_file': {e}") from None
         # towards other datanodes we are role ``node``, identified by our listen address (also without a
@@ -301,7 +303,9 @@ class Node:
             return
         peer = f"{host}:{port}"
         scope = trio.CancelScope()
-        v = self.admission.arrive(host, trio.current_time(), scope)
+        sock = stream.socket
+        v = self.admission.arrive(host, trio.current_time(), scope,
+                                  lambda: (received_bytes(sock) or 0) >= HELLO_SIZE)
         self._make_room(v.close)
         if v.entry is None:
             self._refused(peer, v.why)

@@ -6,7 +6,8 @@ separate process at the lowest CPU priority (nice 19: abusers live on other host
 not take the cores from the node and the clients -- what the node does for them is what is measured):
 
 * **unserved reads**  -- WRITE headers of 1 MiB whose payload the peer never serves (the node's one-sided READ
-  waits ``peer_timeout``, holding a pool block, then the node drops the connection; the peer reconnects);
+  waits ``payload_timeout``, holding a pool block, then the node answers PAYLOAD_TIMEOUT and drops the
+  connection; the peer reconnects);
 * **unread answers**  -- READ requests of 1 MiB whose answers (the node's one-sided WRITEs) the peer never
   reads, sent until its socket stalls; the node drops it; it reconnects;
 * **slowloris**       -- connections that send their hello one byte at a time, slower than ``hello_timeout``;
@@ -131,18 +132,18 @@ def _abusers(addr: str, secret: str, target: dict, idle: int, stop, counts, kind
                                      crc=0, epoch=epoch, addr=0x100000, rkey=9, rlen=MiB, req_id=i + 1).encode())
         wait_dropped(s)
 
-    # 256 READ requests, framed once: the flood costs this (abusive) side no Python work per request -- an
-    # abuser's CPU is its own host's, and must not take this machine's cores from the node and the clients
-    flood = b"".join(fuzz.FRAME.pack(fuzz.CTRL, 0, 0, len(raw), 0, 0, 0, 0) + raw for raw in (
-        Header(opcode=Op.READ, partition=PID, extent=extents[0], offset=0, length=MiB, epoch=epoch,
-               addr=0x100000, rkey=9, rlen=MiB, req_id=i + 1).encode() for i in range(256)))
+    # 256 READ requests, encoded once: the flood costs this (abusive) side little Python work per request (a
+    # session MAC each) -- an abuser's CPU is its own host's, and must not take this machine's cores from the
+    # node and the clients
+    reads = [Header(opcode=Op.READ, partition=PID, extent=extents[0], offset=0, length=MiB, epoch=epoch,
+                    addr=0x100000, rkey=9, rlen=MiB, req_id=i + 1).encode() for i in range(256)]
 
     def unread(s):                                # answers never read
         fuzz.hello(s, auth=auth)
         s.settimeout(1.0)
         while not stop.is_set():
             try:
-                s.sendall(flood)
+                s.sendall(b"".join(fuzz.ctrl_frame(s, raw) for raw in reads))
             except socket.timeout:
                 break                             # stalled: now just sit there, never reading
         while not stop.is_set() and _established(s):   # until the node drops us (never reading a byte)
@@ -287,7 +288,7 @@ def soak(*, seconds: float, clients: int, size: int, idle: int, pairs: int = 3, 
         with open(secret, "w", opener=lambda p, f: os.open(p, f, 0o600)) as f:
             f.write(gen_secret())
         node_cfg = {"secret_file": secret, "max_connections": idle + 512, "peer_timeout": 2.0,
-                    "hello_timeout": 2.0, "sync": "none", "penalty_max_s": 2.0, **cfg}
+                    "payload_timeout": 2.0, "hello_timeout": 2.0, "sync": "none", "penalty_max_s": 2.0, **cfg}
         with scratch_node(d, **node_cfg) as node:
             target = trio.run(_setup, node.addr, secret)
             ctx = multiprocessing.get_context("spawn")

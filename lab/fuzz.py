@@ -27,15 +27,19 @@ import socket
 import struct
 import tempfile
 import time
+import weakref
 
 import click
 import trio
 
 from client.sdk import ClientError, DataClient
 from wire.crc import crc32c
-from wire.auth import DialAuth, new_nonce, proof, transcript
-from wire.protocol import (HEADER_SIZE, HELLO_SIZE, HELLO_STATUS, MAX_EPOCH, AuthProof, AuthVerdict, Flag, Header,
-                               Hello, Op, Result, Transport, decode, decode_hello)
+from wire.auth import (DialAuth, KeyShare, proof, session_keys, session_nonce, session_transcript,
+                       transcript)
+from wire.protocol import (HEADER_SIZE, HELLO_SIZE, HELLO_STATUS, MAX_EPOCH, MIN_VERSION, SESSIONS_SINCE, VERSION,
+                           AuthProof, AuthVerdict, Flag, Header, Hello, NodeProof, Op, Result, Transport, decode,
+                           decode_extensions, decode_hello)
+from wire.session import Session
 from wire.transport.tcp import CTRL, FRAME, READ_REQ, READ_RESP, WRITE_REQ, WRITE_RESP
 from tools.clikit import ADDR, CTX, Command, ProgressLine, emit
 
@@ -92,27 +96,50 @@ class Refused(ConnectionError):
     """The node refused our hello (the reason is HELLO_STATUS's sentence)."""
 
 
-def hello(sock: socket.socket, slots: int = 8, auth: DialAuth | None = None) -> Hello:
+# the session of each raw connection that authenticated at a protocol with sessions (wire/session.py):
+# ``send_ctrl`` MACs what it sends on it, ``recv_frame`` checks what it receives
+_sessions: "weakref.WeakKeyDictionary[socket.socket, Session]" = weakref.WeakKeyDictionary()
+
+
+def hello(sock: socket.socket, slots: int = 8, auth: DialAuth | None = None, server: str = "") -> Hello:
     """The client's side of the hello, by hand; with ``auth`` (credentials and role) the challenge-response
-    too.  Raises Refused when the node says no."""
+    too, naming ``server`` (default: the address dialed) as the node meant.  Raises Refused when the node says
+    no."""
     key = auth.key if auth is not None else None
-    nonce = new_nonce() if key else bytes(32)
+    share = KeyShare() if key else None
+    nonce = session_nonce() if key else bytes(32)
     ident = auth.identity if auth is not None else ""
     role = int(auth.role) if auth is not None else 0
+    server = server or "%s:%d" % sock.getpeername()[:2]
     sock.sendall(Hello(transport=Transport.TCP, has_device=False, slots=slots, auth=key is not None, role=role,
-                       nonce=nonce, identity=ident).encode())
+                       nonce=nonce, identity=ident, server=server if key else "",
+                       kx=share.public if share else b"").encode())
     ans = decode_hello(recv_exactly(sock, HELLO_SIZE))
     if ans.ident_len or ans.ext_len:                  # its identity and extensions follow
-        recv_exactly(sock, ans.ident_len + ans.ext_len)
+        tail = recv_exactly(sock, ans.ident_len + ans.ext_len)
+        decode_extensions(ans, tail[ans.ident_len:])
     if ans.status:
         raise Refused(HELLO_STATUS[ans.status] if ans.status < len(HELLO_STATUS) else str(ans.status))
     if key is not None and ans.auth:
-        text = transcript(role, nonce, ans.nonce, ident)
+        keys = None
+        if ans.version >= SESSIONS_SINCE:
+            text = session_transcript(role, nonce, ans.nonce, ident, server, share.public, ans.kx,
+                                      (MIN_VERSION, VERSION), (ans.min_version, ans.version))
+            keys = session_keys(key, text, share.shared(ans.kx))
+        else:
+            text = transcript(role, nonce, ans.nonce, ident)
         sock.sendall(AuthProof.encode(proof(key, b"client", text)))
+        if keys is not None:
+            _sessions[sock] = Session(keys[0], keys[1])
         verdict = AuthVerdict.decode(recv_exactly(sock, AuthVerdict.SIZE))
         if verdict:
             raise Refused(HELLO_STATUS[verdict] if verdict < len(HELLO_STATUS) else str(verdict))
+        if keys is not None:
+            NodeProof.decode(recv_exactly(sock, NodeProof.SIZE))      # (not checked: the node is ours)
     return ans
+
+
+_TAG = struct.Struct(">QQ")
 
 
 def recv_exactly(sock: socket.socket, n: int) -> bytes:
@@ -125,8 +152,17 @@ def recv_exactly(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+def ctrl_frame(sock: socket.socket, raw: bytes) -> bytes:
+    """The next control frame to send on ``sock`` (with its session MAC, if it has a session)."""
+    session = _sessions.get(sock)
+    op = addr = 0
+    if session is not None:
+        op, addr = _TAG.unpack(session.seal(raw))
+    return FRAME.pack(CTRL, 0, 0, len(raw), op, addr, 0, 0) + raw
+
+
 def send_ctrl(sock: socket.socket, raw: bytes) -> None:
-    sock.sendall(FRAME.pack(CTRL, 0, 0, len(raw), 0, 0, 0, 0) + raw)
+    sock.sendall(ctrl_frame(sock, raw))
 
 
 def recv_frame(sock: socket.socket, *, body: bool = True):
@@ -135,6 +171,9 @@ def recv_frame(sock: socket.socket, *, body: bool = True):
     payload = b""
     if body and (ftype == CTRL or ftype == WRITE_REQ or (ftype == READ_RESP and status == 0)):
         payload = recv_exactly(sock, length)
+    session = _sessions.get(sock)
+    if body and ftype == CTRL and session is not None:
+        session.open(payload, _TAG.pack(op, addr))
     return ftype, status, length, op, addr, rkey, payload
 
 
@@ -451,8 +490,8 @@ def scratch_node(root, **cfg):
     """A throw-away single datanode under ``root`` (TCP, short peer timeout) for a soak; yields its address."""
     from tools.cluster import NodeProc, free_port
     node = NodeProc(pathlib.Path(root), f"127.0.0.1:{free_port()}",
-                    **{"pool_mib": 64, "transport": "tcp", "peer_timeout": 2.0, "sync": "none",
-                       "penalty_max_s": 0.0, **cfg})
+                    **{"pool_mib": 64, "transport": "tcp", "peer_timeout": 2.0, "payload_timeout": 2.0,
+                       "sync": "none", "penalty_max_s": 0.0, **cfg})
     node.start()
     try:
         yield node

@@ -219,12 +219,17 @@ def pattern(seed: int, n: int) -> bytes:
     return random.Random(seed).randbytes(n)
 
 
-def dirty_pages(path: str) -> int | None:
+def dirty_pages(path: str, below: int = 0) -> int | None:
     """Pages of ``path`` dirty or under writeback in the page cache (``cachestat``, Linux >= 6.5; None where the
-    kernel has no such call): 0 means every byte written to it has gone to the device."""
+    kernel has no such call): 0 means every byte written to it has gone to the device.  ``below``: only the
+    pages wholly below that offset (0: the whole file)."""
     import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
-    rng, out = (ctypes.c_uint64 * 2)(0, 0), (ctypes.c_uint64 * 5)()
+    import mmap
+    pages = below // mmap.PAGESIZE * mmap.PAGESIZE
+    if below and not pages:
+        return 0
+    rng, out = (ctypes.c_uint64 * 2)(0, pages), (ctypes.c_uint64 * 5)()
     fd = os.open(path, os.O_RDONLY)
     try:
         if libc.syscall(451, fd, ctypes.byref(rng), ctypes.byref(out), 0) != 0:   # 451: cachestat

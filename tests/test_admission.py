@@ -129,3 +129,19 @@ def test_a_connection_that_ends_in_its_hello_frees_its_pending_slot():
     assert a.npending == 1
     a.left(e)
     assert a.npending == 0 and a.pending == {}
+
+
+def test_a_pending_connection_that_sent_its_hello_is_closed_for_room_only_after_silent_ones():
+    """From one address at ``preauth_per_host``, a newcomer takes the place of the oldest pending connection
+    that has not sent its whole hello -- a flood of silent connections does not close the hello of a peer
+    already proving itself --, and of the oldest when all have."""
+    a = adm(preauth_per_host=3, preauth_max=0)
+    said = {"legit": True}
+    legit = a.arrive("h", 0.0, spoke=lambda: said["legit"]).entry
+    silent = [a.arrive("h", 0.1 + i).entry for i in range(2)]
+    for i in range(5):                                   # the flood: each new one closes a silent one
+        v = a.arrive("h", 1.0 + i, spoke=lambda: False)
+        assert v.entry is not None and legit not in v.close and len(v.close) == 1
+    assert legit.state == "pending" and all(s.state == "gone" for s in silent)
+    said["legit"] = False                                # (as if it had not spoken): the oldest goes first
+    assert a.arrive("h", 9.0).close == [legit]

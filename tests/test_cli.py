@@ -152,6 +152,7 @@ def test_node_status_and_partition_list_present_transport_units_health(live):
     p = dnctl(*sf, "node", "status", a, check=True)
     conns = [ln for ln in p.out.splitlines() if ln.startswith("  127.0.0.1:")]
     assert conns and all(" tcp " in ln for ln in conns), p.out
+    assert all(" session " in ln for ln in conns), p.out     # a cluster with a secret: authenticated sessions
     assert re.search(r"\d+(\.\d)? (B|KiB|MiB|GiB)", p.out), p.out
     raw = json.loads(dnctl(*sf, "node", "status", a, "--json", check=True).out)
     assert isinstance(raw["uptime_s"], (int, float)) and all(c["transport"] == "tcp" for c in raw["connections"])

@@ -22,7 +22,7 @@ import trio
 
 from bench.client_storm import storm
 from client.sdk import ClientError, DataClient
-from tools.cluster import free_port
+from tools.cluster import free_port, local_access_files
 from tools.etcd_cluster import etcd_binary
 from wire.etcdmap import EtcdAccess
 
@@ -91,8 +91,9 @@ def test_a_refused_login_is_not_retried(cluster, tmp_path):
     async def main():
         t0 = trio.current_time()
         with pytest.raises(ClientError, match="authenticating"):
+            files = {k: v for k, v in local_access_files(info["etcd"], "mount").items() if k != "credentials"}
             async with DataClient.open([], transport="tcp", pool_mib=1, etcd=info["etcd"]["url"],
-                                       etcd_access=EtcdAccess.load(bad), timeout=10):
+                                       etcd_access=EtcdAccess.load(bad, **files), timeout=10):
                 pass
         assert trio.current_time() - t0 < 5.0
     trio.run(main)

@@ -22,8 +22,9 @@ import trio
 
 from client.sdk import ClientError, DataClient
 from tests.conftest import REPO, pattern
+from tools.cluster import local_access
 from tools.etcd_cluster import etcd_binary
-from wire.etcdmap import Etcd, EtcdAccess
+from wire.etcdmap import Etcd
 from wire.protocol import Result
 
 pytestmark = [pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")]
@@ -102,7 +103,7 @@ def test_frozen_leader_costs_seconds_and_acks_nothing_at_its_old_epoch(tmp_path)
     addrs = [n["addr"] for n in info["nodes"]]
     pids = {n["addr"]: n["pid"] for n in info["nodes"]}
     secret = root / "cluster.secret"          # a cluster made by `cluster up` authenticates: so do we
-    access = EtcdAccess.load(root / "etcd-auth" / "admin") if (root / "etcd-auth").is_dir() else None
+    access = local_access(info["etcd"], "admin")
     et = Etcd(info["etcd"]["url"], access=access)
     frozen = None
     try:

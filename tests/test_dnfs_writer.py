@@ -457,6 +457,48 @@ def test_a_reclaim_pass_waits_for_the_flushes_under_way_and_holds_new_ones_back(
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
+def test_a_reclaim_pass_lets_flushes_go_on_while_the_datanodes_delete(tmp_path):
+    """The reclaimer holds the data lock only while it checks which queued extents nothing references (and
+    tells the SDK never to append to them), not across the deletions on the datanodes: a file's flush starts
+    while a deletion still waits for its datanode, and the extent is released and dequeued once it answers."""
+    from client.fs.meta import ROOT, Slice
+    from client.fs.meta_sqlite import SqliteMeta
+    from client.fs.reclaim import Reclaimer
+
+    class SlowDeletes:
+        def __init__(self):
+            self.forgotten, self.deleted = [], []
+            self.asked, self.answer = trio.Event(), trio.Event()
+
+        def forget_extent(self, pid, extent):
+            self.forgotten.append((pid, extent))
+
+        async def delete_extent(self, pid, extent):
+            self.asked.set()
+            await self.answer.wait()           # a datanode slow to answer
+            self.deleted.append((pid, extent))
+
+    async def main():
+        meta = SqliteMeta(str(tmp_path / "m.db"))
+        f = await meta.create(ROOT, b"f", 0o100644, 0, 0)
+        await meta.commit(f.ino, [Slice(0, 4096, 1, 5, 0, 0, 4096, 0)], 4096, 1)
+        await meta.truncate(f.ino, 0, 2)       # extent 1/5 goes to the deletion queue
+        assert await meta.queued(10) == [(1, 5)]
+        dc, lock = SlowDeletes(), DataLock()
+        r = Reclaimer(meta, dc, lock)
+        async with trio.open_nursery() as n:
+            n.start_soon(r.drain)
+            await dc.asked.wait()
+            assert dc.forgotten == [(1, 5)]
+            with trio.fail_after(5):
+                await lock.acquire_shared()    # a flush, while the deletion is out
+            await lock.release_shared()
+            dc.answer.set()
+        assert dc.deleted == [(1, 5)] and r.deleted == 1 and await meta.queued(10) == []
+        await meta.close()
+    trio.run(main)
+
+
 def test_a_reclaim_pass_cancelled_while_it_waits_lets_flushes_start():
     async def main():
         lock = DataLock()

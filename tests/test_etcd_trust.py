@@ -29,7 +29,7 @@ import trio
 from client.sdk import DataClient
 from tests.conftest import NODE_DEFAULTS, create_partition, pattern, run
 from tests.test_etcd import _verify, wait_for
-from tools.cluster import NodeProc, free_port
+from tools.cluster import NodeProc, free_port, local_access
 from tools.etcd_cluster import EtcdProc, ManagerProc, ServerTls, etcd_binary, setup_auth
 from wire.auth import gen_secret
 from wire.etcdmap import Etcd, EtcdAccess, EtcdError
@@ -345,12 +345,20 @@ def test_cluster_up_locks_etcd_with_a_role_per_component(tmp_path):
         assert stat.S_IMODE((root / "etcd-auth").stat().st_mode) == 0o700
 
         async def main():
-            anyone = Etcd(url)
+            rec = info["etcd"]
+            pki = pathlib.Path(rec["pki"])
+            anyone = Etcd(url, access=EtcdAccess.load(ca=str(pki / "ca.pem")))
+            with pytest.raises(EtcdError, match="client certificate"):
+                await anyone.get_prefix(anyone.prefix + "/")
+            # a certificate without a user: connected, and refused by etcd's authentication
+            anyone = Etcd(url, access=EtcdAccess.load(ca=str(pki / "ca.pem"), cert=str(pki / "mount.pem"),
+                                                      key=str(pki / "mount.key")))
             with pytest.raises(EtcdError, match="authentication"):
                 await anyone.put(anyone.part_key(1), "{}")
             with pytest.raises(EtcdError, match="authentication"):
                 await anyone.get_prefix(anyone.prefix + "/")
-            et = {who: Etcd(url, access=EtcdAccess.load(root / "etcd-auth" / who))
+            node = "node-" + info["nodes"][0]["addr"].replace(":", "_")
+            et = {who: Etcd(url, access=local_access(rec, node if who == "datanode" else who))
                   for who in ("datanode", "manager", "admin", "mount")}
             e = et["admin"]
             keys = {"parts": e.part_key(1), "nodes": e.node_key("127.0.0.1:9"), "manager": e.manager_key,
@@ -365,7 +373,8 @@ def test_cluster_up_locks_etcd_with_a_role_per_component(tmp_path):
                     with pytest.raises(EtcdError, match="permission denied"):
                         await handle.put(key, "{}")
             with pytest.raises(EtcdError, match="permission denied"):
-                await et["datanode"].get(e.key("requests", "r"))   # a node reads views, registrations, hand-offs
+                await et["datanode"].get(e.key("requests", "r"))
+            await et["datanode"].get(e.node_key(info["nodes"][1]["addr"]))   # reads the others' registrations   # a node reads views, registrations, hand-offs
             with trio.fail_after(15):       # ... and whether a manager is active (it may still be campaigning)
                 while not await et["datanode"].get(e.manager_key):
                     await trio.sleep(0.2)
@@ -379,7 +388,9 @@ def test_cluster_up_locks_etcd_with_a_role_per_component(tmp_path):
         assert put["locations"]
         assert dnctl("cluster", "status", "--cluster", root, "--json", check=False).returncode == 0
         # without the admin user, dnctl is told what is missing, in one line
-        p = dnctl("partition", "list", "--etcd", url, check=False)
+        pki = pathlib.Path(info["etcd"]["pki"])         # (the certificate gets it in; the user is missing)
+        p = dnctl("--etcd-ca", pki / "ca.pem", "--etcd-cert", pki / "admin.pem", "--etcd-key", pki / "admin.key",
+                  "partition", "list", "--etcd", url, check=False)
         assert p.returncode == 1 and "Traceback" not in p.stderr and "--etcd-credentials" in p.stderr, p.stderr
         # a dnfs mount with --cluster DIR follows the map as the mount user, its metadata in the same etcd
         if shutil.which("fusermount3") and os.path.exists("/dev/fuse"):

@@ -152,6 +152,31 @@ def test_one_flush_covers_every_append_before_it(tmp_path):
     again.close()
 
 
+def test_a_batchs_extents_are_flushed_side_by_side_not_one_after_another(tmp_path):
+    """Eight writers append to eight extents; their batch's flushes run at once in the flusher's pool (each
+    ends in a cache flush of the device, and concurrent ones share it -- in a row each paid its own, and every
+    writer waited for all of them).  Here every extent's flush waits, in its thread, until all of them have
+    started: flushed one after another they would never get there.  Each is durable afterwards."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from datanode.commit import FLUSH_THREADS, _flush_all
+    store = ExtentStore(tmp_path / "p", "always")
+    extents = [store.create_extent() for _ in range(8)]
+    for k, eid in enumerate(extents):
+        store.append(eid, 0, pattern(k, 4 * KiB), None)
+    all_in = threading.Barrier(len(extents), timeout=10)
+    real = store.flush
+
+    def flush(ids):
+        all_in.wait()                     # BrokenBarrierError (a failed flush) unless they run together
+        return real(ids)
+    store.flush = flush
+    with ThreadPoolExecutor(FLUSH_THREADS) as pool:
+        assert _flush_all({store: set(extents)}, pool) == {}
+    assert [store.durable_size(eid) for eid in extents] == [4 * KiB] * len(extents)
+    store.close()
+
+
 def test_the_lone_requests_flush_in_the_event_loop_is_durable_and_takes_no_scheduler_pass(tmp_path):
     """``GroupCommit.durable`` for the only request in flight flushes right in the event loop: the append is
     durable when it returns, and the handler goes straight on to its answer -- no pass of the loop in
@@ -160,6 +185,7 @@ def test_the_lone_requests_flush_in_the_event_loop_is_durable_and_takes_no_sched
     store = ExtentStore(tmp_path / "p", "always")
     eid = store.create_extent()
     gc = GroupCommit(quiet=lambda: True)
+    gc.inline.slow = float("inf")          # a loaded machine's slow fsync must not send the flushes away
 
     async def main():
         steps = TaskSteps(trio.lowlevel.current_task())

@@ -256,3 +256,56 @@ def test_a_write_back_that_was_never_handed_over_is_refused():
     with pytest.raises(RuntimeError):
         lane.back()
     assert lane.writing == 0 and lane.tail is None
+
+
+def test_a_ticket_still_fetching_its_payload_is_passed_by_other_connections_only():
+    """A request whose payload is still being fetched (a peer that may never serve it) holds nobody else's
+    turn: another connection's later ticket goes first; its own connection's later ticket waits behind it
+    (pipelined appends keep their order); once fetched it waits for its turn like any other."""
+    lane = LaneState()
+    attacker, victim = object(), object()
+    a = lane.ticket(attacker, fetching=True)
+    a2 = lane.ticket(attacker)                     # the same connection's next append: behind ``a``
+    v = lane.ticket(victim)
+    assert lane.blocker(a2, False) == TURN and lane.blocker(v, False) is None and lane.up(v)
+    lane.begin(v)
+    lane.fetched(a)                                # in hand now, while the victim holds the turn
+    assert lane.blocker(a, False) == TURN
+    assert lane.done(v) == a                       # the victim's turn ends: ``a`` is woken
+    lane.begin(a)
+    assert lane.blocker(a2, False) == TURN
+    assert lane.done(a) == a2 and lane.blocker(a2, False) is None
+    assert lane.done(a2) == lane.issued == 3 and lane.serving == 3
+
+
+def test_a_fetch_that_fails_lets_its_connections_later_tickets_go():
+    lane = LaneState()
+    attacker = object()
+    a = lane.ticket(attacker, fetching=True)
+    a2 = lane.ticket(attacker)
+    assert lane.blocker(a2, False) == TURN
+    assert lane.done(a) == a2 and lane.blocker(a2, False) is None
+
+
+def test_appends_passing_a_fetch_cost_no_more_as_they_pile_up():
+    """Thousands of another connection's appends pass a ticket that stays fetching (a peer that never serves
+    its READ, until ``payload_timeout``): each costs a look at the tickets in flight, not at every one that
+    passed (the attacker would otherwise buy quadratic work on the node)."""
+    import time
+    lane = LaneState()
+    a = lane.ticket(object(), fetching=True)
+    victim = object()
+
+    def pass_n(n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            t = lane.ticket(victim)
+            assert lane.blocker(t, False) is None
+            lane.begin(t)
+            lane.done(t)
+        return time.perf_counter() - t0
+    first, later = pass_n(2000), pass_n(2000)
+    assert later < 3 * first + 0.05, (first, later)
+    lane.fetched(a)
+    assert lane.blocker(a, False) is None
+    assert lane.done(a) == lane.issued and lane.serving == lane.issued

@@ -32,7 +32,7 @@ SLACK = 5.0
 
 @pytest.fixture
 def node(nodes):
-    [n] = nodes(1, transport="tcp", peer_timeout=PEER_TIMEOUT, penalty_max_s=0.0)   # raw peers reconnect at once
+    [n] = nodes(1, transport="tcp", peer_timeout=PEER_TIMEOUT, payload_timeout=PEER_TIMEOUT, penalty_max_s=0.0)   # raw peers reconnect at once
     return n
 
 
@@ -161,7 +161,7 @@ async def _append_at_end(addr, extent, n: int = 11):
 
 
 def test_a_peer_that_never_serves_its_payload_is_dropped(node, checker):
-    """A WRITE whose buffer is never served: within peer_timeout the request is given up, its pool block
+    """A WRITE whose buffer is never served: within payload_timeout the request is given up, its pool block
     freed, its place in the extent's order released and the silent peer's connection dropped."""
     sizes = trio.run(_marks, node.addr)
     ext = checker.target.extents[0]

@@ -261,7 +261,8 @@ def test_a_manager_without_rdma_says_once_which_verbs_only_nodes_it_cannot_reach
 
     async def main():
         await et.put(et.key("nodes", addr), json.dumps({"addr": addr, "transport": "verbs", "partitions": {},
-                                                        "capacity_bytes": 1 << 40, "free_bytes": 1 << 40}))
+                                                        "capacity_bytes": 1 << 40, "free_bytes": 1 << 40}),
+                     await et.grant(60))          # a registration lives under its node's lease
         m = managers(e.url, **MGR)
         text = await wait_for("the warning", lambda: _log_has(m, f"node {addr} takes only RDMA verbs"))
         await trio.sleep(1.5)                                 # several passes later: still once

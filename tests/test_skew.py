@@ -27,8 +27,8 @@ from datanode import config as config_mod
 from tests.conftest import NODE_DEFAULTS, pattern, run
 from tests.test_trust import secret  # noqa: F401 - the cluster secret fixture
 from tools.cluster import NodeProc, free_port
-from wire.protocol import (HELLO_SIZE, MIN_VERSION, VERSION, Header, Hello, Op, ProtocolError, Result, Transport,
-                           decode, decode_extensions, decode_hello, negotiate, version_refusal)
+from wire.protocol import (HELLO_SIZE, MIN_VERSION, SESSIONS_SINCE, VERSION, Header, Hello, Op, ProtocolError,
+                           Result, Transport, decode, decode_extensions, decode_hello, negotiate, version_refusal)
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("wire", "datanode", "client", "manager", "tools")
@@ -136,7 +136,7 @@ def build(dest: pathlib.Path, version: int, min_version: int, zone: bool = False
                                        (r"^MIN_VERSION = \d+", f"MIN_VERSION = {min_version}", 1)])
     if zone:
         _patch(dest / "wire/protocol.py", [
-            (r"^HELLO_EXTENSIONS = \{1: \"software\"\}", f'HELLO_EXTENSIONS = {{1: "software", {ZONE_TAG}: "zone"}}',
+            (r"^HELLO_EXTENSIONS = \{1: \"software\", ", f'HELLO_EXTENSIONS = {{{ZONE_TAG}: "zone", 1: "software", ',
              1),
             (r"^(    software: str = \"\".*)$", '\\1\n    zone: str = ""', 1)])
         _patch(dest / "wire/transport/connect.py", [
@@ -334,3 +334,57 @@ def test_no_common_version_is_refused_with_one_clear_line(nodes, tmp_path, secre
     theirs = other_client(tree, {"discover": [cur.addr], "secret": str(secret), "writes": [], "reads": []})
     assert theirs["error"] and version_refusal(ours, ours=future) in theirs["error"], theirs
     assert _log_says(cur, "refused: " + version_refusal(future, "this node speaks")), cur.log_path.read_text()
+
+
+def test_a_rolling_upgrade_to_authenticated_sessions(nodes, tmp_path, secret):
+    """Three nodes of the build before authenticated sessions (its protocol: no node dialed in the hello, no
+    frame MACs), upgraded to this one a node at a time (stopped, started on the same data with the new build)
+    while clients of both builds write and read: at every step each byte is read back from every replica, old
+    and new peers meet at the older protocol, and once every node is upgraded they meet in sessions."""
+    old = build(tmp_path / "old", SESSIONS_SINCE - 1, MIN_VERSION)
+    procs = _start(nodes, [old, old, old], secret_file=str(secret))
+    a, b, c = (p.addr for p in procs)
+    parts = {1: [a, b, c], 2: [b, c, a], 3: [c, a, b]}        # each node leads one: node-to-node both ways
+
+    async def ours(step: int, written: list, write: bool):
+        """Write a piece to each partition (``write``), or read back every piece written so far from every
+        replica: [(sha read, sha written)]."""
+        async with DataClient.open(secret=str(secret), transport="tcp", timeout=10, pool_mib=16) as dc:
+            if step == 0 and write:
+                for pid, addrs in parts.items():
+                    for addr in addrs:
+                        await dc.admin(addr, Op.PARTITION_CREATE, partition=pid, body={"replicas": addrs, "epoch": 1})
+            for addrs in parts.values():
+                await dc.discover(addrs[0])
+            if write:
+                for pid in parts:
+                    seed = 1000 + 10 * step + pid
+                    locs = await dc.write(pid, pattern(seed, 300_000))
+                    written.append([pid, seed, [[loc.extent, loc.offset, loc.length] for loc in locs]])
+                return []
+            return [(_sha(await dc.read(*where[:4], replica=where[4])), _sha(want))
+                    for where, want in _ranges(written, parts)]
+
+    written: list = []
+    for step in range(len(procs) + 1):
+        if step:                                          # upgrade one more node
+            p = procs[step - 1]
+            assert p.stop() == 0, p.log_path.read_text()[-2000:]
+            p.argv_prefix = []
+            p.start()
+        run(ours, step, written, True)
+        theirs = other_client(old, {"discover": [addrs[0] for addrs in parts.values()], "secret": str(secret),
+                                    "writes": [(pid, 2000 + 10 * step + pid, 200_000) for pid in parts],
+                                    "reads": []})
+        assert theirs["error"] is None, f"step {step}: {theirs['error']}"
+        written += theirs["written"]
+        got = run(ours, step, written, False)
+        assert got and all(x == y for x, y in got), f"step {step}: other bytes read back"
+        if step == 1:                                     # the new node meets the old ones at their protocol
+            conns = {x["identity"]: x for x in _status(a, secret)["connections"] if x["identity"]}
+            for peer in (b, c):
+                assert (conns[peer]["version"], conns[peer]["session"]) == (SESSIONS_SINCE - 1, False), conns
+    for p in procs:                                       # all upgraded: sessions between every two nodes
+        conns = {x["identity"]: x for x in _status(p.addr, secret)["connections"] if x["identity"]}
+        others = [q.addr for q in procs if q is not p]
+        assert all((conns[q]["version"], conns[q]["session"]) == (VERSION, True) for q in others), conns

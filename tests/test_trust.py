@@ -450,7 +450,7 @@ def test_verbs_peer_reaches_only_the_window_a_request_bound_for_it(nodes, secret
         host, port = a.addr.rsplit(":", 1)
         async with dial(host, int(port), domain, transport="verbs",
                         auth=auth_as(secret, Role.NODE, fol.addr)) as conn:
-            assert conn.transport == "verbs"
+            assert conn.transport == "verbs" and conn.session is not None     # its messages are MAC'd
             with pytest.raises(RemoteAccessError):
                 await conn.read(RemoteBufT(addr, rkey, n), fol.region.view[:n], fol.region)
             assert not conn.alive                   # torn down
@@ -796,12 +796,11 @@ def test_requests_beyond_max_inflight_are_answered_busy(nodes, secret):
     s = fuzz.connect(n.addr, timeout=1.0)
     fuzz.hello(s, auth=cl)
     raw = Header(opcode=Op.PING, req_id=1).encode()
-    ping = FRAME.pack(fuzz.CTRL, 0, 0, len(raw), 0, 0, 0, 0) + raw
     dropped = False
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
-            s.sendall(ping * 1024)
+            s.sendall(b"".join(fuzz.ctrl_frame(s, raw) for _ in range(1024)))     # (each with its session MAC)
         except socket.timeout:
             continue                                 # our send buffer is full: the node reads no more
         except OSError:
@@ -1042,7 +1041,8 @@ def test_a_client_abusers_penalty_does_not_slow_nodes_or_admins_of_its_host(node
     """Eight client-role peers from 127.0.0.1 never serve their payloads and are dropped: client-role connections
     from that host then wait (penalty), while a datanode's link (role node, its identity) and an admin's
     connection from the same host are served at once -- on loopback every local peer shares the host."""
-    [n] = nodes(1, transport="tcp", peer_timeout=0.5, secret_file=str(secret), penalty_max_s=30.0)
+    [n] = nodes(1, transport="tcp", peer_timeout=0.5, payload_timeout=0.5, secret_file=str(secret),
+                penalty_max_s=30.0)
 
     async def setup():
         async with open_client("tcp", [], secret=str(secret)) as adm:
@@ -1057,7 +1057,7 @@ def test_a_client_abusers_penalty_does_not_slow_nodes_or_admins_of_its_host(node
         fuzz.send_ctrl(s, Header(opcode=Op.WRITE, partition=PID, extent=extent, length=MiB, crc=0, epoch=1,
                                  addr=0x100000, rkey=9, rlen=MiB, req_id=i + 1).encode())
         abusers.append(s)
-    for s in abusers:                                   # the node drops each after peer_timeout
+    for s in abusers:                                   # the node drops each after payload_timeout
         s.settimeout(10.0)
         try:
             while s.recv(1 << 16):

@@ -121,7 +121,8 @@ def test_a_node_of_the_previous_version_gets_one_update_per_partition(nodes, tmp
     """A node that predates PARTITION_UPDATE_MANY is sent PARTITION_UPDATE per partition; a current one is
     sent batches -- and both end up with every view installed."""
     assert OP_SINCE[Op.PARTITION_UPDATE_MANY] == VERSION
-    old_tree = build(tmp_path / "prev", VERSION - 1, VERSION - 1)
+    before = OP_SINCE[Op.PARTITION_UPDATE_MANY] - 1
+    old_tree = build(tmp_path / "prev", before, before)
     old, new = _start(nodes, [old_tree, None])
 
     async def main():
@@ -136,7 +137,7 @@ def test_a_node_of_the_previous_version_gets_one_update_per_partition(nodes, tmp
                 for node in (old, new):
                     for pid in range(1, 41):
                         n.start_soon(one, node.addr, pid)
-            assert (await dc.links.get(old.addr)).conn.version == VERSION - 1
+            assert (await dc.links.get(old.addr)).conn.version == before
             for node in (old, new):
                 listed = await dc.admin(node.addr, Op.PARTITION_LIST)
                 assert {p["id"]: p["epoch"] for p in listed} == {pid: 2 for pid in range(1, 41)}

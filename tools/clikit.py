@@ -196,11 +196,13 @@ def use_cluster_secret(info: dict) -> None:
     """A local cluster names its secret in its config, and its etcd's admin user in its etcd record
     (``cluster up`` without --insecure): this command then authenticates with them (unless --secret-file,
     --etcd-credentials or their variables say otherwise)."""
+    from tools.cluster import local_access_options
     default_secret(info.get("config", {}).get("secret_file"))
-    auth = (info.get("etcd") or {}).get("auth")
     lg = login()
-    if auth and "credentials" not in lg.etcd_files:
-        lg.use_etcd(credentials=str(pathlib.Path(auth) / "admin"))
+    own = {k[len("etcd_"):]: v for k, v in local_access_options(info.get("etcd"), "admin").items()}
+    # the directory's admin user and, where its etcd requires one, the admin's client certificate and the CA
+    lg.use_etcd(**{k: v for k, v in own.items() if k not in lg.etcd_files
+                   and not (k in ("cert", "key") and ("cert" in lg.etcd_files or "key" in lg.etcd_files))})
 
 
 def load_cluster(cluster_dir: str) -> dict:

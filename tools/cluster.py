@@ -16,6 +16,7 @@ import threading
 import time
 
 from datanode import config as config_mod
+from wire.etcdmap import DEFAULT_PREFIX
 from wire.limits import nodes_error
 
 
@@ -179,13 +180,85 @@ def load(root: pathlib.Path) -> dict:
     return json.loads(path.read_text())
 
 
+def local_access(etcd_rec: dict | None, who: str):
+    """How ``who`` (a component: root, manager, maintenance, admin, mount; or a node's etcd user) reaches a
+    local cluster's own etcd (its record in cluster.json): its etcd user's credentials and, where the
+    member requires them, the cluster's CA and its client certificate (tools/etcd_pki.py; the maintenance
+    user is the manager's and presents the manager's).  None: the etcd takes anyone."""
+    from wire.etcdmap import EtcdAccess
+    files = local_access_files(etcd_rec, who)
+    return EtcdAccess.load(**files) if files else None
+
+
+def local_access_files(etcd_rec: dict | None, who: str) -> dict:
+    """``local_access`` as EtcdAccess.load's arguments (file paths: for another process)."""
+    rec = etcd_rec or {}
+    files = {}
+    if rec.get("auth"):
+        files["credentials"] = str(pathlib.Path(rec["auth"]) / who)
+    if rec.get("pki"):
+        d = pathlib.Path(rec["pki"])
+        cert = "manager" if who == "maintenance" else who
+        files.update(ca=str(d / "ca.pem"), cert=str(d / f"{cert}.pem"), key=str(d / f"{cert}.key"))
+    return files
+
+
+def local_tls(etcd_rec: dict | None, who: str = "admin"):
+    """An ssl.SSLContext for plain HTTPS requests to a local cluster's etcd as ``who`` (its /health,
+    /metrics, maintenance status); None where it speaks HTTP."""
+    import ssl
+    files = local_access_files(etcd_rec, who)
+    if not files.get("ca"):
+        return None
+    ctx = ssl.create_default_context(cafile=files["ca"])
+    ctx.load_cert_chain(files["cert"], files["key"])
+    return ctx
+
+
+def local_access_options(etcd_rec: dict | None, who: str) -> dict:
+    """``local_access`` as a component's options / node.toml keys (etcd_credentials, etcd_ca, ...)."""
+    a = local_access(etcd_rec, who)
+    if a is None:
+        return {}
+    rec = etcd_rec or {}
+    out = {"etcd_credentials": str(pathlib.Path(rec["auth"]) / who)} if rec.get("auth") else {}
+    if a.cert:
+        out.update(etcd_ca=a.ca, etcd_cert=a.cert, etcd_key=a.key)
+    return out
+
+
+NODE_ETCD_KEYS = ("etcd_credentials", "etcd_ca", "etcd_cert", "etcd_key")
+
+
+def node_etcd(etcd_rec: dict | None, addr: str, provision=None) -> dict:
+    """node.toml's etcd keys for the node at ``addr`` where the directory's own etcd gives every node a user
+    and a certificate of its own; else {}.  ``provision(addr)`` makes them for a new node and returns the
+    same keys (tools/etcd_cluster.py ``node_access``, which sits above this module)."""
+    if not (etcd_rec or {}).get("per_node"):
+        return {}
+    if provision is not None:
+        return provision(addr)
+    return local_access_options(etcd_rec, node_user(addr))
+
+
+def user_name(component: str, prefix: str = DEFAULT_PREFIX) -> str:
+    """The etcd user (and role) of a component of the cluster at ``prefix`` (clusters sharing an etcd each
+    have their own)."""
+    p = prefix.strip("/")
+    return component if p == DEFAULT_PREFIX.strip("/") else f"{p.replace('/', '-')}-{component}"
+
+
+def node_user(addr: str, prefix: str = DEFAULT_PREFIX) -> str:
+    """The etcd user (and role) of the datanode listening at ``addr`` (``node-10.0.0.5_17310``: no colon,
+    which would end the user's name in a USER:PASSWORD file)."""
+    return user_name("node-" + addr.replace("[", "").replace("]", "").replace(":", "_"), prefix)
+
+
 def client_login(info: dict) -> dict:
     """DataClient arguments that reach a local cluster as its admin: its secret, TLS CA and etcd admin user."""
-    from wire.etcdmap import EtcdAccess
     cfg = info.get("config", {})
-    auth = (info.get("etcd") or {}).get("auth")
     return {"secret": cfg.get("secret_file") or None, "tls_ca": cfg.get("tls_ca") or None,
-            "etcd_access": EtcdAccess.load(credentials=str(pathlib.Path(auth) / "admin")) if auth else None}
+            "etcd_access": local_access(info.get("etcd"), "admin")}
 
 
 def cluster_map(info: dict):
@@ -316,10 +389,12 @@ def cluster_secret(root: pathlib.Path) -> str:
 
 
 def up(root: pathlib.Path, nodes: int = 3, base_port: int | None = None, *, start_timeout: float = START_TIMEOUT,
-       **cfg) -> dict:
+       etcd_rec: dict | None = None, provision=None, **cfg) -> dict:
     """Start ``nodes`` daemons (detached: they outlive this process) and record them in cluster.json.
 
-    ``cfg`` is node.toml keys (sync, transport, pool_mib, replica_timeout, ...), the same for every node.
+    ``cfg`` is node.toml keys (sync, transport, pool_mib, replica_timeout, ...), the same for every node;
+    ``etcd_rec`` (the directory's own etcd) adds each node's own etcd user and certificate, made by
+    ``provision`` (``node_etcd``).
     All or nothing: if one node fails to start, the ones already started are stopped again."""
     if nodes_error(nodes):
         raise ValueError(nodes_error(nodes))
@@ -354,7 +429,8 @@ def up(root: pathlib.Path, nodes: int = 3, base_port: int | None = None, *, star
                 if port is None:
                     raise RuntimeError("could not find a free port on 127.0.0.1")
             ports.add(port)
-            n = NodeProc(root / f"node{i + 1}", f"127.0.0.1:{port}", **cfg)
+            n = NodeProc(root / f"node{i + 1}", f"127.0.0.1:{port}", **cfg,
+                         **node_etcd(etcd_rec, f"127.0.0.1:{port}", provision))
             started.append(n)
             n.start(start_timeout)
     except BaseException as e:
@@ -367,7 +443,8 @@ def up(root: pathlib.Path, nodes: int = 3, base_port: int | None = None, *, star
         raise
     info = {"nodes": [{"addr": n.addr, "pid": n.pid, "dir": str(n.root), "log": str(n.log_path)}
                       for n in started],
-            "config": {k: v for k, v in started[0].cfg.items() if k not in ("listen", "data_dir")},
+            "config": {k: v for k, v in started[0].cfg.items() if k not in ("listen", "data_dir", *NODE_ETCD_KEYS)
+                       or k in cfg},
             "started": time.time()}
     save(root, info)
     return info
@@ -386,8 +463,10 @@ def _held_by(ports: list[int]) -> str:
                    for d, held in gone.items())
 
 
-def add_node(root: pathlib.Path, port: int | None = None, start_timeout: float = START_TIMEOUT) -> dict:
-    """Start one more node (no partitions) in a running cluster's directory, with the cluster's config."""
+def add_node(root: pathlib.Path, port: int | None = None, start_timeout: float = START_TIMEOUT,
+             provision=None) -> dict:
+    """Start one more node (no partitions) in a running cluster's directory, with the cluster's config
+    (``provision``: makes its etcd user and certificate, ``node_etcd``)."""
     info = load(root)
     i = len(info["nodes"]) + 1
     if nodes_error(i):
@@ -399,7 +478,8 @@ def add_node(root: pathlib.Path, port: int | None = None, start_timeout: float =
         port = next((q for q in (free_port() for _ in range(100)) if q not in taken), None)
         if port is None:
             raise RuntimeError("could not find a free port on 127.0.0.1")
-    proc = NodeProc(root / f"node{i}", f"127.0.0.1:{port}", **info.get("config", {}))
+    proc = NodeProc(root / f"node{i}", f"127.0.0.1:{port}", **info.get("config", {}),
+                    **node_etcd(info.get("etcd"), f"127.0.0.1:{port}", provision))
     proc.start(start_timeout)
     rec = {"addr": proc.addr, "pid": proc.pid, "dir": str(proc.root), "log": str(proc.log_path)}
     info["nodes"].append(rec)
@@ -418,7 +498,7 @@ def _restart(root: pathlib.Path, info: dict, start_timeout: float = START_TIMEOU
     started: list[NodeProc] = []
     try:
         for n in info["nodes"]:
-            proc = NodeProc(pathlib.Path(n["dir"]), n["addr"], **cfg)
+            proc = NodeProc(pathlib.Path(n["dir"]), n["addr"], **cfg, **node_etcd(info.get("etcd"), n["addr"]))
             started.append(proc)
             proc.start(start_timeout)
     except BaseException:
@@ -618,7 +698,7 @@ def start_node(root: pathlib.Path, addr: str, start_timeout: float = START_TIMEO
         raise RuntimeError(f"{addr} is already running (pid {pid})")
     if note.startswith(addr):
         raise RuntimeError(note)
-    proc = NodeProc(pathlib.Path(n["dir"]), addr, **info.get("config", {}))
+    proc = NodeProc(pathlib.Path(n["dir"]), addr, **info.get("config", {}), **node_etcd(info.get("etcd"), addr))
     try:
         proc.start(start_timeout)
     except (RuntimeError, TimeoutError) as e:

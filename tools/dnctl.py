@@ -8,6 +8,7 @@ modules (tools/demo.py, tools/bench.py, tools/trash.py), which do not import thi
 """
 from __future__ import annotations
 
+import functools
 import pathlib
 import sys
 
@@ -175,8 +176,11 @@ def cluster_up(count, cluster, base_port, sync, transport, pool_mib, replica_tim
       DIR/cluster.secret   a new cluster secret (0600): nodes, the manager and every
                            `--cluster DIR` command authenticate with it, and the map's
                            entries in etcd carry its MAC
+      DIR/etcd-pki/        the etcd CA and a client certificate per component and
+                           per node: etcd takes no connection without one
       DIR/etcd-auth/       the etcd member's users (0600 each): authentication is on,
-                           one user per component (datanode, manager, admin, mount),
+                           one user per component (manager, admin, mount) and per
+                           node (node-HOST_PORT: writes its own registration only),
                            each allowed only its keys; root only for setting it up
     An existing etcd (--etcd URL) is used as it is: its authentication is yours to set up.
     """
@@ -215,11 +219,13 @@ def cluster_up(count, cluster, base_port, sync, transport, pool_mib, replica_tim
     extra = {"etcd": etcd_rec["url"]} if etcd_rec and prev is None else {}
     if prev is None and not insecure:
         extra["secret_file"] = cl.cluster_secret(rootp)
-    if prev is None and auth is not None:
+    if prev is None and auth is not None and not etcd_rec.get("per_node"):
         extra["etcd_credentials"] = str(auth / "datanode")
     try:
         info = cl.up(rootp, count, base_port, sync=sync, transport=transport, pool_mib=pool_mib,
-                     replica_timeout=replica_timeout, start_timeout=start_timeout, **extra)
+                     replica_timeout=replica_timeout, start_timeout=start_timeout,
+                     etcd_rec=etcd_rec if prev is None else None,
+                     provision=functools.partial(ec.node_access, etcd_rec) if etcd_rec else None, **extra)
     except (RuntimeError, TimeoutError, ValueError, ConfigError, OSError) as e:
         if started_etcd:
             cl.stop_aux({"etcd": etcd_rec}, "etcd")
@@ -241,9 +247,9 @@ def cluster_up(count, cluster, base_port, sync, transport, pool_mib, replica_tim
             live = [m for m in info.get("managers", []) if cl.aux_process(m, "manager") is not None]
             opts = (info.get("managers") or [{}])[0].get("opts") or {"min_writable": min_writable}
             opts = {**opts, **login().paths()}       # the manager authenticates as this command does
-            if auth is not None:
-                opts["etcd_credentials"] = str(auth / "manager")    # with its own etcd user
-                if (auth / ec.MAINTENANCE).exists():     # and the user that may defragment etcd
+            if auth is not None or etcd_rec.get("pki"):
+                opts.update(cl.local_access_options(etcd_rec, "manager"))    # its own etcd user and certificate
+                if auth is not None and (auth / ec.MAINTENANCE).exists():     # and the user that may defragment
                     opts["etcd_maintenance_credentials"] = str(auth / ec.MAINTENANCE)
             info["managers"] = live or [ec.start_manager(rootp, etcd_rec["url"], "m1", **opts)]
             cl.save(rootp, info)
@@ -347,7 +353,10 @@ def cluster_add_node(cluster, port, start_timeout, as_json):
     from datanode.config import ConfigError
     load_cluster(cluster)
     try:
-        rec = cl.add_node(pathlib.Path(cluster), port, start_timeout)
+        from tools import etcd_cluster as ec
+        etcd_rec = cl.load(pathlib.Path(cluster)).get("etcd")
+        rec = cl.add_node(pathlib.Path(cluster), port, start_timeout,
+                          provision=functools.partial(ec.node_access, etcd_rec) if etcd_rec else None)
     except (RuntimeError, TimeoutError, ValueError, ConfigError, OSError) as e:
         raise click.ClickException(str(e)) from None
     emit(rec, as_json, f"{rec['addr']} up (pid {rec['pid']}, log {rec['log']}); add it to a partition with:\n"
@@ -589,11 +598,18 @@ def _aux_status(info: dict, timeout: float) -> tuple[list[dict], list[dict]]:
         return [], []
     etcd_st = []
     active = None
+    ctx = None
+    if "https://" in e["url"]:          # the admin's CA and, where the member requires one, its certificate
+        import ssl
+        acc = login().etcd
+        ctx = ssl.create_default_context(cafile=acc.ca or None)
+        if acc.cert:
+            ctx.load_cert_chain(acc.cert, acc.key)
     for url in e["url"].split(","):
         pid = cl.aux_process(e, "etcd") if e.get("managed") else None
         rec = {"url": url, "pid": pid, "managed": bool(e.get("managed")), "dir": e.get("dir"), "health": "down"}
         try:
-            with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout) as r:
+            with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout, context=ctx) as r:
                 rec["health"] = "up" if _json.loads(r.read()).get("health") in ("true", True) else "not healthy"
         except (OSError, ValueError):
             rec["health"] = "not answering" if pid is not None else "down"
@@ -617,10 +633,12 @@ def _aux_status(info: dict, timeout: float) -> tuple[list[dict], list[dict]]:
 # -- etcd ---------------------------------------------------------------------------------------------
 @main.group(context_settings=CTX)
 def etcd():
-    """The cluster's etcd: its users.
+    """The cluster's etcd: its users and certificates.
 
     \b
+    dnctl etcd issue --pki /root/etcd-ca --new-ca --server 10.0.0.1 server
     dnctl etcd setup-auth --etcd https://10.0.0.1:2379 --etcd-ca ca.pem --out /etc/datanode/etcd-auth
+    dnctl etcd add-node 10.0.0.5:17310 --etcd https://10.0.0.1:2379 --out /etc/datanode/etcd-auth
     """
 
 
@@ -657,6 +675,86 @@ def etcd_setup_auth(etcd, prefix, out, maintenance, as_json):
         raise click.ClickException(str(e)) from None
     emit(paths, as_json, "\n".join(f"{who:9} {path}" for who, path in paths.items())
          + f"\netcd {url}: authentication on; prefix {prefix}")
+
+
+@etcd.command("add-node")
+@click.argument("addr", metavar="HOST:PORT")
+@etcd_option
+@click.option("--prefix", default="/datanode", show_default=True, help="The cluster's key prefix in etcd.")
+@click.option("--out", type=click.Path(file_okay=False), required=True,
+              help="Directory for the node user's credentials (made 0700; its USER:PASSWORD file 0600).")
+@click.option("--json", "as_json", is_flag=True)
+def etcd_add_node(addr, etcd, prefix, out, as_json):
+    """Give the datanode listening at HOST:PORT an etcd user of its own (through etcd's root user): it reads
+    what every datanode reads and writes only its own registration and hand-off request, so a compromised
+    node cannot unregister or impersonate the others.  Put the file in its node.toml (etcd_credentials).
+
+    
+    Example:
+      dnctl --etcd-credentials root --etcd-ca ca.pem --etcd-cert root.pem --etcd-key root.key \\
+          etcd add-node 10.0.0.5:17310 --etcd https://10.0.0.1:2379 --out ./etcd-auth
+    When every node runs with its own user, take the shared datanode user's writes away:
+    `dnctl etcd lock-node-role` (docs/operations.md, "etcd: certificates and users").
+    """
+    from tools import etcd_cluster as ec
+    url = etcd_url(etcd, None, what="etcd add-node")
+    try:
+        path = ec.add_node_user(url, pathlib.Path(out), addr, prefix, access=login().etcd)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="HOST:PORT") from None
+    except (RuntimeError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    emit({"addr": addr, "user": ec.node_user(addr, prefix), "credentials": path}, as_json,
+         f"{addr}: etcd user {ec.node_user(addr, prefix)}, credentials {path}")
+
+
+@etcd.command("lock-node-role")
+@etcd_option
+@click.option("--prefix", default="/datanode", show_default=True, help="The cluster's key prefix in etcd.")
+def etcd_lock_node_role(etcd, prefix):
+    """The shared datanode role may no longer write registrations or hand-off requests (it keeps its reads):
+    the last step of moving a cluster to a user per node (`dnctl etcd add-node`), once every node runs with
+    its own.  Needs etcd's root user."""
+    from tools import etcd_cluster as ec
+    url = etcd_url(etcd, None, what="etcd lock-node-role")
+    try:
+        ec.lock_shared_node_role(url, prefix, access=login().etcd)
+    except (RuntimeError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"etcd {url}: the shared role {ec.user_name('datanode', prefix)} now only reads")
+
+
+@etcd.command("issue")
+@click.argument("name")
+@click.option("--pki", type=click.Path(file_okay=False), required=True,
+              help="The CA's directory (ca.pem, ca.key; made 0700); the certificate and key go there too.")
+@click.option("--new-ca", is_flag=True, help="Make the CA first (an existing one is kept).")
+@click.option("--server", "hosts", metavar="HOST[,HOST...]",
+              help="A member's server certificate for these IP addresses / names (also a client one, as etcd's "
+                   "gateway needs), instead of a client certificate.")
+@click.option("--json", "as_json", is_flag=True)
+def etcd_issue(name, pki, new_ca, hosts, as_json):
+    """Issue NAME.pem and NAME.key from the cluster's etcd CA: a client certificate (no Common Name: etcd's
+    gateway refuses one that has a name while its users are on) for a component or a node, or with --server
+    the members' certificate.  Give each component its own; etcd then takes no connection without one
+    (etcd --client-cert-auth --trusted-ca-file ca.pem; docs/operations.md).
+
+    
+    Example:
+      dnctl etcd issue --pki /root/etcd-ca --new-ca --server 10.0.0.1,10.0.0.2,10.0.0.3 server
+      dnctl etcd issue --pki /root/etcd-ca node-10.0.0.5_17310
+    """
+    from tools import etcd_pki
+    d = pathlib.Path(pki)
+    try:
+        if new_ca:
+            etcd_pki.make_ca(d)
+        cert, key = etcd_pki.issue(d, name, hosts=tuple(h.strip() for h in hosts.split(",") if h.strip())
+                                   if hosts else ())
+    except (ValueError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    emit({"ca": str((d / "ca.pem").resolve()), "cert": cert, "key": key}, as_json,
+         f"certificate {cert}\nkey         {key}\nCA          {(d / 'ca.pem').resolve()}")
 
 
 # -- partitions ---------------------------------------------------------------------------------------
@@ -1329,6 +1427,7 @@ def _status_text(s: dict) -> str:
     for conn in conns:
         kind = conn["transport"] + (f" ({conn['congestion']})" if conn.get("congestion") else "")
         lines.append(f"  {conn['peer']:22} {kind:12} protocol {conn.get('version', '?')} "
+                     + ("session " if conn.get("session") else "")       # every control message MAC'd
                      + (f"volume {conn['volume']} " if conn.get("volume") else "") +
                      f"sends {fmt_count(conn.get('sends'))} "
                      f"recvs {fmt_count(conn.get('recvs'))} served reads {fmt_count(conn.get('served_reads'))} "

@@ -20,9 +20,9 @@ import sys
 import time
 import urllib.request
 
-from tools.cluster import START_TIMEOUT, free_port
-from wire.etcdmap import (COMPONENTS, DEFAULT_PREFIX, EtcdAccess, EtcdError, auth_request, client, permission,
-                          permissions)
+from tools.cluster import START_TIMEOUT, free_port, local_access, local_access_options, node_user, user_name
+from wire.etcdmap import (COMPONENTS, DEFAULT_PREFIX, EtcdAccess, EtcdError, auth_request, client, node_permissions,
+                          permission, permissions, revocation, shared_node_writes)
 
 AUTH_DIR = "etcd-auth"      # in a cluster directory: one USER:PASSWORD file per etcd user (0600, in a 0700 dir)
 # etcd's bcrypt cost for the passwords setup_auth makes: they are random secrets (``secrets.token_urlsafe(24)``),
@@ -57,27 +57,36 @@ class EtcdProc:
 
     def __init__(self, root: pathlib.Path, host: str = "127.0.0.1", name: str = "m0", *,
                  client_port: int | None = None, peer_port: int | None = None, tls: "ServerTls | None" = None,
-                 args: tuple[str, ...] = ()):
+                 plain_port: int | None = None, args: tuple[str, ...] = ()):
         self.root = root
         self.host = host
         self.name = name
         self.client_port = client_port or free_port(host)
+        # with ``tls``: also plain HTTP on this port (no client certificate asked there): the middle step of
+        # moving a running cluster from HTTP to required client certificates (docs/operations.md)
+        self.plain_port = plain_port
         self.peer_port = peer_port or free_port(host)
+        self.tls = tls
         self.initial_cluster = f"{name}={self.peer_url}"
         self.token = f"dn-{self.peer_port}"
         self.existing = (root / "etcd.data" / "member").is_dir()    # a restart: keep its cluster      # members of one cluster share it
-        self.tls = tls
         self.args = tuple(args)
         self.proc: subprocess.Popen | None = None
         self.argv_prefix: list[str] = []      # e.g. tools.netns.Network.prefix(host): run it on that host
 
     @property
     def peer_url(self) -> str:
-        return f"http://{self.host}:{self.peer_port}"
+        # with client certificates required, the peer port requires them too: an open peer port would take
+        # raft messages from anyone who reaches it
+        return f"{'https' if self.tls and self.tls.peer else 'http'}://{self.host}:{self.peer_port}"
 
     @property
     def url(self) -> str:
         return f"{'https' if self.tls else 'http'}://{self.host}:{self.client_port}"
+
+    @property
+    def plain_url(self) -> str:
+        return f"http://{self.host}:{self.plain_port if self.tls else self.client_port}"
 
     @property
     def log_path(self) -> pathlib.Path:
@@ -86,8 +95,9 @@ class EtcdProc:
     def start(self, timeout: float = START_TIMEOUT, wait: bool = True) -> "EtcdProc":
         self.root.mkdir(parents=True, exist_ok=True)
         peer = self.peer_url
+        urls = self.url + (f",{self.plain_url}" if self.tls and self.plain_port else "")
         argv = [etcd_binary(), "--name", self.name, "--data-dir", str(self.root / "etcd.data"),
-                "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
+                "--listen-client-urls", urls, "--advertise-client-urls", urls,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                 "--initial-cluster", self.initial_cluster,
                 "--initial-cluster-state", "existing" if self.existing else "new",
@@ -99,6 +109,9 @@ class EtcdProc:
             argv += ["--cert-file", self.tls.cert, "--key-file", self.tls.key]
             if self.tls.client_ca:
                 argv += ["--client-cert-auth", "--trusted-ca-file", self.tls.client_ca]
+            if self.tls.peer:
+                argv += ["--peer-cert-file", self.tls.cert, "--peer-key-file", self.tls.key,
+                         "--peer-client-cert-auth", "--peer-trusted-ca-file", self.tls.client_ca]
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([*self.argv_prefix, *argv], stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
@@ -152,6 +165,11 @@ class ServerTls:
     client_ca: str = ""
     client_cert: str = ""
     client_key: str = ""
+    peer: bool = False          # the peer port too (with client_ca: certificates required there as well)
+
+    def __post_init__(self):
+        if self.peer and not self.client_ca:
+            raise ValueError("peer TLS here requires client certificates (client_ca)")
 
 
 def etcd_cluster(root: pathlib.Path, n: int = 3, host: str = "127.0.0.1") -> list[EtcdProc]:
@@ -222,88 +240,171 @@ def _stop(proc: subprocess.Popen | None, timeout: float) -> None:
 
 
 # -- a local cluster directory's own etcd member and manager (dnctl cluster up/down/status) ----------------------
+PKI_DIR = "etcd-pki"        # in a cluster directory: the etcd CA and every certificate (tools/etcd_pki.py)
+CLIENT_CERTS = ("root", "manager", "admin", "mount")     # a client certificate each; the maintenance user
+# (etcd's root role, for defragmenting) is the manager's and shares its certificate
+
+
+def local_server_tls(pki: pathlib.Path) -> ServerTls:
+    """The member's TLS in a cluster directory: its certificate, client certificates required (the health
+    check presents root's)."""
+    from tools import etcd_pki
+    return ServerTls(str(pki / "server.pem"), str(pki / "server.key"), str(pki / "ca.pem"),
+                     client_ca=str(pki / "ca.pem"), client_cert=etcd_pki.paths(pki, "root")["cert"],
+                     client_key=etcd_pki.paths(pki, "root")["key"], peer=True)
+
+
 def start_local_etcd(root: pathlib.Path, rec: dict | None = None, *, auth: bool = False) -> dict:
     """Start the cluster directory's single etcd member (data in ``root/etcd``), detached; ``rec`` (from
-    cluster.json) restarts it on the same ports.  ``auth``: a new member gets authentication on
-    (``setup_auth``, credentials in ``root/etcd-auth``).  Returns its record for cluster.json."""
+    cluster.json) restarts it on the same ports, as it was.  ``auth``: a new member requires client
+    certificates signed by the cluster's own CA (``root/etcd-pki``) and has its authentication on
+    (``setup_auth``, credentials in ``root/etcd-auth``), with a user of its own for every datanode
+    (``node_access``).  Returns its record for cluster.json."""
+    from tools import etcd_pki
     rec = rec or {}
-    e = EtcdProc(root / "etcd", client_port=rec.get("client_port"), peer_port=rec.get("peer_port"))
+    pki = pathlib.Path(rec["pki"]) if rec.get("pki") else None
+    if pki is None and auth and not rec:
+        pki = root / PKI_DIR
+        etcd_pki.make_ca(pki, str(root.resolve()))
+        etcd_pki.issue(pki, "server", hosts=("127.0.0.1", "localhost"))
+        for who in CLIENT_CERTS:
+            etcd_pki.issue(pki, who)
+    e = EtcdProc(root / "etcd", client_port=rec.get("client_port"), peer_port=rec.get("peer_port"),
+                 tls=local_server_tls(pki) if pki else None)
     e.start()
     out = {"url": e.url, "pid": e.proc.pid, "dir": str(e.root), "log": str(e.log_path), "managed": True,
            "client_port": e.client_port, "peer_port": e.peer_port}
+    if pki is not None:
+        out["pki"] = str(pki.resolve())
     if rec.get("auth"):
         out["auth"] = rec["auth"]
+        if rec.get("per_node"):
+            out["per_node"] = True
     elif auth:
+        out["auth"] = str((root / AUTH_DIR).resolve())
+        out["per_node"] = True
         root_user = root / AUTH_DIR / "root"
         try:           # a member left by an earlier `up` that failed may have its authentication on already
-            setup_auth(e.url, root / AUTH_DIR, maintenance=True,
-                       access=EtcdAccess.load(root_user) if e.existing and root_user.exists() else None)
+            again = e.existing and root_user.exists()
+            access = local_access({**out, "auth": out["auth"] if again else ""}, "root")
+            setup_auth(e.url, root / AUTH_DIR, maintenance=True, per_node=True,
+                       access=access or EtcdAccess())
         except BaseException:
             e.stop()
             raise
-        out["auth"] = str((root / AUTH_DIR).resolve())
     return out
+
+
+def node_access(etcd_rec: dict, addr: str) -> dict:
+    """node.toml's etcd keys for the datanode at ``addr`` of a local cluster whose etcd has a user per
+    node: its own etcd user (made now, through the root user, if it has none yet) and its own client
+    certificate (issued now by the cluster's CA).  {} for an etcd without them."""
+    from tools import etcd_pki
+    if not etcd_rec.get("per_node") or not etcd_rec.get("auth"):
+        return {}
+    auth = pathlib.Path(etcd_rec["auth"])
+    name = node_user(addr)
+    if etcd_rec.get("pki") and not (pathlib.Path(etcd_rec["pki"]) / f"{name}.pem").exists():
+        etcd_pki.issue(pathlib.Path(etcd_rec["pki"]), name)
+    if not (auth / name).exists():
+        add_node_user(etcd_rec["url"], auth, addr, access=local_access(etcd_rec, "root"))
+    return local_access_options(etcd_rec, name)
 
 
 MAINTENANCE = "maintenance"     # the etcd user that may defragment (etcd's root role), beside the components
 
 
-def user_name(component: str, prefix: str = DEFAULT_PREFIX) -> str:
-    """The etcd user (and role) of a component of the cluster at ``prefix`` (clusters sharing an etcd each
-    have their own)."""
-    p = prefix.strip("/")
-    return component if p == DEFAULT_PREFIX.strip("/") else f"{p.replace('/', '-')}-{component}"
-
-
-def setup_auth(url: str, out: pathlib.Path, prefix: str = DEFAULT_PREFIX, *,
-               access: EtcdAccess | None = None, maintenance: bool = False) -> dict[str, str]:
-    """Turn etcd's authentication on for the cluster at ``prefix``: one etcd user and role per component,
-    each allowed exactly its key ranges (wire/etcdmap.py ``permissions``), and the ``root`` user (setup only).
-    Each user's ``USER:PASSWORD`` goes to ``out/NAME`` (0600, ``out`` 0700) before etcd knows it.  ``access``:
-    client TLS and, on an etcd whose authentication is on already (another cluster's), its root user -- then
-    only this cluster's users are added.  ``maintenance``: also a user with etcd's root role for the
-    manager's defragmentation (manager/etcdcare.py; etcd grants it to no lesser role).  Returns {component,
-    "maintenance" or "root": credentials path}.  RuntimeError says what etcd refused."""
-    access = access or EtcdAccess()
-    out.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(out, 0o700)
+def _auth_caller(url: str, access: EtcdAccess):
     c = client(url.split(",")[0].strip(), access, timeout=10)
-    enabled = access.user == "root"
 
     def call(path: str, body: dict, exists_ok: bool = False) -> None:
         try:
             auth_request(c, path, body, exists_ok=exists_ok)
         except EtcdError as e:
             raise RuntimeError(str(e)) from None
-    users = {user_name(comp, prefix): comp for comp in COMPONENTS}
+    return call
+
+
+def _make_user(call, out: pathlib.Path, name: str, role: str, perms: list[tuple[str, str, str]]) -> str:
+    """User ``name`` with a new random password (written to ``out/NAME`` before etcd knows it) and ``role``
+    (made with ``perms`` unless it is etcd's root role); returns the credentials' path."""
+    pw = secrets.token_urlsafe(24)
+    path = out / name
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{name}:{pw}\n")
+    os.chmod(path, 0o600)
+    call("/auth/role/add", {"name": role}, exists_ok=True)
+    if role != "root":
+        for perm, key, end in perms:
+            call("/auth/role/grant", {"name": role, "perm": permission(perm, key, end)})
+    try:
+        call("/auth/user/add", {"name": name, "password": pw})
+    except RuntimeError as e:
+        if "already exists" not in str(e):
+            raise
+        call("/auth/user/changepw", {"name": name, "password": pw})
+    call("/auth/user/grant", {"user": name, "role": role})
+    return str(path.resolve())
+
+
+def _out_dir(out: pathlib.Path) -> None:
+    out.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(out, 0o700)
+
+
+def setup_auth(url: str, out: pathlib.Path, prefix: str = DEFAULT_PREFIX, *,
+               access: EtcdAccess | None = None, maintenance: bool = False, per_node: bool = False) -> dict[str, str]:
+    """Turn etcd's authentication on for the cluster at ``prefix``: one etcd user and role per component,
+    each allowed exactly its key ranges (wire/etcdmap.py ``permissions``), and the ``root`` user (setup only).
+    Each user's ``USER:PASSWORD`` goes to ``out/NAME`` (0600, ``out`` 0700) before etcd knows it.  ``access``:
+    client TLS and, on an etcd whose authentication is on already (another cluster's), its root user -- then
+    only this cluster's users are added.  ``maintenance``: also a user with etcd's root role for the
+    manager's defragmentation (manager/etcdcare.py; etcd grants it to no lesser role).  ``per_node``: no
+    shared ``datanode`` user; each node gets its own (``add_node_user``).  Returns {component,
+    "maintenance" or "root": credentials path}.  RuntimeError says what etcd refused."""
+    access = access or EtcdAccess()
+    _out_dir(out)
+    call = _auth_caller(url, access)
+    enabled = access.user == "root"
+    users = {user_name(comp, prefix): comp for comp in COMPONENTS if not (per_node and comp == "datanode")}
     if maintenance:
         users[user_name(MAINTENANCE, prefix)] = MAINTENANCE
     if not enabled:
         users["root"] = "root"
     paths = {}
     for name, comp in users.items():
-        pw = secrets.token_urlsafe(24)
-        path = out / name
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(f"{name}:{pw}\n")
-        os.chmod(path, 0o600)
-        paths[comp] = str(path.resolve())
         role = "root" if comp in ("root", MAINTENANCE) else name
-        call("/auth/role/add", {"name": role}, exists_ok=True)
-        if role != "root":
-            for perm, key, end in permissions(prefix)[comp]:
-                call("/auth/role/grant", {"name": role, "perm": permission(perm, key, end)})
-        try:
-            call("/auth/user/add", {"name": name, "password": pw})
-        except RuntimeError as e:
-            if "already exists" not in str(e):
-                raise
-            call("/auth/user/changepw", {"name": name, "password": pw})
-        call("/auth/user/grant", {"user": name, "role": role})
+        paths[comp] = _make_user(call, out, name, role, [] if role == "root" else permissions(prefix)[comp])
     if not enabled:
         call("/auth/enable", {})
     return paths
+
+
+def add_node_user(url: str, out: pathlib.Path, addr: str, prefix: str = DEFAULT_PREFIX, *,
+                  access: EtcdAccess | None) -> str:
+    """The etcd user of the datanode at ``addr``, through etcd's root user (``access``): it reads what every
+    datanode reads and writes only its own registration and hand-off request (``node_permissions``).  Its
+    ``USER:PASSWORD`` goes to ``out/NAME``; returns that path.  RuntimeError says what etcd refused."""
+    from wire.mapcheck import Invalid, check_node
+    try:
+        check_node(addr, {})
+    except Invalid as e:
+        raise ValueError(str(e)) from None
+    _out_dir(out)
+    name = node_user(addr, prefix)
+    return _make_user(_auth_caller(url, access or EtcdAccess()), out, name, name, node_permissions(prefix, addr))
+
+
+def lock_shared_node_role(url: str, prefix: str = DEFAULT_PREFIX, *, access: EtcdAccess | None) -> None:
+    """Take from the shared ``datanode`` role its writes to every node's registration and hand-off (they
+    become reads), once every node has a user of its own: the last step of moving a cluster to per-node
+    users (docs/operations.md)."""
+    call = _auth_caller(url, access or EtcdAccess())
+    role = user_name("datanode", prefix)
+    for key, end in shared_node_writes(prefix):
+        call("/auth/role/revoke", revocation(role, key, end))
+        call("/auth/role/grant", {"name": role, "perm": permission("READ", key, end)})
 
 
 def start_manager(root: pathlib.Path, etcd: str, name: str = "m1", **opts) -> dict:

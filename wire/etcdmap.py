@@ -14,7 +14,8 @@ the thread returns, and the thread ends before the nursery does (no orphan threa
 etcd3gw has no authentication: ``AuthClient`` adds etcd's -- a token from ``/v3/auth/authenticate`` in every
 request's ``Authorization`` header, taken again when etcd says it expired -- and client TLS (``EtcdAccess``:
 the user's credentials file, a CA, a client certificate).  Each component has its own etcd user and role,
-limited to the keys it reads and writes (``permissions``; ``dnctl etcd setup-auth`` makes them).
+limited to the keys it reads and writes (``permissions``; ``dnctl etcd setup-auth`` makes them), and so does
+each datanode (``node_permissions``; ``dnctl etcd add-node``).
 
 Trust: what is written under the prefix is sealed with a MAC of the cluster secret and everything read is
 checked (wire/mapcheck.py) before anyone acts on it; ``Etcd.open`` logs, counts and drops what fails.
@@ -23,7 +24,9 @@ Keys (under ``etcd_prefix``, default ``/datanode``)
 --------------------------------------------------
 * ``nodes/<addr>``   -- a datanode's registration, attached to its **lease** (``lease_ttl_s``): address, pid,
   transport, zone, capacity/free bytes, and the partitions it holds (id -> epoch, replicas).  It disappears
-  when the node dies or cannot reach etcd for a TTL: that is how the manager learns a node is gone.
+  when the node dies or cannot reach etcd for a TTL: that is how the manager learns a node is gone (only
+  that way: ``MapCache``).  Each node's own etcd user may write this key and no other node's
+  (``node_permissions``).
 * ``parts/<id>``     -- a partition's view (``PartView``): ``replicas`` (leader first), ``epoch``, ``want``
   (its replica count), ``synced`` (replicas known to hold every acknowledged write: only these may lead),
   ``state`` (``writable`` | ``degraded`` | ``recovering`` | ``read_only``) and ``installed`` (every member
@@ -122,6 +125,7 @@ from .mapcheck import Invalid, PartView, check_change, kind_of, map_key, open_en
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "/datanode"
+SETTLE_S = 1.0    # how often the manager asks after the lease of a registration deleted while that lease lived
 CREATE_TXN_MAX = 64   # views per ``create_parts`` transaction: each is a compare and a put, under etcd's 128
 # the etcd answers that mean "authenticate again" (a simple token expires after etcd's --auth-token-ttl of
 # disuse, and every token dies with the member that issued it)
@@ -207,8 +211,8 @@ def _hint(refusal: str) -> str:
     if "permission denied" in refusal:
         return " (this etcd user's role does not allow it: see docs/security.md, the cluster map in etcd)"
     if "CommonName of client" in refusal:
-        return (" (etcd's JSON gateway takes no client certificate while its authentication is on: give only "
-                "the CA, no --etcd-cert/--etcd-key)")
+        return (" (etcd's JSON gateway refuses a client certificate that has a Common Name while its "
+                "authentication is on: use one without, as `dnctl etcd issue` makes them)")
     return ""
 
 
@@ -219,6 +223,10 @@ def _tls_hint(e: Exception) -> str:
         return " (TLS: its certificate is not trusted: give the CA that signed it, --etcd-ca / etcd_ca)"
     if "certificate required" in text or "BAD_CERTIFICATE" in text or "bad certificate" in text:
         return " (TLS: it wants a client certificate: --etcd-cert and --etcd-key / etcd_cert and etcd_key)"
+    if "EOF occurred in violation of protocol" in text or "UNEXPECTED_EOF" in text:
+        # TLS 1.3: a member that refuses the client's certificate (none, or another CA's) just hangs up
+        return (" (TLS: the member hung up: it requires a client certificate of its cluster's CA -- "
+                "--etcd-cert and --etcd-key / etcd_cert and etcd_key)")
     if "WRONG_VERSION_NUMBER" in text:
         return " (TLS: it does not speak TLS there: use http://)"
     return ""
@@ -342,6 +350,11 @@ def permission(perm: str, key: str, range_end: str) -> dict:
     return {"permType": perm, "key": _b64(key), **({"range_end": _b64(range_end)} if range_end else {})}
 
 
+def revocation(role: str, key: str, range_end: str) -> dict:
+    """``/auth/role/revoke``'s body: take from ``role`` its permission on exactly ``key`` .. ``range_end``."""
+    return {"role": role, "key": _b64(key), **({"range_end": _b64(range_end)} if range_end else {})}
+
+
 def client(url: str, access: EtcdAccess | None = None, timeout: float = 2.0):
     """An etcd3gw client for one endpoint, authenticating and speaking TLS as ``access`` says (the dnfs etcd
     metadata engine uses its key-value calls directly)."""
@@ -386,6 +399,21 @@ def permissions(prefix: str) -> dict[str, list[tuple[str, str, str]]]:
             "admin": [everything, sub("requests", "READWRITE"), sub("drain", "READWRITE")],
             "mount": [sub("parts", "READ"), sub("nodes", "READ"),
                       ("READWRITE", DNFS_PREFIX, _prefix_end(DNFS_PREFIX))]}
+
+
+def node_permissions(prefix: str, addr: str) -> list[tuple[str, str, str]]:
+    """The role of one datanode's own etcd user: everything ``datanode`` reads, and writes to its own
+    registration and hand-off request only (``nodes/<addr>``, ``handoff/<addr>``).  So one node cannot
+    overwrite or delete another's registration, nor revoke another's lease: etcd revokes a lease only for a
+    user who may write every key attached to it."""
+    root = "/" + prefix.strip("/") + "/"
+    return ([("READ", key, end) for _perm, key, end in permissions(prefix)["datanode"]]
+            + [("READWRITE", root + "nodes/" + addr, ""), ("READWRITE", root + "handoff/" + addr, "")])
+
+
+def shared_node_writes(prefix: str) -> list[tuple[str, str]]:
+    """(key, range end) of the writes the shared ``datanode`` role holds that per-node users replace."""
+    return [(key, end) for perm, key, end in permissions(prefix)["datanode"] if perm == "READWRITE"]
 
 
 class Etcd:
@@ -490,10 +518,12 @@ class Etcd:
             try:
                 out = fn(c)
             except (ex.ConnectionFailedError, ex.ConnectionTimeoutError, ex.InternalServerError,
-                    requests.RequestException, ValueError) as e:
+                    requests.RequestException, ValueError, OSError) as e:
                 # etcd3gw passes some of requests' errors through unwrapped: a member killed mid-answer
-                # ends the body early (ChunkedEncodingError) or leaves half a JSON document (ValueError)
-                errors.append(f"{c.base_url}: {type(e).__name__}{_tls_hint(e)}")
+                # ends the body early (ChunkedEncodingError) or leaves half a JSON document (ValueError);
+                # a CA or certificate file gone (replaced while rotating it) is a plain OSError, tried again
+                what = f"{type(e).__name__}: {e}" if type(e) is OSError else type(e).__name__
+                errors.append(f"{c.base_url}: {what}{_tls_hint(e)}")
                 continue
             except ex.Etcd3Exception as e:
                 raise EtcdError(f"etcd {c.base_url} refused the request: {_refusal(e)}"
@@ -510,11 +540,12 @@ class Etcd:
         return await self.call(lambda c: c.post(c.get_url(path), json=body), lease=lease)
 
     # -- kv -----------------------------------------------------------------------------------------
-    async def get_prefix(self, prefix: str) -> tuple[list[tuple[str, bytes, int]], int]:
-        """[(key, value, mod_revision)] under ``prefix`` and the store revision they were read at."""
+    async def get_prefix(self, prefix: str, *, leases: bool = False) -> tuple[list[tuple], int]:
+        """[(key, value, mod_revision)] under ``prefix`` and the store revision they were read at;
+        ``leases``: [(key, value, mod_revision, lease)] (0: attached to none)."""
         r = await self._post("/kv/range", {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix))})
-        kvs = [(_unb64(kv["key"]).decode(), _unb64(kv.get("value", "")), int(kv.get("mod_revision", 0)))
-               for kv in r.get("kvs", [])]
+        kvs = [(_unb64(kv["key"]).decode(), _unb64(kv.get("value", "")), int(kv.get("mod_revision", 0)),
+                *((int(kv.get("lease", 0)),) if leases else ())) for kv in r.get("kvs", [])]
         return kvs, int(r.get("header", {}).get("revision", 0))
 
     async def get(self, key: str) -> tuple[bytes, int] | None:
@@ -550,6 +581,11 @@ class Etcd:
 
     async def revoke(self, lease: int) -> None:
         await self._post("/kv/lease/revoke", {"ID": lease})
+
+    async def lease_ttl(self, lease: int) -> int:
+        """Seconds ``lease`` has left; -1 once it expired or was revoked."""
+        r = await self._post("/kv/lease/timetolive", {"ID": lease}, lease=True)
+        return int(r.get("TTL", -1))
 
     async def release(self, lease: "Lease", timeout: float = 1.0) -> None:
         """On a clean stop: revoke ``lease`` now (shielded, bounded), so others need not wait for its TTL."""
@@ -677,9 +713,10 @@ class Etcd:
 
     # -- watch --------------------------------------------------------------------------------------
     async def watch(self, prefix: str, send: trio.MemorySendChannel, *, start_revision: int = 0,
-                    task_status=trio.TASK_STATUS_IGNORED) -> None:
+                    leases: bool = False, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Stream changes under ``prefix`` into ``send`` as lists of (type, key, value, mod_revision) with
-        type "PUT" or "DELETE", until cancelled.  Reconnects (to any endpoint) when the stream ends,
+        type "PUT" or "DELETE" (``leases``: and the lease a PUT attached the key to, 0 for none), until
+        cancelled.  Reconnects (to any endpoint) when the stream ends,
         resuming after the last revision seen; a ``None`` item means "events may have been missed: re-read"
         (sent after every reconnect)."""
         body = {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix))}
@@ -702,7 +739,7 @@ class Etcd:
                     task_status.started()
                 else:
                     send.send_nowait(None)
-                last, refused = await self._pump_stream(resp, send, from_now=not next_rev)
+                last, refused = await self._pump_stream(resp, send, from_now=not next_rev, leases=leases)
                 if refused and c.access.user and any(w in refused for w in _AUTH_AGAIN):
                     c.forget(resp.request.headers.get("Authorization", ""))   # authenticate again, soon
                     backoff = 0.05
@@ -717,7 +754,8 @@ class Etcd:
             await trio.sleep(backoff)
             backoff = min(backoff * 2, 2.0)
 
-    async def _pump_stream(self, resp, send: trio.MemorySendChannel, from_now: bool) -> tuple[int, str]:
+    async def _pump_stream(self, resp, send: trio.MemorySendChannel, from_now: bool,
+                           leases: bool = False) -> tuple[int, str]:
         """Read one watch stream in a worker thread until it ends or we are cancelled; returns the last
         revision seen (0: none, -1: etcd cancelled the watch, e.g. its start revision was compacted; a watch
         ``from_now`` has seen the revision it was created at) and, when etcd refused the watch
@@ -745,7 +783,7 @@ class Etcd:
                         kv = ev["kv"]
                         rev = int(kv.get("mod_revision", 0))
                         batch.append((ev.get("type", "PUT"), _unb64(kv["key"]).decode(),
-                                      _unb64(kv.get("value", "")), rev))
+                                      _unb64(kv.get("value", "")), rev, *((int(kv.get("lease", 0)),) if leases else ())))
                         last[0] = max(last[0], rev)
                     if res.get("canceled") and not res.get("compact_revision") and res.get("cancel_reason"):
                         refused[0] = str(res["cancel_reason"])
@@ -785,7 +823,15 @@ class MapCache:
     Entries of the sealed subtrees (nodes, partitions, requests, drain marks) are checked as they arrive
     (``Etcd.open``; a view also against the one it replaces, ``Etcd.follows``, with the registered nodes).  An
     invalid value is ignored: the key keeps its last valid content, and ``bad`` notes the invalid value's
-    revision (the manager writes the valid view back over it: ``invalid_parts``)."""
+    revision (the manager writes the valid view back over it: ``invalid_parts``).
+
+    A registration is the node's only while it is attached to a lease, and it ends only with that lease:
+    etcd deletes the key when the lease expires or the node revokes it (a clean stop), and no other node may
+    revoke it (etcd revokes a lease only for a user allowed to write every key attached to it: the node's own,
+    or etcd's root role).  So a
+    registration put without a lease is ignored, and one that is deleted, or overwritten by a value that
+    must be ignored, is kept until etcd says its lease is gone (``_settle``): whoever deleted it could not
+    end the node's lease, so the deletion says nothing about the node."""
 
     def __init__(self, etcd: Etcd, resync_s: float = 30.0):
         self.etcd = etcd
@@ -794,6 +840,9 @@ class MapCache:
         self.ok: dict[str, object] = {}               # sealed key -> its last valid content (PartView / dict)
         self.bad: dict[str, int] = {}                 # sealed key -> revision of the invalid value it holds
         self.gone: dict[str, int] = {}                # deleted key -> revision of its deletion
+        self.lease: dict[str, int] = {}               # registration key -> the lease its valid value is under
+        self.unsure: dict[str, int] = {}              # registration kept though its key changed -> that lease
+        self._unsure_ev = trio.Event()
         self.rev = 0
         self.seq = 0
         self.reads = 0
@@ -817,15 +866,17 @@ class MapCache:
         task_status.started()
         send, recv = open_channel()
         async with trio.open_nursery() as n:
-            n.start_soon(functools.partial(self.etcd.watch, self.root, send, start_revision=self.rev + 1))
+            n.start_soon(functools.partial(self.etcd.watch, self.root, send, start_revision=self.rev + 1,
+                                           leases=True))
             n.start_soon(self._resync_loop)
+            n.start_soon(self._settle_loop)
             async for batch in recv:
                 if batch is None:
                     await self._try_reload()
                     continue
                 changed = False
-                for typ, key, value, rev in batch:
-                    changed |= self._apply(key, value if typ == "PUT" else None, rev)
+                for typ, key, value, rev, lease in batch:
+                    changed |= self._apply(key, value if typ == "PUT" else None, rev, lease)
                 if changed:
                     self._notify()
 
@@ -841,13 +892,13 @@ class MapCache:
             log.debug("map cache re-read: %s", e)
 
     async def reload(self) -> None:
-        kvs, rev = await self.etcd.get_prefix(self.root)
+        kvs, rev = await self.etcd.get_prefix(self.root, leases=True)
         self.reads += 1
         changed = False
         seen = set()
-        for key, value, mod in kvs:
+        for key, value, mod, lease in kvs:
             seen.add(key)
-            changed |= self._apply(key, value, mod)
+            changed |= self._apply(key, value, mod, lease)
         for key, (_v, mod) in list(self.kv.items()):
             if key not in seen and mod <= rev:      # gone at the read's revision (not re-created after it)
                 changed |= self._apply(key, None, rev)
@@ -855,7 +906,7 @@ class MapCache:
         if changed:
             self._notify()
 
-    def _apply(self, key: str, value: bytes | None, rev: int) -> bool:
+    def _apply(self, key: str, value: bytes | None, rev: int, lease: int = 0) -> bool:
         cur = self.kv.get(key)
         if (cur is not None and rev <= cur[1]) or rev <= self.gone.get(key, 0):
             return False
@@ -863,28 +914,82 @@ class MapCache:
             if cur is None:
                 return False
             del self.kv[key]
-            self.ok.pop(key, None)
             self.bad.pop(key, None)
             self.gone[key] = rev
+            if not self._keep_registration(key):
+                self.ok.pop(key, None)
         else:
             self.kv[key] = (value, rev)
             self.gone.pop(key, None)
             if kind_of(self.etcd.prefix, key) is not None:
-                self._check(key, value, rev)
+                self._check(key, value, rev, lease)
         self.rev = max(self.rev, rev)
         return True
 
-    def _check(self, key: str, value: bytes, rev: int) -> None:
+    def _check(self, key: str, value: bytes, rev: int, lease: int = 0) -> None:
         got = self.etcd.open(key, value, rev)
         old = self.ok.get(key)
         if isinstance(got, PartView) and isinstance(old, PartView) and not self.etcd.follows(
                 old.epoch, old.replicas, got, set(self.nodes())):
             got = None
+        if got is not None and not lease and key.startswith(self.etcd.nodes_prefix):
+            self.etcd.reject(key, Invalid("unleased", "a registration attached to no lease (a node's ends with "
+                                                      "its lease)"))
+            got = None
         if got is None:
             self.bad[key] = rev
+            self._keep_registration(key)
         else:
             self.ok[key] = got
             self.bad.pop(key, None)
+            if key.startswith(self.etcd.nodes_prefix):
+                self.lease[key] = lease
+                self.unsure.pop(key, None)
+
+    def _keep_registration(self, key: str) -> bool:
+        """A valid registration's key was deleted or overwritten by a value to ignore: keep the registration
+        until etcd says its lease is gone (``_settle``).  False for any other key."""
+        lease = self.lease.get(key) if key in self.ok else None
+        if not lease:
+            self.lease.pop(key, None)
+            return False
+        self.unsure[key] = lease
+        self._unsure_ev.set()
+        return True
+
+    async def _settle_loop(self) -> None:
+        """Ask etcd about the leases of registrations kept though their key changed (``unsure``): one
+        request per such registration and second, none while there is none."""
+        while True:
+            if not self.unsure:
+                await self._unsure_ev.wait()
+            self._unsure_ev = trio.Event()
+            await self._settle()
+            if self.unsure:                  # ask again in a second, or at once when another one comes
+                with trio.move_on_after(SETTLE_S):
+                    await self._unsure_ev.wait()
+
+    async def _settle(self) -> None:
+        changed = False
+        for key, lease in list(self.unsure.items()):
+            try:
+                ttl = await self.etcd.lease_ttl(lease)
+            except EtcdError as e:
+                log.debug("lease %x of %s: %s", lease, key, e)
+                continue
+            if self.unsure.get(key) != lease:
+                continue                               # re-registered meanwhile
+            if ttl <= 0:
+                del self.unsure[key]
+                self.lease.pop(key, None)
+                if key not in self.kv or key in self.bad:
+                    self.ok.pop(key, None)             # the node's lease ended: so has its registration
+                    changed = True
+            else:
+                self.etcd._log_limited(key, "unattributed", f"changed while the node's lease {lease:x} lives: "
+                                       f"not the node's doing (a registration ends with its lease); kept")
+        if changed:
+            self._notify()
 
     def _notify(self) -> None:
         self.seq += 1

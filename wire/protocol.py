@@ -48,11 +48,14 @@ MAGIC = 0xDA7A
 # The protocol versions this build speaks, oldest to newest.  Each connection uses the highest both ends speak
 # (the hello carries each end's range); every header on it carries that number.  What may change within a
 # version and what needs a new one: docs/architecture.md, "Versions and skew".
-VERSION = 9      # 2: BAD_REQUEST split into one result code per condition; 3: authenticated hello, roles;
+VERSION = 10     # 2: BAD_REQUEST split into one result code per condition; 3: authenticated hello, roles;
                  # 4: small WRITE payloads inline (Flag.INLINE); 5: the hello carries a version range and
                  # extensions; 6: NODE_DRAIN; 7: volumes (PARTITION_CREATE's "volume", BAD_BODY bad_volume);
-                 # 8: NODE_HEALTH, MAP_READ; 9: PARTITION_UPDATE_MANY
+                 # 8: NODE_HEALTH, MAP_READ; 9: authenticated sessions (the hello names the node dialed and
+                 # exchanges key shares; every control message carries a MAC: wire/session.py);
+                 # 10: PARTITION_UPDATE_MANY
 MIN_VERSION = 5  # 4 and older send one version and accept only their own: no range to meet them in
+SESSIONS_SINCE = 9  # an authenticated connection of this version or newer is a session (wire/auth.py)
 HEADER_SIZE = 88
 MAX_EXTENT = 128 << 20         # an extent is append-only, up to this size
 MAX_PAYLOAD = 64 << 20          # no single request moves more than this
@@ -152,6 +155,8 @@ class Result(enum.IntEnum):
                                 #   (it would leave no copy that does); arg = the receiver's epoch
     CONFIRM = 0xEB              # a destructive request needs its confirmation: send it again with this token
                                 #   (arg; valid for a short while, for what was asked then, from this peer)
+    PAYLOAD_TIMEOUT = 0xEC      # the request's payload (the node's one-sided READ of the sender's buffer) was
+                                #   not served within payload_timeout: the request failed, the connection is closed
 
 
 # Why an admin request's JSON body was refused; a BAD_BODY result carries the index in ``arg``.
@@ -199,7 +204,7 @@ OP_ROLES: dict[Op, frozenset] = {
 assert set(OP_ROLES) == set(Op), "every opcode declares its roles"
 # opcodes newer than MIN_VERSION, with the version that brought them: sent only on connections of that
 # version or newer (an older peer refuses them as unknown)
-OP_SINCE: dict[Op, int] = {Op.NODE_DRAIN: 6, Op.NODE_HEALTH: 8, Op.MAP_READ: 8, Op.PARTITION_UPDATE_MANY: 9}
+OP_SINCE: dict[Op, int] = {Op.NODE_DRAIN: 6, Op.NODE_HEALTH: 8, Op.MAP_READ: 8, Op.PARTITION_UPDATE_MANY: 10}
 # a PARTITION_CREATE naming a volume goes only to nodes of this version or newer: an older one would drop the
 # key and make a copy in no volume (client/admin.py refuses instead).  A client's hello naming a volume needs
 # such a node too -- an older one drops that hello, which names no HOST:PORT -- but it is sent before any
@@ -255,6 +260,8 @@ DEFAULT_RESULT_TEXT = {
     Result.LAST_COPY: "refused: the new view's leader is not known to hold every acknowledged byte "
                       "(it would leave no copy that does)",
     Result.CONFIRM: "needs confirmation: send the request again with the token the node gave",
+    Result.PAYLOAD_TIMEOUT: "the node's read of this request's payload was not served in time (payload_timeout): "
+                            "the request failed and the connection was closed",
 }
 # What a response's ``arg`` means, per result (for the human sentence).
 _ARG_TEXT = {
@@ -645,10 +652,19 @@ HELLO_STATUS = ["ok", "authentication required: this node needs a cluster secret
                 "this node requires TLS (give the client a CA: tls_ca, $DATANODE_TLS_CA, dnctl --tls-ca)",
                 "no protocol version in common",
                 "this node has no secret and takes peers on its own host only (give it one: secret_file; or "
-                "insecure = true)"]
+                "insecure = true)",
+                "this node is not the one dialed (a relayed hello, or a wrong address)",
+                "the hello lacks a session key share",
+                "the hello was altered on the way (a downgrade to a protocol without sessions)"]
 STATUS_VERSION = 7                # the refusal's hello carries the refusing side's range
-# Extension tag -> the Hello field it carries (a UTF-8 string of at most 255 bytes).  Tags are never reused.
-HELLO_EXTENSIONS = {1: "software"}
+STATUS_NOT_DIALED = 9             # the refusal's hello carries the refusing node's identity
+STATUS_NO_SHARE = 10
+STATUS_DOWNGRADE = 11
+# Extension tag -> the Hello field it carries (at most 255 bytes: a UTF-8 string, or raw bytes for the tags in
+# HELLO_BINARY).  Tags are never reused.  2: the node the caller dialed (its HOST:PORT identity, bound into the
+# proofs); 3: the sender's X25519 key share (wire/auth.py).
+HELLO_EXTENSIONS = {1: "software", 2: "server", 3: "kx"}
+HELLO_BINARY = frozenset({3})
 
 
 class Transport(enum.IntEnum):
@@ -675,6 +691,8 @@ class Hello:
     ident_len: int = 0
     ext_len: int = 0
     software: str = ""            # extension 1: the sender's build ("datanode 0.1.0"), for operators
+    server: str = ""              # extension 2: the node the caller dialed (HOST:PORT)
+    kx: bytes = b""               # extension 3: the sender's session key share
 
     def encode(self) -> bytes:
         ident = self.identity.encode()
@@ -682,7 +700,8 @@ class Hello:
             raise ProtocolError("field_range", "identity longer than 255 bytes")
         ext = bytearray()
         for tag, name in HELLO_EXTENSIONS.items():
-            value = getattr(self, name).encode()
+            value = getattr(self, name)
+            value = value if tag in HELLO_BINARY else value.encode()
             if len(value) > 255:
                 raise ProtocolError("field_range", f"hello extension {name!r} longer than 255 bytes")
             if value:
@@ -747,8 +766,9 @@ def decode_extensions(hello: Hello, raw: bytes) -> None:
             if tag in seen:
                 raise ProtocolError("field_range", f"hello extension {name!r} given twice")
             seen.add(tag)
+            value = bytes(raw[i + 2:i + 2 + n])
             try:
-                setattr(hello, name, bytes(raw[i + 2:i + 2 + n]).decode())
+                setattr(hello, name, value if tag in HELLO_BINARY else value.decode())
             except UnicodeDecodeError:
                 raise ProtocolError("field_range", f"hello extension {name!r} is not UTF-8") from None
         i += 2 + n
@@ -804,6 +824,26 @@ class AuthVerdict:
         if len(raw) != AuthVerdict.SIZE or raw[:4] != b"DNOK":
             raise ProtocolError("bad_magic", "not an authentication verdict")
         return raw[4]
+
+
+class NodeProof:
+    """Server -> client after an accepting ``AuthVerdict``, on a session only: ``"DNNP" | node certificate 96 |
+    signature 64`` -- the node's key signed by the node CA, and its signature of the transcript (wire/auth.py).
+    Sent once the caller has proven its key: a caller without one costs the node no signature."""
+    MAGIC = b"DNNP"
+    SIZE = 4 + 96 + 64
+
+    @staticmethod
+    def encode(cert: bytes, sig: bytes) -> bytes:
+        if len(cert) != 96 or len(sig) != 64:
+            raise ProtocolError("field_range", "a node proof is a 96-byte certificate and a 64-byte signature")
+        return NodeProof.MAGIC + cert + sig
+
+    @staticmethod
+    def decode(raw: bytes) -> tuple[bytes, bytes]:
+        if len(raw) != NodeProof.SIZE or raw[:4] != NodeProof.MAGIC:
+            raise ProtocolError("bad_magic", "not a node proof")
+        return bytes(raw[4:100]), bytes(raw[100:])
 
 
 @dataclasses.dataclass(slots=True)

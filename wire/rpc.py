@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 
 import trio
 
@@ -336,6 +337,27 @@ class Pending(Call):
         return resp
 
 
+class Redial:
+    """The pauses between dials of a hello the node did not admit: exponential from ``FIRST`` up to ``CAP``
+    seconds, each drawn between half and all of it (jitter: callers turned away together do not come back
+    together)."""
+    FIRST = 0.02
+    CAP = 1.0
+    LEAST = 0.25        # no dial with less time left than this: it could only time out
+
+    def __init__(self, rand=random.random) -> None:
+        self.rand = rand
+        self.tries = 1
+        self._step = self.FIRST
+
+    def next(self) -> float:
+        """The pause before the next dial."""
+        pause = self._step * (0.5 + self.rand() / 2)
+        self._step = min(self.CAP, self._step * 2)
+        self.tries += 1
+        return pause
+
+
 class Links:
     """Lazily dialed, reused request channels to other nodes, each living in ``nursery`` until it dies.
 
@@ -379,7 +401,7 @@ class Links:
                                      f"{clock.quiet_until - trio.current_time():.1f}s")
                 host, _, port = addr.rpartition(":")
                 try:
-                    req = await self._nursery.start(self._run, host, int(port), clock)
+                    req = await self._dial(host, int(port), clock, trio.current_time() + self._timeout)
                 except TransportError as e:
                     self._failed[addr] = (trio.current_time(), e)
                     clock.dial_failed(trio.current_time())
@@ -388,11 +410,30 @@ class Links:
                 self._links[addr] = req
             return req
 
-    async def _run(self, host: str, port: int, clock: PeerClock, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def _dial(self, host: str, port: int, clock: PeerClock, deadline: float) -> Requester:
+        """A running link to ``host:port``, dialed again -- after a backoff with jitter (``Redial``) -- while
+        the node closes the hello before it completes or says "too many connections" (``NotAdmitted``: its
+        pre-auth budget under a flood, nothing about our credentials), until ``deadline``.  Any other failure
+        (a refused connection, an authentication refusal) is raised at once."""
+        from .transport.connect import NotAdmitted
+        redial = Redial()
+        while True:
+            try:
+                return await self._nursery.start(self._run, host, port, clock,
+                                                 max(0.0, deadline - trio.current_time()))
+            except NotAdmitted as e:
+                pause = redial.next()
+                if trio.current_time() + pause + Redial.LEAST >= deadline:
+                    raise NotAdmitted(f"{e} (dialed {redial.tries} times)") from None
+                log.debug("%s:%s: %s; dialing again in %.2fs", host, port, e, pause)
+                await trio.sleep(pause)
+
+    async def _run(self, host: str, port: int, clock: PeerClock, timeout: float,
+                   task_status=trio.TASK_STATUS_IGNORED) -> None:
         from .transport.connect import dial
         started = False
         # a peer given up on for silence may still take connections (its kernel does) and never say hello
-        timeout = min(self._timeout, clock.limit(backoff=False)) if clock.suspect else self._timeout
+        timeout = min(timeout, clock.limit(backoff=False)) if clock.suspect else timeout
 
         def _started(value):
             nonlocal started

@@ -24,11 +24,8 @@ import trio
 from client.fs.engines import open_meta
 from client.fs.meta import MetaBusy
 from client.fs.writeback import BUDGET, CHUNK, WRITE_RETRY_S
-try:
-    from client.fs.mount import (REQUEST_TIMEOUT_S, MountError, check_mountpoint, fuse_conf, login_error,
-                                 mount_options, mount_pid, serve, unmount)
-except ImportError as e:        # pyfuse3 loads libfuse3: name the package, not a traceback
-    sys.exit(f"dnfs: {e}: install FUSE 3 (Debian/Ubuntu: apt install fuse3)")
+from client.fs.mount import (REQUEST_TIMEOUT_S, MountError, check_mountpoint, fuse_conf, login_error,
+                             mount_options, mount_pid, serve, unmount)
 from wire import aio, sdnotify
 from wire.etcdmap import ACCESS_OPTIONS, EtcdAccess
 
@@ -85,6 +82,11 @@ def _cluster(cluster_dir: str | None, node: tuple[str, ...], etcd: str | None = 
             etcd = etcd or own.get("url")
             if own.get("auth") and access is not None and not access.get("credentials"):
                 access["credentials"] = str(pathlib.Path(own["auth"]) / "mount")
+            if own.get("pki") and access is not None and not (access.get("cert") or access.get("key")):
+                # its etcd requires a client certificate: the mount's, and the cluster's CA
+                pki = pathlib.Path(own["pki"])
+                access.update(cert=str(pki / "mount.pem"), key=str(pki / "mount.key"),
+                              ca=access.get("ca") or str(pki / "ca.pem"))
         except (KeyError, TypeError) as e:
             raise click.ClickException(f"{cluster_dir}/cluster.json is unreadable: {e}") from None
     if not addrs and not etcd:
@@ -211,14 +213,18 @@ def with_cluster(fn):
               help="Whether users other than the one mounting may use the mount (the kernel checks each access "
                    "against the files' modes and ACLs either way).  Default: yes when root mounts, no when an "
                    "ordinary user does (--allow-other then needs 'user_allow_other' in /etc/fuse.conf).")
+@click.option("--kernel-cache", is_flag=True,
+              help="Let the kernel keep written pages and send them later, in larger writes (FUSE's write-back "
+                   "cache).  Experimental: not every POSIX and failure guarantee of the mount has been checked "
+                   "with it.")
 @click.option("--foreground", "-f", is_flag=True, help="Stay in the foreground (logs to stderr).")
 @click.option("--log", "log_path", type=click.Path(dir_okay=False),
               help="Log file of the background mount (default: META_PATH.log).")
 @click.option("--debug", is_flag=True, help="Log every request.")
 @click.option("--json", "as_json", is_flag=True)
 def mount_cmd(cluster_dir, node, etcd, meta, secret_file, tls_ca, mountpoint, partition, buffer_mib, chunk_mib,
-              timeout, write_retry, writeback, inline_kib, allow_other, foreground, log_path, debug, as_json,
-              **access):
+              timeout, write_retry, writeback, inline_kib, allow_other, kernel_cache, foreground, log_path, debug,
+              as_json, **access):
     """Mount the cluster at MOUNTPOINT.  Returns once the mount is up (the filesystem runs in a background
     process; `dnfs umount MOUNTPOINT` stops it).
 
@@ -246,7 +252,7 @@ def mount_cmd(cluster_dir, node, etcd, meta, secret_file, tls_ca, mountpoint, pa
         _run(serve, mountpoint, addrs, url, partitions=list(partition) or None, budget=buffer_mib << 20,
              chunk=chunk_mib << 20, timeout=timeout, write_retry_s=write_retry, etcd=etcd, writeback=writeback,
              inline_max=None if inline_kib is None else inline_kib << 10, login=login, allow_other=allow_other,
-             ready=lambda: sdnotify.ready(f"mounted {mountpoint}"))
+             writeback_cache=kernel_cache, ready=lambda: sdnotify.ready(f"mounted {mountpoint}"))
         return
     if not log_path:
         log_path = (url.partition(":")[2] + ".log" if url.startswith("sqlite:") else
@@ -272,6 +278,8 @@ def mount_cmd(cluster_dir, node, etcd, meta, secret_file, tls_ca, mountpoint, pa
         args.append("--debug")
     if writeback:
         args.append("--writeback")
+    if kernel_cache:
+        args.append("--kernel-cache")
     if inline_kib is not None:
         args += ["--inline-kib", str(inline_kib)]
     if allow_other is not None:
@@ -382,9 +390,11 @@ def stats_cmd(mountpoint, timeout, as_json):
         click.echo(f"{'request':12} {'count':>10} {'failed':>8} {'ms avg':>8}")
         for k, r in sorted(reqs.items(), key=lambda kv: -kv[1]["seconds"]):
             click.echo(f"{k:12} {r['count']:10d} {r['failed']:8d} {1e3 * r['seconds'] / max(1, r['count']):8.3f}")
-    if st.get("fuse_reads"):
-        fr = st["fuse_reads"]
-        click.echo(f"FUSE requests read at once (one was waiting): {fr['at_once']}, waited for: {fr['waited']}")
+    if st.get("fuse"):
+        fu = st["fuse"]
+        click.echo(f"FUSE: {fu['requests']} requests ({fu['after_reply']} read right after an answer, the rest in "
+                   f"{fu['wakeups']} wakeups), {fu['inline']} answered inline, {fu['interrupted']} interrupted, "
+                   f"{fu['malformed']} not understood")
     if st["meta"]:
         click.echo("metadata: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in st["meta"].items()))
 

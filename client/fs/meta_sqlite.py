@@ -10,10 +10,15 @@ took longer than 5 ms (a WAL checkpoint, a slow disk) sends the transactions of 
 a while in proportion to its length, so slow ones stall the loop at most 5% of the time (``aio.InlinePause``).
 A transaction in the loop then lets the other tasks run only if a millisecond has passed since it last did so
 (``InlinePause.yield_due``): a FUSE request's transaction costs no scheduler pass of its own (a visible share
-of the mount's CPU per call), and a run of many still lets the others in.  The WAL's fsync (``sync``, a durable
-commit's) runs in the worker thread -- but a durable commit (an fsync's) or a ``sync`` with nothing else in
-flight in the mount (``quiet``) runs right in the loop: nobody waits behind it, and the two hand-overs would
-cost more than the loop's pause (the same pause rule applies).
+of the mount's CPU per call), and a run of many still lets the others in.
+
+Durability is a group commit, as the datanodes do theirs: a durable commit (an fsync's) or a ``sync`` waits
+until a WAL fsync that started after its commit has ended.  One WAL fsync is out at a time, in a thread of its
+own -- not the connection's, so the other files' transactions go on meanwhile -- and every fsync that arrives
+while it is out waits for the next one, which then covers them all: eight concurrent fsyncs cost two or three
+WAL fsyncs, not eight in a row.  With nothing else in flight in the mount (``quiet``) the WAL fsync runs right
+in the loop: nobody waits behind it, and the two hand-overs would cost more than the loop's pause (the same
+pause rule applies).
 
 Open-file sessions: the lock makes this mount the only one, so the inodes it has open are kept in its
 memory; they end with the process (which also releases the lock), and the next mount removes the inodes
@@ -35,7 +40,7 @@ from collections import Counter
 import trio
 
 from client.fs.meta import DIRENT, ROOT, Attr, Meta, MetaBusy, MetaError, MetaTx, Slice
-from wire.aio import InlinePause
+from wire.aio import InlinePause, Workers
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +189,16 @@ class SqliteMeta(Meta):
             self.db.execute(f"INSERT INTO inodes ({COLS}, target) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                             (ROOT, stat.S_IFDIR | 0o755, 2, os.getuid(), os.getgid(), 0, 2 * DIRENT, now, now, now,
                              b""))
-        self._limiter = trio.CapacityLimiter(1)
+        self._limiter = trio.CapacityLimiter(1)          # the connection: one SQLite call at a time
+        self._syncer = Workers(most=1, name="meta-wal-sync")   # the WAL fsync's own thread (a lean hand-over)
+        self._seq = 0                 # commits made (counted once COMMIT has returned)
+        self._synced = 0              # of those, the ones a finished WAL fsync covers
+        self._sync_out: trio.Event | None = None          # set when the WAL fsync out ends
+        # A failed WAL fsync may have dropped dirty pages the kernel then calls clean: a later fsync would
+        # "succeed" without them.  So one failure fails every durable commit after it (remount to recover).
+        self._wal_failed: OSError | None = None
+        self.wal_syncs = 0            # WAL fsyncs done ...
+        self.durable_waits = 0        # ... for this many durable commits and syncs (group commit: fewer)
         self.inline = InlinePause()   # when a transaction may run right in the event loop
         self.inline_txs = 0           # transactions run in the event loop ...
         self.thread_txs = 0           # ... and in the worker thread
@@ -205,13 +219,52 @@ class SqliteMeta(Meta):
         return await self._call(functools.partial(self._tx, fn, *args), True)
 
     async def _run_durable(self, fn, *args):
-        """The transaction and the WAL's fsync in one step (an fsync's commit: one hand-over less than
-        ``_run`` then ``sync``; none when the mount is quiet)."""
-        def go():
-            out = self._tx(lambda db: fn(SqliteTx(db, self), *args))
-            self._fsync_wal()
-            return out
-        return await self._call(go, self.quiet is not None and self.quiet())
+        """The transaction, then a WAL fsync that covers it -- shared with the other durable commits and
+        syncs waiting meanwhile (the module docstring).  Alone in the mount (``quiet``, no WAL fsync out), both
+        in one step: right here when the connection is free, no pass of the loop between them."""
+        self._check_wal()
+        if self._sync_out is None and self.quiet is not None and self.quiet():
+            def both():
+                out = self._tx(lambda db: fn(SqliteTx(db, self), *args))
+                upto = self._seq
+                self._fsync_wal()
+                self.wal_syncs += 1
+                self.durable_waits += 1
+                self._synced = max(self._synced, upto)
+                return out
+            return await self._call(both, True)
+        out = await self._run(fn, *args)
+        await self._durable()
+        return out
+
+    async def _durable(self) -> None:
+        """Return once every commit made so far is durable: wait for a WAL fsync that started after them,
+        starting one if none is out (the waiters of the fsync out when we came start the next one together)."""
+        want = self._seq
+        self.durable_waits += 1
+        while self._synced < want:
+            self._check_wal()
+            if self._sync_out is not None:
+                await self._sync_out.wait()             # it may have started before our commit: look again
+                continue
+            done = self._sync_out = trio.Event()
+            upto = self._seq                            # every commit counted so far is in the WAL file
+            try:
+                t0 = time.monotonic()
+                if self.quiet is not None and self.quiet() and self.inline.allowed(t0):
+                    self.inline_txs += 1
+                    try:
+                        self._fsync_wal()               # nobody waits behind it: no hand-over
+                    finally:
+                        self.inline.took(t0)
+                else:
+                    self.thread_txs += 1
+                    await self._syncer.run_sync(self._fsync_wal)
+                self.wal_syncs += 1
+                self._synced = max(self._synced, upto)
+            finally:
+                self._sync_out = None
+                done.set()
 
     async def _call(self, job, inline: bool):
         """``job()`` on the connection: right here if ``inline`` and the connection is free and no slow call
@@ -244,6 +297,7 @@ class SqliteMeta(Meta):
             raise
         db.execute("COMMIT")
         self._commits += 1
+        self._seq += 1
         return out
 
     def _checkpoint(self) -> None:
@@ -259,7 +313,8 @@ class SqliteMeta(Meta):
 
     def stats(self) -> dict:
         return {"engine": "sqlite", "transactions_in_loop": self.inline_txs,
-                "transactions_in_thread": self.thread_txs, "checkpoints": self.checkpoints}
+                "transactions_in_thread": self.thread_txs, "checkpoints": self.checkpoints,
+                "wal_syncs": self.wal_syncs, "durable_waits": self.durable_waits}
 
     async def close(self) -> None:
         def shut():
@@ -271,16 +326,27 @@ class SqliteMeta(Meta):
     async def sync(self) -> None:
         """Make every commit so far durable: fsync the WAL, which holds them (what ``synchronous=FULL`` does
         at each commit).  A checkpoint would also copy the pages into the database file and fsync that too
-        -- twice the syncs for the same guarantee; SQLite checkpoints by itself as the WAL grows."""
-        await self._call(self._fsync_wal, self.quiet is not None and self.quiet())
+        -- twice the syncs for the same guarantee; SQLite checkpoints by itself as the WAL grows.  Shared with
+        the other syncs and durable commits waiting meanwhile (``_durable``)."""
+        await self._durable()
+
+    def _check_wal(self) -> None:
+        if self._wal_failed is not None:
+            raise OSError(errno.EIO, f"metadata WAL of {self.path} failed to sync earlier "
+                                     f"({self._wal_failed.strerror}): remount") from self._wal_failed
 
     def _fsync_wal(self) -> None:
+        self._check_wal()
         try:
             fd = os.open(self.path + "-wal", os.O_RDONLY)
         except FileNotFoundError:       # no WAL: every commit is in the database file (closed cleanly)
             fd = os.open(self.path, os.O_RDONLY)
         try:
             os.fdatasync(fd)            # what SQLite itself does: the bytes and the length that reads them
+        except OSError as e:
+            self._wal_failed = e
+            log.error("metadata WAL fsync of %s failed: %s; durable commits fail until remount", self.path, e)
+            raise
         finally:
             os.close(fd)
 

@@ -19,11 +19,11 @@ import signal
 import subprocess
 import time
 
-import pyfuse3
 import trio
 
-from client.fs import control, fuseloop
+from client.fs import control
 from client.fs.fs import DnFS
+from client.fs.fuse_session import Session, SessionError
 from client.fs.engines import open_meta
 from client.fs.meta import Meta
 from client.fs.writeback import BUDGET, CHUNK, WRITE_RETRY_S
@@ -142,7 +142,7 @@ async def serve(mountpoint: str, nodes: list[str], meta_url: str, *, partitions:
                 budget: int = BUDGET, chunk: int = CHUNK, timeout: float = REQUEST_TIMEOUT_S,
                 write_retry_s: float = WRITE_RETRY_S, etcd: str | None = None, writeback: bool = False,
                 inline_max: int | None = None, ready=None, login: dict | None = None,
-                allow_other: bool | None = None) -> None:
+                allow_other: bool | None = None, writeback_cache: bool = False) -> None:
     """Mount and serve until unmounted.  ``etcd``: the cluster's etcd (the partition map is read from it and
     followed, so a shrunk replica set or a new leader is known within a watch round-trip).  ``login``: the
     DataClient's credentials (``secret``, ``tls_ca``).  ``allow_other``: see :func:`mount_options`.
@@ -172,26 +172,27 @@ async def serve(mountpoint: str, nodes: list[str], meta_url: str, *, partitions:
                 fs = DnFS(meta, dc, pids, n, budget=budget, chunk=chunk, write_retry_s=write_retry_s,
                           writeback=writeback)
                 await fs.startup()
-                reads = fuseloop.install()
+                session = Session(fs, mountpoint, opts, writeback_cache=writeback_cache)
                 try:
-                    pyfuse3.init(fs, mountpoint, opts)
-                except RuntimeError as e:
+                    session.mount()
+                except SessionError as e:
                     raise MountError(f"cannot mount {mountpoint}: {e}") from None
+                fs.invalidate = session.invalidate_inode
                 log.info("mounted %s (meta %s, partitions %s)", mountpoint, meta_url, pids)
                 n.start_soon(fs.reclaimer.run)
                 n.start_soon(meta.keep_session)
                 n.start_soon(fs.run_sweeper)
-                n.start_soon(_signals)
+                n.start_soon(_signals, session)
 
                 async def stats():
-                    return {**fs.stats(), "fuse_reads": reads.stats() if reads is not None else None}
+                    return {**fs.stats(), "fuse": session.stats()}
                 await n.start(control.serve, {"stats": stats, "sync": fs.sync_all})
                 if ready is not None:
                     ready()
                 try:
-                    await pyfuse3.main()
+                    await session.run()
                 finally:
-                    pyfuse3.close(unmount=True)
+                    session.close(unmount=True)
                     with trio.CancelScope(shield=True):
                         with trio.move_on_after(timeout):
                             await fs.flush_all()
@@ -209,11 +210,11 @@ async def serve(mountpoint: str, nodes: list[str], meta_url: str, *, partitions:
             await meta.close()
 
 
-async def _signals() -> None:
+async def _signals(session: Session) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
         async for sig in sigs:
             log.info("signal %d: unmounting", sig)
-            pyfuse3.terminate()
+            session.terminate()
             return
 
 

@@ -3,8 +3,9 @@
 The datanode is append-only and frees space a whole extent at a time (``MARK_DELETE``).  An extent goes
 into the metadata's deletion queue whenever a slice into it is dropped or trimmed (overwrite, truncate,
 unlink).  The reclaimer deletes it on the datanodes only if, at that moment, no slice references it and no
-write can be about to commit one: flushes hold the :class:`DataLock` shared, the reclaimer exclusive.  An
-extent still referenced just leaves the queue (it comes back when its next slice goes).
+write can be about to commit one: flushes hold the :class:`DataLock` shared, the reclaimer exclusive while it
+checks -- not while it deletes (``Reclaimer._pass``).  An extent still referenced just leaves the queue (it
+comes back when its next slice goes).
 """
 from __future__ import annotations
 
@@ -94,22 +95,32 @@ class Reclaimer:
                 return total
 
     async def _pass(self, batch) -> int:
-        deleted = 0
+        """Release what ``batch`` holds that no slice references.  Under the lock (exclusive) each extent is
+        checked and, if nothing references it, the SDK is told never to append to it again; the deletions on
+        the datanodes then run with the lock let go, so no file's flush waits for those round trips.  Nothing
+        can reference such an extent meanwhile: only a flush adds a slice into a new place -- an extent it
+        appended to -- and none appends to it any more."""
+        unreferenced = []
         await self.lock.acquire_exclusive()
         try:
             for pid, extent in batch:
-                if not await self.meta.referenced(pid, extent):
+                if await self.meta.referenced(pid, extent):
+                    await self.meta.dequeue(pid, extent)        # back in the queue when its next slice goes
+                else:
                     self.dc.forget_extent(pid, extent)
-                    try:
-                        await self.dc.delete_extent(pid, extent)
-                        deleted += 1
-                        log.info("extent %d/%d released (no slice references it)", pid, extent)
-                    except ClientError as e:
-                        if e.result != Result.NOT_FOUND:
-                            log.warning("delete extent %d/%d: %s (kept in the queue)", pid, extent, e)
-                            continue
-                await self.meta.dequeue(pid, extent)
+                    unreferenced.append((pid, extent))
         finally:
             await self.lock.release_exclusive()
+        deleted = 0
+        for pid, extent in unreferenced:
+            try:
+                await self.dc.delete_extent(pid, extent)
+                deleted += 1
+                log.info("extent %d/%d released (no slice references it)", pid, extent)
+            except ClientError as e:
+                if e.result != Result.NOT_FOUND:
+                    log.warning("delete extent %d/%d: %s (kept in the queue)", pid, extent, e)
+                    continue
+            await self.meta.dequeue(pid, extent)
         self.deleted += deleted
         return deleted

@@ -8,8 +8,10 @@ proved (``None``: a node without a secret, which proves nothing).
   refused before it sends a byte.
 * **Pending connections** have their own small budget, so connections that never say hello cannot take the
   slots of anyone who does (a pending one also ends at ``hello_timeout``): at most ``preauth_per_host`` from
-  one address (a new one takes the place of that address's oldest: connections that never finish their
-  hello cannot keep a peer of the same address out), and ``preauth_max`` in all.  From ``preauth_early_drop`` pending
+  one address (a new one takes the place of that address's oldest -- the oldest that has not yet sent its
+  whole hello, where there is one: connections that never finish their hello cannot keep a peer of the same
+  address out, and a flood of them does not close the hello of a peer that is already proving itself), and
+  ``preauth_max`` in all.  From ``preauth_early_drop`` pending
   on, a new one from an address that already has one pending is dropped at random, with a probability
   rising from 30% to 100% at ``preauth_max`` (sshd's MaxStartups).  At ``preauth_max`` a new connection from
   an address with fewer pending takes the place of the oldest pending one of the address with the most: a
@@ -74,10 +76,11 @@ class Entry:
     """One connection as admission sees it: ``pending`` (in its hello), ``open``, or ``gone``.  Whoever serves
     it keeps ``last_active`` (when its last request arrived) up to date and sets ``served`` to what counts its
     requests in flight (``.busy``: the Connection); ``handle`` is the caller's, to close it by."""
-    __slots__ = ("host", "since", "state", "role", "last_active", "served", "handle")
+    __slots__ = ("host", "since", "state", "role", "last_active", "served", "handle", "spoke")
 
-    def __init__(self, host: str, now: float, handle=None):
+    def __init__(self, host: str, now: float, handle=None, spoke: Callable[[], bool] | None = None):
         self.host, self.since, self.handle = host, now, handle
+        self.spoke = spoke                   # () -> has its peer sent its whole hello? (None: unknown, no)
         self.state = "pending"
         self.role = None
         self.last_active = now
@@ -113,7 +116,9 @@ class Admission:
         self.evicted = 0
 
     # -- a new connection ---------------------------------------------------------------------------------
-    def arrive(self, host: str, now: float, handle=None) -> Verdict:
+    def arrive(self, host: str, now: float, handle=None, spoke: Callable[[], bool] | None = None) -> Verdict:
+        """A new connection from ``host``: ``spoke`` tells, when asked, whether its peer has sent its whole
+        hello (a pending connection that has is closed to make room only after those that have not)."""
         lim = self.limits
         if lim.loopback_only and not is_loopback(host):
             return self._refuse(LOOPBACK_ONLY, f"{host} is not this host, and this node has no secret "
@@ -127,14 +132,14 @@ class Admission:
                                               f"(random early drop from preauth_early_drop)")
         close: list[Entry] = []
         if lim.preauth_per_host and len(mine) >= lim.preauth_per_host:
-            close.append(self._drop(mine[0]))        # its own oldest: a stuck hello yields to a new one
+            close.append(self._drop(_stuck(mine)))   # its own oldest: a stuck hello yields to a new one
         elif lim.preauth_max and self.npending >= lim.preauth_max:
             top = max(self.pending, key=lambda h: len(self.pending[h]))
             if len(self.pending[top]) <= len(mine):
                 return self._refuse(TOO_MANY, f"{self.npending} connections have not finished their hello "
                                               f"(preauth_max)")
-            close.append(self._drop(self.pending[top][0]))
-        e = Entry(host, now, handle)
+            close.append(self._drop(_stuck(self.pending[top])))
+        e = Entry(host, now, handle, spoke)
         self.pending.setdefault(host, []).append(e)
         self.npending += 1
         return Verdict(e, close=close)
@@ -238,3 +243,12 @@ class Admission:
 
 def _age(e: Entry) -> float:
     return e.last_active
+
+
+def _stuck(pending: list[Entry]) -> Entry:
+    """The pending connection to close to make room: the oldest whose peer has not sent its whole hello (it
+    may never), else the oldest."""
+    for e in pending:
+        if e.spoke is None or not e.spoke():
+            return e
+    return pending[0]

@@ -8,7 +8,9 @@ Follow a write from the client to the disk:
      yet, adds it to that one's run (ops/run.py ``AppendRun``): the run is then handled as one append of all
      its bytes (the steps below, once) and each request answered on its own;
   2. ``_payload``: we allocate a block from the registered pool and fetch the payload with a one-sided READ
-     from the client's buffer straight into the block (bounded by ``peer_timeout``) -- unless the payload
+     from the client's buffer straight into the block (bounded by ``payload_timeout``; a client holds at most
+     ``conn_fetch_mib`` awaiting READs, all of them ``fetch_pool_share`` of the pool: ``Buffers.await_payload``;
+     while it is fetched, other connections' appends to the extent go ahead of it: lane.py) -- unless the payload
      came inline (a small WRITE on TCP, ``Flag.INLINE``: no READ round trip, and no pool block when every
      follower's link takes it inline too); ``_checked``: its CRC32C;
   3. in the extent's turn (``async with lane.turn(ticket)``): ``_in_turn`` checks the extent takes appends and
@@ -74,6 +76,8 @@ class Appends:
         block = None
         try:
             view, block = await self._payload(rq, part, fanout, holder)
+            if rq.payload is None:               # fetched: nobody passes it in the lane from now on
+                lane.fetched(t)
             pieces = self._checked(h, view)
             st.mark(FETCHED)
             async with lane.turn(t, settle=False):
@@ -133,18 +137,25 @@ class Appends:
         h = rq.h
         if rq.payload is not None and (not fanout or await self.replication.inline_ok(part, h.length)):
             return rq.payload, None              # it came inline and goes on inline: no pool block
-        block = await self.buffers.alloc(h.length, holder)
-        view = block.view(h.length)
+        awaiting = rq.payload is None and holder is not None   # a client's payload, which it may never serve
+        if awaiting:
+            await self.buffers.await_payload(holder, h.length)
         try:
-            if rq.payload is not None:
-                view[:] = rq.payload             # some follower takes no inline payload: it READs the block
-            else:
-                await self.buffers.fetch(rq.conn, h.remote.slice(0, h.length), view)      # one-sided READ
-                if h.flags & Flag.FORWARDED:
-                    self.counters.count_forward_fetch(rq.conn.identity or rq.conn.peer, h.length)
-        except BaseException:
-            self.buffers.free(block, holder)
-            raise
+            block = await self.buffers.alloc(h.length, holder)
+            view = block.view(h.length)
+            try:
+                if rq.payload is not None:
+                    view[:] = rq.payload             # some follower takes no inline payload: it READs the block
+                else:
+                    await self.buffers.fetch(rq.conn, h.remote.slice(0, h.length), view, client=awaiting)
+                    if h.flags & Flag.FORWARDED:
+                        self.counters.count_forward_fetch(rq.conn.identity or rq.conn.peer, h.length)
+            except BaseException:
+                self.buffers.free(block, holder)
+                raise
+        finally:
+            if awaiting:
+                self.buffers.payload_done(holder, h.length)
         return view, block
 
     @staticmethod

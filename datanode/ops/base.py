@@ -33,7 +33,12 @@ class Reply(Exception):
 
 
 class PeerTimeout(TransportError):
-    """The peer did not serve a one-sided op on its buffer within ``peer_timeout``."""
+    """The peer did not serve a one-sided op on its buffer in time: its connection is dropped -- after the
+    request is answered ``result``, where there is one (a payload not fetched within ``payload_timeout``)."""
+
+    def __init__(self, why: str, result: Result | None = None):
+        super().__init__(why)
+        self.result = result
 
 
 def bad_body(e: BodyError) -> Reply:

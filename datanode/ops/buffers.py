@@ -46,6 +46,11 @@ class Buffers:
         self.pool = pool
         self.region = region       # the whole pool, registered once: peers may read it, never write
         self.holders = 0           # connections holding pool blocks now (for the fair share)
+        # pool bytes in blocks awaiting a client's payload READ (a peer may never serve it): per connection,
+        # and in all (``fetch_share``)
+        self.awaiting: dict[Connection, int] = {}
+        self.awaiting_bytes = 0
+        self._freed: trio.Event | None = None   # set when awaited bytes go back (for those waiting for some)
 
     def stats(self, reveal: bool = True) -> dict:
         """The pool's figures; its rkey and base address only when ``reveal`` (to admins, or with
@@ -101,10 +106,67 @@ class Buffers:
             if not conn.pool_held:
                 self.holders -= 1
 
+    # -- blocks awaiting a client's payload -------------------------------------------------------------------
+    def fetch_share(self, conn: Connection) -> int:
+        """The most pool bytes ``conn``'s requests may hold awaiting their payload READs: ``conn_fetch_mib``,
+        within ``fetch_pool_share`` of the pool for every connection together; when more than half of that
+        is taken, no more than an equal share of it among the connections awaiting one."""
+        budget = int(self.pool.arena_bytes * self.cfg.fetch_pool_share)
+        cap = min(self.cfg.conn_fetch_mib << 20, budget)
+        if self.awaiting_bytes * 2 > budget:
+            fetchers = len(self.awaiting) + (0 if conn in self.awaiting else 1)
+            cap = min(cap, max(self.pool.max_block, budget // fetchers))
+        return cap
+
+    async def await_payload(self, conn: Connection, length: int) -> None:
+        """``length`` bytes of pool for ``conn``'s payload READ, counted until ``payload_done``.  A connection
+        that already has payloads awaited is answered BUSY at once (it backs off) beyond its share; one that
+        has none waits -- up to ``pool_wait``, then POOL_BUSY -- while every connection together holds the
+        whole budget: the bytes freed when a peer that does not serve its READs is dropped go to it, before
+        that peer is back."""
+        mine = self.awaiting.get(conn, 0)
+        budget = int(self.pool.arena_bytes * self.cfg.fetch_pool_share)
+        if mine and (mine + length > self.fetch_share(conn) or self.awaiting_bytes + length > budget):
+            raise Reply(Result.BUSY, why=f"{conn.peer} has {mine} pool bytes awaiting its payloads, its share "
+                                         f"is {self.fetch_share(conn)} ({self.awaiting_bytes} in all)")
+        if not mine and self.awaiting_bytes + length > budget:
+            with trio.move_on_after(self.cfg.pool_wait):
+                while self.awaiting_bytes + length > budget:
+                    if self._freed is None:
+                        self._freed = trio.Event()
+                    await self._freed.wait()
+            if self.awaiting_bytes + length > budget:
+                raise Reply(Result.POOL_BUSY, why=f"{self.awaiting_bytes} pool bytes await payloads "
+                                                  f"(fetch_pool_share) for more than pool_wait")
+        self.awaiting[conn] = self.awaiting.get(conn, 0) + length
+        self.awaiting_bytes += length
+
+    def payload_done(self, conn: Connection, length: int) -> None:
+        left = self.awaiting[conn] - length
+        if left:
+            self.awaiting[conn] = left
+        else:
+            del self.awaiting[conn]
+        self.awaiting_bytes -= length
+        if self._freed is not None:
+            self._freed.set()
+            self._freed = None
+
     # -- the peer's buffers ---------------------------------------------------------------------------------
-    async def fetch(self, conn: Connection, remote: RemoteBuf, view: memoryview) -> None:
-        """One-sided READ of the peer's ``remote`` into ``view`` (a block of our pool), bounded in time."""
-        await self._one_sided(conn.read(remote, view, self.region), "read")
+    async def fetch(self, conn: Connection, remote: RemoteBuf, view: memoryview, client: bool = True) -> None:
+        """One-sided READ of the peer's ``remote`` into ``view`` (a block of our pool), bounded in time: a
+        client's payload by ``payload_timeout`` (PAYLOAD_TIMEOUT, then its connection is dropped), a node's
+        (a leader's forward) by ``peer_timeout``."""
+        if not client:
+            return await self._one_sided(conn.read(remote, view, self.region), "read")
+        try:
+            with trio.fail_after(self.cfg.payload_timeout):
+                await conn.read(remote, view, self.region)
+        except RemoteAccessError as e:
+            raise Reply(Result.REMOTE_ACCESS, why=str(e)) from None
+        except trio.TooSlowError:
+            raise PeerTimeout(f"payload not served within payload_timeout {self.cfg.payload_timeout}s",
+                              Result.PAYLOAD_TIMEOUT) from None
 
     async def write_remote(self, conn: Connection, view: memoryview, remote: RemoteBuf, *,
                            posted: bool = False, release=None) -> None:

@@ -203,8 +203,8 @@ class Wrap:
         if h.opcode in (Op.WRITE, Op.TRUNCATE):   # ordered by arrival: take the ticket now, synchronously
             part = self.table.get(h.partition)
             lane = part.lane(h.extent) if part is not None else None
-            if lane is not None:
-                ticket = (lane, lane.ticket())
+            if lane is not None:          # a payload still to fetch is passed by other connections' tickets
+                ticket = (lane, lane.ticket(conn, payload is None and h.opcode == Op.WRITE))
                 if payload is not None:
                     run = runs[0] = AppendRun(h, payload, ticket)
         self.inflight += 1
@@ -263,6 +263,7 @@ class Wrap:
         h = rq.h
         resp = None
         why = ""
+        drop = False                     # the connection is dropped once the answer is sent
         part = None                      # the request's partition as its handler started (see ``_gone``)
         try:
             self.admit(conn, h)
@@ -272,7 +273,10 @@ class Wrap:
         except PeerTimeout as e:
             log.warning("%s from %s: %s: dropping the connection", h.describe(), conn.peer, e)
             conn.misbehaved = conn.misbehaved or "did not serve a one-sided op in time"
-            await conn.aclose()
+            if e.result is not None:     # told why first (its payload's READ: the stream is still whole)
+                resp, drop = h.reply(e.result), True
+            else:
+                await conn.aclose()
         except Exception as e:  # a bug must cost one request, not the node (_failed)
             if part is not None:
                 e = self._gone(h, part, e)
@@ -295,6 +299,8 @@ class Wrap:
                 now = trio.current_time()
                 for a_h, a_t0, r in answers:
                     self._answered(conn, a_h, r.result if r is not None else -1, now - a_t0)
+                if drop:
+                    await conn.aclose()
 
     def _now(self, nursery: trio.Nursery, rq: Request) -> bool:
         """A follower's lone inline append (a run just opened), done and answered right where it arrived --

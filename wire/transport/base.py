@@ -36,6 +36,7 @@ import cffi
 import trio
 
 from ..protocol import INLINE_MAX, VERSION, RemoteBuf
+from ..session import SessionError
 
 
 _ffi = cffi.FFI()
@@ -361,6 +362,7 @@ class Connection(abc.ABC):
     tls: bool = False        # the stream is TLS (transport/tls.py)
     version: int = VERSION   # the protocol version the hello chose: every header on this connection carries it
     peer_software: str = ""  # what the peer's hello says it runs ("datanode 0.1.0"; empty: it did not say)
+    session = None           # wire.session.Session: every control message is MAC'd (set by the hello)
 
     def __init__(self, our_slots: int) -> None:
         self.stats = ConnStats()
@@ -395,8 +397,21 @@ class Connection(abc.ABC):
         arrival order is kept).  ``recv`` raises ConnectionClosed at the end as before."""
         self._on_message = on_message
 
-    def _land(self, msg) -> bool:
-        """A transport's hand-over of one control message (False: more messages than our slots)."""
+    def bind_session(self, session) -> None:
+        """From now on every control message is MAC'd with ``session``'s keys (the hello made them)."""
+        self.session = session
+
+    def _land(self, msg, tag=None) -> bool:
+        """A transport's hand-over of one control message (False: more messages than our slots); ``tag``:
+        the session MAC it came with.  A message that fails the session's MAC raises TransportError: the
+        transport ends the connection (and logs why)."""
+        session = self.session
+        if session is not None:
+            try:
+                session.open(msg, tag)
+            except SessionError as e:
+                self.misbehaved = str(e)
+                raise TransportError(f"{e}: connection closed") from None
         on = self._on_message
         if on is not None and not self._queued and on(msg):
             self.stats.recvs += 1
@@ -471,7 +486,7 @@ class Connection(abc.ABC):
         return {"peer": self.peer, "transport": self.transport,
                 "role": self.role.name.lower() if self.role is not None else None, "identity": self.identity,
                 **({"volume": self.volume} if self.volume else {}), "tls": self.tls,
-                "version": self.version, "software": self.peer_software,
+                "version": self.version, "software": self.peer_software, "session": self.session is not None,
                 "pool_held": self.pool_held, "inflight": self.busy, "sends": s.sends, "recvs": s.recvs,
                 "reads": s.reads, "read_bytes": s.read_bytes, "writes": s.writes, "write_bytes": s.write_bytes,
                 "served_reads": s.served_reads, "served_read_bytes": s.served_read_bytes,

@@ -26,18 +26,22 @@ from __future__ import annotations
 import functools
 import hmac
 import logging
+import time
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
 import trio
 
 from .. import aio
-from ..auth import Credentials, DialAuth, new_nonce, proof, transcript, volume_key
+from ..auth import (KX_SIZE, Credentials, DialAuth, KeyShare, NodeSigner, new_nonce, node_proves, proof, session_keys,
+                    session_nonce, session_transcript, speaks_sessions, transcript, volume_key)
 from .base import TransportChoice, TransportOptions
-from ..protocol import (HEADER_SIZE, HELLO_SIZE, HELLO_STATUS, MIN_VERSION, STATUS_VERSION, VERSION, AuthProof,
-                        AuthVerdict, Hello, ProtocolError, Role, Transport, decode_extensions, decode_hello,
-                        decode_identity, negotiate, version_refusal)
-from .base import Connection, Domain, TransportError
+from ..protocol import (HEADER_SIZE, HELLO_SIZE, HELLO_STATUS, MIN_VERSION, SESSIONS_SINCE, STATUS_DOWNGRADE,
+                        STATUS_NO_SHARE, STATUS_NOT_DIALED, STATUS_VERSION, VERSION, AuthProof, AuthVerdict, Hello,
+                        NodeProof, ProtocolError, Role, Transport, decode_extensions, decode_hello, decode_identity,
+                        negotiate, version_refusal)
+from ..session import Session
+from .base import Connection, ConnectionClosed, Domain, TransportError
 from . import tls
 from .tcp import TcpConnection, recv_exactly, send_all, tune_socket
 
@@ -57,7 +61,9 @@ class AuthError(NegotiationError):
 
 
 class NotAdmitted(AuthError):
-    """The server's ``admit`` refused a peer (e.g. too many connections of its kind); it was told why."""
+    """The server's ``admit`` refused a peer (e.g. too many connections of its kind); it was told why.  A
+    dialer gets it too when the node said "too many connections" or closed the connection before the hello
+    completed (a flood's pre-auth budget): nothing about its credentials, so worth dialing again."""
 
 
 def _status(code: int) -> str:
@@ -144,12 +150,16 @@ async def _upgrade(sock, domain: Domain, peer: str, is_server: bool, peer_slots:
 @asynccontextmanager
 async def dial(host: str, port: int, domain: Domain, *, transport: str = "auto",
                slots: int = DEFAULT_SLOTS, timeout: float = 5.0,
-               auth: DialAuth | None = None) -> AsyncIterator[Connection]:
+               auth: DialAuth | None = None, server: str = "") -> AsyncIterator[Connection]:
     """Connect to a datanode; yields a running Connection.  ``auth``: the credentials and role to present
-    (None or without credentials: authentication off, refused by a node that has a secret)."""
+    (None or without credentials: authentication off, refused by a node that has a secret).  ``server``: the
+    identity of the node meant (its HOST:PORT in the cluster map; default ``host:port``): with authentication
+    the node proves it is that one, or the hello fails."""
     peer = f"{host}:{port}"
+    server = server or peer
     auth = auth or DialAuth(None)
     key = auth.key
+    share = KeyShare() if key is not None and VERSION >= SESSIONS_SINCE else None
     raw = sock = trio.socket.socket()
     device = has_device(domain) and auth.tls is None       # a TLS connection stays on TCP
     try:
@@ -164,10 +174,11 @@ async def dial(host: str, port: int, domain: Domain, *, transport: str = "auto",
                     sock = await tls.wrap(sock, auth.tls, server_side=False, server_hostname=host)
                 except TransportError as e:
                     raise TransportError(f"connecting to {peer}: {e}") from None
-            nonce = new_nonce() if key else bytes(32)
+            nonce = (session_nonce() if share else new_nonce()) if key else bytes(32)
             await send_all(sock, Hello(transport=TRANSPORT_NAMES[transport], has_device=device,
                                        slots=slots, auth=key is not None, role=int(auth.role), nonce=nonce,
-                                       identity=auth.identity, software=software()).encode())
+                                       identity=auth.identity, software=software(), server=server if share else "",
+                                       kx=share.public if share else b"").encode())
             try:
                 answer = await _read_hello(sock)
             except TransportError as e:
@@ -182,20 +193,44 @@ async def dial(host: str, port: int, domain: Domain, *, transport: str = "auto",
             if answer.status == 1 or (answer.auth and key is None):
                 raise AuthError(f"{peer} requires authentication: give a cluster secret or role key file "
                                 f"(secret_file, $DATANODE_SECRET_FILE)")
+            if answer.status == STATUS_NOT_DIALED:
+                raise AuthError(f"{peer} refused the connection: it is node {answer.identity or '(unnamed)'}, not "
+                                f"{server} (a relay, or a wrong address: dial a node by the address it "
+                                f"registered, as the cluster map lists it)")
             if answer.status:
-                raise AuthError(f"{peer} refused the connection: {_status(answer.status)}")
+                raise (NotAdmitted if answer.status == 3 else AuthError)(
+                    f"{peer} refused the connection: {_status(answer.status)}")
             if key is not None and not answer.auth:
                 _unauthenticated_server(peer, auth)
+            keys = None
             if key is not None and answer.auth:
-                text = transcript(int(auth.role), nonce, answer.nonce, auth.identity)
+                if version >= SESSIONS_SINCE:
+                    text = session_transcript(int(auth.role), nonce, answer.nonce, auth.identity, server,
+                                              share.public, answer.kx, (MIN_VERSION, VERSION),
+                                              (answer.min_version, answer.version))
+                else:
+                    if share is not None and speaks_sessions(answer.nonce):
+                        raise AuthError(f"{peer} speaks authenticated sessions but answered at protocol {version}: "
+                                        f"the hello was altered on the way (a downgrade): refusing")
+                    text = transcript(int(auth.role), nonce, answer.nonce, auth.identity)
                 if not hmac.compare_digest(answer.proof, proof(key, b"server", text)):
                     raise AuthError(f"{peer} failed to prove it holds the cluster secret (a different secret?)")
                 await send_all(sock, AuthProof.encode(proof(key, b"client", text)))
                 verdict = AuthVerdict.decode(await _read(sock, AuthVerdict.SIZE))
                 if verdict == 3:                  # too many connections: not about our credentials
-                    raise AuthError(f"{peer} refused the connection: {_status(verdict)}")
+                    raise NotAdmitted(f"{peer} refused the connection: {_status(verdict)}")
                 if verdict:
                     raise AuthError(f"{peer} refused our credentials: {_status(verdict)}")
+                if version >= SESSIONS_SINCE:
+                    cert, sig = NodeProof.decode(await _read(sock, NodeProof.SIZE))
+                    ca = auth.creds.node_ca
+                    if ca and not node_proves(ca, server, cert, sig, text):
+                        raise AuthError(f"{peer} failed to prove it is node {server}: its certificate or signature "
+                                        f"does not check out against the cluster's node CA")
+                    try:
+                        keys = session_keys(key, text, share.shared(answer.kx))
+                    except ValueError as e:
+                        raise AuthError(f"{peer} sent no usable session key share: {e}") from None
             if answer.transport == Transport.AUTO:
                 raise NegotiationError(f"{peer} refused the connection: transports cannot agree "
                                        f"(we asked for {transport}, device={device})")
@@ -206,9 +241,14 @@ async def dial(host: str, port: int, domain: Domain, *, transport: str = "auto",
                 conn = TcpConnection(sock, domain, peer, answer.slots, slots)
             conn.tls = auth.tls is not None
             conn.version, conn.peer_software = version, answer.software
+            if keys is not None:
+                conn.bind_session(Session(keys[0], keys[1]))
     except trio.TooSlowError:
         raw.close()
         raise TransportError(f"connecting to {peer} timed out after {timeout}s") from None
+    except (ConnectionClosed, ConnectionResetError, BrokenPipeError) as e:
+        raw.close()            # connected, then closed before the hello completed
+        raise NotAdmitted(f"{peer} closed the connection before the hello completed: {e}") from None
     except (ProtocolError, OSError) as e:
         raw.close()
         raise TransportError(f"connecting to {peer}: {e}") from None
@@ -233,10 +273,13 @@ class ServerAuth:
     with a secret, peers without one are taken too (unauthenticated, as without a secret) -- while a running
     cluster is switched to the secret (docs/security.md)."""
 
-    def __init__(self, creds: Credentials | None, tls=None, tls_required: bool = False, transition: bool = False):
+    def __init__(self, creds: Credentials | None, tls=None, tls_required: bool = False, transition: bool = False,
+                 identity: str = ""):
         if creds is not None and not creds.master:
             raise ValueError(f"{creds.source}: a datanode needs the cluster secret, not a role key file")
         self.creds = creds
+        self.identity = identity             # HOST:PORT a caller must name as the node it dialed ("": the
+                                             # address the connection was accepted on)
         self.tls = tls                       # ssl.SSLContext (server side): TLS offered (transport/tls.py)
         self.tls_required = tls_required     # plaintext hellos refused
         self.transition = transition
@@ -254,11 +297,12 @@ def _claimed_identity(hello: Hello) -> str:
 
 
 async def _authenticate(sock, peer: str, hello: Hello, creds: Credentials | None, answer: Hello,
-                        admit=None, transition: bool = False) -> tuple:
+                        admit=None, transition: bool = False, version: int = VERSION, me: str = "") -> tuple:
     """The server's half of the hello's authentication; returns the (role, identity) proven -- identity: a
     node's HOST:PORT, or the volume a client's key belongs to ("": a plain client key) -- (None, "") when
-    authentication is off, or raises AuthError after telling the peer why.  ``admit(role, identity)``: 0 to
-    let the proven peer in, else a HELLO_STATUS code to refuse it with (e.g. too many connections)."""
+    authentication is off, or raises AuthError after telling the peer why; and the session's keys (None: not
+    a session).  ``admit(role, identity)``: 0 to let the proven peer in, else a HELLO_STATUS code to refuse it
+    with (e.g. too many connections).  ``version``: the one agreed; ``me``: this node's identity."""
     if creds is None or (transition and not hello.auth):   # (a peer holding a secret refuses us itself)
         answer.nonce = bytes(32)
         claimed = _claimed_identity(hello)
@@ -268,7 +312,7 @@ async def _authenticate(sock, peer: str, hello: Hello, creds: Credentials | None
             await send_all(sock, answer.encode())
             raise NotAdmitted(f"connection from {peer} refused: {_status(status)}")
         await send_all(sock, answer.encode())
-        return None, claimed
+        return None, claimed, None
     if not hello.auth:
         answer.status, answer.transport = 1, Transport.AUTO
         await send_all(sock, answer.encode())
@@ -288,7 +332,29 @@ async def _authenticate(sock, peer: str, hello: Hello, creds: Credentials | None
     # client's hello proves nothing and is ignored, as it always was.)
     volume = hello.identity if role == Role.CLIENT and ":" not in hello.identity else ""
     key = volume_key(creds.key(Role.ADMIN), volume) if volume else creds.key(role)
-    text = transcript(int(role), hello.nonce, answer.nonce, hello.identity)
+    if version >= SESSIONS_SINCE:
+        if hello.server != me:        # the caller meant another node: its hello was relayed (or misaddressed)
+            answer.status, answer.transport, answer.identity = STATUS_NOT_DIALED, Transport.AUTO, me
+            await send_all(sock, answer.encode())
+            raise AuthError(f"connection from {peer} refused: it dialed {hello.server or '(no node named)'}, "
+                            f"this node is {me} (a relayed hello, or a wrong address)")
+        if len(hello.kx) != KX_SIZE:
+            answer.status, answer.transport = STATUS_NO_SHARE, Transport.AUTO
+            await send_all(sock, answer.encode())
+            raise AuthError(f"connection from {peer} refused: {_status(STATUS_NO_SHARE)}")
+        # until the caller has proven its key the node does only HMACs: the key exchange and the signature
+        # come after, and its key share is reused for a while (a caller without a key costs it no more work)
+        share = _server_share()
+        answer.kx = share.public
+        text = session_transcript(int(role), hello.nonce, answer.nonce, hello.identity, me, hello.kx, share.public,
+                                  (hello.min_version, hello.version), (MIN_VERSION, VERSION))
+    else:
+        if VERSION >= SESSIONS_SINCE and speaks_sessions(hello.nonce):
+            answer.status, answer.transport = STATUS_DOWNGRADE, Transport.AUTO
+            await send_all(sock, answer.encode())
+            raise AuthError(f"connection from {peer} refused: its hello speaks authenticated sessions but offers "
+                            f"protocol {hello.version} at most: altered on the way (a downgrade)")
+        text = transcript(int(role), hello.nonce, answer.nonce, hello.identity)
     answer.auth, answer.proof = True, proof(key, b"server", text)
     await send_all(sock, answer.encode())
     got = AuthProof.decode(await _read(sock, AuthProof.SIZE))
@@ -301,8 +367,17 @@ async def _authenticate(sock, peer: str, hello: Hello, creds: Credentials | None
     if status:
         await send_all(sock, AuthVerdict.encode(status))
         raise NotAdmitted(f"connection from {peer} ({role.name.lower()}) refused: {_status(status)}")
-    await send_all(sock, AuthVerdict.encode(0))
-    return role, identity
+    if version < SESSIONS_SINCE:
+        await send_all(sock, AuthVerdict.encode(0))
+        return role, identity, None
+    try:
+        keys = session_keys(key, text, share.shared(hello.kx))
+    except ValueError as e:                # a share that is no point of the curve's group (low order)
+        await send_all(sock, AuthVerdict.encode(STATUS_NO_SHARE))
+        raise AuthError(f"connection from {peer} refused: {e}") from None
+    signer = _signer(creds, me)
+    await send_all(sock, AuthVerdict.encode(0) + NodeProof.encode(signer.cert, signer.sign(text)))
+    return role, identity, keys
 
 
 @asynccontextmanager
@@ -338,10 +413,13 @@ async def accept(sock, peer: str, domain: Domain, *, transport: str = "auto", sl
             raise NegotiationError(f"connection from {peer}: {e}") from None
         # on verbs our slots take a small WRITE's payload after its header (the peer SENDs it inline)
         slot_size = verbs_slot_size(domain) if chosen == Transport.VERBS else HEADER_SIZE
+        # a node that speaks sessions marks its nonce: a caller that gets it at an older protocol was downgraded
         answer = Hello(transport=chosen, has_device=device, slots=slots, slot_size=slot_size,
-                       nonce=new_nonce() if creds else bytes(32), software=software())
-        role, identity = await _authenticate(sock, peer, hello, creds, answer, admit,
-                                             auth is not None and auth.transition)
+                       nonce=(session_nonce() if VERSION >= SESSIONS_SINCE else new_nonce()) if creds else bytes(32),
+                       software=software())
+        me = (auth.identity if auth is not None else "") or _local_identity(sock)
+        role, identity, keys = await _authenticate(sock, peer, hello, creds, answer, admit,
+                                                   auth is not None and auth.transition, version, me)
         conn: Connection | None = None
         if chosen == Transport.VERBS:
             conn = await _upgrade(sock, domain, peer, True, hello.slots, slots, hello.slot_size, slot_size)
@@ -350,6 +428,8 @@ async def accept(sock, peer: str, domain: Domain, *, transport: str = "auto", sl
         conn.role, conn.identity, conn.tls = role, identity, secure
         conn.volume = identity if role == Role.CLIENT else ""     # proven: scopes it (datanode/ops/wrap.py)
         conn.version, conn.peer_software = version, hello.software
+        if keys is not None:
+            conn.bind_session(Session(keys[1], keys[0]))
     log.debug("connection from %s on %s%s (role %s, protocol %d, %s)", peer, conn.transport,
               "+tls" if secure else "", role.name.lower() if role is not None else "unauthenticated", version,
               hello.software or "software unknown")
@@ -361,6 +441,33 @@ async def accept(sock, peer: str, domain: Domain, *, transport: str = "auto", sl
             raise
     async with _running(conn) as c:
         yield c
+
+
+SHARE_REUSE_S = 60.0      # a node's key share serves the hellos of this long (the sessions' keys differ: nonces)
+_share: list = [None, 0.0]
+
+
+def _server_share() -> KeyShare:
+    now = time.monotonic()
+    if _share[0] is None or now - _share[1] > SHARE_REUSE_S:
+        _share[:] = [KeyShare(), now]
+    return _share[0]
+
+
+@functools.lru_cache(maxsize=16)
+def _signer(creds: Credentials, identity: str) -> NodeSigner:
+    """This node's key and certificate for ``identity`` (made once: two Ed25519 key derivations and a
+    signature)."""
+    return creds.node_signer(identity)
+
+
+def _local_identity(sock) -> str:
+    """HOST:PORT this connection was accepted on (a node without a configured identity)."""
+    try:
+        host, port = sock.getsockname()[:2]
+    except (OSError, AttributeError):
+        return ""
+    return f"{host}:{port}"
 
 
 def verbs_slot_size(domain: Domain) -> int:

@@ -6,7 +6,8 @@ leave in one ``sendmsg``):
     type u8 | status u8 | pad u16 | length u32 | op_id u64 | addr u64 | rkey u32 | reserved u32
 
   CTRL        +length bytes: one control message (a protocol header; for an inline WRITE its payload
-              after it, ``max_inline``) for the peer's slots
+              after it, ``max_inline``) for the peer's slots.  On an authenticated session (wire/session.py)
+              op_id and addr carry the message's 16-byte MAC instead (unused otherwise: zero)
   READ_REQ    "send me [addr, +length) of region rkey"      -> answered by READ_RESP (+length bytes if ok)
   WRITE_REQ   +length bytes "put these at [addr, +length)"  -> answered by WRITE_RESP; with op_id 0 (a
               *posted* write: ``write(posted=True)``) only when refused -- the writer does not wait, and
@@ -48,6 +49,9 @@ log = logging.getLogger(__name__)
 
 FRAME = struct.Struct(">BBHIQQII")
 FSIZE = FRAME.size
+_CTRL_HEAD = struct.Struct(">BBHI")      # a CTRL frame's first 8 bytes; its MAC follows (op_id, addr)
+_TAG = struct.Struct(">QQ")
+_FRAME_TAIL = bytes(8)                   # rkey, reserved
 READ_BUFFER = 256 << 10  # the reader's buffer: one recv takes every small frame the kernel holds
 FAIR_FRAMES = 32         # frames the reader cuts from its buffer before it lets other tasks run
 CTRL, READ_REQ, READ_RESP, WRITE_REQ, WRITE_RESP = 1, 2, 3, 4, 5
@@ -281,8 +285,9 @@ class TcpConnection(Connection):
 
     # -- the interface ------------------------------------------------------------------------------
     async def send(self, header: bytes, payload=None) -> None:
-        frame, n = self._ctrl_frame(header, payload)
-        async with self._sending():
+        self._check_open()
+        async with self._sending():     # sealed under the lock: messages leave in the order of their MACs
+            frame, n = self._ctrl_frame(header, payload)
             await self._guarded(send_all_of(self._sock, frame, payload) if n else send_all(self._sock, frame))
         self.stats.sends += 1
 
@@ -301,6 +306,8 @@ class TcpConnection(Connection):
         frame, _n = self._ctrl_frame(header, None)
         sent = self._to_kernel((frame,))
         if not sent:
+            if self.session is not None:
+                self.session.unseal()     # the caller sends it again (send_within): it must get this MAC
             return False
         if sent < len(frame):       # the rest goes before any other frame: the lock is held until it has
             self._send_lock.acquire_nowait()
@@ -358,12 +365,16 @@ class TcpConnection(Connection):
             raise ConnectionClosed(f"connection to {self.peer} lost: {e}") from None
 
     def _ctrl_frame(self, header: bytes, payload) -> tuple[bytes, int]:
-        """A control message's frame header and the header after it; and the payload's length."""
+        """A control message's frame header and the header after it; and the payload's length.  On a
+        session, the message's MAC is taken here: the caller sends it before any other."""
         self._check_open()
         n = len(payload) if payload is not None else 0
         if len(header) + n > MAX_CTRL:
             raise ValueError("control message larger than MAX_CTRL")
-        return FRAME.pack(CTRL, 0, 0, len(header) + n, 0, 0, 0, 0) + header, n
+        session = self.session
+        if session is None:
+            return FRAME.pack(CTRL, 0, 0, len(header) + n, 0, 0, 0, 0) + header, n
+        return _CTRL_HEAD.pack(CTRL, 0, 0, len(header) + n) + session.seal(header) + _FRAME_TAIL + header, n
 
     def _sending(self):
         """The send lock, taken without a scheduler pass when it is free (the common case)."""
@@ -493,7 +504,7 @@ class TcpConnection(Connection):
                 if length > MAX_CTRL:
                     raise TransportError(f"control message of {length} bytes")
                 msg = await reader.take(length)
-                if not self._land(msg):
+                if not self._land(msg, _TAG.pack(op, addr) if self.session is not None else None):
                     self.misbehaved = "more control messages than slots"
                     raise TransportError("peer sent more control messages than we have slots")
             elif ftype == READ_REQ:
@@ -580,6 +591,19 @@ class TcpConnection(Connection):
                     except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
                         self._shutdown(f"send failed: {e}")
                         return
+
+
+_TCP_INFO_RECEIVED = struct.Struct("=Q")   # struct tcp_info's tcpi_bytes_received (Linux 4.1+), at offset 128
+
+
+def received_bytes(sock) -> int | None:
+    """Bytes the kernel has received from the peer on a TCP socket (None where it does not say): whether a
+    peer has sent something, without reading it."""
+    try:
+        info = sock.getsockopt(_socket.IPPROTO_TCP, _socket.TCP_INFO, 136)
+    except (OSError, AttributeError):
+        return None
+    return _TCP_INFO_RECEIVED.unpack_from(info, 128)[0] if len(info) >= 136 else None
 
 
 def congestion_of(sock) -> str | None:

@@ -79,8 +79,9 @@ from pyverbs.wr import SGE, RecvWR, SendWR
 
 from ..aio import Workers
 from ..protocol import HEADER_SIZE, VerbsEndpoint
-from .base import (Access, Connection, ConnectionClosed, Domain, Grants, Region, RemoteAccessError, TransportOptions,
-                   address_of)
+from ..session import TAG_SIZE
+from .base import (Access, Connection, ConnectionClosed, Domain, Grants, Region, RemoteAccessError, TransportError,
+                   TransportOptions, address_of)
 from .tcp import recv_exactly, send_all
 
 log = logging.getLogger(__name__)
@@ -553,11 +554,27 @@ class VerbsConnection(Connection):
         sge = SGE(self.ctrl_addr + slot * self.slot, self.slot, self.ctrl_mr.lkey)
         self.qp.post_recv(RecvWR(wr_id=RECV_TAG | slot, num_sge=1, sg=[sge]))
 
+    def bind_session(self, session) -> None:
+        super().bind_session(session)
+        # every SEND carries the MAC after its bytes: an inline payload has that much less room in a slot
+        self.max_inline = max(0, min(self.max_inline, self.peer_slot - HEADER_SIZE - TAG_SIZE))
+
     # -- the interface --------------------------------------------------------------------------------
     async def send(self, header: bytes, payload=None) -> None:
         if payload is not None and len(payload):
             await self._send_eager(header, payload)
             return
+        session = self.session
+        seal = None
+        if session is not None:
+            # The session's MAC goes after the message, taken once the send queue has room, right before the
+            # post (``_post``'s ``seal``): messages leave in the order of their MACs.  ``msg`` lives, and
+            # never moves (not resized), until the post has copied it into the work request.
+            n = len(header)
+            header = msg = bytearray(header) + bytes(TAG_SIZE)
+
+            def seal():
+                msg[n:] = session.seal(msg[:n])
         if len(header) > self.peer_slot:
             raise ValueError("control message larger than a slot")
         # inline: the bytes are copied into the WQE at post time (``header`` lives until then), no lkey
@@ -568,7 +585,7 @@ class VerbsConnection(Connection):
         # the socket), nor ask for one (``signaled=False``: a later signaled completion retires its
         # send-queue entry).  A failed one still completes, and ends the connection: the request it carried
         # then fails like every other one in flight.
-        await self._post(wr, "send", wait=False, signaled=False)
+        await self._post(wr, "send", wait=False, signaled=False, seal=seal)
         self.stats.sends += 1
 
     async def _send_eager(self, header: bytes, payload) -> None:
@@ -592,6 +609,12 @@ class VerbsConnection(Connection):
             end = base + len(header) + n
             buf[base:base + len(header)] = header
             buf[base + len(header):end] = payload
+            session = self.session
+            seal = None
+            if session is not None:      # the header's MAC after the payload, taken right before the post
+                def seal(at=end):
+                    buf[at:at + TAG_SIZE] = session.seal(header)
+                end += TAG_SIZE
             wr = SendWR(opcode=E.IBV_WR_SEND, num_sge=1,
                         sg=[SGE(self._eager_addr + base, end - base, mr.lkey)])
 
@@ -599,7 +622,7 @@ class VerbsConnection(Connection):
                 free.append(i)
                 avail.release()
 
-            await self._post(wr, "send", wait=False, signaled=True, then=then)
+            await self._post(wr, "send", wait=False, signaled=True, then=then, seal=seal)
         except BaseException:
             if wr is None or wr.wr_id not in self._ops:     # not posted: ``then`` will never run
                 free.append(i)
@@ -609,7 +632,7 @@ class VerbsConnection(Connection):
         self.stats.sends += 1
 
     def _make_eager(self) -> None:
-        size = -(-(HEADER_SIZE + self.max_inline) // 64) * 64
+        size = -(-(HEADER_SIZE + self.max_inline + TAG_SIZE) // 64) * 64
         count = max(1, min(self.slots, 16))
         buf = mmap.mmap(-1, max(mmap.PAGESIZE, count * size))
         self._eager_view = memoryview(buf)
@@ -742,7 +765,9 @@ class VerbsConnection(Connection):
             raise self._post_failed(wr, what, os.strerror(rc))
 
     async def _post(self, wr: SendWR, what: str, wait: bool = True, signaled: bool = True, then=None,
-                    nbytes: int = 0) -> None:
+                    nbytes: int = 0, seal=None) -> None:
+        """Post ``wr`` once the send queue has room; ``seal()`` (a session's MAC for a SEND) runs after that
+        wait and before the post, with no checkpoint between: MACs are taken in the order messages leave."""
         if self._closed:
             raise ConnectionClosed(f"connection to {self.peer} is closed: {self._closed}")
         try:
@@ -752,6 +777,8 @@ class VerbsConnection(Connection):
             if self._closed:             # it died while we waited for room in the send queue
                 self._sq.release()
                 raise ConnectionClosed(f"connection to {self.peer} is closed: {self._closed}")
+        if seal is not None:
+            seal()
         self._ids += 1
         wr_id = self._ids
         wr.wr_id = wr_id
@@ -795,9 +822,16 @@ class VerbsConnection(Connection):
                 self._shutdown(f"repost failed: {e}")
                 return
             try:
-                landed = self._land(msg)
+                if self.session is not None:        # the session's MAC is the message's last bytes
+                    landed = self._land(msg[:-TAG_SIZE], msg[-TAG_SIZE:])
+                else:
+                    landed = self._land(msg)
             except trio.ClosedResourceError:
                 landed = False
+            except TransportError as e:          # failed the session's MAC (``misbehaved`` says why)
+                log.warning("connection from %s: %s", self.peer, e)
+                self._shutdown(str(e))
+                return
             if not landed:
                 self.misbehaved = "more control messages than slots"
                 self._shutdown("peer sent more control messages than we have slots")

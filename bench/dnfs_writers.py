@@ -1,0 +1,116 @@
+"""Concurrent writers through a dnfs mount, interleaved A/B of two checkouts (a benchmark, not a test).
+
+The peers harness's ``w4k_dsync`` and ``w4k_dsync_j8`` rows side by side on one mount: fio 4 KiB writes, each
+followed by fdatasync, from 1 writer and then from 8 (each its own file).  Each round and variant: a fresh
+local 3-node cluster (sync=always) and mount run from the variant's checkout, both phases, unmount.  Prints
+IOPS, fdatasync p50/p99, the mount's CPU per operation (/proc/PID/stat), the metadata engine's WAL syncs per
+fsync (``dnfs stats``, where the engine counts them) and the 8-writer/1-writer IOPS ratio.  Variants run
+interleaved (A, B, A, B, ...): on a shared, noisy machine only figures taken side by side compare.
+
+    git archive main | tar -x -C /tmp/main-copy
+    python bench/dnfs_writers.py --variant base=/tmp/main-copy --variant now=. --rounds 2 --seconds 15
+Run ../shared/bench/warm-memory first on a fresh VM.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+
+from dnfs_ab import _py  # noqa: E402
+from tools.cluster import cpu_seconds as _cpu  # noqa: E402  (dnfs_ab put the checkout on sys.path)
+
+
+def _stats(code: str, mnt: pathlib.Path) -> dict:
+    r = _py(code, "-m", "client.fs.cli", "stats", str(mnt), "--json", check=False)
+    try:
+        return json.loads(r.stdout)
+    except ValueError:
+        return {}
+
+
+def _wal_syncs(st: dict) -> int | None:
+    return (st.get("metadata") or st.get("meta") or {}).get("wal_syncs")
+
+
+def _fio(mnt: pathlib.Path, jobs: int, a) -> dict:
+    r = subprocess.run(["fio", f"--name=w{jobs}", f"--directory={mnt}", "--ioengine=psync", "--fallocate=none",
+                        "--rw=write", "--bs=4k", f"--size={a.size}", "--fdatasync=1", f"--runtime={a.seconds}",
+                        "--time_based", f"--numjobs={jobs}", "--group_reporting", "--output-format=json"],
+                       capture_output=True, text=True, check=True)
+    return json.loads(r.stdout[r.stdout.index("{"):])["jobs"][0]
+
+
+def phase(code: str, pid: int, mnt: pathlib.Path, jobs: int, a) -> dict:
+    s0, c0 = _wal_syncs(_stats(code, mnt)), _cpu(pid)
+    j = _fio(mnt, jobs, a)
+    cpu = _cpu(pid) - c0
+    s1 = _wal_syncs(_stats(code, mnt))
+    w, n = j["write"], j["write"]["total_ios"]
+    sync = j["sync"]["lat_ns"]["percentile"]
+    return {"iops": w["iops"], "p50": sync["50.000000"] / 1e6, "p99": sync["99.000000"] / 1e6,
+            "cpu_ms": cpu / max(1, n) * 1e3,
+            "wal_per_fsync": None if s0 is None or s1 is None else (s1 - s0) / max(1, n)}
+
+
+def one(code: str, opts: list[str], a, work: pathlib.Path) -> str:
+    root = pathlib.Path(tempfile.mkdtemp(prefix="dnfs-writers-", dir=work))
+    mnt = root / "mnt"
+    mnt.mkdir()
+    cl = root / "cluster"
+    _py(code, "-c", f"import pathlib; from tools import cluster as cl; cl.up(pathlib.Path({str(cl)!r}), 3, "
+                    f"sync='always')")
+    mounted = False
+    try:
+        nodes = json.loads((cl / "cluster.json").read_text())["nodes"]
+        _py(code, "-m", "tools.dnctl", "partition", "create", "--id", "1", "--replicas",
+            ",".join(n["addr"] for n in nodes))
+        out = _py(code, "-m", "client.fs.cli", "mount", "--cluster", str(cl), "--json", "--log",
+                  str(root / "mount.log"), *opts, str(mnt)).stdout
+        pid = json.loads(out)["pid"]
+        mounted = True
+        r1 = phase(code, pid, mnt, 1, a)
+        r8 = phase(code, pid, mnt, 8, a)
+
+        def show(r):
+            wal = "" if r["wal_per_fsync"] is None else f" wal/fsync {r['wal_per_fsync']:.2f}"
+            return (f"{r['iops']:6.0f} IOPS p50 {r['p50']:5.2f} p99 {r['p99']:6.2f} ms cpu {r['cpu_ms']:.3f} "
+                    f"ms/op{wal}")
+        return f"j1 {show(r1)} | j8 {show(r8)} | j8/j1 {r8['iops'] / r1['iops']:.2f}x"
+    finally:
+        if mounted:
+            _py(code, "-m", "client.fs.cli", "umount", str(mnt), check=False)
+        _py(code, "-c", f"import pathlib; from tools import cluster as cl; cl.down(pathlib.Path({str(cl)!r}))",
+            check=False)
+        subprocess.run(["rm", "-rf", str(root)])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variant", action="append", required=True, metavar="NAME=DIR[:MOUNT-OPTIONS]")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--seconds", type=int, default=15, help="each phase's fio --runtime")
+    ap.add_argument("--size", default="256M", help="each writer's fio --size (the harness's j8 row: 256M)")
+    ap.add_argument("--dir", default="/var/tmp", help="where the clusters and mounts go")
+    a = ap.parse_args()
+    variants = []
+    for v in a.variant:
+        name, sep, rest = v.partition("=")
+        code, _, opts = rest.partition(":")
+        code = str(pathlib.Path(code).resolve())
+        if not sep or not (pathlib.Path(code) / "client" / "fs").is_dir():
+            ap.error(f"--variant {v!r}: expected NAME=DIR[:MOUNT-OPTIONS], DIR a checkout (with client/fs/)")
+        variants.append((name, code, opts.split()))
+    for r in range(a.rounds):
+        for name, code, opts in variants:
+            print(f"{name:10} round {r}  {one(code, opts, a, pathlib.Path(a.dir))}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
