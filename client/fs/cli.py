@@ -25,7 +25,7 @@ from client.fs.engines import open_meta
 from client.fs.meta import MetaBusy
 from client.fs.writeback import BUDGET, CHUNK, WRITE_RETRY_S
 from client.fs.mount import (REQUEST_TIMEOUT_S, MountError, check_mountpoint, fuse_conf, login_error,
-                             mount_options, mount_pid, serve, unmount)
+                             mount_options, mount_pid, not_mounted, serve, unmount)
 from wire import aio, sdnotify
 from wire.etcdmap import ACCESS_OPTIONS, EtcdAccess
 
@@ -328,10 +328,9 @@ def umount_cmd(mountpoint, lazy, timeout, as_json):
 
 def _control(mountpoint: str, op: str, timeout: float) -> dict:
     from client.fs.control import ControlError, ask
-    from client.fs.mount import mount_pid
     pid = mount_pid(mountpoint)
     if pid is None:
-        raise click.ClickException(f"{mountpoint} is not a dnfs mount")
+        raise click.ClickException(str(not_mounted(mountpoint)))
     try:
         return ask(pid, op, timeout)
     except ControlError as e:
