@@ -433,7 +433,7 @@ def fsck_cmd(cluster_dir, node, etcd, meta, secret_file, tls_ca, repair, no_crc,
     async def go():
         m = await trio.to_thread.run_sync(open_meta, url, login["etcd_access"])
         try:
-            async with DataClient.open(addrs, etcd=etcd, **login) as dc:
+            async with DataClient.from_env(addrs, etcd=etcd, **login) as dc:
                 return await fsck(m, dc, repair=repair, verify_crc=not no_crc)
         except ClientError as e:
             raise login_error(e, login) if e.auth else e from None

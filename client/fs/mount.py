@@ -152,7 +152,7 @@ async def serve(mountpoint: str, nodes: list[str], meta_url: str, *, partitions:
     meta: Meta = await trio.to_thread.run_sync(open_meta, meta_url, (login or {}).get("etcd_access"), inline_max)
     mounted = False
     try:
-        async with DataClient.open(nodes, timeout=timeout, etcd=etcd, **(login or {})) as dc:
+        async with DataClient.from_env(nodes, timeout=timeout, etcd=etcd, **(login or {})) as dc:
             # a volume key writes files to its volume's partitions only (the nodes refuse the others)
             pids = partitions or dc.volume_partitions()
             if not pids:
