@@ -23,7 +23,7 @@ Variants run in turns (``--rounds``, each ``--writes`` writes back to back), so 
 alike.  With ``--cluster DIR`` (a running ``dnctl cluster up``, ``sync = always``) every turn also runs
 ``dnctl bench --size 4KiB --depth 1 --mode write`` on it (``--seconds`` each): ours beside the floor, same run.
 
-    python bench/design_floor.py [--dir /var/tmp] [--rounds 4] [--writes 1500] [--cluster DIR] [--json]
+    python -m bench.design_floor [--dir /var/tmp] [--rounds 4] [--writes 1500] [--cluster DIR] [--json]
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ import time
 
 import trio
 
-from floors import loopback_pair     # (bench/ is on sys.path: this script's directory)
+from bench.floors import loopback_pair
 
 HDR = 64
 SIZE = 4096
