@@ -1,7 +1,7 @@
 """Many SDK clients, each its own process, opening at once against one cluster: failures, open time, etcd's cost.
 
-    python bench/client_storm.py --cluster DIR [--clients 100] [--per-process 1] [--json]
-    python bench/client_storm.py --clients 100            # starts a default secured local cluster of its own
+    python -m bench.client_storm --cluster DIR [--clients 100] [--per-process 1] [--json]
+    python -m bench.client_storm --clients 100            # starts a default secured local cluster of its own
 
 Each process imports the SDK, says it is ready and waits; once all are ready they are released together
 and each opens ``DataClient.open`` as a script would with the cluster's client credentials (the secret,
@@ -46,7 +46,7 @@ sys.stdin.readline()
 async def one(done):
     t0 = time.monotonic()
     try:
-        async with DataClient.open(nodes, transport="tcp", pool_mib=4, etcd=url, etcd_access=access,
+        async with DataClient.from_env(nodes, transport="tcp", pool_mib=4, etcd=url, etcd_access=access,
                                    secret=secret or None, timeout=timeout, map_via=via) as dc:
             took = time.monotonic() - t0
             if not dc.partitions:

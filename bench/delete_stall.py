@@ -3,7 +3,7 @@ while extents of 128 MiB are deleted beside them, with the deleted extents' spac
 (``free_step_bytes = 0`` in the nodes' config) and in steps (the default), alternating, each round on a fresh
 local cluster (``dnctl cluster up``, sync=always).
 
-    .venv/bin/python bench/delete_stall.py [--rounds 4] [--extents 4] [--extent-mib 128]
+    .venv/bin/python -m bench.delete_stall [--rounds 4] [--extents 4] [--extent-mib 128]
 
 On a file system mounted with online discard (this box's root is: ``mount | grep discard``) the journal
 commit that frees the blocks discards them, and every fdatasync waiting for that commit -- every other
@@ -24,12 +24,12 @@ import time
 
 import trio
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from client.sdk import DataClient
+from tools.bench import percentile
+from tools.clikit import cluster_nodes
 
-from client.sdk import DataClient  # noqa: E402
-from tools.bench import percentile  # noqa: E402
-from tools.clikit import cluster_nodes  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
 
 MIB = 1 << 20
 VARIANTS = {"at once": 0, "in steps": None}      # free_step_bytes for the nodes (None: the default)
@@ -61,7 +61,7 @@ def summary(ms: list[float]) -> dict:
 
 
 async def measure(nodes: list[str], extents: int, extent_mib: int, pid: int = 1) -> dict:
-    async with DataClient.open(nodes, block_size=MIB, depth=8, pool_mib=32) as dc:
+    async with DataClient.from_env(nodes, block_size=MIB, depth=8, pool_mib=32) as dc:
         part = dc.partition(pid)
         payload = os.urandom(MIB)
         big = []

@@ -45,9 +45,9 @@ alike, and the summary gives medians of same-round ratios against the first shap
 running ``dnctl cluster up``, ``sync = always``) every turn also runs ``dnctl bench --size 4KiB --depth 1
 --mode write`` on it (``--seconds`` each): ours beside the floor, same run.
 
-    python bench/design_floor.py [--dir /var/tmp] [--rounds 4] [--writes 1500] [--depths 1,16]
-                                 [--variants c-threads,py-threads,trio-lean,fio,blocking,trio]
-                                 [--cluster DIR] [--json]
+    python -m bench.design_floor [--dir /var/tmp] [--rounds 4] [--writes 1500] [--depths 1,16]
+                                    [--variants c-threads,py-threads,trio-lean,fio,blocking,trio]
+                                    [--cluster DIR] [--json]
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ import time
 import crc32c
 import trio
 
-from floors import loopback_pair     # (bench/ is on sys.path: this script's directory)
+from bench.floors import loopback_pair
 
 HDR = 64
 SIZE = 4096

@@ -4,7 +4,7 @@ memory on small pages, and a ``wire/pool.py`` arena (private, on a huge-page bou
 MADV_HUGEPAGE) -- with the disk's own counters around each pass (/proc/diskstats, as
 ``dnctl bench --cold`` reads them).
 
-    python bench/direct_read_pages.py --dir /tmp [--mib 512] [--rounds 2]
+    python -m bench.direct_read_pages --dir /tmp [--mib 512] [--rounds 2]
 
 On small pages a 1 MiB buffer is up to 256 physical pieces; a device that takes fewer segments per request
 (virtio-blk: /sys/block/DEV/queue/max_segments, 254 on our VMs) splits it in two requests, unless the pages
@@ -17,13 +17,11 @@ import argparse
 import mmap
 import os
 import pathlib
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from wire.pool import BuddyPool  # noqa: E402
-from wire.transport.base import address_of  # noqa: E402
-from tools.bench import disk_delta, disk_of, disk_sample  # noqa: E402
+from wire.pool import BuddyPool
+from wire.transport.base import address_of
+from tools.bench import disk_delta, disk_of, disk_sample
 
 MIB = 1 << 20
 HUGE = 2 << 20

@@ -5,8 +5,8 @@ variant's checkout (PYTHONPATH=DIR), one workload, then unmount and stop.  Varia
 B, ...): on a shared, noisy machine only figures taken side by side compare.  The mount's CPU comes from
 /proc/PID/stat.
 
-    python bench/dnfs_ab.py --variant base=/tmp/main-copy --variant now=. --rounds 3 --workload tar
-    python bench/dnfs_ab.py --variant close-waits=. --variant writeback=.:--writeback --workload tar
+    python -m bench.dnfs_ab --variant base=/tmp/main-copy --variant now=. --rounds 3 --workload tar
+    python -m bench.dnfs_ab --variant close-waits=. --variant writeback=.:--writeback --workload tar
 
 A variant is NAME=DIR[:MOUNT-OPTIONS] (`git archive REV | tar -x -C DIR` makes a checkout of REV).
 Workloads:
@@ -31,11 +31,11 @@ import sys
 import tempfile
 import time
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "bench"))
+from bench.dnfs_fio import make_tar  # (the same 2,000-file tree as dnfs_fio's untar)
+from tools.cluster import cpu_seconds as _cpu
 
-from dnfs_fio import make_tar  # noqa: E402  (the same 2,000-file tree as dnfs_fio's untar)
-from tools.cluster import cpu_seconds as _cpu  # noqa: E402  (dnfs_fio put the checkout on sys.path)
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _py(code: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -4,7 +4,7 @@ test).  Starts a local 3-node cluster (sync=always) in --dir, mounts it, runs ea
 moved.  Also: files per second creating 10,000 empty files, and untarring 2,000 small ones (until the mount
 is unmounted: what it still buffers is written then).
 
-    python bench/dnfs_fio.py --dir /var/tmp/dnfs-bench [--size 2G] [--writeback] [--json]
+    python -m bench.dnfs_fio --dir /var/tmp/dnfs-bench [--size 2G] [--writeback] [--json]
 Run ../shared/bench/warm-memory first on a fresh VM.
 """
 from __future__ import annotations
@@ -19,11 +19,11 @@ import time
 
 import click
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from tools import cluster as cl
+from tools.cluster import cpu_seconds
 
-from tools import cluster as cl  # noqa: E402
-from tools.cluster import cpu_seconds  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
 
 JOBS = [  # the issue's lines; SIZE and SMALL are substituted
     ("seqw1m", "--filename=f1 --rw=write --bs=1M --size={SIZE} --end_fsync=1 --ioengine=psync --fallocate=none"),

@@ -8,7 +8,7 @@ fsync (``dnfs stats``, where the engine counts them) and the 8-writer/1-writer I
 interleaved (A, B, A, B, ...): on a shared, noisy machine only figures taken side by side compare.
 
     git archive main | tar -x -C /tmp/main-copy
-    python bench/dnfs_writers.py --variant base=/tmp/main-copy --variant now=. --rounds 2 --seconds 15
+    python -m bench.dnfs_writers --variant base=/tmp/main-copy --variant now=. --rounds 2 --seconds 15
 Run ../shared/bench/warm-memory first on a fresh VM.
 """
 from __future__ import annotations
@@ -17,14 +17,13 @@ import argparse
 import json
 import pathlib
 import subprocess
-import sys
 import tempfile
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "bench"))
+from bench.dnfs_ab import _py
+from tools.cluster import cpu_seconds as _cpu
 
-from dnfs_ab import _py  # noqa: E402
-from tools.cluster import cpu_seconds as _cpu  # noqa: E402  (dnfs_ab put the checkout on sys.path)
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _stats(code: str, mnt: pathlib.Path) -> dict:

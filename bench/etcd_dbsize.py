@@ -2,12 +2,12 @@
 N partitions placed by the manager, optionally one failover; prints etcd's dbSize and dbSizeInUse
 (``/v3/maintenance/status``) after each step.
 
-    python bench/etcd_dbsize.py --partitions 100 500           # one fresh cluster per count
-    python bench/etcd_dbsize.py --partitions 500 --failover    # then SIGKILL node3 and wait for the map
-    python bench/etcd_dbsize.py --partitions 500 --settle 120  # and watch it for 120 s (compaction, defrag)
+    python -m bench.etcd_dbsize --partitions 100 500           # one fresh cluster per count
+    python -m bench.etcd_dbsize --partitions 500 --failover    # then SIGKILL node3 and wait for the map
+    python -m bench.etcd_dbsize --partitions 500 --settle 120  # and watch it for 120 s (compaction, defrag)
 
 The code measured is whatever ``PYTHONPATH`` (else this checkout) holds, so an older tree can be measured
-with this script: ``PYTHONPATH=/tmp/old python bench/etcd_dbsize.py ...``.
+with this script: ``PYTHONPATH=/tmp/old python -m bench.etcd_dbsize ...``.
 """
 from __future__ import annotations
 
@@ -39,7 +39,6 @@ def dnctl(*args, timeout: float = 900) -> str:
 def status(url: str, root: pathlib.Path) -> dict:
     """The member's sizes, after a one-key write as etcd's root user: etcd counts the pages a compaction
     freed as free only once a later write commits (an idle member reports them in use)."""
-    sys.path.insert(0, CODE)
     from tools.cluster import local_access, local_tls
     from wire.etcdmap import _b64, client
     rec = json.loads((root / "cluster.json").read_text())["etcd"]

@@ -1,6 +1,6 @@
 """etcd requests per second at idle, per datanode and for the active manager (real etcd, nodes, manager).
 
-    python bench/etcd_traffic.py [--nodes 3] [--seconds 30] [--ttl 3] [--json]
+    python -m bench.etcd_traffic [--nodes 3] [--seconds 30] [--ttl 3] [--json]
 
 How it counts: etcd's own Prometheus counter ``grpc_server_started_total`` (``/metrics``), summed per gRPC
 method.  Every request to etcd's JSON gateway (``/v3/...``, what ``wire/etcdmap.py`` speaks) is one gRPC
@@ -72,7 +72,7 @@ def measure(root: pathlib.Path, n_nodes: int, seconds: float, ttl: int, quiet: f
         reps = [n.addr for n in nodes[:3]]
 
         async def setup():
-            async with DataClient.open(transport="tcp", timeout=10) as dc:
+            async with DataClient.from_env(transport="tcp", timeout=10) as dc:
                 for a in reps:
                     await dc.admin(a, Op.PARTITION_CREATE, partition=1, body={"replicas": reps, "epoch": 1})
             mgr.start()

@@ -1,7 +1,7 @@
 """Failover timings with real processes: etcd, one manager, four datanodes, one SDK writer.
 
-    python bench/failover.py --leader-kills 9 --follower-kills 3 --manager-kills 5 [--ttl 2] [--json]
-    python bench/failover.py --leader-kills 0 --follower-kills 3 --fill-mib 1024   # 1 GiB to re-replicate
+    python -m bench.failover --leader-kills 9 --follower-kills 3 --manager-kills 5 [--ttl 2] [--json]
+    python -m bench.failover --leader-kills 0 --follower-kills 3 --fill-mib 1024   # 1 GiB to re-replicate
 
 The writer is paced (``--rate``, 50 writes/s) and replaced copies are purged at once, so a long run of kills
 does not fill the disk.  Each round waits for the full replica count, i.e. re-replicates the whole partition:
@@ -98,7 +98,7 @@ async def bench(root: pathlib.Path, leader_kills: int, follower_kills: int, ttl:
         for n in nodes:
             n.start()
         byaddr = {n.addr: n for n in nodes}
-        async with DataClient.open(transport="tcp", timeout=10) as dc0:
+        async with DataClient.from_env(transport="tcp", timeout=10) as dc0:
             for a in [n.addr for n in nodes[:3]]:
                 await dc0.admin(a, Op.PARTITION_CREATE, partition=1,
                                 body={"replicas": [n.addr for n in nodes[:3]], "epoch": 1})
@@ -107,7 +107,7 @@ async def bench(root: pathlib.Path, leader_kills: int, follower_kills: int, ttl:
         await _wait_view(et, _full)
         acks: list[float] = []
         written = [0]
-        async with DataClient.open(transport="tcp", timeout=30, etcd=e.url) as dc:
+        async with DataClient.from_env(transport="tcp", timeout=30, etcd=e.url) as dc:
             if fill:                                # data the re-replication has to copy (--fill-mib)
                 t_fill = time.monotonic()
                 chunk = bytes(4 * MiB)

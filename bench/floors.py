@@ -22,7 +22,7 @@ floor of a layout that makes an append durable with a single device flush.  Then
 the data, one fdatasync of the CRC file: the store's "One flush") and without it (two fdatasyncs),
 alternating, ``--store-reps`` times each: what that path buys on this disk, the Python around it included.
 
-    python bench/floors.py [--dir /var/tmp] [--mib 1024] [--size-kib 1024] [--rounds 300] [--json]
+    python -m bench.floors [--dir /var/tmp] [--mib 1024] [--size-kib 1024] [--rounds 300] [--json]
 """
 from __future__ import annotations
 
@@ -31,13 +31,11 @@ import json
 import mmap
 import os
 import socket
-import sys
 import tempfile
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from wire.crc import crc32c  # noqa: E402
+from wire.crc import crc32c
 
 BUF = 4 << 20
 

@@ -12,18 +12,16 @@ once, as the store's one-flush path does (datanode/store/flush.py, "One flush"),
 Rounds alternate (serial, overlap, overlap, serial, ...), 50 flushes each; the figure is the slowest of the
 three per flush (what a 3-replica write waits for): p50/p90/p99.
 
-    python bench/flush_ab.py --dir /path/on/the/data/disk --rounds 20
+    python -m bench.flush_ab --dir /path/on/the/data/disk --rounds 20
 """
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from datanode.store.files import SFR_START, SFR_WAIT, sync_range  # noqa: E402  (the store's own sync_file_range)
+from datanode.store.files import SFR_START, SFR_WAIT, sync_range  # (the store's own sync_file_range)
 
 ORDERS = {"serial": ((SFR_START | SFR_WAIT, "data"),),
           "overlap": ((SFR_START, "data"), (SFR_START, "crc"), (SFR_WAIT, "data"))}

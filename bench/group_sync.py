@@ -12,7 +12,7 @@ Every write lands over zeros written and synced ahead (as the store's zero-fill 
 and the device cache flush, no journal commit for a size change.  Modes run in turns (``--rounds``), each for
 ``--seconds``: durable 4 KiB writes a second, and this process's CPU per write.
 
-    python bench/group_sync.py [--dir /var/tmp] [--files 1,4,16] [--rounds 3] [--seconds 2] [--json]
+    python -m bench.group_sync [--dir /var/tmp] [--files 1,4,16] [--rounds 3] [--seconds 2] [--json]
 """
 from __future__ import annotations
 

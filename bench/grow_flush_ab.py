@@ -8,14 +8,14 @@ and ends with the data file's fdatasync -- one fdatasync -- else it syncs the da
 (datanode/store/flush.py, "One flush").  Rounds alternate the order (on, off, off, on, ...); the figures are
 each append's write+flush time over the three stores, p50 and p99, and the MiB/s of the three together.
 
-    python bench/grow_flush_ab.py --dir /path/on/the/data/disk --rounds 8
+    python -m bench.grow_flush_ab --dir /path/on/the/data/disk --rounds 8
 """
 from __future__ import annotations
 
 import argparse
 
-from floors import store_floor     # (bench/ is on sys.path: this script's directory)
-from datanode.store import MAX_EXTENT  # (floors put the checkout on sys.path)
+from bench.floors import store_floor
+from datanode.store import MAX_EXTENT
 
 SIZE = 1 << 20
 

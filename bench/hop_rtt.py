@@ -3,7 +3,7 @@
 a trio task (our transport's lean way: try the kernel, ``wait_readable`` only when it would block -- as
 wire/transport/tcp.py ``LeanSocket``), and trio's own ``SocketStream`` on both ends for comparison.
 
-    python bench/hop_rtt.py                  # 3,000 round trips per variant, 0.5 ms apart (an idle peer)
+    python -m bench.hop_rtt                  # 3,000 round trips per variant, 0.5 ms apart (an idle peer)
 
 The difference between the variants is what a trio wake-up adds to a hop; a replicated write at depth 1 makes
 four such hops on its critical path (client -> leader -> follower -> leader -> client).
@@ -17,7 +17,7 @@ import time
 
 import trio
 
-from floors import loopback_pair     # (bench/ is on sys.path: this script's directory)
+from bench.floors import loopback_pair
 
 
 async def _lean_recv(s: socket.socket) -> bytes:

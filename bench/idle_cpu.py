@@ -1,6 +1,6 @@
 """A datanode's CPU at idle, against the number of partitions it holds (real processes, no etcd).
 
-    python bench/idle_cpu.py [--partitions 100,300] [--nodes 3] [--settle 10] [--seconds 15] [--json]
+    python -m bench.idle_cpu [--partitions 100,300] [--nodes 3] [--settle 10] [--seconds 15] [--json]
 
 Steps, for each count N: ``--nodes`` datanodes (TCP, default heartbeat) on free ports; N partitions of 3
 replicas created, their leaders spread round robin over the nodes; one small write into each (so each
@@ -14,25 +14,23 @@ import argparse
 import json
 import os
 import pathlib
-import sys
 import tempfile
 import time
 
 import trio
 
+from client.sdk import DataClient
+from wire.protocol import Op
+from tools.cluster import NodeProc, cpu_seconds, free_port
+
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 # the nodes run this checkout (``python -P`` would otherwise import the venv's installed tree)
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 
-from client.sdk import DataClient  # noqa: E402
-from wire.protocol import Op  # noqa: E402
-from tools.cluster import NodeProc, cpu_seconds, free_port  # noqa: E402
-
 
 async def _populate(addrs: list[str], n: int, r: int) -> None:
-    async with DataClient.open(list(addrs), transport="tcp", timeout=30, pool_mib=16) as dc:
+    async with DataClient.from_env(list(addrs), transport="tcp", timeout=30, pool_mib=16) as dc:
         limit = trio.CapacityLimiter(16)
 
         async def one(pid: int) -> None:

@@ -7,8 +7,8 @@ test), and prints per request, for the leader, each follower and the client: loo
 ``epoll_wait``, the run queue's batch and trio's bookkeeping), of them the ones that blocked, task steps, and
 the await sites the steps resumed from, most first.
 
-    python bench/loop_steps.py -- --size 4KiB --depth 1 --seconds 8 --mode write
-    python bench/loop_steps.py --variant base=/tmp/main-copy --variant now=. --top 12 -- --size 1MiB \\
+    python -m bench.loop_steps -- --size 4KiB --depth 1 --seconds 8 --mode write
+    python -m bench.loop_steps --variant base=/tmp/main-copy --variant now=. --top 12 -- --size 1MiB \\
         --depth 8 --total-mib 1024 --mode write
 
 Requests are the bench's measured ones; the steps also hold the cluster's start and the scratch partition's

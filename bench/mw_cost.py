@@ -1,7 +1,7 @@
 """The data-path cost of verbs memory windows: ``dnctl bench`` over verbs with windows on and off, alternated
 in one run of the Soft-RoCE VM.
 
-    lab/softroce-vm run -- python bench/mw_cost.py [--rounds 2] [--seconds 3] [--json]
+    lab/softroce-vm run -- python -m bench.mw_cost [--rounds 2] [--seconds 3] [--json]
 
 Each round brings up a 3-node verbs cluster (sync none: the disk stays out of the way) with
 ``DATANODE_RDMA_WINDOWS`` = 1 (on: per-request type-2 windows, bound by the requester on its queue pair
@@ -69,7 +69,7 @@ def rows(res: dict) -> dict:
 def main(rounds, seconds, as_json) -> None:
     """Verbs memory windows on vs off, dnctl bench in the Soft-RoCE VM (run it there)."""
     if not os.path.exists(f"/sys/class/infiniband/{DEV}"):
-        print(f"no RDMA device {DEV}: run inside the VM: lab/softroce-vm run -- python bench/mw_cost.py")
+        print(f"no RDMA device {DEV}: run inside the VM: lab/softroce-vm run -- python -m bench.mw_cost")
         sys.exit(2)
     root = tempfile.mkdtemp(prefix="mwcost-")
     raw: dict[str, list[dict]] = {"on": [], "off": []}

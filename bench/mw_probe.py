@@ -1,6 +1,6 @@
 """Does the RDMA device support memory windows (type 1 / type 2)?  Run in the Soft-RoCE VM:
 
-    lab/softroce-vm run -- python bench/mw_probe.py
+    lab/softroce-vm run -- python -m bench.mw_probe
 
 Prints the device's MW capability bits, then tries to register an MR that allows MW binding and to
 allocate a type-1 and a type-2 window on it.  (Binding per request would scope a peer's one-sided access to

@@ -1,7 +1,7 @@
 """`dnctl bench` at loopback and across hosts with a network's round trip between them, in one run.
 
-    python bench/netem.py                          # loopback, 0, 0.5 and 5 ms, 0.5 ms with 0.1% loss; 3 rounds
-    python bench/netem.py --rtt 0.5 --rounds 1 --seconds 10 --json
+    python -m bench.netem                          # loopback, 0, 0.5 and 5 ms, 0.5 ms with 0.1% loss; 3 rounds
+    python -m bench.netem --rtt 0.5 --rounds 1 --seconds 10 --json
 
 Three datanodes and the bench's client, each on its own host (tools/netns.py: network namespaces joined by
 a router process that holds every packet for half the round trip, with jitter of a tenth of it); `dnctl
@@ -33,14 +33,13 @@ import sys
 import tempfile
 from collections import Counter
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-import trio  # noqa: E402
+import trio
 
-from client.sdk import DataClient  # noqa: E402
-from tools.cluster import NodeProc, cluster_secret, free_port  # noqa: E402
-from tools.netns import Network, unavailable  # noqa: E402
-from wire.protocol import Header, Op, Result  # noqa: E402
+from client.sdk import DataClient
+from tools.cluster import NodeProc, cluster_secret, free_port
+from tools.netns import Network, unavailable
+from wire.protocol import Header, Op, Result
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 CONFIGS = [("4KiB", 1), ("4KiB", 16), ("1MiB", 8)]
@@ -71,7 +70,7 @@ def stop_nodes(procs: list[NodeProc]) -> None:
 
 def measured_rtt_ms(addr: str, secret: str, n: int = 20) -> float:
     async def go():
-        async with DataClient.open(transport="tcp", timeout=10, pool_mib=2, secret=secret) as dc:
+        async with DataClient.from_env(transport="tcp", timeout=10, pool_mib=2, secret=secret) as dc:
             times = []
             for _ in range(n + 1):
                 t = trio.current_time()

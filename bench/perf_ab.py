@@ -7,7 +7,7 @@ checkout (PYTHONPATH=DIR), runs one bench, stops it.  The order turns every roun
 a fixed order the position itself shows (whichever runs first tends to be ahead).
 The last lines give each variant's medians over the rounds (compare them with an even number of rounds).
 
-    python bench/perf_ab.py --variant base=/tmp/main-copy --variant now=. --rounds 2 --sync always \\
+    python -m bench.perf_ab --variant base=/tmp/main-copy --variant now=. --rounds 2 --sync always \\
         -- --size 4KiB --depth 16 --seconds 5 --mode write
 
 (`git archive main | tar -x -C /tmp/main-copy` makes a checkout of main to compare against.)

@@ -1,6 +1,6 @@
 """What a writer using ``DataClient.put`` (no partition) sees when a follower is killed -9.
 
-    .venv/bin/python bench/put_failover.py --kills 5 [--nodes 6] [--partitions 4] [--ttl 2] [--size 65536] [--json]
+    .venv/bin/python -m bench.put_failover --kills 5 [--nodes 6] [--partitions 4] [--ttl 2] [--size 65536] [--json]
 
 Real processes: one etcd member, one manager (min_writable = --partitions), --nodes datanodes, one SDK writer calling
 ``put`` back to back.  Each round kills a node that leads no partition but is a follower in some (so the
@@ -23,12 +23,11 @@ import time
 
 import trio
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from client.sdk import DataClient  # noqa: E402
-from wire.etcdmap import Etcd  # noqa: E402
-from tools.cluster import NodeProc, free_port  # noqa: E402
-from tools.etcd_cluster import EtcdProc, ManagerProc  # noqa: E402
+from client.sdk import DataClient
+from wire.etcdmap import Etcd
+from tools.cluster import NodeProc, free_port
+from tools.etcd_cluster import EtcdProc, ManagerProc
 
 
 def _gap(ts: list[float], lo: float, hi: float) -> float:
@@ -64,7 +63,7 @@ async def run(root: pathlib.Path, kills: int, ttl: int, size: int, partitions: i
             await settled()
         acks: list[float] = []
         errors: list[str] = []
-        async with DataClient.open(transport="tcp", timeout=30, etcd=e.url) as dc:
+        async with DataClient.from_env(transport="tcp", timeout=30, etcd=e.url) as dc:
             async def writer():
                 data = bytes(size)
                 while True:

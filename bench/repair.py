@@ -1,6 +1,6 @@
 """Repair throughput, with and without client writes, and what repair at its cap costs client writes.
 
-    python bench/repair.py --mib 256 --cap 64
+    python -m bench.repair --mib 256 --cap 64
 
 Three local datanodes (127.0.0.1).  Partition 1 holds ``--mib`` MiB on [n1, n2]; partition 2 is on all
 three and takes the client load.  Each scenario adds n3 to partition 1 (``dnctl replica add``: epoch + 1,
@@ -99,7 +99,7 @@ async def _bench(root: pathlib.Path, mib: int, cap: float, sync: str, seconds: f
 
     try:
         await restart(0.0)
-        async with DataClient.open(timeout=30, transport="tcp", pool_mib=64) as dc:
+        async with DataClient.from_env(timeout=30, transport="tcp", pool_mib=64) as dc:
             for pid, reps in ((1, [a, b]), (2, [a, b, c])):
                 for addr in reps:
                     await dc.admin(addr, Op.PARTITION_CREATE, partition=pid, body={"replicas": reps, "epoch": 1})
@@ -112,7 +112,7 @@ async def _bench(root: pathlib.Path, mib: int, cap: float, sync: str, seconds: f
             out["repair_alone"] = await fill_c(dc, False)
             out["repair_with_load"] = await fill_c(dc, True)
         await restart(cap)
-        async with DataClient.open(timeout=30, transport="tcp", pool_mib=64) as dc:
+        async with DataClient.from_env(timeout=30, transport="tcp", pool_mib=64) as dc:
             await dc.discover(a)
             out["capped_with_load"] = await fill_c(dc, True)
     finally:
@@ -135,7 +135,7 @@ def repair_bench_command(mib, cap, sync, seconds, root):
     """Repair throughput alone and under client writes, and what capped repair costs client writes.
 
     \b
-    python bench/repair.py --mib 256 --cap 64
+    python -m bench.repair --mib 256 --cap 64
 
     Prints one JSON document (the scenarios are described in bench/repair.py).
     """

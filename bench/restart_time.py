@@ -1,6 +1,6 @@
 """Restart time of a datanode holding N GiB: process start -> listening, and -> serving.
 
-    .venv/bin/python bench/restart_time.py --gib 2 --gib 10 [--cache warm --cache cold] [--before-src DIR] [--json]
+    .venv/bin/python -m bench.restart_time --gib 2 --gib 10 [--cache warm --cache cold] [--before-src DIR] [--json]
 
 For each size: a data dir with one partition is filled through the store API (``PartitionTable`` /
 ``ExtentStore``, sync=none, 128 MiB extents of incompressible bytes), then a datanode process is started on
@@ -31,15 +31,15 @@ import time
 import click
 import trio
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from client.sdk import ClientError, DataClient
+from datanode import config as config_mod
+from datanode.partition import PartitionTable
+from wire.protocol import Op
+from datanode.store import MAX_EXTENT
+from tools.cluster import free_port
 
-from client.sdk import ClientError, DataClient  # noqa: E402
-from datanode import config as config_mod  # noqa: E402
-from datanode.partition import PartitionTable  # noqa: E402
-from wire.protocol import Op  # noqa: E402
-from datanode.store import MAX_EXTENT  # noqa: E402
-from tools.cluster import free_port  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -101,7 +101,7 @@ async def _measure(cmd: list[str], env: dict, cwd: str, addr: str, log_path: pat
                 out["listening_s"] = round(time.monotonic() - t0, 3)
                 await stream.aclose()
                 break
-            async with DataClient.open(timeout=10, pool_mib=2, transport="tcp") as dc:
+            async with DataClient.from_env(timeout=10, pool_mib=2, transport="tcp") as dc:
                 while True:
                     try:
                         st = await dc.admin(addr, Op.NODE_STATUS)

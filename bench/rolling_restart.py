@@ -1,6 +1,6 @@
 """A rolling restart under fsync-ed writes through a dnfs mount: per node, the longest write stall and the errors.
 
-    .venv/bin/python bench/rolling_restart.py [--nodes 3] [--writers 2] [--kib 64] [--rounds 1] [--json]
+    .venv/bin/python -m bench.rolling_restart [--nodes 3] [--writers 2] [--kib 64] [--rounds 1] [--json]
 
 Starts a local cluster (`dnctl cluster up`: etcd, a manager, N datanodes) in a scratch directory, mounts it with
 dnfs following etcd's map, and starts ``--writers`` threads, each appending ``--kib`` records to a file of its
@@ -25,10 +25,10 @@ import sys
 import tempfile
 import time
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from lab import rolling
 
-from lab import rolling  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _cli(*args, timeout: float = 600) -> str:

@@ -1,6 +1,6 @@
 """How a default secured cluster copes as its partition count grows.
 
-    python bench/scale.py --partitions 10,100,1000 [--nodes 3] [--clients 50] [--json] [--plot scale.png]
+    python -m bench.scale --partitions 10,100,1000 [--nodes 3] [--clients 50] [--json] [--plot scale.png]
 
 For each partition count N, in a fresh temporary directory on free ports, the bench does what an operator
 would with ``dnctl``: ``cluster up --nodes 3`` (etcd with one user per component, the cluster secret on),
@@ -51,15 +51,15 @@ import tempfile
 import time
 import urllib.request
 
+import trio
+
+from tools import cluster as cl
+
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))      # (as bench/netem.py: this checkout, not an installed copy)
 # the daemons and dnctl this bench starts must run this checkout too (a venv's editable install may point
 # at another one; the datanode runs with -P, so only PYTHONPATH reaches it)
 os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
-
-import trio  # noqa: E402
-
-from tools import cluster as cl  # noqa: E402
 
 TIMEOUT = "timeout"
 IDLE_S = 10.0
@@ -236,7 +236,7 @@ async def failover(root: pathlib.Path, info: dict, et, timeout: float, concurren
     errors: dict[str, int] = {}
     login = cl.client_login(info)
     limit = trio.Semaphore(concurrency)
-    async with DataClient.open(etcd=info["etcd"]["url"], timeout=10, pool_mib=16, **login) as dc:
+    async with DataClient.from_env(etcd=info["etcd"]["url"], timeout=10, pool_mib=16, **login) as dc:
         await trio.sleep(0.5)                 # the watch is following
         log(f"failover: kill -9 {victim} (leads {leads[victim]} of {len(parts)}; pid {pids[victim]})")
         cpu = DaemonCPU(root)
@@ -295,7 +295,7 @@ async def clients_at_once(info: dict, k: int, timeout: float) -> dict:
         with trio.move_on_after(timeout) as scope:
             for _ in range(k):
                 procs.append(await trio.lowlevel.open_process(
-                    [sys.executable, str(pathlib.Path(__file__).resolve()), "--_client"], env=env, cwd=str(REPO),
+                    [sys.executable, "-m", "bench.scale", "--_client"], env=env, cwd=str(REPO),
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL))
             readers = [_Lines(p.stdout) for p in procs]
             # every process has imported what it needs before any is told to go: the time is the open's alone
@@ -384,7 +384,7 @@ def client_main() -> None:
         t0 = time.monotonic()
         try:
             with trio.fail_after(60):
-                async with DataClient.open(etcd=os.environ["SCALE_ETCD"], secret=os.environ["SCALE_SECRET"],
+                async with DataClient.from_env(etcd=os.environ["SCALE_ETCD"], secret=os.environ["SCALE_SECRET"],
                                            role="client", etcd_access=EtcdAccess.load(
                                                **json.loads(os.environ["SCALE_ETCD_ACCESS"])),
                                            timeout=30, pool_mib=2) as dc:

@@ -1,7 +1,7 @@
 """The data path's targets in one run: each figure beside its goal and the baseline measured in the same run.
 
-    python bench/targets.py --warm-memory ../shared/bench/warm-memory --out /tmp/targets [--verbs]
-    python bench/targets.py --from /tmp/targets          # the table again, from a run's saved JSON
+    python -m bench.targets --warm-memory ../shared/bench/warm-memory --out /tmp/targets [--verbs]
+    python -m bench.targets --from /tmp/targets          # the table again, from a run's saved JSON
 
 Runs one after the other (nothing else should run on the box meanwhile), each result saved in ``--out``:
 
@@ -65,7 +65,7 @@ def measure(a, out: pathlib.Path) -> None:
             run([*DNCTL, "cluster", "up", "--nodes", "3", "--cluster", cluster, "--sync", sync])
             try:
                 if sync == "always":
-                    run([sys.executable, "bench/design_floor.py", "--rounds", "3", "--writes", "1500", "--cluster",
+                    run([sys.executable, "-m", "bench.design_floor", "--rounds", "3", "--writes", "1500", "--cluster",
                          cluster, "--seconds", "6", "--json"], out / "floor.json")
                 for name, args in phases.items():
                     run([*DNCTL, "bench", "--cluster", cluster, *[x.format(s=a.seconds) for x in args], "--json"],
@@ -74,7 +74,7 @@ def measure(a, out: pathlib.Path) -> None:
                 run([*DNCTL, "cluster", "down", "--cluster", cluster])
     if a.verbs:
         text = run([str(ROOT / "lab" / "softroce-vm"), "run", "--timeout", "1800", "--", "python",
-                    "bench/verbs_ratio.py", "--rounds", "2", "--seconds", "6", "--json"], timeout=2400)
+                    "-m", "bench.verbs_ratio", "--rounds", "2", "--seconds", "6", "--json"], timeout=2400)
         (out / "verbs.txt").write_text(text)
 
 

@@ -12,7 +12,7 @@ size, appends/s, MiB/s, p50/p99 latency and CPU per append (the node's and this 
 process_time), then the same-run ratios of auth to nomac.  Needs the ``openssl`` CLI (a throwaway CA in a
 temp dir).
 
-    .venv/bin/python bench/trust_cost.py [--rounds 5] [--seconds 2]
+    .venv/bin/python -m bench.trust_cost [--rounds 5] [--seconds 2]
 """
 from __future__ import annotations
 
@@ -29,12 +29,11 @@ import time
 
 import trio
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from client.sdk import DataClient  # noqa: E402
-from wire.protocol import Op  # noqa: E402
-from tools.cluster import NodeProc, cluster_secret, cpu_seconds, free_port  # noqa: E402
-from wire.protocol import SESSIONS_SINCE  # noqa: E402
+from client.sdk import DataClient
+from wire.protocol import Op
+from tools.cluster import NodeProc, cluster_secret, cpu_seconds, free_port
+from wire.protocol import SESSIONS_SINCE
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = (4 * KiB, MiB)
@@ -68,7 +67,7 @@ def tree_before_sessions(dest: pathlib.Path) -> pathlib.Path:
 async def appends(addr: str, client_kw: dict, size: int, seconds: float) -> list[float]:
     data = random.Random(size).randbytes(size)
     lat = []
-    async with DataClient.open([addr], timeout=30, pool_mib=16, transport="tcp", **client_kw) as dc:
+    async with DataClient.from_env([addr], timeout=30, pool_mib=16, transport="tcp", **client_kw) as dc:
         eid, off = await dc.create_extent(1), 0
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:
@@ -82,7 +81,7 @@ async def appends(addr: str, client_kw: dict, size: int, seconds: float) -> list
 
 
 async def setup(addr: str, client_kw: dict) -> None:
-    async with DataClient.open([], timeout=30, pool_mib=4, transport="tcp", **client_kw) as dc:
+    async with DataClient.from_env([], timeout=30, pool_mib=4, transport="tcp", **client_kw) as dc:
         await dc.admin(addr, Op.PARTITION_CREATE, partition=1, body={"replicas": [addr], "epoch": 1})
 
 

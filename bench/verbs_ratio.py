@@ -1,6 +1,6 @@
 """Leader ingest over verbs as a share of ``ib_read_bw``, at RoCE MTU 1024 and 4096, in one Soft-RoCE VM run.
 
-    lab/softroce-vm run --timeout 1800 -- python bench/verbs_ratio.py [--mtu 1024,4096] [--rounds 2]
+    lab/softroce-vm run --timeout 1800 -- python -m bench.verbs_ratio [--mtu 1024,4096] [--rounds 2]
                                                                        [--size 1MiB] [--seconds 6] [--json]
 
 Per round, for each MTU in turn (interleaved, so drift in the VM's speed hits both alike):
@@ -26,7 +26,7 @@ between the same two ib_read_bw runs, on a cluster started with the variant's en
 ``DATANODE_RDMA_WINDOWS=0``; see wire/transport/verbs.py), and ``depth=N`` / ``size=S`` / ``clients=N`` / ``replicas=N`` (that many nodes)
 change the bench itself for that variant:
 
-    python bench/verbs_ratio.py --variant old:DATANODE_VERBS_SPIN_US=0,DATANODE_VERBS_UNSIGNALED=0 \
+    python -m bench.verbs_ratio --variant old:DATANODE_VERBS_SPIN_US=0,DATANODE_VERBS_UNSIGNALED=0 \
                                 --variant new: --variant new-d16:depth=16
 """
 from __future__ import annotations
@@ -38,15 +38,13 @@ import re
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 
 import click
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.vm_compare import ADDR, DEV, GID, SIZES, dnctl, ib_read_bw  # noqa: E402
+from bench.vm_compare import ADDR, DEV, GID, SIZES, dnctl, ib_read_bw
 
 NETDEV_MTU = {1024: 1500, 2048: 2500, 4096: 9000}   # netdev MTU that gives this RoCE active MTU on rxe
 GOAL = 0.60
@@ -274,7 +272,7 @@ def main(mtus, rounds, size, seconds, depth, clients, ib_iters, variants, as_jso
     """Leader ingest over verbs / ib_read_bw per RoCE MTU, in this Soft-RoCE VM (see the module docstring)."""
     if not os.path.exists(f"/sys/class/infiniband/{DEV}"):
         raise SystemExit(f"no RDMA device {DEV}: run inside the VM: "
-                         "lab/softroce-vm run -- python bench/verbs_ratio.py")
+                         "lab/softroce-vm run -- python -m bench.verbs_ratio")
     if not shutil.which("ib_read_bw"):
         raise SystemExit("ib_read_bw is not installed (apt-get install perftest)")
     try:

@@ -1,6 +1,6 @@
 """What a datanode pays per view change: N ``PARTITION_UPDATE`` requests against N/64 ``PARTITION_UPDATE_MANY``.
 
-    python bench/view_batch.py [--partitions 512] [--rounds 3] [--inflight 64]
+    python -m bench.view_batch [--partitions 512] [--rounds 3] [--inflight 64]
 
 One datanode (a fresh temporary directory, a free port, TCP, ``sync = always``) with N single-replica
 partitions; each round raises every partition's epoch once with one ``PARTITION_UPDATE`` each (``--inflight``
@@ -14,20 +14,18 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import sys
 import tempfile
 import time
 
 import trio
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
-from client.sdk import DataClient  # noqa: E402
-from tools import cluster as cl  # noqa: E402
-from tools.cluster import NodeProc, free_port  # noqa: E402
-from wire.limits import MAX_VIEWS_PER_UPDATE  # noqa: E402
-from wire.protocol import Op  # noqa: E402
+from client.sdk import DataClient
+from tools import cluster as cl
+from tools.cluster import NodeProc, free_port
+from wire.limits import MAX_VIEWS_PER_UPDATE
+from wire.protocol import Op
 
 
 async def measure(node: NodeProc, n: int, rounds: int, inflight: int) -> None:

@@ -1,6 +1,6 @@
 """Verbs vs TCP in one Soft-RoCE VM run, next to ib_read_bw on the same device.
 
-    lab/softroce-vm run -- python bench/vm_compare.py [--seconds 8] [--size 1MiB] [--json]
+    lab/softroce-vm run -- python -m bench.vm_compare [--seconds 8] [--size 1MiB] [--json]
 
 1. ``ib_read_bw -d $DEV -x $GID -F -s SIZE`` (server and client in this VM): the device's RDMA READ rate.
 2. A local cluster with ``transport = verbs`` and one with ``transport = tcp``; in each, ``dnctl bench
@@ -84,7 +84,7 @@ def main(seconds, size, ib_iters, as_json) -> None:
 
 def compare(args) -> int:
     if not os.path.exists(f"/sys/class/infiniband/{DEV}"):
-        print(f"no RDMA device {DEV}: run inside the VM: lab/softroce-vm run -- python bench/vm_compare.py")
+        print(f"no RDMA device {DEV}: run inside the VM: lab/softroce-vm run -- python -m bench.vm_compare")
         return 2
     root = tempfile.mkdtemp(prefix="vmcmp-")
     res = {"ib_read_bw_MBps": ib_read_bw(SIZES[args.size], args.ib_iters)}

@@ -6,9 +6,9 @@ step the median (and p10/p90) time since the client submitted the append -- so t
 (a step on one process to the next step on another), each node's own work and each flush stand side by
 side.  Followers are F1, F2, ... in the order of their trace files.
 
-    python bench/write_timeline.py                         # 4 KiB, depth 1, 3 replicas, sync always, 5 s
-    python bench/write_timeline.py --depth 16 --json
-    python bench/write_timeline.py --reads --cold --size 1MiB --depth 8      # a read's steps, from the disk
+    python -m bench.write_timeline                         # 4 KiB, depth 1, 3 replicas, sync always, 5 s
+    python -m bench.write_timeline --depth 16 --json
+    python -m bench.write_timeline --reads --cold --size 1MiB --depth 8      # a read's steps, from the disk
 
 Steps of a run of appends (ops/data.py AppendRun) are noted for its first request only; the table counts
 appends whose every step on every process was seen.

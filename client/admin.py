@@ -54,10 +54,11 @@ def why(e: Exception, addr: str) -> str:
 
 
 @asynccontextmanager
-async def open_client(nodes: Iterable[str], **kw) -> AsyncIterator[DataClient]:
-    """A DataClient whose partition map comes from any of ``nodes`` that answer (a node may be down)."""
+async def open_client(nodes: Iterable[str], *, from_env: bool = False, **kw) -> AsyncIterator[DataClient]:
+    """A DataClient whose partition map comes from any of ``nodes`` that answer (a node may be down);
+    ``from_env``: what ``kw`` does not give comes from the environment (``DataClient.from_env``: a CLI)."""
     nodes = list(nodes)
-    async with DataClient.open(**kw) as dc:
+    async with (DataClient.from_env if from_env else DataClient.open)(**kw) as dc:
         errors = []
         for addr in nodes:
             try:

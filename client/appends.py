@@ -15,7 +15,7 @@ from typing import Awaitable, Callable
 import trio
 
 from client.channel import Channel, ClientError, Location, PartitionInfo, ReplicationError, check
-from client.routing import PartitionMap
+from client.routing import AVOID_S, PartitionMap
 from wire import aio
 from wire.protocol import MAX_EXTENT, Header, Op, Result
 
@@ -23,7 +23,6 @@ log = logging.getLogger(__name__)
 
 FAILOVER_POLL_S = 1.0     # a failed write waits this long for a new view before trying again anyway
 PUT_STATES = {"writable": 0, "degraded": 1, "recovering": 2}     # etcd states a put may use, preferred first
-AVOID_S = 2.0     # put: a partition that just failed is skipped this long (or until it has a new view)
 HEALTH_FRESH_S = 5.0      # a leader's report of an unreachable follower is believed this long
 
 

@@ -28,6 +28,11 @@ from wire.transport.base import TransportError
 log = logging.getLogger(__name__)
 MAP_ANSWER = 256 << 10      # bytes of answer buffer for one MAP_READ (the node pages the map to fit it)
 MAP_WAIT_S = 5.0            # a MAP_READ waits this long at most for a change (well inside a request's timeout)
+# "Write the rest elsewhere": a partition a write just failed on is passed over this long while another can
+# take the write (put, and dnfs's flushes).  Writes there keep failing until the manager gives it a new view,
+# which takes its lease TTL (3 s) + down_after (1 s) + an install: twice that, so a slow failover is not
+# hammered; a new view ends it sooner where the writer follows the map (put).
+AVOID_S = 10.0
 
 
 class NoMapHere(ClientError):

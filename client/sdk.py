@@ -24,9 +24,10 @@ reaches only its volume's partitions: ``put`` picks among those (``learn_volume`
 client also checks the MAC of every view it reads (wire/mapcheck.py).  TLS: ``tls_ca=``
 a CA bundle or an ``ssl.SSLContext``: every connection then speaks TLS and checks the node's certificate
 (wire/transport/tls.py).  Connections: ``options=`` a TransportOptions (congestion control, RDMA device and
-tuning, tracing).  For scripts, what is not given is read once from the environment when the client is made:
-$DATANODE_SECRET_FILE, $DATANODE_TLS_CA, $DATANODE_ETCD_CREDENTIALS/_CA/_CERT/_KEY, and $DATANODE_<FIELD> for
-each option (``TransportOptions.from_env``).
+tuning).  The client is configured by these arguments only; a program configured by its environment opens
+it with ``DataClient.from_env`` instead, which fills in what is not given from $DATANODE_SECRET_FILE,
+$DATANODE_TLS_CA, $DATANODE_ETCD_CREDENTIALS/_CA/_CERT/_KEY and $DATANODE_<FIELD> for each option
+(``TransportOptions.from_env``), and starts tracing where $DATANODE_TRACE asks.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ import os
 import ssl
 import threading
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Awaitable, Iterable
+from typing import AsyncIterator, Awaitable, Iterable, Mapping
 
 import trio
 
@@ -71,20 +72,13 @@ class DataClient:
             raise ValueError("block_size must be a power of two between 4 KiB and 4 MiB")
         if role is not None and role not in ROLE_NAMES:
             raise ValueError(f"role must be one of {', '.join(ROLE_NAMES)}, not {role!r}")
-        env = os.environ             # what is not given, for scripts (module docstring)
-        secret = secret or env.get("DATANODE_SECRET_FILE") or None
-        tls_ca = tls_ca or env.get("DATANODE_TLS_CA") or None
         try:
             creds = Credentials.load(secret) if isinstance(secret, (str, os.PathLike)) else secret
             tls = client_context(tls_ca) if isinstance(tls_ca, (str, os.PathLike)) else tls_ca
             self.auth = DialAuth(creds, ROLE_NAMES[role] if role else None, tls=tls)
-            options = options or TransportOptions.from_env(env)
-            if etcd and etcd_access is None:
-                etcd_access = EtcdAccess.load(**{arg: env.get(var) for _o, var, arg, _h in ACCESS_OPTIONS})
         except (AuthConfigError, TlsConfigError, ValueError) as e:
             raise ClientError(str(e)) from None
-        if options.trace:
-            trace.start(options.trace)
+        options = options or TransportOptions()
         self.timeout = timeout
         # appends of at most this many bytes travel inline with their header where the connection allows it
         # (TCP: no READ round trip); 0 turns that off
@@ -120,6 +114,33 @@ class DataClient:
         self.volume = self._writes.volume = creds.volume if creds else ""
         self._routes.on_stale = self._writes.drop_extents
         self._reads = Reader(channel, self._routes, block_size=block_size, depth=depth, read_from=read_from)
+
+    @staticmethod
+    def env_kwargs(environ: Mapping[str, str] | None = None, **kw) -> dict:
+        """``kw`` with what it does not give read from the environment (``os.environ`` by default):
+        ``secret`` from $DATANODE_SECRET_FILE, ``tls_ca`` from $DATANODE_TLS_CA, ``options`` from
+        $DATANODE_<FIELD> (``TransportOptions.from_env``) and, with ``etcd``, ``etcd_access`` from
+        $DATANODE_ETCD_CREDENTIALS/_CA/_CERT/_KEY.  ClientError names a variable that does not parse."""
+        env = os.environ if environ is None else environ
+        kw["secret"] = kw.get("secret") or env.get("DATANODE_SECRET_FILE") or None
+        kw["tls_ca"] = kw.get("tls_ca") or env.get("DATANODE_TLS_CA") or None
+        try:
+            kw["options"] = kw.get("options") or TransportOptions.from_env(env)
+            if kw.get("etcd") and kw.get("etcd_access") is None:
+                kw["etcd_access"] = EtcdAccess.load(**{arg: env.get(var) for _o, var, arg, _h in ACCESS_OPTIONS})
+        except (AuthConfigError, TlsConfigError, ValueError) as e:
+            raise ClientError(str(e)) from None
+        return kw
+
+    @classmethod
+    def from_env(cls, nodes: Iterable[str] = (), *, environ: Mapping[str, str] | None = None, **kw):
+        """``open(nodes, **kw)`` for a program configured by its environment (a CLI, a script): what ``kw``
+        does not give comes from it (``env_kwargs``), and its $DATANODE_TRACE starts this process's tracing
+        (wire/trace.py) -- a program's choice, which the SDK itself never makes."""
+        kw = cls.env_kwargs(environ, **kw)
+        if kw["options"].trace:
+            trace.start(kw["options"].trace)
+        return cls.open(nodes, **kw)
 
     @classmethod
     @asynccontextmanager

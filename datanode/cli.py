@@ -8,7 +8,7 @@ import sys
 import click
 import trio
 
-from wire import trace
+from wire import crc, trace
 
 from . import config as config_mod
 
@@ -65,6 +65,7 @@ def serve(config_path, listen, data_dir, sync, transport, pool_mib):
     _cpu_sched(cfg.cpu_sched)          # before Node(): every thread the node starts inherits the policy
     if cfg.trace:
         trace.start(cfg.trace)
+    crc.use_fastest()                  # before the store's modules take their crc32c (below)
     from .server import Node
     try:
         node = Node(cfg)

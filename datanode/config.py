@@ -19,7 +19,8 @@ import tomllib
 from types import MappingProxyType
 from typing import ClassVar, Mapping
 
-from wire.transport.base import ENV_PREFIX, OptionError, TransportChoice, TransportOptions, env_values
+from wire.env import ENV_PREFIX, env_values
+from wire.transport.base import OptionError, TransportChoice, TransportOptions
 
 
 class ConfigError(Exception):

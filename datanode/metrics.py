@@ -7,8 +7,8 @@ Two kinds:
   connections by transport, partitions with their role, health and bytes, replication failures by replica,
   forwarded bytes, repair and scrub, and the disk of ``data_dir``.  Nothing on the hot path pays for those.
 
-``serve_metrics`` answers ``GET /metrics`` on ``metrics_listen`` (a config key; empty = off) from the
-node's own nursery.  The SDK's client-side families are in ``client/metrics.py``.
+``wire.metrics.serve_metrics`` answers ``GET /metrics`` on ``metrics_listen`` (a config key; empty = off)
+from the node's own nursery.  The SDK's client-side families are in ``client/metrics.py``.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from prometheus_client.core import (
     SummaryMetricFamily,
 )
 
-from wire.metrics import RequestFamilies, etcd_invalid_family
+from wire.metrics import RequestFamilies, etcd_invalid_family, serve_metrics  # noqa: F401 - the node serves it
 
 log = logging.getLogger(__name__)
 
@@ -302,39 +302,3 @@ def _gauge(name: str, doc: str, value) -> GaugeMetricFamily:
 
 def _counter(name: str, doc: str, value) -> CounterMetricFamily:
     return CounterMetricFamily(name, doc, value=value)
-
-
-async def serve_metrics(listen: str, metrics: NodeMetrics, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Answer ``GET /metrics`` (text exposition) on ``listen`` until cancelled."""
-    host, _, port = listen.rpartition(":")
-    listeners = await trio.open_tcp_listeners(int(port), host=host)
-    log.info("metrics on http://%s/metrics", listen)
-    task_status.started()
-    await trio.serve_listeners(lambda s: _answer(s, metrics), listeners)
-
-
-async def _answer(stream: trio.SocketStream, metrics: NodeMetrics) -> None:
-    try:
-        with trio.fail_after(5):
-            head = b""
-            while b"\r\n\r\n" not in head and len(head) < 8192:
-                chunk = await stream.receive_some(4096)
-                if not chunk:
-                    return
-                head += chunk
-            line = head.split(b"\r\n", 1)[0].split()
-            if len(line) >= 2 and line[0] == b"GET" and line[1].split(b"?")[0] == b"/metrics":
-                try:
-                    body = metrics.exposition()
-                    status, ctype = b"200 OK", b"text/plain; version=0.0.4; charset=utf-8"
-                except Exception:  # noqa: BLE001 - a fault in observability must not end the data path
-                    log.exception("metrics: building the exposition failed (the node serves on)")
-                    body, status, ctype = (b"internal error: see the datanode's log\n", b"500 Internal Server Error",
-                                           b"text/plain")
-            else:
-                body, status, ctype = b"not found: try /metrics\n", b"404 Not Found", b"text/plain"
-            await stream.send_all(b"HTTP/1.1 " + status + b"\r\nContent-Type: " + ctype +
-                                  b"\r\nContent-Length: " + str(len(body)).encode() +
-                                  b"\r\nConnection: close\r\n\r\n" + body)
-    except (trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
-        log.debug("metrics request: %s", e)

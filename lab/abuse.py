@@ -68,7 +68,7 @@ async def _clients(addr: str, secret: str, seconds: float, clients: int, size: i
             lat.append(time.perf_counter() - t0)
             off += size
 
-    async with DataClient.open([addr], timeout=30.0, pool_mib=8, transport="tcp", secret=secret) as dc:
+    async with DataClient.from_env([addr], timeout=30.0, pool_mib=8, transport="tcp", secret=secret) as dc:
         async with trio.open_nursery() as n:
             for _ in range(clients):
                 n.start_soon(one, dc)
@@ -186,7 +186,7 @@ def _abusers(addr: str, secret: str, target: dict, idle: int, stop, counts, kind
 
 
 async def _setup(addr: str, secret: str) -> dict:
-    async with DataClient.open([], timeout=30.0, pool_mib=8, transport="tcp", secret=secret) as dc:
+    async with DataClient.from_env([], timeout=30.0, pool_mib=8, transport="tcp", secret=secret) as dc:
         await dc.admin(addr, Op.PARTITION_CREATE, partition=PID, body={"replicas": [addr], "epoch": 1})
         await dc.discover(addr)
         extents = [await dc.create_extent(PID) for _ in range(4)]
@@ -195,7 +195,7 @@ async def _setup(addr: str, secret: str) -> dict:
 
 
 async def _status(addr: str, secret: str) -> dict:
-    async with DataClient.open([], timeout=30.0, pool_mib=2, transport="tcp", secret=secret) as dc:
+    async with DataClient.from_env([], timeout=30.0, pool_mib=2, transport="tcp", secret=secret) as dc:
         return await dc.admin(addr, Op.NODE_STATUS)
 
 

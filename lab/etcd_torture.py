@@ -88,7 +88,7 @@ async def _run(seed: int, seconds: float, clients: int, root: pathlib.Path, log,
     try:
         for p in procs:
             await trio.to_thread.run_sync(p.start)
-        async with DataClient.open(timeout=10, transport="tcp") as admin:
+        async with DataClient.from_env(timeout=10, transport="tcp") as admin:
             for pid, reps in parts.items():
                 for a in reps:
                     await admin.admin(a, Op.PARTITION_CREATE, partition=pid, body={"replicas": reps, "epoch": 1})
@@ -108,7 +108,7 @@ async def _run(seed: int, seconds: float, clients: int, root: pathlib.Path, log,
 
         async def client_task(ci: int):
             crng = random.Random(f"{seed}/c{ci}")
-            async with DataClient.open(timeout=15, transport="tcp", pool_mib=32, etcd=url) as dc:
+            async with DataClient.from_env(timeout=15, transport="tcp", pool_mib=32, etcd=url) as dc:
                 n = 0
                 while trio.current_time() < deadline:
                     pid = crng.choice(list(parts))
@@ -188,7 +188,7 @@ async def _run(seed: int, seconds: float, clients: int, root: pathlib.Path, log,
             if not p.alive():
                 await trio.to_thread.run_sync(p.start)
         views = await _settled_views(et, set(parts), 180)
-        async with DataClient.open(timeout=15, transport="tcp", pool_mib=32, etcd=url) as dc:
+        async with DataClient.from_env(timeout=15, transport="tcp", pool_mib=32, etcd=url) as dc:
             for pid, v in views.items():
                 k = await request_pass(dc, v.leader, pid, Op.REPAIR)
                 await wait_settled(dc, v.leader, pid, repair_pass=k, timeout=180)

@@ -405,7 +405,7 @@ class Checker:
         return {**figures, "rss_kib": rss}
 
     async def _setup(self) -> Target:
-        async with DataClient.open([], timeout=10.0, pool_mib=8, transport="tcp", secret=self.secret) as dc:
+        async with DataClient.from_env([], timeout=10.0, pool_mib=8, transport="tcp", secret=self.secret) as dc:
             try:
                 await dc.admin(self.addr, Op.PARTITION_CREATE, partition=CHECK_PARTITION,
                                body={"replicas": [self.addr], "epoch": 1})
@@ -422,7 +422,7 @@ class Checker:
     async def _check(self) -> dict:
         data = random.Random(self.round).randbytes(1 << 20)
         with trio.fail_after(self.settle + 30):           # a hang is a failure, not a wait
-            async with DataClient.open([], timeout=10.0, pool_mib=8, transport="tcp", secret=self.secret) as dc:
+            async with DataClient.from_env([], timeout=10.0, pool_mib=8, transport="tcp", secret=self.secret) as dc:
                 await dc.discover(self.addr)
                 locs = await dc.write(CHECK_PARTITION, data)
                 got = b"".join([await dc.read(CHECK_PARTITION, loc.extent, loc.offset, loc.length)

@@ -104,7 +104,7 @@ async def replicas_hold(meta_db: pathlib.Path, root: pathlib.Path, files: dict[s
     info = load(root)
     et = cluster_map(info)
     bad = []
-    async with DataClient.open(etcd=et.urls, timeout=10, pool_mib=16, **client_login(info)) as dc:
+    async with DataClient.from_env(etcd=et.urls, timeout=10, pool_mib=16, **client_login(info)) as dc:
         for name, want in files.items():
             for off, ln, pid, extent, ext_off in slices[name]:
                 for addr in (await et.part(pid)).replicas:

@@ -59,7 +59,7 @@ async def _run(seed: int, seconds: float, clients: int, root: pathlib.Path, log)
     try:
         for p in procs:
             await trio.to_thread.run_sync(p.start)
-        async with DataClient.open(timeout=10, transport="tcp") as admin:
+        async with DataClient.from_env(timeout=10, transport="tcp") as admin:
             for pid, reps in parts.items():
                 for a in reps:
                     await admin.admin(a, Op.PARTITION_CREATE, partition=pid, body={"replicas": reps, "epoch": 1})
@@ -68,7 +68,7 @@ async def _run(seed: int, seconds: float, clients: int, root: pathlib.Path, log)
 
         async def client_task(ci: int):
             crng = random.Random(f"{seed}/c{ci}")
-            async with DataClient.open(addrs[:1], timeout=5, transport="tcp", pool_mib=32) as dc:
+            async with DataClient.from_env(addrs[:1], timeout=5, transport="tcp", pool_mib=32) as dc:
                 n = 0
                 while trio.current_time() < deadline:
                     pid = crng.choice(list(parts))
@@ -123,7 +123,7 @@ async def _run(seed: int, seconds: float, clients: int, root: pathlib.Path, log)
                 await trio.to_thread.run_sync(p.start)
         # settle: a full repair pass on each leader, every follower healthy
         t1 = time.monotonic()
-        async with DataClient.open(addrs, timeout=10, transport="tcp", pool_mib=32) as dc:
+        async with DataClient.from_env(addrs, timeout=10, transport="tcp", pool_mib=32) as dc:
             for pid, reps in parts.items():
                 k = await request_pass(dc, reps[0], pid, Op.REPAIR)
                 await wait_settled(dc, reps[0], pid, repair_pass=k, timeout=180)

@@ -12,10 +12,10 @@ from wire import sdnotify
 from wire.auth import AuthConfigError, Credentials
 from wire.etcdmap import ACCESS_OPTIONS, EtcdAccess, parse_urls
 from wire.limits import DEFAULT_REPLICAS, MAX_REPLICAS
+from wire.metrics import serve_metrics
 from wire.transport.base import TransportChoice
 from wire.transport.tls import TlsConfigError, client_context
 
-from datanode.metrics import serve_metrics
 from manager.service import Manager, ManagerMetrics
 
 

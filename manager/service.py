@@ -128,7 +128,7 @@ class Manager:
 
     # -- election ---------------------------------------------------------------------------------------
     async def run(self) -> None:
-        async with DataClient.open(transport=self.transport, timeout=self.rpc_timeout, pool_mib=ADMIN_POOL_MIB,
+        async with DataClient.from_env(transport=self.transport, timeout=self.rpc_timeout, pool_mib=ADMIN_POOL_MIB,
                                    **self.login) as dc, \
                 trio.open_nursery() as n:
             self.dc = dc

@@ -119,6 +119,37 @@ def test_backend_reported():
     assert crcmodule.CHOICE
 
 
+def test_importing_times_nothing_and_leaves_the_environment_alone():
+    """Importing wire.crc neither benchmarks nor touches os.environ; use_fastest(), called by a program,
+    does its probe and puts the environment back as it found it."""
+    code = textwrap.dedent("""
+        import os, time
+        class Watched(type(os.environ)):
+            def __setitem__(self, k, v):
+                raise AssertionError(f"os.environ[{k!r}] set at import")
+            def __delitem__(self, k):
+                raise AssertionError(f"os.environ[{k!r}] deleted at import")
+        os.environ.__class__ = Watched
+        real = time.perf_counter
+        def timed():
+            raise AssertionError("timed at import")
+        time.perf_counter = timed
+        from wire import crc
+        assert crc.crc32c(b"123456789") == 0xE3069283
+        os.environ.__class__ = Watched.__mro__[1]
+        time.perf_counter = real
+        before = dict(os.environ)
+        why = crc.use_fastest()
+        assert why == crc.CHOICE and dict(os.environ) == before, why
+        assert crc.crc32c(b"123456789") == 0xE3069283
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ok"
+
+
 def test_an_emulated_crc_instruction_gives_way_to_the_software_tables():
     """Where the CPU's CRC instruction runs far below hardware speed (qemu without KVM emulates it: 0.14
     GiB/s in our Soft-RoCE VM), the package's software tables are used -- if they are faster; a real CRC

@@ -544,6 +544,33 @@ def test_second_mount_on_same_metadata_is_refused(mnt, tmp_path):
     assert r.returncode != 0 and "in use" in r.stderr and "Traceback" not in r.stderr
 
 
+
+def test_a_failed_mount_leaves_no_database_behind(cluster, mnt, tmp_path):
+    """A mount that fails once its metadata is opened (here: a partition the cluster does not have) removes
+    the SQLite files it created -- and never a database that was there before it."""
+    base = tmp_path / "failed"
+    base.mkdir()
+    (base / "mnt").mkdir()
+    db = base / "new.db"
+    r = dnfs("mount", *mnt.node_args, "--meta", f"sqlite:{db}", "--partition", "99", base / "mnt", check=False)
+    assert r.returncode != 0 and "unknown to the cluster" in r.stderr and "Traceback" not in r.stderr
+    assert sorted(p.name for p in base.iterdir() if p.name.startswith("new.db") and p.suffix != ".log") == []
+    (mnt.path / "kept").write_bytes(b"kept")
+    mnt.umount()
+    r = dnfs("mount", *mnt.node_args, "--meta", f"sqlite:{mnt.db}", "--partition", "99", base / "mnt",
+             check=False)
+    assert r.returncode != 0 and "unknown to the cluster" in r.stderr
+    mnt.mount()
+    assert (mnt.path / "kept").read_bytes() == b"kept"
+
+
+def test_umount_says_what_is_wrong_with_the_path(tmp_path):
+    r = dnfs("umount", tmp_path / "nonexistent", check=False)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "no such file or directory" in r.stderr and "not a dnfs mount" not in r.stderr, r.stderr
+    r = dnfs("umount", tmp_path, check=False)
+    assert r.returncode != 0 and "is not a dnfs mount" in r.stderr, r.stderr
+
 # ------------------------------------------------------------------------------------------- crashes
 def test_fsync_returns_with_the_files_metadata_on_the_disk(mnt):
     """``fsync`` returns only once the file's metadata (its slices and size, in the SQLite WAL) has gone to

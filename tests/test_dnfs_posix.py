@@ -1,7 +1,7 @@
 """dnfs for every user, on a real kernel FUSE mount of a real 3-node cluster: the same operations as root
 and as unprivileged users (``setpriv`` to nobody or to a bare uid), answered as POSIX and Linux say --
 mode bits, ownership and chown rules, sticky directories, set-user-ID clearing, utimensat rules, POSIX ACLs
-(enforced), set-group-ID directories, ENAMETOOLONG, "." and "..", directory sizes, statfs that adds up; an
+(enforced), set-group-ID directories, ENAMETOOLONG, "." and "..", directory sizes, statfs that shows the nodes' disks; an
 ordinary user's own mount.  The ACL codec and the mount-option rules are tested without a mount."""
 from __future__ import annotations
 
@@ -353,24 +353,26 @@ def test_readdir_lists_dot_and_dotdot_and_directories_have_sizes(d):
     assert sorted(os.listdir(big)) == sorted(f"entry-{i:03d}-{'x' * 60}" for i in range(300))
 
 
-def test_statfs_adds_up_and_counts_what_the_files_hold(shared, d):
-    def figures():
-        v = os.statvfs(shared.path)
-        return v, (v.f_blocks - v.f_bfree) * v.f_frsize
-    v, used = figures()
-    assert v.f_blocks == v.f_bfree + (v.f_blocks - v.f_bfree) and v.f_bfree == v.f_bavail
-    assert used < 64 << 20           # what this module's files hold -- not what else uses the nodes' disks
+def test_statfs_adds_up_and_shows_the_nodes_disks(shared, d):
+    """Size, available and used are the datanodes' disks (three replicas on one disk here: that disk's
+    figures), used the rest -- what the files hold and whatever else fills the disk."""
+    disk = os.statvfs(shared.addrs.procs[0].cfg["data_dir"])
+    v = os.statvfs(shared.path)
+    assert v.f_bfree == v.f_bavail and v.f_blocks >= v.f_bfree
+    assert abs(v.f_blocks * v.f_frsize - disk.f_blocks * disk.f_frsize) <= 1 << 20
+    used = (v.f_blocks - v.f_bfree) * v.f_frsize
+    disk_used = (disk.f_blocks - disk.f_bavail) * disk.f_frsize
+    assert abs(used - disk_used) <= 1 << 30        # other programs write on this disk meanwhile
     with open(d / "four-mib", "wb") as f:
         f.write(os.urandom(4 << 20))
+    assert v.f_files - v.f_ffree >= 0 and v.f_ffree == v.f_favail
     deadline = time.monotonic() + 10
     while True:
-        v2, used2 = figures()
-        if used2 - used >= 4 << 20 or time.monotonic() > deadline:
+        v2 = os.statvfs(shared.path)
+        if v2.f_files - v2.f_ffree >= 3 or time.monotonic() > deadline:
             break
         time.sleep(0.3)
-    assert 4 << 20 <= used2 - used <= (4 << 20) + (1 << 20)
-    assert v2.f_blocks - v2.f_bfree == -(-used2 // v2.f_frsize)          # used + available = size, in blocks
-    assert v2.f_files - v2.f_ffree >= 4 and v2.f_ffree == v2.f_favail
+    assert v2.f_files - v2.f_ffree >= 3            # the root, this directory and the file
 
 
 def test_an_ordinary_user_mounts_for_itself(cluster, tmp_path):  # noqa: F811

@@ -58,27 +58,37 @@ def _free(path) -> int:
     return v.f_bavail * v.f_frsize
 
 
+def _used(path) -> int:
+    v = os.statvfs(path)
+    return (v.f_blocks - v.f_bfree) * v.f_frsize
+
+
 def test_statfs_tracks_the_datanodes_disks(small_cluster):
     m, disks = small_cluster
     v = os.statvfs(m.path)
-    assert v.f_blocks - v.f_bfree <= 1                    # used: the files' bytes (none yet) -- used + free = size
+    assert abs(v.f_blocks * v.f_frsize - DISK_MIB * MiB) <= MiB      # size: a disk's (each byte stored thrice)
     assert abs(_free(m.path) - min(_free(d) for d in disks)) <= 3 * MiB
-    before = _free(m.path)
+    assert _used(m.path) + _free(m.path) == v.f_blocks * v.f_frsize
+    before, used = _free(m.path), _used(m.path)
     data = pattern(1, 12 * MiB)
     with open(m.path / "f", "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    eventually(lambda: before - _free(m.path) >= 12 * MiB, 15)       # the cache is brief
+    eventually(lambda: before - _free(m.path) >= 12 * MiB, 15)       # refreshed in the background
     assert before - _free(m.path) <= 14 * MiB
-    # space used on the nodes' disks by something else shows too (a third: one of three replicas' disk)
-    before = _free(m.path)
-    with open(disks[1] / "ballast", "wb") as f:
-        f.write(b"\0" * (9 * MiB))
-    eventually(lambda: before - _free(m.path) >= 3 * MiB - 64 * 1024, 15)
-    os.unlink(disks[1] / "ballast")
+    assert _used(m.path) - used >= 12 * MiB
+    # what else fills the nodes' disks is used too: disks full of something else are not an empty df
+    before, used = _free(m.path), _used(m.path)
+    for disk in disks:
+        with open(disk / "ballast", "wb") as f:
+            f.write(b"\0" * (9 * MiB))
+    eventually(lambda: _used(m.path) - used >= 9 * MiB - 64 * 1024, 15)
+    assert before - _free(m.path) >= 9 * MiB - 64 * 1024
+    for disk in disks:
+        os.unlink(disk / "ballast")
     os.unlink(m.path / "f")
-    eventually(lambda: _free(m.path) >= before, 15)                  # the deletion queue gave it back
+    eventually(lambda: _free(m.path) >= before + 9 * MiB, 15)        # the deletion queue gave it back
 
 
 def _fill(path) -> OSError:

@@ -114,7 +114,7 @@ def test_status_reports_disk_and_does_not_count_itself(nodes):
 def test_a_failing_exposition_is_a_500_and_the_server_serves_on():
     """A fault while building the exposition (a bug in a collector) answers 500 and the metrics server --
     a task in the node's nursery -- keeps serving: it must not end the node."""
-    from datanode.metrics import serve_metrics
+    from wire.metrics import serve_metrics
 
     class Flaky:
         calls = 0
@@ -150,8 +150,8 @@ def test_a_traced_cluster_gives_every_append_its_steps_in_causal_order():
     on the client, the leader and both followers -- and each median after the step that causes it (true of every
     append, so of the medians: times are CLOCK_MONOTONIC on one machine)."""
     root = pathlib.Path(__file__).resolve().parent.parent
-    p = subprocess.run([sys.executable, str(root / "bench" / "write_timeline.py"), "--seconds", "1", "--json"],
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-m", "bench.write_timeline", "--seconds", "1", "--json"],
+                       capture_output=True, text=True, timeout=120, cwd=root)
     assert p.returncode == 0, p.stderr[-2000:]
     out = json.loads(p.stdout)
     assert out["appends"] > 20
@@ -169,8 +169,9 @@ def test_a_traced_cluster_gives_every_read_its_steps_in_causal_order():
     after the step that causes it (the request arrives, takes its budget and block, the disk, the payload goes
     out, then the answer) -- and no append's step is taken for a read's."""
     root = pathlib.Path(__file__).resolve().parent.parent
-    p = subprocess.run([sys.executable, str(root / "bench" / "write_timeline.py"), "--reads", "--size", "1MiB",
-                        "--depth", "2", "--seconds", "1", "--json"], capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-m", "bench.write_timeline", "--reads", "--size", "1MiB",
+                        "--depth", "2", "--seconds", "1", "--json"], capture_output=True, text=True, timeout=120,
+                       cwd=root)
     assert p.returncode == 0, p.stderr[-2000:]
     out = json.loads(p.stdout)
     assert out["reads"] > 20

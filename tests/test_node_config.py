@@ -128,11 +128,13 @@ def test_print_config_says_where_each_value_came_from(tmp_path):
 
 
 def _client(**kw) -> DataClient:
-    """A DataClient made (no connection is opened) inside a trio run, for looking at what it was given."""
+    """A DataClient made (no connection is opened) inside a trio run, for looking at what it was given
+    (``from_env``, the default: with the rest from the environment, as ``DataClient.from_env`` makes it)."""
     async def make():
         async with trio.open_nursery() as n:
             try:
-                return DataClient(n, transport="tcp", pool_mib=1, **kw)
+                env = kw.pop("from_env", True)
+                return DataClient(n, transport="tcp", pool_mib=1, **(DataClient.env_kwargs(**kw) if env else kw))
             except ClientError as e:      # raised below, not wrapped in the nursery's group
                 return e
     got = trio.run(make)
@@ -141,7 +143,7 @@ def _client(**kw) -> DataClient:
     return got
 
 
-def test_a_client_takes_what_it_is_given_and_reads_the_environment_only_for_the_rest(tmp_path, monkeypatch):
+def test_a_client_from_env_takes_what_it_is_given_and_reads_the_environment_only_for_the_rest(tmp_path, monkeypatch):
     secret = tmp_path / "secret"
     secret.write_text(gen_secret())
     other = tmp_path / "other"
@@ -151,6 +153,8 @@ def test_a_client_takes_what_it_is_given_and_reads_the_environment_only_for_the_
     monkeypatch.setenv("DATANODE_TCP_CONGESTION", "reno")
     given = _client(secret=creds, options=TransportOptions())
     assert given.auth.creds is creds and given.domain.options == TransportOptions()
+    plain = _client(from_env=False)          # the SDK itself: its arguments only, never the environment
+    assert plain.auth.creds is None and plain.domain.options == TransportOptions()
     left = _client()
     assert left.auth.creds.source == str(other) and left.domain.options.tcp_congestion == "reno"
     monkeypatch.setenv("DATANODE_TLS_CA", str(tmp_path / "no-such-ca.pem"))

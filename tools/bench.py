@@ -92,7 +92,7 @@ async def _worker_main(spec: dict) -> None:
     payload = os.urandom(size)
     written: list[list[int]] = []        # [extent, acknowledged bytes]: what the read phase reads
 
-    async with DataClient.open(spec["nodes"], block_size=block, depth=depth, pool_mib=pool_mib,
+    async with DataClient.from_env(spec["nodes"], block_size=block, depth=depth, pool_mib=pool_mib,
                                transport=spec.get("transport", "auto"), timeout=spec.get("timeout", 30),
                                inline_max=spec.get("inline_max", INLINE_MAX),
                                secret=spec.get("secret_file"), tls_ca=spec.get("tls_ca"),
@@ -330,7 +330,7 @@ def stage_snapshot(addrs: list[str]) -> dict:
 
     async def snap():
         out = {}
-        async with DataClient.open(timeout=10, **credentials()) as dc:
+        async with DataClient.from_env(timeout=10, **credentials()) as dc:
             for a in addrs:
                 try:
                     st = (await admin.node_status(dc, a)).get("write_stages")
@@ -1090,7 +1090,7 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
         phases = [p for p in phases if p != "read"] + ["read"] * cold_rounds_n
 
     async def setup():
-        async with DataClient.open(timeout=10, **credentials()) as dc:
+        async with DataClient.from_env(timeout=10, **credentials()) as dc:
             status = {}
             for a in addrs:
                 try:
@@ -1126,7 +1126,7 @@ def bench_command(cluster, nodes, pid, replica_counts, size, clients, depth, sec
             return status, infos
 
     async def cleanup(infos):
-        async with DataClient.open(timeout=10, **credentials()) as dc:
+        async with DataClient.from_env(timeout=10, **credentials()) as dc:
             for tpid, members in infos:
                 await _drop_scratch(dc, tpid, members)
 

@@ -69,7 +69,7 @@ def wait_listening(addr: str, timeout: float = START_TIMEOUT, proc: subprocess.P
     async def until_serving() -> None:
         last, seen = None, None
         stall = time.monotonic() + timeout
-        async with DataClient.open(timeout=min(timeout, 10.0), pool_mib=2, secret=secret, tls_ca=tls_ca) as dc:
+        async with DataClient.from_env(timeout=min(timeout, 10.0), pool_mib=2, secret=secret, tls_ca=tls_ca) as dc:
             while True:
                 if proc is not None and proc.poll() is not None:
                     raise RuntimeError(f"datanode {addr} exited with status {proc.returncode} while starting")
@@ -759,7 +759,7 @@ async def _unsettled_leaders(addrs: list[str], login: dict) -> list[str]:
     from client import admin
     from client.sdk import ClientError, DataClient
     out = []
-    async with DataClient.open(timeout=5, pool_mib=2, **login) as dc:
+    async with DataClient.from_env(timeout=5, pool_mib=2, **login) as dc:
         for addr in addrs:
             try:
                 for p in await admin.partition_list(dc, addr):

@@ -41,7 +41,7 @@ async def run_demo(nodes: list[str], pid: int, total_mib: int, files: int, seed:
                    block_kib: int = 1024, depth: int = 8) -> dict:
     sizes = [total_mib * MIB // files] * files
     sizes[-1] += total_mib * MIB - sum(sizes)
-    async with admin.open_client(nodes, block_size=block_kib << 10, depth=depth, **credentials()) as dc:
+    async with admin.open_client(nodes, block_size=block_kib << 10, depth=depth, from_env=True, **credentials()) as dc:
         part = dc.partition(pid)
         replicas = list(part.replicas)
         before = {}

@@ -234,7 +234,7 @@ def cluster_up(count, cluster, base_port, sync, transport, pool_mib, replica_tim
     use_cluster_secret(info)
 
     async def go():
-        async with DataClient.open(timeout=10, **credentials()) as dc:
+        async with DataClient.from_env(timeout=10, **credentials()) as dc:
             part = None
             if not info.get("restarted"):
                 part = await admin.create_partition(dc, pid, addrs[:DEFAULT_REPLICAS])
@@ -535,7 +535,7 @@ def cluster_status(cluster, timeout, as_json):
 
     async def go():
         out: list = []
-        async with DataClient.open(timeout=timeout, **credentials()) as dc:
+        async with DataClient.from_env(timeout=timeout, **credentials()) as dc:
             for n in procs:      # one at a time: a hung node costs --timeout, not the others' answers
                 await probe(dc, n, out)
         return out
@@ -828,7 +828,7 @@ def partition_create(pid, replicas, count, volume, etcd, cluster, timeout, as_js
         raise click.UsageError("--count goes with a replica count (--replicas 3), not with a HOST:PORT list")
 
     async def go():
-        async with DataClient.open(**credentials()) as dc:
+        async with DataClient.from_env(**credentials()) as dc:
             return await admin.create_partition(dc, pid, replicas, volume=volume or "")
     res = run(go)
     emit(res, as_json, f"partition {pid} {'already exists' if res['existed'] else 'created'} on "
@@ -846,7 +846,7 @@ def partition_delete(pid, replicas, via, cluster, as_json):
     where = None if replicas else seeds(via, cluster)
 
     async def go():
-        async with DataClient.open(**credentials()) as dc:
+        async with DataClient.from_env(**credentials()) as dc:
             addrs = replicas or (await admin.current_view(dc, pid, where)).replicas
             return await admin.delete_partition(dc, pid, addrs)
     res = run(go)
@@ -871,7 +871,7 @@ def partition_set_leader(pid, addr, via, cluster, as_json):
     others = [a for a in (seeds(via, cluster) if (via or cluster) else []) if a != addr]
 
     async def go():
-        async with DataClient.open(timeout=5, **credentials()) as dc:
+        async with DataClient.from_env(timeout=5, **credentials()) as dc:
             return await admin.set_leader(dc, pid, addr, others)
     res = run(go)
     if res.get("unchanged"):
@@ -889,7 +889,7 @@ def partition_sync(pid, via, cluster, as_json):
     where = seeds(via, cluster)
 
     async def go():
-        async with DataClient.open(**credentials()) as dc:
+        async with DataClient.from_env(**credentials()) as dc:
             return await admin.sync_partition(dc, pid, where)
     res = run(go)
     emit(res, as_json, f"partition {pid} epoch {res['epoch']} (leader {res['replicas'][0]})\n"
@@ -942,7 +942,7 @@ def partition_list(addr, etcd, cluster, as_json):
         raise click.UsageError("give ADDR (a node's own list) or --cluster/--etcd (etcd's map), not both")
 
     async def go():
-        async with DataClient.open(**credentials()) as dc:
+        async with DataClient.from_env(**credentials()) as dc:
             return await admin.partition_list(dc, addr)
     parts = run(go)
     lines = [f"{'id':>4} {'role':9} {'state':10} {'epoch':>5} {'extents':>7} {'size':>10} {'volume':12}  replicas  "
@@ -963,7 +963,7 @@ def partition_list(addr, etcd, cluster, as_json):
 def partition_show(pid, addr, as_json):
     """Show one partition as a node sees it: state, replicas and their health, epoch, extents and sizes."""
     async def go():
-        async with DataClient.open(**credentials()) as dc:
+        async with DataClient.from_env(**credentials()) as dc:
             return await admin.partition_show(dc, addr, pid)
     p = run(go)
     h = p.get("health") or {}
@@ -1020,7 +1020,7 @@ def partition_health(pid, via, cluster, as_json):
     where = seeds(via, cluster)
 
     async def go():
-        async with DataClient.open(timeout=5, **credentials()) as dc:
+        async with DataClient.from_env(timeout=5, **credentials()) as dc:
             return await admin.health(dc, await admin.find_leader(dc, pid, where), pid)
     h = run(go)
     emit(h, as_json, _health_text(h))
@@ -1105,7 +1105,7 @@ def _run_pass(op: Op, name: str, pid, via, cluster, wait, timeout, as_json, quie
 
     async def go():
         import trio
-        async with DataClient.open(timeout=10, **credentials()) as dc:
+        async with DataClient.from_env(timeout=10, **credentials()) as dc:
             view = await admin.current_view(dc, pid, where)
             prog = _PassProgress(name, dc, view) if wait and not quiet else None
             if prog:
@@ -1180,7 +1180,7 @@ def replica_add(pid, addr, via, cluster, wait, timeout, quiet, as_json):
     where = seeds(via, cluster)
 
     async def go():
-        async with DataClient.open(timeout=10, **credentials()) as dc:
+        async with DataClient.from_env(timeout=10, **credentials()) as dc:
             prog = None if quiet else _PassProgress("repair")
             try:
                 return await admin.add_replica(dc, pid, addr, where, wait=wait, timeout=timeout,
@@ -1212,7 +1212,7 @@ def replica_remove(pid, addr, via, cluster, as_json):
     where = seeds(via, cluster)
 
     async def go():
-        async with DataClient.open(timeout=5, **credentials()) as dc:
+        async with DataClient.from_env(timeout=5, **credentials()) as dc:
             return await admin.remove_replica(dc, pid, addr, where, warn=_warn)
     res = run(go)
     emit(res, as_json, _change_text(res))
@@ -1266,7 +1266,7 @@ def put(node, cluster, etcd, pid, timeout, file, as_json):
         url = etcd_url(etcd, cluster, what="put without --partition")
 
         async def anywhere():
-            async with DataClient.open(etcd=url, timeout=timeout, **credentials()) as dc:
+            async with DataClient.from_env(etcd=url, timeout=timeout, **credentials()) as dc:
                 return await dc.put(data, timeout=timeout)
         locs = run(anywhere)
         out = {"size": len(data), "locations": [loc.to_dict() for loc in locs],
@@ -1278,7 +1278,7 @@ def put(node, cluster, etcd, pid, timeout, file, as_json):
     nodes = _nodes(node, cluster)
 
     async def go():
-        async with admin.open_client(nodes, **credentials()) as dc:
+        async with admin.open_client(nodes, from_env=True, **credentials()) as dc:
             return await dc.write(pid, data)
     locs = run(go)
     out = {"size": len(data), "locations": [loc.to_dict() for loc in locs]}
@@ -1329,7 +1329,7 @@ def get(node, cluster, pid, extent, offset, length, replica, out, as_json):
     nodes = _nodes(node, cluster)
 
     async def go():
-        async with admin.open_client(nodes, **credentials()) as dc:
+        async with admin.open_client(nodes, from_env=True, **credentials()) as dc:
             return await admin.read_range(dc, pid, extent, offset, length, replica)
     data = run(go)
     out.write(data)
@@ -1354,7 +1354,7 @@ def pool():
 def pool_stats(addr, as_json):
     """A node's pool: arena size, bytes in use, high-water mark, free blocks per order, waits."""
     async def go():
-        async with DataClient.open(**credentials()) as dc:
+        async with DataClient.from_env(**credentials()) as dc:
             return await admin.pool_stats(dc, addr)
     s = run(go)
     free = ", ".join(f"{fmt_bytes(int(k))} x{v}" for k, v in sorted(s["free_blocks_per_order"].items(),
@@ -1442,7 +1442,7 @@ def node_status(addr, as_json):
     """Health, partitions, counters, disk, pool and each connection's transport (the one actually in
     use: tcp or verbs, per connection), in human units; --json has the raw numbers."""
     async def go():
-        async with DataClient.open(**credentials()) as dc:
+        async with DataClient.from_env(**credentials()) as dc:
             return await admin.node_status(dc, addr)
     s = run(go)
     emit(s, as_json, _status_text(s))
@@ -1492,7 +1492,7 @@ def node_drain(addr, cluster, etcd, wait, timeout, quiet, as_json):
 
     async def go():
         try:
-            async with DataClient.open(**credentials()) as dc:
+            async with DataClient.from_env(**credentials()) as dc:
                 res = await admin.drain_node(dc, addr, wait=wait, timeout=timeout,
                                              on_progress=progress if line else None)
         finally:

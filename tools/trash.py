@@ -77,7 +77,7 @@ def _over_wire(targets: list[Target], fn):
 
     async def go():
         from client.sdk import DataClient
-        async with DataClient.open(timeout=10, **credentials()) as dc:
+        async with DataClient.from_env(timeout=10, **credentials()) as dc:
             return [await fn(dc, t) for t in wired]
     return run(go)
 

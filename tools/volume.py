@@ -94,7 +94,7 @@ def volume_list(addrs, cluster, as_json):
     async def go():
         vols: dict[str, set] = {}
         errors = {}
-        async with DataClient.open(**credentials()) as dc:
+        async with DataClient.from_env(**credentials()) as dc:
             for addr in nodes:
                 try:
                     for p in await admin.partition_list(dc, addr):

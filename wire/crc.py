@@ -16,8 +16,10 @@ use).  The store uses it to get per-block CRCs and the CRC of a whole range in o
 ``measure_gibps()`` times a CRC function on an in-memory buffer.
 
 Where the CPU's CRC instruction is emulated (it runs far below hardware speed: qemu without KVM), the
-package's software tables are faster, and are used instead (``pick_faster``; ``CHOICE`` says which and why;
-``BACKEND`` is then "crc32c-sw").  Setting ``CRC32C_SW_MODE`` (the package's own switch) skips the probe.
+package's software tables are faster: ``use_fastest()``, called by a program at its start (the datanode's
+``serve``), times both and switches to them (``CHOICE`` says which and why; ``BACKEND`` is then
+"crc32c-sw").  Importing this module times nothing and changes nothing.  Setting ``CRC32C_SW_MODE`` (the
+package's own switch) picks without a probe.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import time
 from typing import Callable
 
 __all__ = ["crc32c", "crc32c_combine", "crc32c_shift", "BACKEND", "CHOICE", "HARDWARE", "crcmod_crc32c",
-           "hw_crc32c", "measure_gibps", "pick_faster"]
+           "hw_crc32c", "measure_gibps", "pick_faster", "use_fastest"]
 
 
 def _as_bytes_view(data):
@@ -119,21 +121,33 @@ try:
     import crc32c as _crc32c_pkg
 
     hw_crc32c = _crc32c_pkg.crc32c          # the C function itself: (data, value=0, gil_release_mode=-1)
-    crc32c = hw_crc32c
+    crc32c = hw_crc32c                      # (the package obeys CRC32C_SW_MODE set by the user)
     BACKEND = "crc32c"
     HARDWARE = bool(getattr(_crc32c_pkg, "hardware_based", False))
     CHOICE = "the crc32c package (" + ("the CPU's CRC instruction)" if HARDWARE else "software tables)")
-    # CRC32C_SW_MODE set by the user: the package already obeys it
-    if HARDWARE and "CRC32C_SW_MODE" not in os.environ:
-        crc32c, CHOICE = pick_faster(hw_crc32c, lambda: _software_twin(_crc32c_pkg))
-        if crc32c is not hw_crc32c:
-            BACKEND, HARDWARE = "crc32c-sw", False
 except ImportError:  # pragma: no cover - exercised by a subprocess test
+    _crc32c_pkg = None
     hw_crc32c = None  # type: ignore[assignment]
     crc32c = _make_crcmod()
     BACKEND = "crcmod"
     HARDWARE = False
     CHOICE = "crcmod (the crc32c package is not installed)"
+
+
+def use_fastest() -> str:
+    """Where the CPU's CRC instruction is emulated, switch ``crc32c`` to the package's software tables
+    (``pick_faster``); returns ``CHOICE``.  A program calls it at its start, if at all (the datanode's
+    ``serve`` does): it times the CRC (a few ms) and loads a second copy of the package's extension, which
+    sets ``CRC32C_SW_MODE`` in ``os.environ`` while it loads -- nothing a library may do when imported.
+    Modules that took ``crc32c`` (``from wire.crc import crc32c``) before the call keep the function they
+    got: call it before importing them.  With ``CRC32C_SW_MODE`` set by the user it does nothing."""
+    global crc32c, BACKEND, HARDWARE, CHOICE
+    if hw_crc32c is None or not HARDWARE or crc32c is not hw_crc32c or "CRC32C_SW_MODE" in os.environ:
+        return CHOICE
+    fn, CHOICE = pick_faster(hw_crc32c, lambda: _software_twin(_crc32c_pkg))
+    if fn is not hw_crc32c:
+        crc32c, BACKEND, HARDWARE = fn, "crc32c-sw", False
+    return CHOICE
 
 
 def crcmod_crc32c(data, value: int = 0) -> int:
@@ -236,7 +250,8 @@ def measure_gibps(fn: Callable | None = None, size: int = 1 << 20, seconds: floa
 
 
 if __name__ == "__main__":  # python -m wire.crc
-    print(f"backend={BACKEND} hardware={HARDWARE}")
+    why = use_fastest()
+    print(f"backend={BACKEND} hardware={HARDWARE}: {why}")
     if hw_crc32c is not None:
         print(f"crc32c: {measure_gibps(hw_crc32c):.2f} GiB/s")
     print(f"crcmod: {measure_gibps(crcmod_crc32c, seconds=0.5):.3f} GiB/s")

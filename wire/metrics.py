@@ -1,16 +1,23 @@
-"""The request families both the datanode and the SDK keep: requests and payload bytes by op and result,
-latency by op (prometheus-client families, counted in plain ints and built only when scraped)."""
+"""What the datanode, the manager and the SDK share for metrics: the request families (requests and payload
+bytes by op and result, latency by op: prometheus-client families, counted in plain ints and built only when
+scraped) and ``serve_metrics``, the ``GET /metrics`` endpoint of a server (the datanode, the manager)."""
 from __future__ import annotations
 
 import bisect
 import itertools
+import logging
 import math
+from typing import Protocol
+
+import trio
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from .protocol import Op, Result
+
+log = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                    2.5, 5.0, 10.0)
@@ -82,3 +89,45 @@ def etcd_invalid_family(prefix: str, counts: dict[str, int]) -> CounterMetricFam
     for reason, k in sorted(counts.items()):
         fam.add_metric([reason], k)
     return fam
+
+
+class Exposition(Protocol):
+    def exposition(self) -> bytes:
+        """The text exposition of every family, as ``GET /metrics`` answers it."""
+
+
+async def serve_metrics(listen: str, metrics: Exposition, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Answer ``GET /metrics`` (text exposition) on ``listen`` until cancelled: a task in the server's
+    nursery (the datanode's, the manager's)."""
+    host, _, port = listen.rpartition(":")
+    listeners = await trio.open_tcp_listeners(int(port), host=host)
+    log.info("metrics on http://%s/metrics", listen)
+    task_status.started()
+    await trio.serve_listeners(lambda s: _answer(s, metrics), listeners)
+
+
+async def _answer(stream: trio.SocketStream, metrics: Exposition) -> None:
+    try:
+        with trio.fail_after(5):
+            head = b""
+            while b"\r\n\r\n" not in head and len(head) < 8192:
+                chunk = await stream.receive_some(4096)
+                if not chunk:
+                    return
+                head += chunk
+            line = head.split(b"\r\n", 1)[0].split()
+            if len(line) >= 2 and line[0] == b"GET" and line[1].split(b"?")[0] == b"/metrics":
+                try:
+                    body = metrics.exposition()
+                    status, ctype = b"200 OK", b"text/plain; version=0.0.4; charset=utf-8"
+                except Exception:  # noqa: BLE001 - a fault in observability must not end the data path
+                    log.exception("metrics: building the exposition failed (serving on)")
+                    body, status, ctype = (b"internal error: see the server's log\n", b"500 Internal Server Error",
+                                           b"text/plain")
+            else:
+                body, status, ctype = b"not found: try /metrics\n", b"404 Not Found", b"text/plain"
+            await stream.send_all(b"HTTP/1.1 " + status + b"\r\nContent-Type: " + ctype +
+                                  b"\r\nContent-Length: " + str(len(body)).encode() +
+                                  b"\r\nConnection: close\r\n\r\n" + body)
+    except (trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
+        log.debug("metrics request: %s", e)

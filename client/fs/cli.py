@@ -25,7 +25,7 @@ from client.fs.engines import open_meta
 from client.fs.meta import MetaBusy
 from client.fs.writeback import BUDGET, CHUNK, WRITE_RETRY_S
 from client.fs.mount import (REQUEST_TIMEOUT_S, MountError, check_mountpoint, fuse_conf, login_error,
-                             mount_options, mount_pid, serve, unmount)
+                             mount_options, mount_pid, not_mounted, serve, unmount)
 from wire import aio, sdnotify
 from wire.etcdmap import ACCESS_OPTIONS, EtcdAccess
 
@@ -333,10 +333,9 @@ def umount_cmd(mountpoint, lazy, timeout, as_json):
 
 def _control(mountpoint: str, op: str, timeout: float) -> dict:
     from client.fs.control import ControlError, ask
-    from client.fs.mount import mount_pid
     pid = mount_pid(mountpoint)
     if pid is None:
-        raise click.ClickException(f"{mountpoint} is not a dnfs mount")
+        raise click.ClickException(str(not_mounted(mountpoint)))
     try:
         return ask(pid, op, timeout)
     except ControlError as e:
@@ -439,7 +438,7 @@ def fsck_cmd(cluster_dir, node, etcd, meta, secret_file, tls_ca, repair, no_crc,
     async def go():
         m = await trio.to_thread.run_sync(open_meta, url, login["etcd_access"])
         try:
-            async with DataClient.open(addrs, etcd=etcd, **login) as dc:
+            async with DataClient.from_env(addrs, etcd=etcd, **login) as dc:
                 return await fsck(m, dc, repair=repair, verify_crc=not no_crc)
         except ClientError as e:
             raise login_error(e, login) if e.auth else e from None

@@ -5,8 +5,8 @@ flushes, retries, slices); ``flush`` (close), ``fsync`` and ``release`` flush sy
 ``writeback`` (opt-in) a close only starts the flush: the closed file's state stays until its bytes are
 written (``DataWriter.settle``), unmounting writes what is left.  ``read`` fetches the committed slices'
 bytes (holes are zeros) with sequential readahead, then lays the unflushed bytes over them.  ``statfs``
-reports what the files hold as used and the datanodes' free space (NODE_STATUS) divided by the replica count
-as available; the size is their sum, as ``df`` expects.
+reports the datanodes' disks (NODE_STATUS: size and free space) divided by the replica count, refreshed in the
+background so ``df`` does not wait on the network.
 
 Permissions: the kernel checks every access against the mode bits and the POSIX ACLs (default_permissions,
 FUSE_POSIX_ACL) -- sticky directories, chown/chmod/utimes rules and clearing set-user-ID bits on write,
@@ -65,7 +65,7 @@ class DnFS(DirOps, FileOps, XattrOps):
         self.meta, self.dc, self.partitions, self.nursery = meta, dc, partitions, nursery
         self.writeback = writeback        # close returns before its bytes are written (``flush``)
         self._cap: tuple[float, tuple[int, int]] | None = None     # (when, (total, free)) for statfs
-        self._cap_lock = trio.Lock()
+        self._cap_refresh: trio.Event | None = None                # set when the running refresh ends
         self._usage: tuple[float, tuple[int, int]] | None = None   # (when, meta.usage()) for statfs
         self.lock = DataLock()
         self.reclaimer = Reclaimer(meta, dc, self.lock)
@@ -209,13 +209,24 @@ class DnFS(DirOps, FileOps, XattrOps):
 
     # -- file system
     async def capacity(self) -> tuple[int, int]:
-        """(total, free) bytes a file can still use: the datanodes' reported disks (NODE_STATUS ``disk``)
-        summed over the nodes holding our partitions, divided by the replica count (every byte is stored that
-        many times).  Cached for ``STATFS_CACHE_S``; a node that does not answer is left out; with no answer
-        at all the last known figures stand."""
-        async with self._cap_lock:
-            if self._cap is not None and trio.current_time() - self._cap[0] < STATFS_CACHE_S:
-                return self._cap[1]
+        """(total, free) bytes for files: the datanodes' reported disks (NODE_STATUS ``disk``) summed over the
+        nodes holding our partitions, divided by the replica count (every byte is stored that many times).
+        Answered from the last figures; figures older than ``STATFS_CACHE_S`` are refreshed in the background
+        (a ``df`` never waits on a slow node) -- only the first call waits, at most ``STATFS_TIMEOUT_S``."""
+        if self._cap is None or trio.current_time() - self._cap[0] >= STATFS_CACHE_S:
+            if self._cap_refresh is None:
+                self._cap_refresh = trio.Event()
+                self.nursery.start_soon(self._refresh_capacity, self._cap_refresh)
+            if self._cap is None:
+                with trio.move_on_after(STATFS_TIMEOUT_S):
+                    await self._cap_refresh.wait()
+        return self._cap[1] if self._cap is not None else (0, 0)
+
+    async def _refresh_capacity(self, done: trio.Event) -> None:
+        """Asks every node holding our partitions for its disk (a node that does not answer within
+        ``STATFS_TIMEOUT_S`` is left out, its share estimated from the others); with no answer at all the
+        last known figures stand."""
+        try:
             parts = [self.dc.partitions[p] for p in self.partitions if p in self.dc.partitions]
             addrs = sorted({a for p in parts for a in p.replicas})
             copies = max((len(p.replicas) for p in parts), default=1) or 1
@@ -241,8 +252,9 @@ class DnFS(DirOps, FileOps, XattrOps):
                 self._cap = (trio.current_time(), (total, free))
             elif self._cap is None:
                 log.warning("statfs: no datanode reported its disk (%s)", ", ".join(addrs) or "no nodes")
-                return 0, 0
-            return self._cap[1]
+        finally:
+            self._cap_refresh = None
+            done.set()
 
     async def usage(self) -> tuple[int, int]:
         """(inodes, bytes the files hold) from the metadata, cached as long as ``capacity``."""
@@ -252,15 +264,15 @@ class DnFS(DirOps, FileOps, XattrOps):
 
     @fuse_op
     async def statfs(self, ctx):
-        """Used: the files' bytes; available: what the datanodes' disks can still take, each byte stored once
-        per replica; size: the two together (so ``df`` adds up, and an empty mount shows nothing used, whatever
-        else shares the disks).  Inodes: the metadata sets no limit; 2^32 stands for it."""
-        inodes, used = await self.usage()
-        _total, free = await self.capacity()
+        """The cluster's capacity as the datanodes report it, each byte stored once per replica: size, what
+        their disks can still take (available) and the rest (used -- whatever fills the disks, so a full
+        cluster shows full).  Inodes: the metadata sets no limit; 2^32 stands for it."""
+        inodes, _held = await self.usage()
+        total, free = await self.capacity()
         s = StatvfsData()
         s.f_bsize, s.f_frsize, s.f_namemax = 1 << 20, 4096, 255
         s.f_bfree = s.f_bavail = free // s.f_frsize
-        s.f_blocks = s.f_bfree + -(-used // s.f_frsize)
+        s.f_blocks = max(total // s.f_frsize, s.f_bfree)
         s.f_files = max(INODES, inodes)
         s.f_ffree = s.f_favail = s.f_files - inodes
         return s

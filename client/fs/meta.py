@@ -215,6 +215,7 @@ class Meta(abc.ABC):
     quiet = None             # () -> bool, set by the mount: one request in flight, nothing waits behind it
     reclaim_all = False      # fsck: release extents whatever mount session wrote them
     inline_max = 0           # files no larger than this keep their bytes in their slices (0: never)
+    created: tuple[str, ...] = ()   # files this open created (a new database): a mount that fails removes them
 
     @abc.abstractmethod
     async def _run(self, fn: Callable[..., T], *args) -> T:

@@ -177,6 +177,8 @@ class SqliteMeta(Meta):
         self._lockf.truncate()
         self._lockf.write(str(os.getpid()))
         self._lockf.flush()
+        if not os.path.lexists(self.path):        # looked at under the lock: no other mount can be creating it
+            self.created = tuple(self.path + s for s in ("", "-wal", "-shm", "-journal", ".lock"))
         self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")

@@ -150,8 +150,9 @@ async def serve(mountpoint: str, nodes: list[str], meta_url: str, *, partitions:
     check_mountpoint(mountpoint)
     opts = mount_options(os.getpid(), os.getuid(), allow_other, fuse_conf())
     meta: Meta = await trio.to_thread.run_sync(open_meta, meta_url, (login or {}).get("etcd_access"), inline_max)
+    mounted = False
     try:
-        async with DataClient.open(nodes, timeout=timeout, etcd=etcd, **(login or {})) as dc:
+        async with DataClient.from_env(nodes, timeout=timeout, etcd=etcd, **(login or {})) as dc:
             # a volume key writes files to its volume's partitions only (the nodes refuse the others)
             pids = partitions or dc.volume_partitions()
             if not pids:
@@ -177,6 +178,7 @@ async def serve(mountpoint: str, nodes: list[str], meta_url: str, *, partitions:
                     session.mount()
                 except SessionError as e:
                     raise MountError(f"cannot mount {mountpoint}: {e}") from None
+                mounted = True
                 fs.invalidate = session.invalidate_inode
                 log.info("mounted %s (meta %s, partitions %s)", mountpoint, meta_url, pids)
                 n.start_soon(fs.reclaimer.run)
@@ -208,6 +210,14 @@ async def serve(mountpoint: str, nodes: list[str], meta_url: str, *, partitions:
     finally:
         with trio.CancelScope(shield=True):
             await meta.close()
+        if not mounted:                # what a mount that never came up created holds nothing: not left behind
+            for f in meta.created:
+                try:
+                    os.unlink(f)
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    log.warning("cannot remove %s: %s", f, e)
 
 
 async def _signals(session: Session) -> None:
@@ -218,12 +228,19 @@ async def _signals(session: Session) -> None:
             return
 
 
+def not_mounted(mountpoint: str) -> MountError:
+    """The error for a path that is not a dnfs mount, saying why: a typo is not a foreign mount."""
+    if not os.path.lexists(mountpoint):
+        return MountError(f"{mountpoint}: no such file or directory")
+    return MountError(f"{mountpoint} is not a dnfs mount")
+
+
 def unmount(mountpoint: str, timeout: float = 60.0, lazy: bool = False) -> dict:
     """fusermount3 -u, then wait for the mount's process to exit (it flushes first)."""
     path = os.path.realpath(mountpoint)
     pid = mount_pid(path)
     if path not in mounts():
-        raise MountError(f"{mountpoint} is not a dnfs mount")
+        raise not_mounted(mountpoint)
     cmd = ["fusermount3", "-u"] + (["-z"] if lazy else []) + [path]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:

@@ -33,13 +33,13 @@ import trio
 from client.fs.meta import Attr, Meta, MetaError, Slice
 from client.fs.reclaim import DataLock
 from client.fs.writeback import Budget, FileBuffer, Flush, Placement, acked_ranges, to_slices
+from client.routing import AVOID_S
 from client.sdk import ClientError, DataClient, Location
 from wire.crc import crc32c
 from wire.protocol import Op, Result
 
 log = logging.getLogger(__name__)
 
-AVOID_S = 10.0                     # a partition a write just failed on is passed over this long when others can take it
 RETRY_PAUSE = 1.0                  # a write that failed on every partition waits this long before the next try
 BACKGROUND_FLUSHES = 16            # background flushes (a full chunk, a closed file's bytes) running at once
 FULL_BELOW = 2 << 20               # a datanode with less free disk than this counts as full
