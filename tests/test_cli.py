@@ -415,7 +415,8 @@ def test_bench_write_rounds_each_against_the_dd_right_after_it(tmp_path):
         assert [r["round"] for r in rounds] == [1, 2, 3]
         for w, r in zip(writes, rounds):
             assert r["replicas"] == 2 and r["ours_mib_s"] == w["mib_s"] and r["dd"]["mib_s"] > 0, r
-            assert r["ratio"] == pytest.approx(w["mib_s"] * 2 / r["dd"]["mib_s"], rel=0.01, abs=0.0006)   # the ratio is rounded to 3 places
+            # the ratio is rounded to 3 places: a small one is off by more than 1%
+            assert r["ratio"] == pytest.approx(w["mib_s"] * 2 / r["dd"]["mib_s"], rel=0.01, abs=0.0006)
         summary = res["dd_summary"]["2"]
         assert summary["rounds"] == 3
         assert summary["median_ratio"] == pytest.approx(sorted(r["ratio"] for r in rounds)[1], abs=0.001)
