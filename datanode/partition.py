@@ -460,22 +460,11 @@ class PartitionTable:
 
     def delete(self, pid: int) -> pathlib.Path:
         """Stop serving partition ``pid`` and move its data to the trash; returns where it went."""
-        p = self.parts.pop(pid)
-        p.dropped = True
-        p.store.close()
-        for k in self._deleted_counts:
-            self._deleted_counts[k] += getattr(p.store, k)
-        self.trash.mkdir(exist_ok=True)
-        dest = self.trash / f"{pid}.{time.time_ns()}"
-        os.rename(p.root, dest)
-        for d in (self.root, self.trash):
-            _fsync_dir(d)
-        log.warning("partition %d: data moved to the trash: %s", pid, dest)
-        return dest
+        return self.delete_many([pid])[0]
 
-    def delete_many(self, pids: list[int]) -> None:
+    def delete_many(self, pids: list[int]) -> list[pathlib.Path]:
         """``delete`` for many partitions (a stopping node's hand-off drops every copy it holds): the renames,
-        then one fsync of each of the two directories for all of them."""
+        then one fsync of each of the two directories for all of them; returns where each went."""
         moved = []
         try:
             for pid in pids:
@@ -494,6 +483,7 @@ class PartitionTable:
                     _fsync_dir(d)
         for pid, dest in moved:
             log.warning("partition %d: data moved to the trash: %s", pid, dest)
+        return [dest for _, dest in moved]
 
     def list_trash(self) -> list[dict]:
         """What the trash holds: [{"name", "partition", "deleted" (unix seconds), "bytes"}], oldest first."""
