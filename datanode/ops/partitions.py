@@ -143,25 +143,9 @@ class Partitions:
                 ok[i] = epoch == part.epoch and part.replicas == replicas
                 continue
             todo.append(i)
-        checked: list[int] = []
-
-        async def check(i: int) -> None:             # may ask the new leader: all of them at once
-            pid, replicas, epoch = views[i]
-            part = self.table.get(pid)
-            if part is None:
-                return
-            try:
-                await self._check(part, replicas, epoch)
-            except ViewRefused:
-                return
-            checked.append(i)
-        async with trio.open_nursery() as n:
-            for i in todo:
-                n.start_soon(check, i)
+        checked = await self._checked(views, todo)
         changed: list[tuple[int, Partition]] = []
-        async with contextlib.AsyncExitStack() as locks:
-            for i in sorted(checked, key=lambda i: views[i][0]):    # one order: no two batches deadlock
-                await locks.enter_async_context(self.view_lock(views[i][0]))
+        async with self._views_locked([views[i][0] for i in checked]):
             for i in checked:
                 pid, replicas, epoch = views[i]
                 part = self.table.get(pid)
@@ -219,26 +203,13 @@ class Partitions:
         our copy went to the trash; False when there was nothing to drop or the drop was refused (ViewRefused
         is logged and counted, not raised)."""
         ok = [False] * len(views)
-        checked: list[int] = []
         last = {pid: i for i, (pid, _, _) in enumerate(views)}
-
-        async def check(i: int) -> None:
-            pid, replicas, epoch = views[i]
-            part = self.table.get(pid)
-            if part is None or self.me in replicas or not self._newer(part, epoch, False) or last[pid] != i:
-                return
-            try:
-                await self._check(part, replicas, epoch)
-            except ViewRefused:
-                return
-            checked.append(i)
-        async with trio.open_nursery() as n:
-            for i in range(len(views)):
-                n.start_soon(check, i)
+        todo = [i for i, (pid, replicas, epoch) in enumerate(views)
+                if last[pid] == i and self.me not in replicas
+                and (part := self.table.get(pid)) is not None and self._newer(part, epoch, False)]
+        checked = await self._checked(views, todo)
         gone: list[int] = []
-        async with contextlib.AsyncExitStack() as locks:
-            for i in sorted(checked, key=lambda i: views[i][0]):
-                await locks.enter_async_context(self.view_lock(views[i][0]))
+        async with self._views_locked([views[i][0] for i in checked]):
             for i in checked:
                 pid, _, epoch = views[i]
                 part = self.table.get(pid)
@@ -255,6 +226,34 @@ class Partitions:
         if gone:
             self.changed(False)
         return ok
+
+    async def _checked(self, views: list[tuple[int, list[str], int]], todo: list[int]) -> list[int]:
+        """Which of ``views[i]`` (``i`` in ``todo``) pass ``_check`` -- each may ask its new leader, all at
+        once; a refusal is logged and counted there, not raised."""
+        checked: list[int] = []
+
+        async def check(i: int) -> None:
+            pid, replicas, epoch = views[i]
+            part = self.table.get(pid)
+            if part is None:
+                return
+            try:
+                await self._check(part, replicas, epoch)
+            except ViewRefused:
+                return
+            checked.append(i)
+        async with trio.open_nursery() as n:
+            for i in todo:
+                n.start_soon(check, i)
+        return checked
+
+    @contextlib.asynccontextmanager
+    async def _views_locked(self, pids: list[int]):
+        """Many partitions' view locks, taken in one order (by id): no two batches deadlock."""
+        async with contextlib.AsyncExitStack() as locks:
+            for pid in sorted(pids):
+                await locks.enter_async_context(self.view_lock(pid))
+            yield
 
     def _newer(self, part: Partition, epoch: int, equal_ok: bool) -> bool:
         return epoch > part.epoch or (equal_ok and epoch == part.epoch and self.me not in part.replicas)
