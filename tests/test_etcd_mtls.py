@@ -15,14 +15,13 @@ import json
 import os
 import pathlib
 import signal
-import subprocess
-import sys
 
 import pytest
 import trio
 
 from tests.conftest import run
 from tests.test_etcd import wait_for
+from tests.test_etcd_trust import dnctl
 from tools.etcd_cluster import etcd_binary
 from wire.etcdmap import Etcd, EtcdAccess, EtcdError
 
@@ -32,14 +31,6 @@ except FileNotFoundError as e:
     pytestmark = pytest.mark.skip(reason=str(e))
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-
-
-def dnctl(*args, check=True):
-    p = subprocess.run([sys.executable, "-m", "tools.dnctl", *map(str, args)], cwd=REPO, capture_output=True,
-                       text=True, timeout=180, env={**os.environ, "PYTHONPATH": str(REPO)})
-    if check and p.returncode != 0:
-        raise AssertionError(f"dnctl {args} -> {p.returncode}\n{p.stdout}\n{p.stderr}")
-    return p
 
 
 @pytest.fixture(scope="module")
