@@ -30,7 +30,6 @@ from wire import trace
 from wire.protocol import (
     ADMIN_ACTIONS,
     PROTOCOL_REASONS,
-    Flag,
     Header,
     Op,
     ProtocolError,
@@ -47,6 +46,7 @@ from ..partition import PartitionTable
 from . import stages
 from .admission import is_loopback
 from .base import Handler, PeerTimeout, Reply, Request, RequestCounters
+from .pipeline import forwarded
 from .run import AppendRun
 
 # the request path's lines keep the logger name operators know them by
@@ -210,7 +210,7 @@ class Wrap:
         self.inflight += 1
         conn.busy += 1
         rq = Request(conn, h, ticket, payload, run, now)
-        if run is not None and h.flags & Flag.FORWARDED and self._now(nursery, rq):
+        if run is not None and forwarded(h) and self._now(nursery, rq):
             return
         nursery.start_soon(self._handle, rq)
 
@@ -238,7 +238,7 @@ class Wrap:
         volume key reaches only that volume's partitions (``volume_refusal``): why not ("": it may)."""
         if conn.role is not None and conn.role not in roles_for(h):
             return (f"role {conn.role.name.lower()} may not send "
-                    f"{'forwarded ' if h.flags & Flag.FORWARDED else ''}{Op(h.opcode).name}")
+                    f"{'forwarded ' if forwarded(h) else ''}{Op(h.opcode).name}")
         if conn.volume:
             part = self.table.get(h.partition)
             why = volume_refusal(conn.volume, h.opcode, h.partition, part.volume if part is not None else None)
@@ -247,7 +247,7 @@ class Wrap:
         if conn.role is None and h.opcode in PROVEN_ADMIN and not is_loopback(conn.peer.rpartition(":")[0]):
             return (f"{Op(h.opcode).name} needs an authenticated admin (this node has no secret: only from "
                     f"its own host)")
-        if (h.flags & Flag.FORWARDED and h.opcode in LEADER_ONLY) or (h.opcode == Op.REPLICA_STATE and h.arg):
+        if (forwarded(h) and h.opcode in LEADER_ONLY) or (h.opcode == Op.REPLICA_STATE and h.arg):
             part = self.table.get(h.partition)       # (at another epoch: refused STALE_EPOCH by the handler)
             if part is not None and h.epoch == part.epoch and part.leader != conn.identity:
                 what = "confirmation" if h.opcode == Op.REPLICA_STATE else f"forwarded {Op(h.opcode).name}"
