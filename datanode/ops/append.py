@@ -144,8 +144,8 @@ class Appends(Forwardable):
         if x.block is None:
             fwd = h.forwarded()
         else:
-            fwd = h.but(flags=(h.flags | Flag.FORWARDED) & ~Flag.INLINE, addr=x.block.addr,
-                        rkey=self.buffers.region.rkey, rlen=h.length)
+            fwd = h.forwarded(flags=h.flags & ~Flag.INLINE, addr=x.block.addr,
+                              rkey=self.buffers.region.rkey, rlen=h.length)
         return fwd, x.payload if h.length <= INLINE_MAX else None
 
     async def local(self, x: Replicated) -> None:
