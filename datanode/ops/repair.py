@@ -33,7 +33,7 @@ class RepairOps:
     async def replica_state(self, rq: Request) -> Header:
         """Our view and extents, and whether our copy is known synced (``cuts``: what a confirmation must
         name).  With ``arg`` = cuts + 1 it is our leader's confirmation that this copy, as it answered last,
-        holds every acknowledged byte (only from the leader, at our epoch: checked on admission, ops/wrap.py);
+        holds every acknowledged byte (only from the leader, at our epoch: checked on admission, ops/admit.py);
         one sent before a cut since is void."""
         h = rq.h
         part = self.partitions.hosted(h)
