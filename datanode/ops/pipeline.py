@@ -12,7 +12,7 @@ such operation:
 * in the operation's ``turn`` (an extent's arrival order, where it keeps one): ``in_turn`` checks, then the
   forwards and the local step, in the order the operation declares (``Order``);
 * ``settle``: the local step made durable, outside the turn (the extent's next append goes on meanwhile);
-* the followers' acks (``replication_timeout``); a follower that failed: ``replicas_failed`` (undo, seal) and
+* the followers' acks (``replica_timeout``); a follower that failed: ``replicas_failed`` (undo, seal) and
   REPLICATION_FAILED;
 * ``answer``; and, whatever happened, ``release`` (post: what ``prepare`` took, freed after every follower is
   done with it).
