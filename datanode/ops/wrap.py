@@ -37,7 +37,7 @@ from .base import Handler, PeerTimeout, Reply, Request, RequestCounters
 from .pipeline import forwarded
 from .run import AppendRun
 
-__all__ = ["Serving", "VOLUME_FREE", "Wrap", "volume_refusal"]
+__all__ = ["VOLUME_FREE", "Serving", "Wrap", "volume_refusal"]
 
 # the request path's lines keep the logger name operators know them by
 log = logging.getLogger("datanode.server")
