@@ -9,8 +9,9 @@ client's (dnctl, the SDK): a node started from an admin's shell must not take th
 
 Each key is declared once, with ``key(default, unit, help, check)``, in the section of the component it
 tunes; the checks, ``print-config``, and the key table in docs/operations.md (``python -m datanode.config
---markdown``) are made from those declarations.  The file stays flat (a key's section is not written in it):
-``Config`` holds every section's keys, and is each section, so a component may be typed to see its own.
+--write docs/operations.md``; ``--markdown`` prints it) are made from those declarations.  The file stays
+flat (a key's section is not written in it): ``Config`` holds every section's keys, and is each section, so
+a component may be typed to see its own, or given its own alone (``section``).
 The connection keys (TransportConfig) reach the transport as the TransportOptions of the same names
 (``transport_options``).
 """
@@ -551,7 +552,24 @@ def markdown() -> str:
     return "\n".join(out)
 
 
+DOCS_BEGIN = ("<!-- node.toml keys: made by `python -m datanode.config --markdown` "
+              "(tests/test_node_config.py checks) -->")
+DOCS_END = "<!-- end of node.toml keys -->"
+
+
+def with_table(doc: str) -> str:
+    """``doc`` (docs/operations.md) with the key table between its DOCS_BEGIN and DOCS_END lines made anew."""
+    begin, end = doc.index(DOCS_BEGIN) + len(DOCS_BEGIN) + 1, doc.index(DOCS_END)
+    return doc[:begin] + markdown() + doc[end:]
+
+
 if __name__ == "__main__":
-    if sys.argv[1:] != ["--markdown"]:
-        sys.exit("usage: python -m datanode.config --markdown   (the node.toml key table of docs/operations.md)")
-    print(markdown(), end="")
+    args = sys.argv[1:]
+    if args == ["--markdown"]:
+        print(markdown(), end="")
+    elif len(args) == 2 and args[0] == "--write":
+        path = pathlib.Path(args[1])
+        path.write_text(with_table(path.read_text()))
+    else:
+        sys.exit("usage: python -m datanode.config --markdown        print the node.toml key table\n"
+                 "       python -m datanode.config --write FILE.md   make it anew in FILE.md (docs/operations.md)")

@@ -173,9 +173,8 @@ def test_each_key_is_in_one_section_and_the_docs_table_is_made_from_the_declarat
     for f in dataclasses.fields(config_mod.Config):
         assert f.metadata["key"].help and f.metadata["key"].unit, f.name
     docs = (pathlib.Path(__file__).parent.parent / "docs" / "operations.md").read_text()
-    begin = docs.index("\n", docs.index("<!-- node.toml keys")) + 1
-    assert docs[begin:docs.index("<!-- end of node.toml keys -->")] == config_mod.markdown(), \
-        "docs/operations.md's key table is not the declarations': run python -m datanode.config --markdown"
+    assert config_mod.with_table(docs) == docs, \
+        "docs/operations.md's key table is not the declarations': python -m datanode.config --write docs/operations.md"
     p = subprocess.run([sys.executable, "-m", "datanode.config", "--markdown"], capture_output=True, text=True,
                        timeout=60, cwd=pathlib.Path(__file__).parent.parent)
     assert p.returncode == 0 and p.stdout == config_mod.markdown(), p.stderr
