@@ -24,7 +24,7 @@ import pathlib
 import sys
 import tomllib
 from types import MappingProxyType
-from typing import Any, Callable, ClassVar, Iterator, Mapping
+from typing import Any, Callable, ClassVar, Iterator, Mapping, TypeVar
 
 from wire.env import ENV_PREFIX, env_values
 from wire.transport.base import OptionError, TransportChoice, TransportOptions
@@ -379,6 +379,7 @@ class MetricsConfig:
                                         empty_ok=True))
 
 
+S = TypeVar("S")
 SECTIONS = (NodeConfig, TransportConfig, MemoryConfig, StoreConfig, ReplicationConfig, RepairConfig, TrustConfig,
             AdmissionConfig, ClusterConfig, MetricsConfig)
 
@@ -391,6 +392,11 @@ class Config(MetricsConfig, ClusterConfig, AdmissionConfig, TrustConfig, RepairC
 
     # where each key's value came from (``load`` notes it; print-config shows it); not a key itself
     origin: ClassVar[Mapping[str, str]] = MappingProxyType({})
+
+
+def section(cfg: Config, cls: type[S]) -> S:
+    """``cfg``'s keys of section ``cls``, as that section alone: what a component that needs no other is given."""
+    return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)})
 
 
 def sections() -> Iterator[tuple[type, list[dataclasses.Field]]]:
