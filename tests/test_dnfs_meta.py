@@ -11,7 +11,7 @@ import threading
 import pytest
 import trio
 
-from client.fs.meta import ROOT, MetaBusy, MetaError, Slice
+from client.fs.meta import ROOT, MetaBusy, MetaError, Slice, coalesce
 from client.fs.meta_sqlite import SqliteMeta
 from wire.aio import InlinePause
 from tests.conftest import dirty_pages
@@ -22,6 +22,17 @@ DIR = stat.S_IFDIR | 0o755
 
 def sl(off, length, extent, ext_off=0):
     return Slice(off, length, 1, extent, ext_off, ext_off, length, 0)
+
+
+def test_reading_joins_pieces_that_follow_each_other_in_file_and_extent_into_one_request():
+    # a file written 4 KiB + fsync at a time: a slice per write, back to back in one extent
+    row = [sl(i * 4096, 4096, 7, 8192 + i * 4096) for i in range(300)]
+    assert coalesce(row) == [Slice(0, 300 * 4096, 1, 7, 8192, 8192, 4096, 0)]
+    # not neighbours: another extent, a gap in the extent, a gap in the file, an inline piece
+    apart = [sl(0, 10, 1, 0), sl(10, 10, 2, 10), sl(20, 10, 2, 30), sl(40, 10, 2, 40),
+             Slice(50, 10, 0, 0, 0, 0, 10, 0, b"x" * 10), Slice(60, 10, 0, 0, 0, 0, 10, 0, b"y" * 10)]
+    assert coalesce(apart) == apart
+    assert coalesce([]) == []
 
 
 def sqlite_in_thread(path: str) -> SqliteMeta:

@@ -14,7 +14,7 @@ import trio
 
 from client.fs.fs_common import FileState, fuse_op, killed_privs
 from client.fs.fuse_types import FileInfo, FUSEError
-from client.fs.meta import Attr, Slice
+from client.fs.meta import Attr, Slice, coalesce
 
 log = logging.getLogger("client.fs.fs")
 
@@ -145,7 +145,7 @@ class FileOps:
         for p in pieces:
             if p.inline:
                 out[p.off - off:p.end - off] = p.data
-        pieces = [p for p in pieces if not p.inline]
+        pieces = coalesce([p for p in pieces if not p.inline])
         if len(pieces) == 1:
             await fetch(pieces[0])
         elif pieces:

@@ -130,6 +130,22 @@ def overlay(old: Sequence[Slice], new: Slice) -> tuple[list[Slice], list[Slice]]
     return kept, touched
 
 
+def coalesce(pieces: Sequence[Slice]) -> list[Slice]:
+    """``pieces`` (in file order) with each run of extent-neighbours -- the next piece's bytes follow the
+    previous one's both in the file and in the same extent -- joined into one window, so reading them is one
+    request instead of one per piece (a file written 4 KiB + fsync at a time has a slice per write, all in a
+    row of one extent).  Only for reading: the joined window's ``(wpos, wlen, crc)`` are its first piece's."""
+    out: list[Slice] = []
+    for p in pieces:
+        last = out[-1] if out else None
+        if (last is not None and not p.inline and not last.inline and p.partition == last.partition
+                and p.extent == last.extent and p.off == last.end and p.ext_off == last.ext_off + last.length):
+            out[-1] = dataclasses.replace(last, length=last.length + p.length)
+        else:
+            out.append(p)
+    return out
+
+
 class MetaTx(abc.ABC):
     """The storage primitives of one metadata transaction: what an engine implements on its store.  Reads see
     the transaction's own writes; nothing is visible to others before the transaction commits."""
