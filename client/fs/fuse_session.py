@@ -128,6 +128,9 @@ class Session:
             fp.Op.DESTROY: self._destroy,
         }
         self._inline = {fp.Op.FORGET, fp.Op.BATCH_FORGET, fp.Op.INTERRUPT, fp.Op.INIT, fp.Op.DESTROY}
+        # requests the handlers may be able to answer at once (no I/O): the answer, True (queued its rest
+        # itself), or None -- not now, a task serves it
+        self._now = {fp.Op.WRITE: self._write_now, fp.Op.GETATTR: self._getattr_now, fp.Op.LOOKUP: self._lookup_now}
 
     # -- mounting
     def mount(self) -> None:
@@ -286,6 +289,21 @@ class Session:
             self.counts["inline"] += 1
             self._send(fp.error(req.unique, errno.ENOSYS))
             return
+        now = self._now.get(req.opcode)
+        if now is not None:
+            try:
+                out = now(req)
+            except FUSEError as e:
+                out = fp.error(req.unique, e.errno)
+            except Exception:
+                log.exception("FUSE %s failed: %r", fp.NAMES.get(req.opcode), req)
+                out = fp.error(req.unique, errno.EIO)
+            if out is True:                    # queued what it still waits for
+                return
+            if out is not None:
+                self.counts["inline"] += 1
+                self._send(out)
+                return
         if req.opcode in self._inline:
             self.counts["inline"] += 1
             try:
@@ -388,6 +406,16 @@ class Session:
         e = await self.ops.lookup(req.nodeid, req.args.name, self._ctx(req))
         return fp.reply(req.unique, fp.entry_out(e))
 
+    def _lookup_now(self, req):
+        now = getattr(self.ops, "lookup_now", None)
+        e = now(req.nodeid, req.args.name) if now is not None else None
+        return None if e is None else fp.reply(req.unique, fp.entry_out(e))
+
+    def _getattr_now(self, req):
+        now = getattr(self.ops, "getattr_now", None)
+        e = now(req.nodeid) if now is not None else None
+        return None if e is None else fp.reply(req.unique, fp.attr_out(e))
+
     async def _getattr(self, req):
         e = await self.ops.getattr(req.nodeid, self._ctx(req))
         return fp.reply(req.unique, fp.attr_out(e))
@@ -459,6 +487,23 @@ class Session:
         a = req.args
         data = await self.ops.read(a.fh, a.offset, a.size)
         return [fp.reply_header(req.unique, len(data)), data]
+
+    def _write_now(self, req):
+        write_now = getattr(self.ops, "write_now", None)
+        if write_now is None:
+            return None
+        a = req.args
+        done = write_now(a.fh, a.offset, a.data, bool(a.write_flags & fp.WRITE_KILL_SUIDGID))
+        if done is None:
+            return None
+        if not done:                          # buffered; what it waits for goes to a task, answered after
+            self._queue.append((req, self._write_rest))
+            return True
+        return fp.reply(req.unique, fp.write_out(len(a.data)))
+
+    async def _write_rest(self, req):
+        await self.ops.write_rest(req.args.fh)
+        return fp.reply(req.unique, fp.write_out(len(req.args.data)))
 
     async def _write(self, req):
         a = req.args

@@ -237,6 +237,11 @@ class Meta(abc.ABC):
     async def _run(self, fn: Callable[..., T], *args) -> T:
         """``fn(tx, *args)`` as one transaction (retried as a whole if the engine needs to)."""
 
+    def _now(self, fn: Callable[..., T], *args) -> T | None:
+        """``fn(tx, *args)`` as one transaction right now, without waiting -- or None if the engine cannot
+        (busy, or it waits for its store): then ``_run``.  For the mount's requests answered without a task."""
+        return None
+
     async def _run_durable(self, fn: Callable[..., T], *args) -> T:
         """``_run``, then ``sync``: this transaction and every one before it are durable when it returns.  An
         engine that can do both in one step overrides it."""
@@ -320,6 +325,15 @@ class Meta(abc.ABC):
 
     async def getattr(self, ino: int) -> Attr:
         return await self._run(self._get, ino)
+
+    def lookup_now(self, parent: int, name: bytes) -> Attr | None:
+        """``lookup`` if the engine can answer at once (``_now``), else None."""
+        check_length(name)
+        return self._now(lambda tx: self._get(tx, self._existing(tx, parent, name)))
+
+    def getattr_now(self, ino: int) -> Attr | None:
+        """``getattr`` if the engine can answer at once (``_now``), else None."""
+        return self._now(self._get, ino)
 
     async def setattr(self, ino: int, *, mode=None, uid=None, gid=None, atime_ns=None, mtime_ns=None,
                       ctime_ns: int) -> Attr:

@@ -214,6 +214,18 @@ class SqliteMeta(Meta):
         """``fn(SqliteTx, *args)`` as one transaction."""
         return await self._raw(lambda db: fn(SqliteTx(db, self), *args))
 
+    def _now(self, fn, *args):
+        """The transaction right here if the connection is free and no slow call paused that (as ``_call``
+        would run it in the loop), else None."""
+        t0 = time.monotonic()
+        if self._limiter.borrowed_tokens or not self.inline.allowed(t0):
+            return None
+        self.inline_txs += 1
+        try:
+            return self._tx(lambda db: fn(SqliteTx(db, self), *args))
+        finally:
+            self.inline.took(t0)
+
     async def _raw(self, fn, *args):
         """``fn(connection, *args)`` as one transaction (the engine's own queries): in the event loop when the
         connection is free and no slow transaction paused that (the module docstring), else in the worker

@@ -124,9 +124,28 @@ class DataWriter:
     async def write(self, f: FileWriter, off: int, data) -> None:
         """Buffer ``data`` at ``off``; flushes what the budget says (:meth:`Budget.after_write`, and the
         largest buffers when all of them hold too much)."""
+        if not self.write_now(f, off, data):
+            await self.write_rest(f)
+
+    def write_now(self, f: FileWriter, off: int, data) -> bool:
+        """The part of :meth:`write` that never waits: buffer ``data`` (starting a full chunk's background
+        flush).  False if the write must still wait (backpressure, the budget): then :meth:`write_rest`."""
         f.buf.write(off, data)
-        f.size = max(f.size, off + len(data))
+        end = off + len(data)
+        if end > f.size:
+            f.size = end
         f.mtime_ns = time.time_ns()
+        then = self.budget.after_write(f.buf.dirty.nbytes, f.background or f.flush_lock.locked())
+        if then is Flush.WAIT or self.budget.over():
+            return False
+        if then is Flush.BACKGROUND:
+            f.background = True
+            self.nursery.start_soon(self._background_flush, f)
+        return True
+
+    async def write_rest(self, f: FileWriter) -> None:
+        """What a buffered write waits for: its file's flush under way (one chunk written, one filled), and
+        the largest buffers written when all of them hold more than the budget."""
         while (then := self.budget.after_write(f.buf.dirty.nbytes, f.background or f.flush_lock.locked())) \
                 is Flush.WAIT:
             if f.background:
