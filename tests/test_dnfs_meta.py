@@ -7,6 +7,7 @@ import math
 import os
 import stat
 import threading
+import time
 
 import pytest
 import trio
@@ -247,8 +248,10 @@ def test_a_slow_transaction_in_the_event_loop_sends_the_next_ones_to_the_worker_
         m = SqliteMeta(str(tmp_path / "m.db"))
         f = await m.create(ROOT, b"f", FILE, 0, 0)
         assert (m.inline_txs, m.thread_txs) == (1, 0)
-        m.inline.slow = 0.0                       # every transaction in the loop now counts as slow,
+        m.inline.slow = 0.0                       # every transaction in the loop that waits counts as slow,
         m.inline.share = 1e-6                     # and keeps the next ones out of the loop for long
+        m.db.create_function("disk", 0, lambda: time.sleep(0.002))     # this one waits, as for a slow disk
+        m.db.execute("CREATE TEMP TRIGGER slow AFTER INSERT ON slices BEGIN SELECT disk(); END")
         await m.commit(f.ino, [sl(0, 10, 1)], 10, 1)
         assert (m.inline_txs, m.thread_txs) == (2, 0)
         for i in range(3):
