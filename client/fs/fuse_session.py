@@ -12,8 +12,10 @@ before each write (it remembers that the file has none).  WRITEBACK_CACHE only w
 
 The loop costs little Python per request: one readiness wait per wakeup, then every queued request read
 (the descriptor is non-blocking) until EAGAIN.  Requests that need no I/O are answered inline -- FORGET,
-BATCH_FORGET, INTERRUPT, INIT, unknown opcodes (ENOSYS); the others each get a task that awaits the handler
-and writes the answer with one ``writev``.  An INTERRUPT cancels a handler that only reads (lookup,
+BATCH_FORGET, INTERRUPT, INIT, unknown opcodes (ENOSYS), and those the handlers can answer at once: a WRITE
+that only buffers, a close with nothing to write, a GETATTR or LOOKUP while the metadata engine's connection
+is free (``*_now``: no task, no scheduler pass); the others each get a task that awaits the handler and
+writes the answer with one ``writev``.  An INTERRUPT cancels a handler that only reads (lookup,
 getattr, read, ...; it answers EINTR); handlers that change state run to the end, as the kernel's
 non-interruptible requests do.  A request whose bytes make no sense is logged and answered EIO; the mount
 goes on.  Unmounting (ENODEV on read) ends the loop once the handlers under way are done.
@@ -130,7 +132,8 @@ class Session:
         self._inline = {fp.Op.FORGET, fp.Op.BATCH_FORGET, fp.Op.INTERRUPT, fp.Op.INIT, fp.Op.DESTROY}
         # requests the handlers may be able to answer at once (no I/O): the answer, True (queued its rest
         # itself), or None -- not now, a task serves it
-        self._now = {fp.Op.WRITE: self._write_now, fp.Op.GETATTR: self._getattr_now, fp.Op.LOOKUP: self._lookup_now}
+        self._now = {fp.Op.WRITE: self._write_now, fp.Op.GETATTR: self._getattr_now,
+                     fp.Op.LOOKUP: self._lookup_now, fp.Op.FLUSH: self._flush_now}
 
     # -- mounting
     def mount(self) -> None:
@@ -544,6 +547,10 @@ class Session:
     async def _removexattr(self, req):
         await self.ops.removexattr(req.nodeid, req.args.name, self._ctx(req))
         return fp.error(req.unique, 0)
+
+    def _flush_now(self, req):
+        now = getattr(self.ops, "flush_now", None)
+        return fp.error(req.unique, 0) if now is not None and now(req.args.fh) else None
 
     async def _flush(self, req):
         await self.ops.flush(req.args.fh)
