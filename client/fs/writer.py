@@ -56,6 +56,25 @@ def data_errno(e: ClientError, what: str) -> int:
     return errno.EIO
 
 
+class held:
+    """``async with held(lock)``: a trio lock taken without a scheduler pass when it is free (trio's own
+    ``acquire`` always makes one, and a flush per fsync takes its file's lock); waits for it only when held."""
+
+    __slots__ = ("lock",)
+
+    def __init__(self, lock: trio.Lock):
+        self.lock = lock
+
+    async def __aenter__(self) -> None:
+        try:
+            self.lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self.lock.acquire()
+
+    async def __aexit__(self, *exc) -> None:
+        self.lock.release()
+
+
 class FileWriter:
     """One file's write-back state: its size and mtime with the buffered bytes counted in, the buffer, the
     lock one flush at a time holds, and the error of a flush nobody waited for (reported once)."""
@@ -168,7 +187,7 @@ class DataWriter:
     async def flush(self, f: FileWriter, *, durable: bool = False) -> bool:
         """Write the file's buffered bytes and commit their slices; ``durable`` (an fsync): the commit, and every
         one before it, durable on return.  Returns whether it committed (errors: ``f.error``)."""
-        async with f.flush_lock:
+        async with held(f.flush_lock):
             if not f.buf.dirty or f.error is not None:     # (after a failure: nothing until it is reported)
                 return False
             m = f.buf.take()
