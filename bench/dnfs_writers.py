@@ -3,9 +3,10 @@
 The peers harness's ``w4k_dsync`` and ``w4k_dsync_j8`` rows side by side on one mount: fio 4 KiB writes, each
 followed by fdatasync, from 1 writer and then from 8 (each its own file).  Each round and variant: a fresh
 local 3-node cluster (sync=always) and mount run from the variant's checkout, both phases, unmount.  Prints
-IOPS, fdatasync p50/p99, the mount's CPU per operation (/proc/PID/stat), the metadata engine's WAL syncs per
-fsync (``dnfs stats``, where the engine counts them) and the 8-writer/1-writer IOPS ratio.  Variants run
-interleaved (A, B, A, B, ...): on a shared, noisy machine only figures taken side by side compare.
+IOPS, fdatasync p50/p99, the mount's CPU per operation (/proc/PID/stat), the metadata engine's WAL syncs and
+hand-overs to its threads per fsync (``dnfs stats``, where the engine counts them) and the 8-writer/1-writer
+IOPS ratio.  Variants run interleaved (A, B, A, B, ...): on a shared, noisy machine only figures taken side
+by side compare.
 
     git archive main | tar -x -C /tmp/main-copy
     python -m bench.dnfs_writers --variant base=/tmp/main-copy --variant now=. --rounds 2 --seconds 15
@@ -34,8 +35,13 @@ def _stats(code: str, mnt: pathlib.Path) -> dict:
         return {}
 
 
-def _wal_syncs(st: dict) -> int | None:
-    return (st.get("metadata") or st.get("meta") or {}).get("wal_syncs")
+def _meta(st: dict, key: str) -> int | None:
+    return (st.get("metadata") or st.get("meta") or {}).get(key)
+
+
+def _per(s0: dict, s1: dict, key: str, n: int) -> float | None:
+    a, b = _meta(s0, key), _meta(s1, key)
+    return None if a is None or b is None else (b - a) / max(1, n)
 
 
 def _fio(mnt: pathlib.Path, jobs: int, a) -> dict:
@@ -47,15 +53,16 @@ def _fio(mnt: pathlib.Path, jobs: int, a) -> dict:
 
 
 def phase(code: str, pid: int, mnt: pathlib.Path, jobs: int, a) -> dict:
-    s0, c0 = _wal_syncs(_stats(code, mnt)), _cpu(pid)
+    s0, c0 = _stats(code, mnt), _cpu(pid)
     j = _fio(mnt, jobs, a)
     cpu = _cpu(pid) - c0
-    s1 = _wal_syncs(_stats(code, mnt))
+    s1 = _stats(code, mnt)
     w, n = j["write"], j["write"]["total_ios"]
     sync = j["sync"]["lat_ns"]["percentile"]
     return {"iops": w["iops"], "p50": sync["50.000000"] / 1e6, "p99": sync["99.000000"] / 1e6,
             "cpu_ms": cpu / max(1, n) * 1e3,
-            "wal_per_fsync": None if s0 is None or s1 is None else (s1 - s0) / max(1, n)}
+            "wal_per_fsync": _per(s0, s1, "wal_syncs", n),
+            "thread_per_fsync": _per(s0, s1, "transactions_in_thread", n)}
 
 
 def one(code: str, opts: list[str], a, work: pathlib.Path) -> str:
@@ -79,6 +86,8 @@ def one(code: str, opts: list[str], a, work: pathlib.Path) -> str:
 
         def show(r):
             wal = "" if r["wal_per_fsync"] is None else f" wal/fsync {r['wal_per_fsync']:.2f}"
+            if r["thread_per_fsync"] is not None:
+                wal += f" thread/fsync {r['thread_per_fsync']:.2f}"
             return (f"{r['iops']:6.0f} IOPS p50 {r['p50']:5.2f} p99 {r['p99']:6.2f} ms cpu {r['cpu_ms']:.3f} "
                     f"ms/op{wal}")
         return f"j1 {show(r1)} | j8 {show(r8)} | j8/j1 {r8['iops'] / r1['iops']:.2f}x"

@@ -173,7 +173,8 @@ def test_a_durable_commit_is_on_the_disk_when_it_returns(tmp_path):
     until a later sync."""
     async def main():
         m = SqliteMeta(str(tmp_path / "m.db"))
-        m.inline.slow = float("inf")       # a loaded machine's slow fsync must not send the next ones away
+        m.inline.slow = float("inf")       # a loaded machine's slow transaction or fsync must not send the
+        m.inline_sync.slow = float("inf")  # next ones away
         wal = str(tmp_path / "m.db-wal")
         f = await m.create(ROOT, b"f", FILE, 0, 0)
         await m.commit(f.ino, [sl(0, 4096, 1)], 4096, 1)
@@ -257,6 +258,41 @@ def test_a_slow_transaction_in_the_event_loop_sends_the_next_ones_to_the_worker_
         for i in range(3):
             assert (await m.getattr(f.ino)).size == 10
         assert (m.inline_txs, m.thread_txs) == (2, 3)
+        await m.close()
+    trio.run(main)
+
+
+def test_a_slow_wal_fsync_in_the_event_loop_sends_the_next_fsyncs_to_a_thread_not_the_transactions(tmp_path):
+    """A WAL fsync run in the event loop (the mount has nothing else in flight) that waits long for the disk
+    pauses only the WAL fsyncs that follow: they go to their own thread for a while, and the ordinary
+    transactions -- the durable commits' own, reads -- stay in the loop (a slow disk sync used to send them
+    all to the worker thread: hand-overs on every FUSE request of a loaded box).  Each durable commit is
+    still on the disk when it returns."""
+    async def main():
+        m = SqliteMeta(str(tmp_path / "m.db"))
+        m.quiet = lambda: True
+        m.inline.slow = float("inf")          # the transactions never count as slow here (a loaded box) ...
+        m.inline_sync.slow = 0.0              # ... every WAL fsync in the loop that waits does,
+        m.inline_sync.share = 1e-6            # and keeps the next ones out of the loop for long
+        real = m._fsync_wal
+
+        def slow_disk():
+            real()
+            time.sleep(0.002)                 # waits, as for a slow disk
+
+        m._fsync_wal = slow_disk
+        wal = str(tmp_path / "m.db-wal")
+        f = await m.create(ROOT, b"f", FILE, 0, 0)
+        await m.commit(f.ino, [sl(0, 4096, 1)], 4096, 1, durable=True)      # its fsync in the loop: slow
+        assert (m.thread_txs, m.wal_syncs_in_thread, m.wal_syncs) == (0, 0, 1)
+        loop = m.inline_txs
+        for i in range(1, 4):
+            a = await m.commit(f.ino, [sl(i * 4096, 4096, i + 1)], (i + 1) * 4096, i + 1, durable=True)
+            assert a.size == (i + 1) * 4096 and (await m.getattr(f.ino)).size == (i + 1) * 4096
+            assert dirty_pages(wal) in (0, None)
+        assert (m.thread_txs, m.wal_syncs_in_thread, m.wal_syncs) == (3, 3, 4)
+        assert m.inline_txs == loop + 6       # three commits and three reads, all in the loop
+        assert m.stats()["wal_syncs_in_thread"] == 3
         await m.close()
     trio.run(main)
 

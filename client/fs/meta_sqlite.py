@@ -201,8 +201,12 @@ class SqliteMeta(Meta):
         # "succeed" without them.  So one failure fails every durable commit after it (remount to recover).
         self._wal_failed: OSError | None = None
         self.wal_syncs = 0            # WAL fsyncs done ...
+        self.wal_syncs_in_thread = 0  # (of those, in a thread: the loop paused them, or others were in flight)
         self.durable_waits = 0        # ... for this many durable commits and syncs (group commit: fewer)
         self.inline = InlinePause()   # when a transaction may run right in the event loop
+        # ... and when a WAL fsync may: a pause of its own, so a slow disk sync sends the next while's fsyncs
+        # to their thread but leaves the ordinary transactions (page-cache commits) in the loop
+        self.inline_sync = InlinePause()
         self.inline_txs = 0           # transactions run in the event loop ...
         self.thread_txs = 0           # ... and in the worker thread
         self._commits = 0             # since the last checkpoint
@@ -219,7 +223,7 @@ class SqliteMeta(Meta):
         """The transaction right here if the connection is free and no slow call paused that (as ``_call``
         would run it in the loop), else None."""
         t0 = time.monotonic()
-        if self._limiter.borrowed_tokens or not self.inline.allowed(t0):
+        if not self._inline_free(t0):
             return None
         self.inline_txs += 1
         w = thread_waits()
@@ -236,22 +240,28 @@ class SqliteMeta(Meta):
 
     async def _run_durable(self, fn, *args):
         """The transaction, then a WAL fsync that covers it -- shared with the other durable commits and
-        syncs waiting meanwhile (the module docstring).  Alone in the mount (``quiet``, no WAL fsync out), both
-        in one step: right here when the connection is free, no pass of the loop between them."""
+        syncs waiting meanwhile (the module docstring).  Alone in the mount (``quiet``, no WAL fsync out) with
+        the transaction bound for the worker thread anyway, the fsync goes along: one hand-over for both."""
         self._check_wal()
-        if self._sync_out is None and self.quiet is not None and self.quiet():
+        if (self._sync_out is None and self.quiet is not None and self.quiet()
+                and not self._inline_free(time.monotonic())):
             def both():
                 out = self._tx(lambda db: fn(SqliteTx(db, self), *args))
                 upto = self._seq
                 self._fsync_wal()
                 self.wal_syncs += 1
+                self.wal_syncs_in_thread += 1
                 self.durable_waits += 1
                 self._synced = max(self._synced, upto)
                 return out
-            return await self._call(both, True)
+            return await self._call(both, False)
         out = await self._run(fn, *args)
         await self._durable()
         return out
+
+    def _inline_free(self, now: float) -> bool:
+        """May a transaction run right here at ``now``: the connection free, no slow transaction paused it."""
+        return self._limiter.borrowed_tokens == 0 and self.inline.allowed(now)
 
     async def _durable(self) -> None:
         """Return once every commit made so far is durable: wait for a WAL fsync that started after them,
@@ -267,15 +277,16 @@ class SqliteMeta(Meta):
             upto = self._seq                            # every commit counted so far is in the WAL file
             try:
                 t0 = time.monotonic()
-                if self.quiet is not None and self.quiet() and self.inline.allowed(t0):
+                if self.quiet is not None and self.quiet() and self.inline_sync.allowed(t0):
                     self.inline_txs += 1
                     w = thread_waits()
                     try:
                         self._fsync_wal()               # nobody waits behind it: no hand-over
                     finally:
-                        self.inline.took(t0, w)
+                        self.inline_sync.took(t0, w)
                 else:
                     self.thread_txs += 1
+                    self.wal_syncs_in_thread += 1
                     await self._syncer.run_sync(self._fsync_wal)
                 self.wal_syncs += 1
                 self._synced = max(self._synced, upto)
@@ -287,7 +298,7 @@ class SqliteMeta(Meta):
         """``job()`` on the connection: right here if ``inline`` and the connection is free and no slow call
         paused that (the module docstring), else in the worker thread."""
         t0 = time.monotonic()
-        if inline and self._limiter.borrowed_tokens == 0 and self.inline.allowed(t0):
+        if inline and self._inline_free(t0):
             self.inline_txs += 1
             w = thread_waits()
             try:
@@ -332,7 +343,8 @@ class SqliteMeta(Meta):
     def stats(self) -> dict:
         return {"engine": "sqlite", "transactions_in_loop": self.inline_txs,
                 "transactions_in_thread": self.thread_txs, "checkpoints": self.checkpoints,
-                "wal_syncs": self.wal_syncs, "durable_waits": self.durable_waits}
+                "wal_syncs": self.wal_syncs,
+                "wal_syncs_in_thread": self.wal_syncs_in_thread, "durable_waits": self.durable_waits}
 
     async def close(self) -> None:
         def shut():
