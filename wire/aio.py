@@ -52,14 +52,15 @@ class InlinePause:
     the disk.  A fixed pause would be too long after a call just over ``slow`` and too short against a failing
     disk.  It cannot help against a call that hangs.
     It also says when the caller of a short inline call should let the other tasks run (``yield_due``: once a
-    ``turn``)."""
+    ``turn`` of calls back to back)."""
 
-    __slots__ = ("slow", "share", "turn", "_until", "_yielded")
+    __slots__ = ("slow", "share", "turn", "_until", "_run", "_end")
 
     def __init__(self, slow: float = 0.005, share: float = 0.05, turn: float = 0.001) -> None:
         self.slow, self.share, self.turn = slow, share, turn
         self._until = 0.0         # monotonic time before which no call runs inline
-        self._yielded = 0.0       # when yield_due last said yes
+        self._run = 0.0           # when the inline calls back to back since yield_due last said yes began
+        self._end = -float("inf")  # when the last of them ended
 
     def allowed(self, now: float) -> bool:
         """May a call start inline at ``now`` (``time.monotonic()``)?"""
@@ -81,14 +82,18 @@ class InlinePause:
         """No call inline from now on (a test's way to the thread path)."""
         self._until = float("inf")
 
-    def yield_due(self, now: float) -> bool:
-        """After an inline call that ended at ``now``: should its caller let the other tasks run before it goes
-        on?  Yes once ``turn`` seconds have passed since the last yes.  So inline calls back to back (a sweep
-        of many) hold the loop about that long at most, while a short call between other awaits -- a FUSE
-        request's metadata transaction -- costs no scheduler pass of its own."""
-        if now - self._yielded < self.turn:
+    def yield_due(self, started: float, now: float) -> bool:
+        """After an inline call that ran from ``started`` to ``now``: should its caller let the other tasks run
+        before it goes on?  Yes once calls back to back (each starting within a ``turn`` of the last one's
+        end) have held the loop a ``turn`` since the last yes.  So a run of them (a sweep of many) holds the
+        loop about that long at most, while a short call between other awaits -- a FUSE request's metadata
+        transaction, requests apart -- costs no scheduler pass of its own."""
+        if started - self._end > self.turn:
+            self._run = started           # apart from the last one: the loop ran the others meanwhile
+        self._end = now
+        if now - self._run < self.turn:
             return False
-        self._yielded = now
+        self._run = now
         return True
 
 

@@ -9,9 +9,9 @@ running (a read or a page-cache commit is shorter than the hand-over to a worker
 took longer than 5 ms waiting for something (a WAL checkpoint, a slow disk -- not one that was only preempted
 on a busy machine: a thread would not do it sooner) sends the transactions of a while to the worker thread,
 a while in proportion to its length, so slow ones stall the loop at most 5% of the time (``aio.InlinePause``).
-A transaction in the loop then lets the other tasks run only if a millisecond has passed since it last did so
-(``InlinePause.yield_due``): a FUSE request's transaction costs no scheduler pass of its own (a visible share
-of the mount's CPU per call), and a run of many still lets the others in.
+A transaction in the loop then lets the other tasks run only once transactions back to back have held the loop
+a millisecond (``InlinePause.yield_due``): a FUSE request's transaction costs no scheduler pass of its own (a
+visible share of the mount's CPU per call), and a run of many still lets the others in.
 
 Durability is a group commit, as the datanodes do theirs: a durable commit (an fsync's) or a ``sync`` waits
 until a WAL fsync that started after its commit has ended.  One WAL fsync is out at a time, in a thread of its
@@ -305,7 +305,7 @@ class SqliteMeta(Meta):
                 out = job()                     # no await inside: nothing else can reach the connection
             finally:
                 self.inline.took(t0, w)         # (a call that was only preempted pauses nothing)
-                if self.inline.yield_due(time.monotonic()):
+                if self.inline.yield_due(t0, time.monotonic()):
                     await trio.lowlevel.cancel_shielded_checkpoint()    # the others' turn (done is done)
         else:
             self.thread_txs += 1
