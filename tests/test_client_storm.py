@@ -11,16 +11,14 @@ again meanwhile, and says what it waited for; a refusal (a wrong password) is no
 """
 from __future__ import annotations
 
+import functools
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 import trio
 
 from bench.client_storm import storm
+from tests.conftest import dnctl as conftest_dnctl
 from client.sdk import ClientError, DataClient
 from tools.cluster import free_port, local_access_files
 from tools.etcd_cluster import etcd_binary
@@ -31,16 +29,10 @@ try:
 except FileNotFoundError as e:
     pytestmark = pytest.mark.skip(reason=str(e))
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
 CLIENTS = 100
 
 
-def dnctl(*args, check=True):
-    p = subprocess.run([sys.executable, "-m", "tools.dnctl", *map(str, args)], cwd=REPO, capture_output=True,
-                       text=True, timeout=180, env={**os.environ, "PYTHONPATH": str(REPO)})
-    if check and p.returncode != 0:
-        raise AssertionError(f"dnctl {args} -> {p.returncode}\n{p.stdout}\n{p.stderr}")
-    return p
+dnctl = functools.partial(conftest_dnctl, check=True)
 
 
 @pytest.fixture(scope="module")
