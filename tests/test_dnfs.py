@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import io
 import json
 import os
@@ -15,7 +16,6 @@ import sqlite3
 import stat as stat_mod
 import struct
 import subprocess
-import sys
 import tarfile
 import threading
 import time
@@ -28,18 +28,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from client.sdk import DataClient
-from tests.conftest import NODE_DEFAULTS, REPO, create_partition, dirty_pages, eventually, pattern
+from tests.conftest import NODE_DEFAULTS, create_partition, dirty_pages, eventually, pattern, run_cli
 from tools.cluster import NodeProc, free_port
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
 
 
-def dnfs(*args, check=True, timeout=120):
-    r = subprocess.run([sys.executable, "-m", "client.fs.cli", *map(str, args)], cwd=REPO, capture_output=True,
-                       text=True, timeout=timeout)
-    if check and r.returncode != 0:
-        raise AssertionError(f"dnfs {' '.join(map(str, args))} failed ({r.returncode}): {r.stdout}{r.stderr}")
-    return r
+dnfs = functools.partial(run_cli, "client.fs.cli", check=True, timeout=120)
 
 
 class Addrs(list):
