@@ -112,7 +112,7 @@ class Session:
         self._buf = bytearray(BUFSIZE)
         self._view, self._into = memoryview(self._buf), [self._buf]
         self.counts = {"wakeups": 0, "requests": 0, "inline": 0, "malformed": 0, "interrupted": 0,
-                       "after_reply": 0}
+                       "after_reply": 0, "read_bytes": 0}
         self._handlers = {
             fp.Op.LOOKUP: self._lookup, fp.Op.GETATTR: self._getattr, fp.Op.SETATTR: self._setattr,
             fp.Op.READLINK: self._readlink, fp.Op.SYMLINK: self._symlink, fp.Op.MKNOD: self._mknod,
@@ -457,7 +457,8 @@ class Session:
 
     async def _read(self, req):
         a = req.args
-        data = await self.ops.read(a.fh, a.offset, a.size)
+        data = await self.ops.read(a.fh, a.offset, a.size)    # bytes, or a view of the mount's readahead
+        self.counts["read_bytes"] += len(data)
         return [fp.reply_header(req.unique, len(data)), data]
 
     async def _write(self, req):
