@@ -162,6 +162,24 @@ def test_large_file_100mib(mnt, tmp_path):
     subprocess.run(["cmp", str(tmp_path / "big"), str(mnt.path / "big")], check=True)
 
 
+def test_a_cold_sequential_read_is_large_reads_of_bytes_fetched_once(mnt):
+    """A large file read from a fresh mount (nothing cached): the bytes are the ones written, the kernel asks
+    in readahead-sized READs rather than page by page, and the mount fetches each byte from the cluster once
+    -- the kernel's READs of one reader arrive several at once and share the fetch under way."""
+    data = pattern(11, 48 << 20)
+    (mnt.path / "big").write_bytes(data)
+    mnt.umount()
+    mnt.mount()
+    with open(mnt.path / "big", "rb", buffering=0) as f:
+        got = b"".join(iter(lambda: f.read(1 << 20), b""))
+    assert got == data
+    st = json.loads(dnfs("stats", mnt.path, "--json").stdout)
+    reads = st["requests"]["read"]["count"]
+    assert st["fuse"]["read_bytes"] == len(data)
+    assert len(data) / reads >= 64 << 10, reads
+    assert st["read_fetched_bytes"] <= len(data) * 1.1, st["read_fetched_bytes"] / len(data)
+
+
 def test_overwrite_append_truncate_holes(mnt):
     p = mnt.path / "f"
     base = pattern(1, 3 << 20)
