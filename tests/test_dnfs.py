@@ -456,6 +456,34 @@ def test_writes_cost_one_request_each_and_a_small_tree_few_per_file(mnt, tmp_pat
     assert (mnt.path / "t/d3/f7").read_bytes() == pattern(307, 100 + 37 * 7)
 
 
+def test_with_the_kernel_cache_a_file_replaced_by_a_symlink_syncs_without_error(cluster, tmp_path):
+    """tar puts a placeholder file where a symlink goes and replaces it at the end.  With the kernel's
+    write-back cache the kernel writes the unlinked placeholder's times back after the unlink: the mount
+    keeps the inode until the kernel forgets it, so that succeeds and ``sync -f`` reports no error."""
+    m = Mount(cluster, tmp_path).mount("--kernel-cache")
+    try:
+        for i in range(20):
+            p = m.path / f"f{i}"
+            fd = os.open(p, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            os.write(fd, b"x" * 100)
+            os.close(fd)
+            os.utime(p, ns=(10**18, 10**18))
+        for i in range(20):
+            os.unlink(m.path / f"f{i}")
+            os.symlink(f"target{i}", m.path / f"f{i}")
+        subprocess.run(["sync", "-f", str(m.path)], check=True, capture_output=True)
+        assert sorted(os.readlink(m.path / f"f{i}") for i in range(20)) == sorted(f"target{i}" for i in range(20))
+        assert sum(r[1]["failed"] for r in json.loads(dnfs("stats", m.path, "--json").stdout)["requests"].items()
+                   if r[0] != "getxattr") == 0
+    finally:
+        m.cleanup()
+    db = sqlite3.connect(f"file:{m.db}?mode=ro", uri=True)      # and the placeholders are gone
+    try:
+        assert db.execute("SELECT COUNT(*) FROM inodes WHERE nlink = 0").fetchone()[0] == 0
+    finally:
+        db.close()
+
+
 def test_sigterm_unmounts_after_writing_what_is_buffered(cluster, tmp_path):
     """SIGTERM to the mount process ends it like an unmount: the buffered bytes (--writeback: closed files'
     too) are written, the mount point is let go, the process exits; the files are whole at the next mount."""

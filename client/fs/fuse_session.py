@@ -364,6 +364,8 @@ class Session:
         log.info("FUSE %d.%d, flags %#x (offered %#x)", a.major, a.minor, self.flags, a.flags)
         if hasattr(self.ops, "kernel_kills_privs"):
             self.ops.kernel_kills_privs = not self.flags & fp.HANDLE_KILLPRIV_V2
+        if hasattr(self.ops, "kernel_writes_back"):
+            self.ops.kernel_writes_back = bool(self.flags & fp.WRITEBACK_CACHE)
         return fp.reply(req.unique, fp.init_out(a.minor, a.max_readahead, self.flags, MAX_WRITE,
                                                 MAX_WRITE // PAGE))
 
