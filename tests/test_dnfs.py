@@ -164,8 +164,9 @@ def test_large_file_100mib(mnt, tmp_path):
 
 def test_a_cold_sequential_read_is_large_reads_of_bytes_fetched_once(mnt):
     """A large file read from a fresh mount (nothing cached): the bytes are the ones written, the kernel asks
-    in readahead-sized READs rather than page by page, and the mount fetches each byte from the cluster once
-    -- the kernel's READs of one reader arrive several at once and share the fetch under way."""
+    in readahead-sized READs rather than page by page (1 MiB when root mounts: it raises the mount's
+    readahead), and the mount fetches each byte from the cluster once -- the kernel's READs of one reader
+    arrive several at once and share the fetch under way."""
     data = pattern(11, 48 << 20)
     (mnt.path / "big").write_bytes(data)
     mnt.umount()
@@ -176,7 +177,7 @@ def test_a_cold_sequential_read_is_large_reads_of_bytes_fetched_once(mnt):
     st = json.loads(dnfs("stats", mnt.path, "--json").stdout)
     reads = st["requests"]["read"]["count"]
     assert st["fuse"]["read_bytes"] == len(data)
-    assert len(data) / reads >= 64 << 10, reads
+    assert len(data) / reads >= (768 << 10 if os.getuid() == 0 else 64 << 10), reads
     assert st["read_fetched_bytes"] <= len(data) * 1.1, st["read_fetched_bytes"] / len(data)
 
 
