@@ -459,8 +459,8 @@ def test_writes_cost_one_request_each_and_a_small_tree_few_per_file(mnt, tmp_pat
 
 def test_with_the_kernel_cache_a_file_replaced_by_a_symlink_syncs_without_error(cluster, tmp_path):
     """tar puts a placeholder file where a symlink goes and replaces it at the end.  With the kernel's
-    write-back cache the kernel writes the unlinked placeholder's times back after the unlink: the mount
-    keeps the inode until the kernel forgets it, so that succeeds and ``sync -f`` reports no error."""
+    write-back cache the kernel writes the unlinked placeholder's times back right after the unlink, when the
+    mount has removed the inode: that succeeds, and ``sync -f`` reports no error."""
     m = Mount(cluster, tmp_path).mount("--kernel-cache")
     try:
         for i in range(20):

@@ -80,9 +80,10 @@ class DnFS(DirOps, FileOps, XattrOps):
         self.seen: dict[int, tuple[int, int]] = {}   # ino -> (mtime, ctime) at its last close
         self.negative_cache = meta.single_mount    # only this mount changes the tree: cache "no such name"
         self.inflight = 0                          # FUSE requests being served (``fuse_op``)
-        # WRITEBACK_CACHE: the kernel writes a file's pages and times back when it likes -- also those of a
-        # file just unlinked, until it forgets the inode
+        # WRITEBACK_CACHE: the kernel writes a file's times back itself -- also right after unlinking a file
+        # (its ctime): what an inode removed at its unlink was is kept for that until the kernel forgets it
         self.kernel_writes_back = False
+        self.removed: dict[int, Attr] = {}
         self.read_fetched = 0                      # bytes reads fetched from the cluster (readahead included)
         self.ops: dict[str, list] = {}             # FUSE request kind -> [count, answered with an errno, seconds]
         meta.quiet = lambda: self.inflight <= 1    # the engine may block the loop for an fsync nobody waits behind
@@ -163,6 +164,7 @@ class DnFS(DirOps, FileOps, XattrOps):
             lookups.pop(ino, None)
             if ino != ROOT:
                 self.parents.pop(ino, None)
+                self.removed.pop(ino, None)
             if ino in self.unlinked:
                 gone.append(ino)
         c = self.ops.get("forget")

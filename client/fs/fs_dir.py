@@ -31,6 +31,9 @@ class DirOps:
 
     @fuse_op
     async def setattr(self, inode, attr, fields, fh, ctx):
+        gone = self.removed.get(inode)
+        if gone is not None:        # the kernel writing back the times of a file it just unlinked
+            return self.entry(gone)
         now = time.time_ns()
         mode = attr.st_mode if fields.update_mode else None
         st = self.files.get(inode)
@@ -84,17 +87,14 @@ class DirOps:
     async def link(self, inode, new_parent_inode, new_name, ctx):
         return self._looked_up(await self.meta.link(inode, new_parent_inode, new_name), new_parent_inode)
 
-    def _held(self, ino: int) -> bool:
-        """Must an inode whose last link goes stay until later (``unlinked``)?  While open here, and with
-        the kernel's write-back cache while the kernel knows it: it may still write its times back."""
-        return ino in self.files or (self.kernel_writes_back and self.lookups.get(ino, 0) > 0)
-
     @fuse_op
     async def unlink(self, parent_inode, name, ctx):
-        a, gone = await self.meta.unlink(parent_inode, name, held=self._held)
+        a, gone = await self.meta.unlink(parent_inode, name, held=self.files.__contains__)
         if gone:
             self.seen.pop(a.ino, None)
             self.reclaimer.kick()
+            if self.kernel_writes_back and self.lookups.get(a.ino, 0) > 0:
+                self.removed[a.ino] = a
         elif a.nlink <= 0:
             self.unlinked.add(a.ino)
             await self._maybe_remove(a.ino)
