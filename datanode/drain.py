@@ -206,9 +206,8 @@ class Drain:
             log.debug("hand-off progress: %s", e)
             return True
         leaving = {k.rsplit("/", 1)[1] for k, _v, _r in kvs} | {self.node.me}
-        for pid in held:                  # a view our watch has not delivered yet (it drops our copy)
-            if pid in views:
-                await agent.apply(views[pid])
+        # the views our watch has not delivered yet (they drop our copies): together, as the watch would
+        await agent.apply_many([views[pid] for pid in sorted(held) if pid in views])
         held = {p.pid for p in still_held(self.node.table.all(), self.node.me)}
         if not held:
             return True                   # (the caller sees it at once)

@@ -65,8 +65,9 @@ from wire.pool import BuddyPool, PoolExhausted
 from wire.protocol import BodyError, Flag, Header, Op, Result, decode_view
 from . import viewguard
 from .health import HealthProber, leader_token
-from .repairkit import MiB, NotHosted, RateLimiter, RepairAbort, _name
+from .repairkit import MiB, NotHosted, RateLimiter, Refused, RepairAbort, _name
 from .scrub import ScrubPasses, scrub_range
+from .statebatch import StateAsks
 from .store import BLOCK, StoreError
 from wire.transport.base import Access, TransportError
 
@@ -169,6 +170,8 @@ class RepairCounters:
     health_beats: int = 0             # heartbeats of the node's prober (datanode/health.py)
     health_node_probes: int = 0       # NODE_HEALTH requests it sent (one per follower node per beat and page)
     health_partition_probes: int = 0  # partitions it sent through their own probe (changed, or not healthy)
+    state_batches: int = 0            # REPLICA_STATES sent for view checks and new replicas' volumes
+    state_singles: int = 0            # ... and REPLICA_STATE (an older peer; an answer too large for a batch)
 
 
 class Repairer:
@@ -194,6 +197,7 @@ class Repairer:
         self.workers: dict[int, PartitionWorker] = {}
         self._kick = trio.Event()
         self.prober = HealthProber(self)
+        self.state_asks = StateAsks(self)   # the view checks' and new replicas' asks, together per node
 
     @property
     def links(self):
@@ -251,7 +255,7 @@ class Repairer:
             if r.result == Result.NOT_FOUND:
                 raise NotHosted(f"{addr}: {h.describe()} -> NOT_FOUND")
             if r.result != Result.OK:
-                raise RepairAbort(f"{addr}: {h.describe()} -> {_name(r.result)}")
+                raise Refused(f"{addr}: {h.describe()} -> {_name(r.result)}")
             try:
                 if not 0 < r.length <= JSON_ANSWER:
                     raise ValueError(f"{r.length} bytes")
@@ -267,7 +271,7 @@ class Repairer:
     async def replica_state(self, addr: str, pid: int) -> dict:
         """``addr``'s REPLICA_STATE of partition ``pid`` (any epoch): its view, extents, and whether its copy
         is known synced (a view's new leader is asked this: ops/partitions.py)."""
-        return await self.call_json(addr, Header(opcode=Op.REPLICA_STATE, partition=pid))
+        return await self.state_asks.ask(addr, pid)
 
     async def scrub_local(self, part, extent: int, offset: int, length: int) -> dict:
         return await trio.to_thread.run_sync(scrub_range, part, extent, offset, length)

@@ -30,7 +30,11 @@ class RateLimiter:
         await trio.sleep_until(start)
 
 
-class NotHosted(RepairAbort):
+class Refused(RepairAbort):
+    """The peer answered the request with an error (its result code is in the message)."""
+
+
+class NotHosted(Refused):
     """The peer does not host the partition (or the extent)."""
 
 
