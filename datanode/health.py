@@ -26,7 +26,7 @@ import trio
 
 from wire.protocol import OP_SINCE, Header, Op
 from wire.transport.base import TransportError
-from .repairkit import RepairAbort
+from .repairkit import JSON_ANSWER, RepairAbort
 
 log = logging.getLogger(__name__)
 PAGE = 16384            # partitions per NODE_HEALTH answer: under 0.75 MiB of JSON, within JSON_ANSWER
@@ -175,7 +175,7 @@ class HealthProber:
         start = 0
         while True:
             self.counters.health_node_probes += 1
-            ans = await self.rep.call_json(addr, Header(opcode=Op.NODE_HEALTH, arg=start))
+            ans = await self.rep.call_json(addr, Header(opcode=Op.NODE_HEALTH, arg=start), room=JSON_ANSWER)
             try:
                 for pid, tok in ans["tokens"]:
                     out[int(pid)] = tok

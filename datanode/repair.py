@@ -65,7 +65,7 @@ from wire.pool import BuddyPool, PoolExhausted
 from wire.protocol import BodyError, Flag, Header, Op, Result, decode_view
 from . import viewguard
 from .health import HealthProber, leader_token
-from .repairkit import MiB, NotHosted, RateLimiter, Refused, RepairAbort, _name
+from .repairkit import JSON_ANSWER, JSON_FIRST, MiB, NotHosted, RateLimiter, Refused, RepairAbort, _name
 from .scrub import ScrubPasses, scrub_range
 from .statebatch import StateAsks
 from .store import BLOCK, StoreError
@@ -74,7 +74,6 @@ from wire.transport.base import Access, TransportError
 log = logging.getLogger(__name__)
 REPAIR_DEPTH = 4          # repair chunks in flight to one follower
 FIRST_SCRUB_HEARTBEATS = 3  # a partition opened without full verification is scrubbed this soon after start
-JSON_ANSWER = 1 << 20
 
 
 @dataclasses.dataclass
@@ -243,30 +242,38 @@ class Repairer:
         except (TransportError, OSError) as e:
             raise RepairAbort(f"{addr}: {e}") from None
 
-    async def call_json(self, addr: str, h: Header, timeout: float | None = None):
-        """A request whose JSON answer the peer WRITEs into our landing region."""
-        try:
-            block = await self.landing.alloc(JSON_ANSWER, timeout=self.cfg.pool_wait)
-        except PoolExhausted as e:
-            raise RepairAbort(str(e)) from None
-        try:
-            h = dataclasses.replace(h, addr=block.addr, rkey=self.landing_region.rkey, rlen=JSON_ANSWER)
-            r = await self.call(addr, h, timeout)
-            if r.result == Result.NOT_FOUND:
-                raise NotHosted(f"{addr}: {h.describe()} -> NOT_FOUND")
-            if r.result != Result.OK:
-                raise Refused(f"{addr}: {h.describe()} -> {_name(r.result)}")
+    async def call_json(self, addr: str, h: Header, timeout: float | None = None, room: int = JSON_FIRST):
+        """A request whose JSON answer the peer WRITEs into our landing region: into a block of ``room``
+        bytes, and once more into one as large as it needs (at most ``JSON_ANSWER``) if that was too small.
+        Most answers are a few hundred bytes: a block of ``JSON_ANSWER`` each would let only 8 requests of
+        the node's repairs, probes and view checks be under way at once."""
+        r = None
+        while True:
             try:
-                if not 0 < r.length <= JSON_ANSWER:
-                    raise ValueError(f"{r.length} bytes")
-                body = json.loads(bytes(block.view(r.length)))
-                if not isinstance(body, dict):
-                    raise ValueError(f"a JSON {type(body).__name__}, not an object")
-            except ValueError as e:     # a peer's malformed answer fails this step, never the worker
-                raise RepairAbort(f"{addr}: {h.describe()} -> unreadable answer ({e})") from None
-            return body
-        finally:
-            self.landing.free(block)
+                block = await self.landing.alloc(room, timeout=self.cfg.pool_wait)
+            except PoolExhausted as e:
+                raise RepairAbort(str(e)) from None
+            try:
+                h = dataclasses.replace(h, addr=block.addr, rkey=self.landing_region.rkey, rlen=room)
+                r = await self.call(addr, h, timeout)
+                if r.result == Result.SHORT_BUFFER and room < r.arg <= JSON_ANSWER:
+                    room = r.arg
+                    continue
+                if r.result == Result.NOT_FOUND:
+                    raise NotHosted(f"{addr}: {h.describe()} -> NOT_FOUND")
+                if r.result != Result.OK:
+                    raise Refused(f"{addr}: {h.describe()} -> {_name(r.result)}")
+                try:
+                    if not 0 < r.length <= room:
+                        raise ValueError(f"{r.length} bytes")
+                    body = json.loads(bytes(block.view(r.length)))
+                    if not isinstance(body, dict):
+                        raise ValueError(f"a JSON {type(body).__name__}, not an object")
+                except ValueError as e:     # a peer's malformed answer fails this step, never the worker
+                    raise RepairAbort(f"{addr}: {h.describe()} -> unreadable answer ({e})") from None
+                return body
+            finally:
+                self.landing.free(block)
 
     async def replica_state(self, addr: str, pid: int) -> dict:
         """``addr``'s REPLICA_STATE of partition ``pid`` (any epoch): its view, extents, and whether its copy

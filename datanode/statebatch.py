@@ -20,7 +20,7 @@ import trio
 
 from wire.protocol import OP_SINCE, STATES_WINDOW, Header, Op
 from wire.transport.base import TransportError
-from .repairkit import NotHosted, RepairAbort, Refused
+from .repairkit import JSON_ANSWER, NotHosted, RepairAbort, Refused
 
 SENDERS = 4            # REPLICA_STATES requests under way to one node at once (the landing region holds 8)
 
@@ -94,7 +94,8 @@ class StateAsks:
         self.rep.counters.state_batches += 1
         try:
             try:
-                ans = await self.rep.call_json(addr, Header(opcode=Op.REPLICA_STATES, partition=base, arg=bits))
+                ans = await self.rep.call_json(addr, Header(opcode=Op.REPLICA_STATES, partition=base, arg=bits),
+                                               room=JSON_ANSWER)
                 states, absent = ans["states"], {int(pid) for pid in ans["absent"]}
                 if not isinstance(states, dict):
                     raise TypeError("states is not an object")
