@@ -234,6 +234,19 @@ class Repairer:
         out.update(w.describe())
         return out
 
+    def fill_summary(self) -> dict:
+        """Each partition led here: its epoch, each follower's state and whether a repair pass is running
+        ({"partitions": {id: [epoch, {addr: state}, running]}}: about 100 bytes each, within an admin
+        answer at MAX_PARTITIONS_PER_NODE)."""
+        out = {}
+        for pid, w in list(self.workers.items()):
+            part = w.part()
+            if part is None:
+                continue
+            out[str(pid)] = [part.epoch, {a: w.replicas[a].state for a in part.replicas[1:] if a in w.replicas},
+                             w.running == "repair"]
+        return {"partitions": out}
+
     # -- talking to peers ------------------------------------------------------------------------------
     async def call(self, addr: str, h: Header, timeout: float | None = None) -> Header:
         try:

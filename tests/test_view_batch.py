@@ -11,6 +11,7 @@ import pytest
 import trio
 
 from client.sdk import ClientError
+from manager.fillwatch import FillWatch
 from manager.viewpush import ViewPush
 from tests.conftest import open_client, run
 from tests.test_etcd import etcd  # noqa: F401 - a single-member etcd of the test's own
@@ -199,6 +200,50 @@ def test_a_batch_of_new_leaders_is_checked_in_a_few_requests(nodes):
                   f"{st['state_batches']} REPLICA_STATES, {st['state_singles']} REPLICA_STATE)")
             assert asked <= 30, asked       # (a few per window of 64 ids, and the heartbeats' probes meanwhile)
             assert st["state_singles"] == 0
+    run(main)
+
+
+def test_the_fill_of_many_partitions_is_asked_once_per_leader(nodes):
+    """The manager following 80 partitions' new replicas being filled asks their leader one summary
+    (PARTITION_HEALTH of partition 0) per round, not one request per partition; each partition's state in it
+    is the one its own PARTITION_HEALTH reports, and a partition the node does not lead has none."""
+    a, b = nodes(2)
+    pids = list(range(1, 81))
+
+    async def main():
+        async with open_client("tcp", timeout=10) as dc:
+            body = {"replicas": [a.addr, b.addr], "epoch": 1}
+
+            async def make(addr, pid):
+                await dc.admin(addr, Op.PARTITION_CREATE, partition=pid, body=body)
+            async with trio.open_nursery() as n:
+                for pid in pids:
+                    for node in (b, a):
+                        n.start_soon(make, node.addr, pid)
+            fill = FillWatch(dc)
+            got = {}
+
+            async def one(pid):
+                got[pid] = await fill.state(a.addr, pid)
+            with trio.fail_after(30):
+                while True:                 # until the leader's first probe of b found every copy healthy
+                    async with trio.open_nursery() as n:
+                        for pid in pids:
+                            n.start_soon(one, pid)
+                    if all(got[pid] == (1, {b.addr: "healthy"}, False) for pid in pids):
+                        break
+                    await trio.sleep(0.5)
+            rounds = fill.summaries
+            async with trio.open_nursery() as n:
+                for pid in pids:
+                    n.start_soon(one, pid)
+            assert 1 <= fill.summaries - rounds <= 3, fill.summaries - rounds
+            for pid in (1, 40, 80):
+                h = await dc.admin(a.addr, Op.PARTITION_HEALTH, partition=pid)
+                assert got[pid] == (h["epoch"], {f["addr"]: f["state"] for f in h["followers"]},
+                                    h["repair"]["running"])
+            assert await fill.state(b.addr, 1) is None          # b follows it
+            assert await fill.state(a.addr, 999) is None        # nobody has it
     run(main)
 
 

@@ -111,7 +111,9 @@ class Op(enum.IntEnum):
     NODE_DRAIN = 0x32        # stop as on SIGTERM (hand off, finish in-flight, leave etcd, exit).  Request arg
                              #   0: answered once the node has stopped taking requests, with the drain's
                              #   report (JSON); 1: answered at once, arg = 1 if it was stopping already
-    PARTITION_HEALTH = 0x24  # answer: JSON, the leader's view of its replicas, repair and scrub progress
+    PARTITION_HEALTH = 0x24  # answer: JSON, the leader's view of its replicas, repair and scrub progress;
+                             #   partition 0: {"partitions": {id: [epoch, {follower: state}, repairing]}} of
+                             #   every partition it leads (HEALTH_SUMMARY_SINCE)
     REPAIR = 0x25            # ask the leader for a full repair pass now; arg in the answer = pass number
     SCRUB = 0x26             # ask the leader for a scrub pass now; arg in the answer = pass number
     # -- the trash of deleted partitions (datanode/partition.py), admin only --
@@ -217,6 +219,9 @@ OP_SINCE: dict[Op, int] = {Op.NODE_DRAIN: 6, Op.NODE_HEALTH: 8, Op.MAP_READ: 8, 
 # such a node too -- an older one drops that hello, which names no HOST:PORT -- but it is sent before any
 # version is agreed: the dialer says so in its error (transport/connect.py).
 VOLUMES_SINCE = 7
+# PARTITION_HEALTH of partition 0 -- every partition the node leads, in short (its replicas' states) -- goes
+# only to nodes of this version or newer (an older one answers NOT_FOUND)
+HEALTH_SUMMARY_SINCE = 11
 STATES_WINDOW = 64       # the partition ids one REPLICA_STATES names: a bit each in the header's ``arg``
 ADMIN_ACTIONS = frozenset({Op.PARTITION_CREATE, Op.PARTITION_UPDATE, Op.PARTITION_DELETE, Op.REPAIR, Op.SCRUB,
                            Op.TRASH_LIST, Op.TRASH_RESTORE, Op.TRASH_PURGE, Op.NODE_DRAIN,
