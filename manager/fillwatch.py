@@ -7,13 +7,16 @@ pass cost a request and its answer each, a thousand a second for a thousand part
 asks instead one ``PARTITION_HEALTH`` of partition 0 per leader node -- its short summary of every partition
 it leads -- and answers every partition waiting on that leader from it (manager/combine.py: the first ask
 goes at once, the ones arriving meanwhile wait for the next summary, one under way per leader).  A leader of
-an older protocol version (``HEALTH_SUMMARY_SINCE``) is asked per partition, as before.
+an older protocol version (``HEALTH_SUMMARY_SINCE``) is asked per partition, as before, and so is one whose
+summary does not fit an admin answer (``SHORT_BUFFER``: thousands of partitions of many replicas each).
 """
 from __future__ import annotations
 
+import trio
+
 from client.sdk import ClientError
 from wire.limits import MAX_PARTITIONS_PER_NODE
-from wire.protocol import HEALTH_SUMMARY_SINCE, Op
+from wire.protocol import HEALTH_SUMMARY_SINCE, Op, Result
 from manager.combine import Combiner
 
 FillState = tuple[int, dict[str, str], bool]     # (the leader's epoch, {follower: state}, a repair pass running)
@@ -34,6 +37,9 @@ class FillWatch:
         Raises ClientError when the leader cannot be asked."""
         if await self._summarizes(leader):
             return await self._combine.submit(leader, pid)
+        return await self._single(leader, pid)
+
+    async def _single(self, leader: str, pid: int) -> FillState | None:
         h = await self.dc.admin(leader, Op.PARTITION_HEALTH, partition=pid)
         if h.get("role") != "leader":
             return None
@@ -49,7 +55,24 @@ class FillWatch:
 
     async def _summaries(self, leader: str, pids: list[int]) -> list:
         self.summaries += 1
-        ans = await self.dc.admin(leader, Op.PARTITION_HEALTH, partition=0)
+        try:
+            ans = await self.dc.admin(leader, Op.PARTITION_HEALTH, partition=0)
+        except ClientError as e:
+            if e.result != Result.SHORT_BUFFER:
+                raise
+            # (a leader of thousands of partitions of many replicas each: its summary does not fit an admin
+            # answer) each partition alone, as from an older node
+            out: list = [None] * len(pids)
+
+            async def alone(i: int) -> None:
+                try:
+                    out[i] = await self._single(leader, pids[i])
+                except ClientError as err:
+                    out[i] = err
+            async with trio.open_nursery() as n:
+                for i in range(len(pids)):
+                    n.start_soon(alone, i)
+            return out
         parts = ans.get("partitions") or {}
         out: list = []
         for pid in pids:
