@@ -123,10 +123,11 @@ class HealthProber:
             self._nodes.discard(addr)
 
     async def _beat_node(self, addr: str, items: list) -> None:
+        listed = True                   # the answer lists every partition it holds that we lead
         try:
             tokens = await self._tokens(addr)
         except Unsupported:
-            tokens = {}                 # an older node: every partition is probed on its own
+            tokens, listed = {}, False  # an older node: every partition is probed on its own
         except RepairAbort as e:        # unreachable, or an unreadable answer
             for w, part in items:
                 w.unreachable(addr, e)
@@ -140,6 +141,9 @@ class HealthProber:
             if (base is not None and h.state == "healthy" and not h.came_back
                     and tokens.get(part.pid) == base[0] and leader_token(part) == base[1]):
                 h.last_contact = now    # answered, and nothing changed on either side since it was healthy
+            elif h is not None and h.missing and listed and part.pid not in tokens:
+                h.last_contact = now    # it still does not hold the partition (a new replica whose create has
+                                        # not come yet): probing it, and repairing it, would only hear so again
             else:
                 todo.append((w, part))
         if not todo:

@@ -91,6 +91,8 @@ class ReplicaHealth:
     repaired_bytes: int = 0         # bytes repair copied to it while this node led the partition (all passes)
     base: tuple | None = None       # (its token, ours) when a probe last found it healthy: unchanged since, it
                                     # still is (datanode/health.py)
+    missing: bool = False           # it answered that it does not host the partition: probed again once its
+                                    # NODE_HEALTH lists it (a new replica not created yet: datanode/health.py)
 
     def to_dict(self) -> dict:
         now = time.time()
@@ -419,11 +421,12 @@ class PartitionWorker(ScrubPasses):
             st = await self.rep.call_json(addr, Header(opcode=Op.REPLICA_STATE, partition=self.pid,
                                                        epoch=part.epoch))
         except NotHosted:      # being created right now, or lost: `dnctl partition sync` creates it
-            h.state, h.error, h.came_back = "lagging", "does not host the partition", True
+            h.state, h.error, h.came_back, h.missing = "lagging", "does not host the partition", True, True
             return
         except RepairAbort as e:
             self.unreachable(addr, e)
             return
+        h.missing = False
         was_down = h.state in ("unreachable", "unknown")
         h.last_contact, h.epoch, h.error = time.time(), st["epoch"], ""
         if st["epoch"] > part.epoch:
@@ -603,7 +606,7 @@ class PartitionWorker(ScrubPasses):
                     h.came_back = False
                     results[addr] = "ok"
                 except NotHosted as e:
-                    h.state, h.error = "lagging", f"does not host the partition ({e})"
+                    h.state, h.error, h.missing = "lagging", f"does not host the partition ({e})", True
                     results[addr] = "not hosting the partition"
                 except RepairAbort as e:
                     self.rep.counters.repair_errors += 1
