@@ -91,8 +91,8 @@ class ReplicaHealth:
     repaired_bytes: int = 0         # bytes repair copied to it while this node led the partition (all passes)
     base: tuple | None = None       # (its token, ours) when a probe last found it healthy: unchanged since, it
                                     # still is (datanode/health.py)
-    missing: bool = False           # it answered that it does not host the partition: probed again once its
-                                    # NODE_HEALTH lists it (a new replica not created yet: datanode/health.py)
+    missing: float | None = None    # when it answered that it does not host the partition: probed again once
+                                    # its NODE_HEALTH lists it, or MISSING_RECHECK_S later (datanode/health.py)
 
     def to_dict(self) -> dict:
         now = time.time()
@@ -421,12 +421,13 @@ class PartitionWorker(ScrubPasses):
             st = await self.rep.call_json(addr, Header(opcode=Op.REPLICA_STATE, partition=self.pid,
                                                        epoch=part.epoch))
         except NotHosted:      # being created right now, or lost: `dnctl partition sync` creates it
-            h.state, h.error, h.came_back, h.missing = "lagging", "does not host the partition", True, True
+            h.state, h.error, h.came_back, h.missing = ("lagging", "does not host the partition", True,
+                                                        time.monotonic())
             return
         except RepairAbort as e:
             self.unreachable(addr, e)
             return
-        h.missing = False
+        h.missing = None
         was_down = h.state in ("unreachable", "unknown")
         h.last_contact, h.epoch, h.error = time.time(), st["epoch"], ""
         if st["epoch"] > part.epoch:
@@ -606,7 +607,8 @@ class PartitionWorker(ScrubPasses):
                     h.came_back = False
                     results[addr] = "ok"
                 except NotHosted as e:
-                    h.state, h.error, h.missing = "lagging", f"does not host the partition ({e})", True
+                    h.state, h.error = "lagging", f"does not host the partition ({e})"
+                    h.missing = time.monotonic()
                     results[addr] = "not hosting the partition"
                 except RepairAbort as e:
                     self.rep.counters.repair_errors += 1
