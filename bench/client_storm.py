@@ -1,24 +1,26 @@
-"""Many SDK clients, each its own process, opening at once against one cluster: failures, open time, etcd's cost.
+"""Many SDK clients opening at once against one cluster: failures, open time, etcd's cost.
 
     python -m bench.client_storm --cluster DIR [--clients 100] [--per-process 1] [--via auto] [--json]
     python -m bench.client_storm --clients 100            # starts a default secured local cluster of its own
 
 Each process imports the SDK, says it is ready and waits; once all are ready they are released together
-and each opens ``DataClient.open`` as a script would with the cluster's client credentials (the secret,
-the etcd ``mount`` user), checks it knows a partition, and reports its open time.  ``--per-process N`` opens
-N clients as tasks of one process (each a separate ``DataClient``: its own connections, and through etcd its
-own login and watch), to reach a thousand clients on a small machine.  A client counts as open once
-``DataClient.open`` returned with the map read and a partition known: its hello (the session's key
-exchange and proofs), the map (MAP_READ from one node, or etcd's login and read) and one PARTITION_LIST.
+and each opens ``DataClient.open`` as a script would with the cluster's client credentials (the secret
+claiming the client role, the etcd ``mount`` user), checks it knows a partition, and reports its open time.
+``--per-process N`` opens N clients as tasks of one process (each a separate ``DataClient``: its own
+connections, and through etcd its own login and watch), to reach a thousand clients on a small machine.  A
+client counts as open once ``DataClient.open`` returned with the map read and a partition known: its hello
+(the session's key exchange and proofs), the map (MAP_READ from one node, or etcd's login and read) and one
+PARTITION_LIST.
 
 Many clients on one host share its address, and a datanode bounds the hellos in progress per address
 (``preauth_per_host``: a flood from one address costs that address alone).  Clients of a real cluster come
 from many hosts, so each client here connects from an address of its own in 127.0.0.0/8 (``source_address``;
 Linux routes the whole block to loopback); ``--one-address`` makes them all 127.0.0.1 instead.
 
-Printed: clients, failures (with the first errors), open time p50/p99/max, the CPU etcd, the datanodes and
-the client processes spent during the storm (/proc: its cost per client open), etcd's ``grpc_server_started_total`` for Authenticate and Watch, and how many TCP
-connections etcd held while the clients were open (``ss``).
+Printed: clients, failures (with the first errors), open time p50/p99/max, the CPU etcd spent and the CPU
+the datanodes and the client processes spent per client open (/proc, from the go until all are open and a
+second more), etcd's ``grpc_server_started_total`` for Authenticate and Watch, and how many TCP connections
+etcd held (``ss``): before, at the most while the clients opened, and with all of them open.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -58,12 +61,13 @@ async def one(done, i):
     t0 = time.monotonic()
     try:
         async with DataClient.from_env(nodes, transport="tcp", pool_mib=4, etcd=url, etcd_access=access,
-                                   secret=secret or None, timeout=timeout, map_via=via,
+                                   secret=secret or None, role="client" if secret else None,
+                                   timeout=timeout, map_via=via,
                                    source_address=source(first + i)) as dc:
             took = time.monotonic() - t0
             if not dc.partitions:
                 raise RuntimeError("opened, but knows no partition")
-            print(json.dumps({"ok": True, "open_s": took}), flush=True)
+            print(json.dumps({"ok": True, "open_s": took, "partitions": len(dc.partitions)}), flush=True)
             done.release()
             await trio.sleep_forever()
     except Exception as e:
@@ -117,6 +121,7 @@ def storm(cluster: pathlib.Path, clients: int, per_process: int = 1, timeout: fl
     returns what ``main`` prints."""
     from tools.cluster import local_access_files, local_tls
     info = json.loads((cluster / "cluster.json").read_text())
+    info["nodes"] = [n for n in info["nodes"] if n.get("pid") and pathlib.Path(f"/proc/{n['pid']}").exists()]
     url = info["etcd"]["url"]
     files = local_access_files(info["etcd"], "mount")      # its etcd user and, where required, certificate
     cred = json.dumps(files) if files else ""
@@ -141,6 +146,13 @@ def storm(cluster: pathlib.Path, clients: int, per_process: int = 1, timeout: fl
         cpu0, rpc0 = _cpu_s(etcd_pid), _started(url, local_tls(info["etcd"]))
         nodes0, clients0 = sum(map(_cpu_s, node_pids)), sum(_cpu_s(p.pid) for p in procs)
         conns0 = _connections(info["etcd"]["client_port"])
+        peak, sampling = [conns0], threading.Event()
+
+        def sample() -> None:           # the most connections etcd held at once, from the go on
+            while not sampling.wait(0.1):
+                peak[0] = max(peak[0], _connections(info["etcd"]["client_port"]))
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
         for p in procs:
             p.stdin.write("go\n")
             p.stdin.flush()
@@ -156,6 +168,8 @@ def storm(cluster: pathlib.Path, clients: int, per_process: int = 1, timeout: fl
                                 + p.stderr.read()[-500:]})
         time.sleep(1.0)           # the follow tasks are up: count etcd's connections with every client open
         conns = _connections(info["etcd"]["client_port"])
+        sampling.set()
+        sampler.join()
         cpu1, rpc1 = _cpu_s(etcd_pid), _started(url, local_tls(info["etcd"]))
         nodes1, clients1 = sum(map(_cpu_s, node_pids)), sum(_cpu_s(p.pid) for p in procs)
     finally:
@@ -189,6 +203,8 @@ def storm(cluster: pathlib.Path, clients: int, per_process: int = 1, timeout: fl
             "etcd_authenticate": rpc1.get("Authenticate", 0) - rpc0.get("Authenticate", 0),
             "etcd_watch_streams": rpc1.get("Watch", 0) - rpc0.get("Watch", 0),
             "etcd_connections_before": conns0, "etcd_connections_open": conns,
+            "etcd_connections_peak": max(peak[0], conns),
+            "partitions_seen": sorted({r["partitions"] for r in results if r["ok"]}),
             "client_warnings": sorted(counted.items(), key=lambda kv: -kv[1])[:5]}
 
 
