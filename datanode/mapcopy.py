@@ -15,7 +15,7 @@ import trio
 
 PAGE_BYTES = 256 << 10      # an answer's entries stop near this size (well under a client's answer buffer)
 WAIT_MAX_S = 10.0           # a long poll waits at most this long for a change (clients wait less)
-ANSWERS_KEPT = 8            # encoded answers kept for the copy's current revision (asked from as many revisions)
+ANSWERS_KEPT = 32           # encoded answers kept for the copy's current state (a large map's pages, ...)
 
 
 class MapCopy:
