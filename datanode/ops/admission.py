@@ -23,9 +23,10 @@ proved (``None``: a node without a secret, which proves nothing).
   make room; with none idle the newcomer is refused.
 * **Idle connections** cost memory (each holds its buffers), so there may be at most ``idle_max`` idle
   client connections in all and ``idle_per_host`` from one host; beyond that the least recently active are
-  closed (a client reconnects when it next needs one).  A connection whose hello has just been done is not
-  idle yet, for ``fresh_s`` (the hello's own time, ``hello_timeout``): its first request is on its way, and
-  a crowd of clients opening at once would otherwise close each other's new connections in turn.
+  closed (a client reconnects when it next needs one).  A connection whose hello has just been done does not
+  count here for ``fresh_s`` (the hello's own time, ``hello_timeout``): its first request is on its way, and
+  a crowd of clients opening at once would otherwise close each other's new connections in turn.  (The
+  connection limits above still take an idle new one's place: they bound connections, not memory.)
 """
 from __future__ import annotations
 
@@ -99,7 +100,7 @@ class Entry:
         return self.state == "open" and self.client and not (self.served is not None and self.served.busy)
 
     def closable(self, now: float, fresh_s: float) -> bool:
-        """Idle, and past its first ``fresh_s`` after its hello: may be closed to make room."""
+        """Idle, and past its first ``fresh_s`` after its hello: counts against the idle limits."""
         return self.idle() and now - self.opened >= fresh_s
 
 
@@ -166,7 +167,7 @@ class Admission:
         close: list[Entry] = []
         if not e.client:
             if self.nclient + self.nother >= lim.max_connections:
-                victim = self._oldest_idle((x for lst in self.clients.values() for x in lst), now)
+                victim = self._oldest_idle(x for lst in self.clients.values() for x in lst)
                 if victim is None:
                     return self._refuse(TOO_MANY, f"{self.nclient + self.nother} connections open "
                                                   f"(max_connections), no client connection idle")
@@ -176,14 +177,14 @@ class Admission:
             return Verdict(e, close=close)
         mine = self.clients.get(e.host, [])
         if lim.per_host and len(mine) >= lim.per_host:
-            victim = self._oldest_idle(mine, now)
+            victim = self._oldest_idle(mine)
             if victim is None:
                 return self._refuse(TOO_MANY, f"{len(mine)} client connections open from {e.host} "
                                               f"(max_connections_per_host), none idle")
             close.append(self._drop(victim))
         limit = lim.max_connections - min(lim.reserved, lim.max_connections // 2)
         if self.nclient >= limit:
-            victim = self._oldest_idle((x for lst in self.clients.values() for x in lst), now)
+            victim = self._oldest_idle(x for lst in self.clients.values() for x in lst)
             if victim is None:
                 return self._refuse(TOO_MANY, f"{self.nclient} client connections open (max_connections "
                                               f"{lim.max_connections} minus reserved_connections), none idle",
@@ -207,8 +208,9 @@ class Admission:
             out += [self._drop(x) for x in idle[:max(0, len(idle) - lim.idle_max)]]
         return out
 
-    def _oldest_idle(self, entries, now: float) -> Entry | None:
-        return min((x for x in entries if x.closable(now, self.limits.fresh_s)), key=_age, default=None)
+    @staticmethod
+    def _oldest_idle(entries) -> Entry | None:
+        return min((x for x in entries if x.idle()), key=_age, default=None)
 
     def _drop(self, e: Entry) -> Entry:
         """``e`` is closed to make room (the caller closes it)."""
