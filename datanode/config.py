@@ -326,8 +326,8 @@ KEY_HELP: dict[str, tuple[str, str]] = {
     "preauth_early_drop": ("count", "from this many connections in their hello, a new one from an address that "
                                     "has one pending is dropped at random, 30% rising to 100% at preauth_max "
                                     "(sshd's MaxStartups)"),
-    "idle_max": ("count", "idle client connections (nothing in flight, past hello_timeout since their hello) kept "
-                          "at once; beyond, the least recently active are closed (0: no limit)"),
+    "idle_max": ("count", "idle client connections (nothing in flight; an authenticated one past hello_timeout "
+                          "since its hello) kept at once; beyond, the least recently active are closed (0: no limit)"),
     "idle_per_host": ("count", "idle client connections kept from one host; beyond, its least recently active are "
                                "closed (0: no limit)"),
     "max_connections": ("count", "connections past their hello at once; a new one takes the place of the least "

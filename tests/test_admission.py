@@ -162,6 +162,9 @@ def test_a_connection_just_past_its_hello_is_not_idle_yet():
     late = a.arrive("10.0.2.1", 10.0).entry        # later, all six still idle: the limit applies again
     closed = a.hello(late, CLIENT, 10.0).close
     assert sorted(closed, key=lambda x: x.opened) == crowd[:4], closed   # the least recently active go
+    anon = adm(idle_max=2, fresh_s=5.0, preauth_max=0, max_connections=16, reserved=0)
+    closed = [x for t in range(4) for x in anon.hello(anon.arrive(f"10.0.4.{t}", t / 10).entry, None, t / 10).close]
+    assert len(closed) == 2                        # proving nothing (no secret): no grace, the limit holds at once
     full = adm(preauth_max=0, max_connections=4, reserved=0, fresh_s=5.0)
     for t in range(4):
         full.hello(full.arrive(f"10.0.3.{t}", 0).entry, CLIENT, 0)

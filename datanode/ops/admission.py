@@ -23,10 +23,11 @@ proved (``None``: a node without a secret, which proves nothing).
   make room; with none idle the newcomer is refused.
 * **Idle connections** cost memory (each holds its buffers), so there may be at most ``idle_max`` idle
   client connections in all and ``idle_per_host`` from one host; beyond that the least recently active are
-  closed (a client reconnects when it next needs one).  A connection whose hello has just been done does not
-  count here for ``fresh_s`` (the hello's own time, ``hello_timeout``): its first request is on its way, and
-  a crowd of clients opening at once would otherwise close each other's new connections in turn.  (The
-  connection limits above still take an idle new one's place: they bound connections, not memory.)
+  closed (a client reconnects when it next needs one).  A connection whose hello has just proven the client
+  role does not count here for ``fresh_s`` (the hello's own time, ``hello_timeout``): its first request is on
+  its way, and a crowd of clients opening at once would otherwise close each other's new connections in
+  turn.  Only a key holder gets that grace (one that proved nothing could open connections faster than they
+  age), and the connection limits above still take an idle new one's place: they bound all of them.
 """
 from __future__ import annotations
 
@@ -100,8 +101,9 @@ class Entry:
         return self.state == "open" and self.client and not (self.served is not None and self.served.busy)
 
     def closable(self, now: float, fresh_s: float) -> bool:
-        """Idle, and past its first ``fresh_s`` after its hello: counts against the idle limits."""
-        return self.idle() and now - self.opened >= fresh_s
+        """Idle, and (a proven client) past its first ``fresh_s`` after its hello: counts against the idle
+        limits.  A peer that proved nothing gets no such grace: anyone could open connections faster."""
+        return self.idle() and (self.role != Role.CLIENT or now - self.opened >= fresh_s)
 
 
 @dataclasses.dataclass
