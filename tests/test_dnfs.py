@@ -438,6 +438,30 @@ def test_writes_cost_one_request_each_and_a_small_tree_few_per_file(mnt, tmp_pat
     assert (mnt.path / "t/d3/f7").read_bytes() == pattern(307, 100 + 37 * 7)
 
 
+def test_requests_that_need_no_io_are_answered_as_they_are_read_and_still_counted(mnt):
+    """A write that only buffers, a lookup the metadata answers at once and a close with nothing left to write
+    are answered by the session loop itself (``dnfs stats``: fuse.inline) -- no task each -- and are counted
+    as requests like the others; the bytes are there."""
+    f = mnt.path / "inline"
+    f.write_bytes(b"")
+    before = json.loads(dnfs("stats", mnt.path, "--json").stdout)
+    fd = os.open(f, os.O_WRONLY)
+    try:
+        for i in range(50):
+            os.pwrite(fd, b"y" * 100, i * 100)
+    finally:
+        os.close(fd)
+    for i in range(20):
+        assert not (mnt.path / f"absent{i}").exists()
+    with open(f, "rb") as r:
+        assert r.read() == b"y" * 5000
+    after = json.loads(dnfs("stats", mnt.path, "--json").stdout)
+    grew = {k: after["requests"][k]["count"] - before["requests"].get(k, {"count": 0})["count"]
+            for k in ("write", "lookup", "flush")}
+    assert grew["write"] >= 50 and grew["lookup"] >= 20 and grew["flush"] >= 2, grew
+    assert after["fuse"]["inline"] - before["fuse"]["inline"] >= 50 + 20 + 1, (before["fuse"], after["fuse"])
+
+
 def test_sigterm_unmounts_after_writing_what_is_buffered(cluster, tmp_path):
     """SIGTERM to the mount process ends it like an unmount: the buffered bytes (--writeback: closed files'
     too) are written, the mount point is let go, the process exits; the files are whole at the next mount."""

@@ -23,7 +23,7 @@ from datanode.ops.buffers import Buffers
 from datanode.ops.partitions import Partitions
 from datanode.ops.run import AppendRun
 from datanode.ops.stages import DURABLE, STARTED, WRITTEN
-from datanode.ops.wrap import Serving, Wrap
+from datanode.ops.wrap import ConnState, Serving, Wrap
 from datanode.partition import ExtentLane, PartitionTable
 from datanode.replication import Replicator
 from datanode.store import StoreCode, StoreError
@@ -278,10 +278,10 @@ def test_a_lone_forward_from_a_node_that_does_not_lead_is_refused_once_where_it_
             data = pattern(3, 4 * KiB)
             raw = encode_message(append(0, data, extent=f.eid, flags=INLINE | Flag.FORWARDED, req_id=5), data)
             stranger, leader = Conn(Role.NODE, "127.0.0.1:3"), Conn(Role.NODE, LEADER)
-            w._dispatch(n, stranger, raw, [None], 0.0)
+            w._dispatch(n, stranger, ConnState(), raw, 0.0)
             assert [(r.req_id, r.result) for r in stranger.sent] == [(5, Result.FORBIDDEN)]
             assert w.counters.forbidden == 1 and w.inflight == 0 and stranger.busy == 0
-            w._dispatch(n, leader, raw, [None], 0.0)
+            w._dispatch(n, leader, ConnState(), raw, 0.0)
             assert [(r.req_id, r.result, r.arg) for r in leader.sent] == [(5, Result.OK, 4 * KiB)]
             assert f.counters.appends_now == 1 and w.inflight == 0
             at = w.metrics.write_stages.follower
@@ -303,8 +303,8 @@ def test_with_tracing_on_each_step_of_an_append_is_noted_under_its_name(tmp_path
             (f,) = await followers(1, [str(tmp_path)], n)
             w = wrapper(f.table, Serving("serving"), f.appends, str(tmp_path))
             data = pattern(4, 4 * KiB)
-            w._dispatch(n, Conn(Role.NODE, LEADER), encode_message(
-                append(0, data, extent=f.eid, flags=INLINE | Flag.FORWARDED, req_id=6), data), [None], 0.0)
+            w._dispatch(n, Conn(Role.NODE, LEADER), ConnState(), encode_message(
+                append(0, data, extent=f.eid, flags=INLINE | Flag.FORWARDED, req_id=6), data), 0.0)
             n.cancel_scope.cancel()
     trio.run(main)
     named = sorted(steps, key=lambda s: s[3])

@@ -23,11 +23,13 @@ CAPS = b"security.capability"      # the kernel asks for it before every write t
 UNKNOWN = object()
 
 
-def fuse_op(fn):
+def fuse_op(fn=None, *, name: str | None = None):
     """Turn metadata and cluster failures into the errno the kernel expects; never let a traceback out.
     Counts the requests in flight (``DnFS.inflight``), and each kind's requests, failures and time
-    (``DnFS.ops``, shown by ``dnfs stats``)."""
-    name = fn.__name__
+    (``DnFS.ops``, shown by ``dnfs stats``; ``name``: the kind, if not the method's name)."""
+    if fn is None:
+        return functools.partial(fuse_op, name=name)
+    name = name or fn.__name__
 
     @functools.wraps(fn)
     async def wrapper(self, *args, **kw):
@@ -51,13 +53,19 @@ def fuse_op(fn):
             raise FUSEError(errno.EIO) from None
         finally:
             self.inflight -= 1
-            c = self.ops.get(name)
-            if c is None:
-                c = self.ops[name] = [0, 0, 0.0]
-            c[0] += 1
-            c[1] += not ok
-            c[2] += time.perf_counter() - t0
+            counted(self.ops, name, t0, ok)
     return wrapper
+
+
+def counted(ops: dict, name: str, t0: float, ok: bool) -> None:
+    """One request of kind ``name`` that started at ``t0`` (``perf_counter``) ended (``ok``: no errno), in
+    ``dnfs stats``'s counts."""
+    c = ops.get(name)
+    if c is None:
+        c = ops[name] = [0, 0, 0.0]
+    c[0] += 1
+    c[1] += not ok
+    c[2] += time.perf_counter() - t0
 
 
 class FileState(FileWriter):

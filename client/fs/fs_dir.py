@@ -7,7 +7,7 @@ import errno
 import stat
 import time
 
-from client.fs.fs_common import TIMEOUT, fuse_op, killed_privs
+from client.fs.fs_common import TIMEOUT, counted, fuse_op, killed_privs
 from client.fs.fuse_types import RENAME_EXCHANGE, RENAME_NOREPLACE, EntryAttributes, FUSEError
 from client.fs.meta import MetaError
 
@@ -24,6 +24,38 @@ class DirOps:
             neg.st_ino = 0
             neg.entry_timeout = TIMEOUT
             return neg
+
+    def lookup_now(self, parent_inode, name):
+        """``lookup`` answered at once when the engine can (no task: the session's inline path), else None."""
+        t0 = time.perf_counter()
+        try:
+            a = self.meta.lookup_now(parent_inode, name)
+        except MetaError as e:
+            if e.errno != errno.ENOENT or not self.negative_cache:
+                counted(self.ops, "lookup", t0, False)
+                raise FUSEError(e.errno) from None
+            neg = EntryAttributes()
+            neg.st_ino = 0
+            neg.entry_timeout = TIMEOUT
+            counted(self.ops, "lookup", t0, True)
+            return neg
+        if a is None:
+            return None
+        counted(self.ops, "lookup", t0, True)
+        return self._looked_up(a, parent_inode)
+
+    def getattr_now(self, inode):
+        """``getattr`` answered at once when the engine can, else None."""
+        t0 = time.perf_counter()
+        try:
+            a = self.meta.getattr_now(inode)
+        except MetaError as e:
+            counted(self.ops, "getattr", t0, False)
+            raise FUSEError(e.errno) from None
+        if a is None:
+            return None
+        counted(self.ops, "getattr", t0, True)
+        return self.entry(a)
 
     @fuse_op
     async def getattr(self, inode, ctx=None):

@@ -12,9 +12,9 @@ import time
 
 import trio
 
-from client.fs.fs_common import FileState, fuse_op, killed_privs
+from client.fs.fs_common import FileState, counted, fuse_op, killed_privs
 from client.fs.fuse_types import FileInfo, FUSEError
-from client.fs.meta import Attr, Slice
+from client.fs.meta import Attr, Slice, coalesce
 
 log = logging.getLogger("client.fs.fs")
 
@@ -145,7 +145,7 @@ class FileOps:
         for p in pieces:
             if p.inline:
                 out[p.off - off:p.end - off] = p.data
-        pieces = [p for p in pieces if not p.inline]
+        pieces = coalesce([p for p in pieces if not p.inline])
         if len(pieces) == 1:
             await fetch(pieces[0])
         elif pieces:
@@ -225,6 +225,34 @@ class FileOps:
             await self._kill_suidgid(st.ino, st)
         await self.writer.write(st, off, buf)
         return len(buf)
+
+    def write_now(self, fh, off, buf, kill_suidgid=False) -> bool | None:
+        """A write served without a task when it need not wait (the session answers it at once): True, done;
+        None, nothing done -- :meth:`write` serves it; False, buffered, :meth:`write_rest` waits for the
+        rest.  (Whatever may raise or await -- an error to report, set-ID bits to clear -- is left to them.)"""
+        ino = self.handles.get(fh)
+        st = self.files.get(ino) if ino is not None else None
+        if st is None or st.error is not None or (kill_suidgid and not st.no_privs):
+            return None
+        t0 = time.perf_counter()
+        done = self.writer.write_now(st, off, buf)
+        if done:
+            counted(self.ops, "write", t0, True)
+        return done
+
+    @fuse_op(name="write")
+    async def write_rest(self, fh):
+        await self.writer.write_rest(self.files[self.handles[fh]])
+
+    def flush_now(self, fh) -> bool:
+        """A close with nothing to write or wait for (no buffered bytes, no flush under way, no error to
+        report) answered at once: True; else False, :meth:`flush` serves it."""
+        ino = self.handles.get(fh)
+        st = self.files.get(ino) if ino is not None else None
+        if st is None or st.buf.dirty or st.error is not None or st.flush_lock.locked():
+            return False
+        counted(self.ops, "flush", time.perf_counter(), True)
+        return True
 
     @fuse_op
     async def flush(self, fh):

@@ -12,8 +12,10 @@ before each write (it remembers that the file has none).  WRITEBACK_CACHE only w
 
 The loop costs little Python per request: one readiness wait per wakeup, then every queued request read
 (the descriptor is non-blocking) until EAGAIN.  Requests that need no I/O are answered inline -- FORGET,
-BATCH_FORGET, INTERRUPT, INIT, unknown opcodes (ENOSYS); the others each get a task that awaits the handler
-and writes the answer with one ``writev``.  An INTERRUPT cancels a handler that only reads (lookup,
+BATCH_FORGET, INTERRUPT, INIT, unknown opcodes (ENOSYS), and those the handlers can answer at once: a WRITE
+that only buffers, a close with nothing to write, a GETATTR or LOOKUP while the metadata engine's connection
+is free (``*_now``: no task, no scheduler pass); the others each get a task that awaits the handler and
+writes the answer with one ``writev``.  An INTERRUPT cancels a handler that only reads (lookup,
 getattr, read, ...; it answers EINTR); handlers that change state run to the end, as the kernel's
 non-interruptible requests do.  A request whose bytes make no sense is logged and answered EIO; the mount
 goes on.  Unmounting (ENODEV on read) ends the loop once the handlers under way are done.
@@ -128,6 +130,10 @@ class Session:
             fp.Op.DESTROY: self._destroy,
         }
         self._inline = {fp.Op.FORGET, fp.Op.BATCH_FORGET, fp.Op.INTERRUPT, fp.Op.INIT, fp.Op.DESTROY}
+        # requests the handlers may be able to answer at once (no I/O): the answer, True (queued its rest
+        # itself), or None -- not now, a task serves it
+        self._now = {fp.Op.WRITE: self._write_now, fp.Op.GETATTR: self._getattr_now,
+                     fp.Op.LOOKUP: self._lookup_now, fp.Op.FLUSH: self._flush_now}
 
     # -- mounting
     def mount(self) -> None:
@@ -286,6 +292,21 @@ class Session:
             self.counts["inline"] += 1
             self._send(fp.error(req.unique, errno.ENOSYS))
             return
+        now = self._now.get(req.opcode)
+        if now is not None:
+            try:
+                out = now(req)
+            except FUSEError as e:
+                out = fp.error(req.unique, e.errno)
+            except Exception:
+                log.exception("FUSE %s failed: %r", fp.NAMES.get(req.opcode), req)
+                out = fp.error(req.unique, errno.EIO)
+            if out is True:                    # queued what it still waits for
+                return
+            if out is not None:
+                self.counts["inline"] += 1
+                self._send(out)
+                return
         if req.opcode in self._inline:
             self.counts["inline"] += 1
             try:
@@ -388,6 +409,16 @@ class Session:
         e = await self.ops.lookup(req.nodeid, req.args.name, self._ctx(req))
         return fp.reply(req.unique, fp.entry_out(e))
 
+    def _lookup_now(self, req):
+        now = getattr(self.ops, "lookup_now", None)
+        e = now(req.nodeid, req.args.name) if now is not None else None
+        return None if e is None else fp.reply(req.unique, fp.entry_out(e))
+
+    def _getattr_now(self, req):
+        now = getattr(self.ops, "getattr_now", None)
+        e = now(req.nodeid) if now is not None else None
+        return None if e is None else fp.reply(req.unique, fp.attr_out(e))
+
     async def _getattr(self, req):
         e = await self.ops.getattr(req.nodeid, self._ctx(req))
         return fp.reply(req.unique, fp.attr_out(e))
@@ -460,6 +491,23 @@ class Session:
         data = await self.ops.read(a.fh, a.offset, a.size)
         return [fp.reply_header(req.unique, len(data)), data]
 
+    def _write_now(self, req):
+        write_now = getattr(self.ops, "write_now", None)
+        if write_now is None:
+            return None
+        a = req.args
+        done = write_now(a.fh, a.offset, a.data, bool(a.write_flags & fp.WRITE_KILL_SUIDGID))
+        if done is None:
+            return None
+        if not done:                          # buffered; what it waits for goes to a task, answered after
+            self._queue.append((req, self._write_rest))
+            return True
+        return fp.reply(req.unique, fp.write_out(len(a.data)))
+
+    async def _write_rest(self, req):
+        await self.ops.write_rest(req.args.fh)
+        return fp.reply(req.unique, fp.write_out(len(req.args.data)))
+
     async def _write(self, req):
         a = req.args
         n = await self.ops.write(a.fh, a.offset, a.data, kill_suidgid=bool(a.write_flags & fp.WRITE_KILL_SUIDGID))
@@ -499,6 +547,10 @@ class Session:
     async def _removexattr(self, req):
         await self.ops.removexattr(req.nodeid, req.args.name, self._ctx(req))
         return fp.error(req.unique, 0)
+
+    def _flush_now(self, req):
+        now = getattr(self.ops, "flush_now", None)
+        return fp.error(req.unique, 0) if now is not None and now(req.args.fh) else None
 
     async def _flush(self, req):
         await self.ops.flush(req.args.fh)

@@ -25,7 +25,7 @@ from wire.protocol import (
     decode_volume,
 )
 from ..audit import NOTE as AUDIT_NOTE
-from ..config import Config
+from ..config import NodeConfig
 from ..partition import PartitionTable
 from ..repair import PartitionWorker, Repairer
 from .base import Handler, Reply, Request, bad_body, store_call
@@ -45,7 +45,7 @@ def _decode_create(obj) -> tuple[list[str], int, str]:
 
 
 class AdminOps:
-    def __init__(self, cfg: Config, partitions: Partitions, buffers: Buffers, repair: Repairer,
+    def __init__(self, cfg: NodeConfig, partitions: Partitions, buffers: Buffers, repair: Repairer,
                  status: Callable[..., dict], drain):
         self.cfg = cfg
         self.me = partitions.me
