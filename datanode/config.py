@@ -332,8 +332,9 @@ class AdmissionConfig:
                                         "loopback)", at_least(0, "must be >= 0 (0: no per-host limit)"))
     idle_timeout_s: float = key(600.0, "seconds", "a connection with nothing in flight this long is closed (0: "
                                 "never)", at_least(0, "must be >= 0 seconds (0: never)"))
-    idle_max: int = key(128, "count", "idle client connections (nothing in flight) kept at once; beyond, the least "
-                        "recently active are closed (0: no limit)", at_least(0, "must be >= 0 (0: no limit)"))
+    idle_max: int = key(128, "count", "idle client connections (nothing in flight; an authenticated one past "
+                        "hello_timeout since its hello) kept at once; beyond, the least recently active are closed "
+                        "(0: no limit)", at_least(0, "must be >= 0 (0: no limit)"))
     idle_per_host: int = key(32, "count", "idle client connections kept from one host; beyond, its least recently "
                              "active are closed (0: no limit)", at_least(0, "must be >= 0 (0: no limit)"))
     max_inflight: int = key(0, "count", "requests one connection may have in flight; more are answered BUSY at once "
