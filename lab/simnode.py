@@ -27,6 +27,7 @@ etcd's, not the datanodes'.
 """
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
@@ -35,7 +36,7 @@ import trio
 
 from datanode.etcdagent import REPUBLISH_BYTES_PER_S, RESYNC_S
 from wire.auth import Credentials
-from wire.etcdmap import Etcd, EtcdError, Lease, PartView, open_channel
+from wire.etcdmap import Etcd, EtcdError, PartView, open_channel, parse_urls
 from wire.protocol import (BodyError, Header, Op, ProtocolError, Result, Role, decode_message, decode_view,
                            decode_views)
 from wire.transport.base import Domain, TransportError
@@ -77,6 +78,8 @@ class SimNode:
         self.alive = True
         self.scope = trio.CancelScope()
         self.registered = False
+        self.lease_id = 0
+        self.lease_lost = trio.Event()
         self.requests = 0
         self._changed = trio.Event()
         self.auth = ServerAuth(cluster.creds, identity=self.addr)
@@ -126,16 +129,17 @@ class SimNode:
         delay = 0.5
         while True:
             try:
-                lease = Lease(etcd, self.cluster.lease_ttl_s)
-                await lease.grant()
+                self.lease_id = await etcd.grant(self.cluster.lease_ttl_s)
+                self.lease_lost = trio.Event()
                 last = self.record()
-                await etcd.put_entry(etcd.node_key(self.addr), last, lease.id)
+                await etcd.put_entry(etcd.node_key(self.addr), last, self.lease_id)
                 self.registered = True
                 delay = 0.5
                 async with trio.open_nursery() as n:
-                    n.start_soon(self._republish, lease, last)
-                    await lease.keep_alive()
+                    n.start_soon(self._republish, self.lease_id, last)
+                    await self.lease_lost.wait()      # (kept alive by the cluster's LeaseKeeper)
                     n.cancel_scope.cancel()
+                log.warning("sim %s: lease %x lost: registering again", self.addr, self.lease_id)
                 self.registered = False
             except EtcdError as e:
                 self.registered = False
@@ -143,7 +147,7 @@ class SimNode:
                 delay = min(delay * 2, 5.0)
             await trio.sleep(delay)
 
-    async def _republish(self, lease: Lease, last: dict) -> None:
+    async def _republish(self, lease: int, last: dict) -> None:
         """As datanode/etcdagent.py: a burst of changes coalesced, at most about REPUBLISH_BYTES_PER_S."""
         etcd = self.cluster.etcd
         next_at = trio.current_time()
@@ -156,7 +160,7 @@ class SimNode:
             if rec == last:
                 continue
             try:
-                await etcd.put_entry(etcd.node_key(self.addr), rec, lease.id)
+                await etcd.put_entry(etcd.node_key(self.addr), rec, lease)
                 last = rec
                 self.cluster.republished += 1
                 next_at = trio.current_time() + len(json.dumps(rec)) / REPUBLISH_BYTES_PER_S
@@ -327,6 +331,7 @@ class SimCluster:
         self.views: dict[int, PartView] = {}     # the last view of each partition the shared watch saw
         self.batches = 0                          # PARTITION_UPDATE_MANY requests answered
         self.republished = 0                      # registrations rewritten
+        self.keepalives = 0
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Start every node (listening and registering), then follow ``parts/`` until cancelled."""
@@ -338,6 +343,7 @@ class SimCluster:
                 n.start_soon(node.run)
             n.start_soon(self._watch)
             n.start_soon(self._resync_loop)
+            n.start_soon(self._keep_leases)
             with trio.fail_after(60 + self.count / 10):
                 while not all(x.registered for x in self.nodes.values()):
                     await trio.sleep(0.1)
@@ -345,6 +351,43 @@ class SimCluster:
 
     def kill(self, addr: str) -> None:
         self.nodes[addr].kill()
+
+    # -- leases: every node's own, kept alive together ---------------------------------------------------
+    async def _keep_leases(self) -> None:
+        """Each registered node's lease refreshed every TTL/3, as a datanode does -- but by one worker thread
+        over one HTTP connection for all of them: hundreds of keepalives a second, each a thread hop and a
+        ``requests`` call, would take the process more CPU than everything else it does.  etcd sees the
+        same requests.  A lease etcd says has expired (the process was too busy) makes its node register
+        anew, as a datanode does."""
+        (scheme, host, port), = parse_urls(self.etcd.urls.split(",")[0])
+        conn: list = [None]
+
+        def keep(ids: list[int]) -> list[int]:
+            out = []
+            for lease in ids:
+                for again in (True, False):
+                    try:
+                        if conn[0] is None:
+                            conn[0] = http.client.HTTPConnection(host, port, timeout=5)
+                        conn[0].request("POST", "/v3/lease/keepalive", body=json.dumps({"ID": lease}),
+                                        headers={"Content-Type": "application/json"})
+                        doc = json.loads(conn[0].getresponse().read())
+                        out.append(int(doc.get("result", {}).get("TTL", -1)))
+                        break
+                    except (OSError, ValueError, http.client.HTTPException):
+                        conn[0] = None
+                        if not again:
+                            out.append(0)        # no word from etcd: not an expiry
+            return out
+        while True:
+            t0 = trio.current_time()
+            live = [x for x in self.nodes.values() if x.alive and x.registered and x.lease_id]
+            ttls = await trio.to_thread.run_sync(keep, [x.lease_id for x in live])
+            for node, ttl in zip(live, ttls):
+                if ttl < 0:
+                    node.lease_lost.set()
+            self.keepalives += len(live)
+            await trio.sleep_until(t0 + self.lease_ttl_s / 3)
 
     # -- the shared view of parts/ (what each node's agent would do with its own watch) ----------------
     async def _watch(self) -> None:
