@@ -51,6 +51,7 @@ MiB = 1 << 20
 TAKES_WRITES = ("writable", "degraded", "recovering")
 CREATE_CHUNK = 32  # partitions created on their nodes at once, then published together (<= CREATE_TXN_MAX)
 FORGET_S = 10.0    # a partition no replica holds any more is dropped from the map after this long
+HOUSEKEEP_S = 2.0  # the looks for partitions no replica holds and for half-done creates, at most this often
 
 
 class ManagerTasks:
@@ -74,6 +75,7 @@ class ManagerTasks:
         self._unfinished: dict[tuple[str, int], float] = {}   # (node, partition) -> since when (see below)
         self._warned_unfinished: set[tuple[str, int]] = set()
         self._verbs_only_warned: set[str] = set()
+        self._housekept = float("-inf")
 
     # -- keys ---------------------------------------------------------------------------------------
     @property
@@ -94,10 +96,12 @@ class ManagerTasks:
         return self.draining | self.leaving
 
     # -- one pass -----------------------------------------------------------------------------------
-    async def run(self, nodes: dict) -> bool:
+    async def run(self, nodes: dict, full: bool = True) -> bool:
         """One pass (hook: the end of ``Manager.tick``).  It reads the manager's watched copy of the map
         (``m.cache``: no etcd request at idle) and etcd itself only before it changes something.  True while
-        work is under way (a node draining, a manager not yet settled): look again soon."""
+        work is under way (a node draining, a manager not yet settled): look again soon.  The looks over
+        every partition for leftovers (``forget_deleted``, ``drop_unfinished``: each waits seconds before it
+        acts) go on ``full`` passes and at most every ``HOUSEKEEP_S`` in between."""
         now = trio.current_time()
         if self._active_since is None:
             self._active_since = now
@@ -106,8 +110,10 @@ class ManagerTasks:
         await self.hand_off(nodes)
         self.warn_unreachable_transport(nodes)
         await self.serve_requests(nodes)
-        await self.forget_deleted(nodes, now)
-        await self.drop_unfinished(nodes, now)
+        if full or now - self._housekept >= HOUSEKEEP_S:
+            self._housekept = now
+            await self.forget_deleted(nodes, now)
+            await self.drop_unfinished(nodes, now)
         await self.decommission(nodes)
         settled = now - self._active_since >= self.settle_s
         if settled:
@@ -215,15 +221,16 @@ class ManagerTasks:
         if self.min_writable <= 0 or not nodes:
             return
 
-        def good(parts):
-            return [v for v in parts.values()
-                    if v.state in TAKES_WRITES      # a view being installed (a change under way) counts too
-                    and all(int((nodes.get(a) or {}).get("free_bytes") or 0) >= self.min_free
-                            for a in v.replicas)]
-        if len(good(self.m.cache.parts())) >= self.min_writable:
-            self._warned = ""
-            return
-        good = good(await self.m.etcd.parts())       # the watched copy may lag: ask etcd before creating
+        def ok(v) -> bool:
+            return (v.state in TAKES_WRITES      # a view being installed (a change under way) counts too
+                    and all(int((nodes.get(a) or {}).get("free_bytes") or 0) >= self.min_free for a in v.replicas))
+        enough = 0
+        for _key, v in self.m.cache.under(self.m.etcd.parts_prefix):     # (stops at min_writable: no copies)
+            enough += ok(v)
+            if enough >= self.min_writable:
+                self._warned = ""
+                return
+        good = [v for v in (await self.m.etcd.parts()).values() if ok(v)]   # the watched copy may lag: ask etcd
         if len(good) >= self.min_writable:
             return
         ok = eligible(nodes, exclude=self.away, min_free_bytes=self.min_free)
