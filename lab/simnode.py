@@ -81,12 +81,18 @@ class SimNode:
         self.lease_id = 0
         self.lease_lost = trio.Event()
         self.requests = 0
+        self.free = CAPACITY
         self._changed = trio.Event()
         self.auth = ServerAuth(cluster.creds, identity=self.addr)
 
     # -- the partitions ------------------------------------------------------------------------------
     def changed(self) -> None:
         self._changed.set()
+
+    def touch(self) -> None:
+        """Something in the registration changes (the free bytes): one event for the manager, no partition."""
+        self.free = CAPACITY - CAPACITY // 50 if self.free == CAPACITY else CAPACITY
+        self.changed()
 
     def install(self, pid: int, replicas: list[str], epoch: int) -> bool:
         """A newer view naming this node (True: installed, or held already at that epoch and replicas)."""
@@ -107,7 +113,7 @@ class SimNode:
 
     def record(self) -> dict:
         return {"addr": self.addr, "pid": os.getpid(), "transport": "tcp", "zone": "", "capacity_bytes": CAPACITY,
-                "free_bytes": CAPACITY,
+                "free_bytes": self.free,
                 "partitions": {str(p.pid): {"epoch": p.epoch, "replicas": list(p.replicas)}
                                for p in self.parts.values()}}
 

@@ -62,7 +62,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from client.sdk import ClientError, DataClient
 from wire.etcdmap import CREATE_TXN_MAX, Etcd, EtcdAccess, EtcdError, Lease, MapCache, PartView
-from wire.limits import DEFAULT_REPLICAS
+from wire.limits import DEFAULT_REPLICAS, nodes_error
 from wire.metrics import etcd_invalid_family
 from wire.protocol import Op, Result, Role
 from manager.combine import Combiner
@@ -208,6 +208,9 @@ class Manager:
         handles the partitions that changed since the last pass, those naming a node that came or went and
         those not settled last time; every ``FULL_SWEEP_S`` all of them."""
         nodes = self.cache.nodes()
+        if nodes_error(len(nodes)) and len(nodes) != len(self.nodes_seen):
+            log.warning("%d datanodes registered: %s (wire/limits.py): more than this manager is sized and "
+                        "measured for", len(nodes), nodes_error(len(nodes)))
         before, self.nodes_seen = self.nodes_seen, nodes
         self.filling_before, self.filling = self.filling, 0
         now = trio.current_time()
@@ -248,7 +251,7 @@ class Manager:
                     continue
                 self.visited += 1
                 n.start_soon(one, view)
-        busy.append(await self.tasks.run(nodes, full=full))     # placement, min_writable, decommission, requests
+        busy.append(await self.tasks.run(nodes, full=full, registered=registered))   # placement, requests, ...
         return any(busy)
 
     async def _drop_stale(self, nodes: dict, full: bool, now: float) -> bool:

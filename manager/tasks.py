@@ -76,6 +76,7 @@ class ManagerTasks:
         self._warned_unfinished: set[tuple[str, int]] = set()
         self._verbs_only_warned: set[str] = set()
         self._housekept = float("-inf")
+        self._changed_nodes: set[str] = set()
 
     # -- keys ---------------------------------------------------------------------------------------
     @property
@@ -96,12 +97,13 @@ class ManagerTasks:
         return self.draining | self.leaving
 
     # -- one pass -----------------------------------------------------------------------------------
-    async def run(self, nodes: dict, full: bool = True) -> bool:
+    async def run(self, nodes: dict, full: bool = True, registered: set[str] | None = None) -> bool:
         """One pass (hook: the end of ``Manager.tick``).  It reads the manager's watched copy of the map
         (``m.cache``: no etcd request at idle) and etcd itself only before it changes something.  True while
-        work is under way (a node draining, a manager not yet settled): look again soon.  The looks over
-        every partition for leftovers (``forget_deleted``, ``drop_unfinished``: each waits seconds before it
-        acts) go on ``full`` passes and at most every ``HOUSEKEEP_S`` in between."""
+        work is under way (a node draining, a manager not yet settled): look again soon.  The looks for
+        leftovers (``forget_deleted``, ``drop_unfinished``: each waits seconds before it acts) go over every
+        partition and registration on ``full`` passes; in between, at most every ``HOUSEKEEP_S``, over the
+        registrations that changed since (``registered``: node addresses) and what they already track."""
         now = trio.current_time()
         if self._active_since is None:
             self._active_since = now
@@ -110,10 +112,12 @@ class ManagerTasks:
         await self.hand_off(nodes)
         self.warn_unreachable_transport(nodes)
         await self.serve_requests(nodes)
+        self._changed_nodes |= registered or set()
         if full or now - self._housekept >= HOUSEKEEP_S:
-            self._housekept = now
-            await self.forget_deleted(nodes, now)
-            await self.drop_unfinished(nodes, now)
+            only = None if full else self._changed_nodes
+            self._housekept, self._changed_nodes = now, set()
+            await self.forget_deleted(nodes, now, only)
+            await self.drop_unfinished(nodes, now, only)
         await self.decommission(nodes)
         settled = now - self._active_since >= self.settle_s
         if settled:
@@ -269,14 +273,19 @@ class ManagerTasks:
                             "manager has no RDMA device: it cannot reach it; run the manager on a host with "
                             "one, or set the node's transport to auto", addr)
 
-    async def forget_deleted(self, nodes: dict, now: float) -> None:
+    async def forget_deleted(self, nodes: dict, now: float, only: set[str] | None = None) -> None:
         """A partition etcd has but none of its replicas holds any more, all of them alive and registered
         (deleted by an admin: `dnctl partition delete`, a benchmark's scratch partition), is removed from
         the map after FORGET_S, so clients stop picking it and min_writable stops counting it (the delete
-        is a CAS on the partition's revision: a stale copy of the map cannot remove a newer view)."""
-        parts = self.m.cache.parts()
+        is a CAS on the partition's revision: a stale copy of the map cannot remove a newer view).  ``only``:
+        the partitions naming these nodes (whose registrations changed) and those already missing."""
+        if only is None:
+            parts = self.m.cache.parts()
+        else:
+            pids = set(self._missing).union(*(self.m.cache.pids_of(a) for a in only))
+            parts = {pid: v for pid in pids if (v := self.m.cache.part(pid)) is not None}
         for pid in list(self._missing):
-            if pid not in parts:
+            if self.m.cache.peek(pid) is None:
                 del self._missing[pid]
         for pid, v in parts.items():
             gone = bool(v.replicas) and all(a in nodes and str(pid) not in (nodes[a].get("partitions") or {})
@@ -291,19 +300,22 @@ class ManagerTasks:
                             ",".join(v.replicas))
                 del self._missing[pid]
 
-    async def drop_unfinished(self, nodes: dict, now: float) -> None:
+    async def drop_unfinished(self, nodes: dict, now: float, only: set[str] | None = None) -> None:
         """A create that died half-way -- a manager killed after creating a partition on some followers but
         before its leader (``admin.create_partition`` creates the leader last) -- leaves copies that no map
         names and nobody adopts (the manager adopts a partition from its leader's report only).  Once the
         leader has been registered without the partition for ``unfinished_after_s`` (far longer than a
         create takes), each such copy still at epoch 1 and empty, asked of its node, is deleted there (to
-        the node's trash: kept ``trash_retention_s``).  One holding data is left alone, with a warning."""
-        parts = self.m.cache.parts()
+        the node's trash: kept ``trash_retention_s``).  One holding data is left alone, with a warning.
+        ``only``: the registrations of these nodes (changed) and of those holding such a copy already."""
         current = set()
+        look = None if only is None else only | {a for a, _ in self._unfinished}
         for addr, rec in nodes.items():
+            if look is not None and addr not in look:
+                continue
             for pid_s, pv in (rec.get("partitions") or {}).items():
                 pid, reps = int(pid_s), list(pv.get("replicas") or [])
-                if pid in parts or not reps or reps[0] == addr or int(pv.get("epoch", 0)) != 1:
+                if self.m.cache.peek(pid) is not None or not reps or reps[0] == addr or int(pv.get("epoch", 0)) != 1:
                     continue
                 leader = nodes.get(reps[0])
                 if leader is None or pid_s in (leader.get("partitions") or {}):
@@ -313,7 +325,7 @@ class ManagerTasks:
                 if now - self._unfinished.setdefault(key, now) >= self.unfinished_after_s:
                     await self._drop_unfinished_copy(addr, pid, reps[0])
         for key in list(self._unfinished):
-            if key not in current:
+            if key not in current and (look is None or key[0] in look):
                 del self._unfinished[key]
 
     async def _drop_unfinished_copy(self, addr: str, pid: int, leader: str) -> None:
