@@ -27,6 +27,7 @@ import contextlib
 import json
 import os
 import pathlib
+import signal
 import sys
 import tempfile
 import time
@@ -228,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.partitions < 1:
         print("error: --partitions: at least 1", file=sys.stderr)
         return 2
+    # Ctrl-C and SIGTERM unwind through the teardown (etcd and the manager stopped)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
     with contextlib.ExitStack() as stack:
         root = pathlib.Path(a.dir) if a.dir else pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory()))
         try:
