@@ -13,8 +13,11 @@ is a CAS that also requires the manager key to still hold its id, so a deposed m
 
 The active manager passes over the cached map whenever it changes (a node's lease lapsed, a view was
 written), and every ``tick_s`` while something is under way (a replica gone but not yet ``down_after_s``,
-an install to retry, a repair to follow) -- else every ``IDLE_LOOK_S``, which costs no etcd request.  Per
-partition (design and the no-acknowledged-write-lost argument: wire/etcdmap.py):
+an install to retry, a repair to follow) -- else every ``IDLE_LOOK_S``, which costs no etcd request.  A pass
+costs what changed, not the cluster: it handles the partitions the watch changed (``MapCache.follow``),
+those naming a node that came or went, and those it found unsettled last time; every ``FULL_SWEEP_S`` all
+of them, a safety net under that bookkeeping (a settled one costs a look, no task).  Per partition (design
+and the no-acknowledged-write-lost argument: wire/etcdmap.py):
 
 * **adopt**: a partition a registered leader reports that etcd does not have yet is written to etcd as it
   is (its replica count becomes ``want``; its followers become ``synced`` once the leader reports them

@@ -820,6 +820,10 @@ class MapCache:
     Each key keeps the mod revision it was last seen at, and an event or a re-read never replaces a newer
     one (a re-read racing a watch event cannot bring an old value back).
 
+    The valid entries are also kept by subtree, with each node's partitions, and a reader that acts on
+    changes (the manager's passes) learns which keys changed (``follow``): what it reads costs what changed,
+    not the size of the map.
+
     Entries of the sealed subtrees (nodes, partitions, requests, drain marks) are checked as they arrive
     (``Etcd.open``; a view also against the one it replaces, ``Etcd.follows``, with the registered nodes).  An
     invalid value is ignored: the key keeps its last valid content, and ``bad`` notes the invalid value's
