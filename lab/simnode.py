@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 CAPACITY = 1 << 40          # what a sim node says its disk holds (all free: placement never skips one)
 SLOTS = 64
 MAX_JSON = 1 << 20
+KEEPERS = 8                 # threads keeping the nodes' leases alive, each over its own connection
 SEND_S = 5.0                # an answer the peer does not take within this long ends its connection
 
 
@@ -360,38 +361,43 @@ class SimCluster:
 
     # -- leases: every node's own, kept alive together ---------------------------------------------------
     async def _keep_leases(self) -> None:
-        """Each registered node's lease refreshed every TTL/3, as a datanode does -- but by one worker thread
-        over one HTTP connection for all of them: hundreds of keepalives a second, each a thread hop and a
-        ``requests`` call, would take the process more CPU than everything else it does.  etcd sees the
-        same requests.  A lease etcd says has expired (the process was too busy) makes its node register
-        anew, as a datanode does."""
-        (scheme, host, port), = parse_urls(self.etcd.urls.split(",")[0])
-        conn: list = [None]
+        """Each registered node's lease refreshed every TTL/3, as a datanode does -- but by a few worker
+        threads, each over one HTTP connection for its share of the nodes: hundreds of keepalives a second,
+        each a thread hop and a ``requests`` call, would take the process more CPU than everything else it
+        does.  etcd sees the same requests.  A lease etcd says has expired (the process was too busy) makes
+        its node register anew, as a datanode does."""
+        (_scheme, host, port), = parse_urls(self.etcd.urls.split(",")[0])
+        conns: dict[int, http.client.HTTPConnection] = {}
 
-        def keep(ids: list[int]) -> list[int]:
+        def keep(k: int, ids: list[int]) -> list[int]:
             out = []
             for lease in ids:
                 for again in (True, False):
                     try:
-                        if conn[0] is None:
-                            conn[0] = http.client.HTTPConnection(host, port, timeout=5)
-                        conn[0].request("POST", "/v3/lease/keepalive", body=json.dumps({"ID": lease}),
-                                        headers={"Content-Type": "application/json"})
-                        doc = json.loads(conn[0].getresponse().read())
+                        if k not in conns:
+                            conns[k] = http.client.HTTPConnection(host, port, timeout=5)
+                        conns[k].request("POST", "/v3/lease/keepalive", body=json.dumps({"ID": lease}),
+                                         headers={"Content-Type": "application/json"})
+                        doc = json.loads(conns[k].getresponse().read())
                         out.append(int(doc.get("result", {}).get("TTL", -1)))
                         break
                     except (OSError, ValueError, http.client.HTTPException):
-                        conn[0] = None
+                        conns.pop(k, None)
                         if not again:
                             out.append(0)        # no word from etcd: not an expiry
             return out
+
+        async def share(k: int, nodes: list[SimNode]) -> None:
+            ttls = await trio.to_thread.run_sync(keep, k, [x.lease_id for x in nodes])
+            for node, ttl in zip(nodes, ttls):
+                if ttl < 0:
+                    node.lease_lost.set()
         while True:
             t0 = trio.current_time()
             live = [x for x in self.nodes.values() if x.alive and x.registered and x.lease_id]
-            ttls = await trio.to_thread.run_sync(keep, [x.lease_id for x in live])
-            for node, ttl in zip(live, ttls):
-                if ttl < 0:
-                    node.lease_lost.set()
+            async with trio.open_nursery() as n:
+                for k in range(KEEPERS):
+                    n.start_soon(share, k, live[k::KEEPERS])
             self.keepalives += len(live)
             await trio.sleep_until(t0 + self.lease_ttl_s / 3)
 
