@@ -129,6 +129,7 @@ class Manager:
         self.stale_nodes: set[str] = set()         # registrations changed since copies were last looked for
         self.stale_at = float("-inf")
         self.visited = 0                           # partitions handled, over every pass (tests, logs)
+        self.spares_given: dict[str, int] = {}     # new replicas placed on each node this pass
         self._bg: trio.Nursery | None = None
         # the partitions' CASes that wait together go in one etcd transaction (all or none; on a refusal each
         # is tried alone, to learn which moved)
@@ -215,6 +216,7 @@ class Manager:
             log.warning("%d datanodes registered: %s (wire/limits.py): more than this manager is sized and "
                         "measured for", len(nodes), nodes_error(len(nodes)))
         before, self.nodes_seen = self.nodes_seen, nodes
+        self.spares_given = {}
         self.filling_before, self.filling = self.filling, 0
         now = trio.current_time()
         for addr in list(self.down_since):
@@ -364,7 +366,14 @@ class Manager:
         return False
 
     def pick_spare(self, view: PartView, nodes: dict) -> str | None:
-        return self.tasks.spare(view, nodes)      # manager/placement.py decides; draining nodes excluded
+        """manager/placement.py decides (draining nodes excluded), by the replicas each node holds -- its
+        registration's, and those given to it this pass: a failover's refills spread, not all on the
+        freest node."""
+        held = {a: len(r.get("partitions") or {}) + self.spares_given.get(a, 0) for a, r in nodes.items()}
+        spare = self.tasks.spare(view, nodes, held=held)
+        if spare is not None:
+            self.spares_given[spare] = self.spares_given.get(spare, 0) + 1
+        return spare
 
     # -- changes ------------------------------------------------------------------------------------
     async def _cas(self, view: PartView, rev: int, also: tuple[str, str] | None = None) -> bool:

@@ -138,11 +138,14 @@ class ManagerTasks:
             leading[v.leader] = leading.get(v.leader, 0) + 1
         return held, leading
 
-    def spare(self, view: PartView, nodes: dict, parts: dict[int, PartView] | None = None) -> str | None:
-        """A node for one more replica of ``view`` (not draining or stopping, not holding it, enough free space)."""
+    def spare(self, view: PartView, nodes: dict, parts: dict[int, PartView] | None = None,
+              held: dict[str, int] | None = None) -> str | None:
+        """A node for one more replica of ``view`` (not draining or stopping, not holding it, enough free space);
+        ``held``: the replicas each node has (else counted from ``parts``)."""
         ok = {a: r for a, r in eligible(nodes, exclude=self.away, min_free_bytes=self.min_free).items()
               if str(view.id) not in (r.get("partitions") or {})}
-        held, _ = self._load(parts or {})
+        if held is None:
+            held, _ = self._load(parts or {})
         return pick_spare(ok, view.replicas, held=held)
 
     async def create(self, nodes: dict, count: int, replicas: int,
