@@ -34,7 +34,9 @@ A create cut short before the leader had it leaves empty copies on followers: ``
 """
 from __future__ import annotations
 
+import functools
 import logging
+
 import trio
 
 from client import admin
@@ -159,7 +161,10 @@ class ManagerTasks:
         parts = await self.m.etcd.parts()
         ok = eligible(nodes, exclude=self.away, min_free_bytes=self.min_free)
         held, leading = self._load(parts)
-        layout = place(ok, count, replicas, held=held, leading=leading)
+        # (O(count x replicas x nodes): seconds for a thousand partitions on hundreds of nodes, in a thread so
+        # that the event loop keeps this manager's lease alive meanwhile)
+        layout = await trio.to_thread.run_sync(functools.partial(place, ok, count, replicas, held=held,
+                                                                 leading=leading))
         known = set(parts) | {int(p) for r in nodes.values() for p in (r.get("partitions") or {})}
         known |= await self._held_now({a for reps in layout for a in reps})
         first = max(known, default=0) + 1
