@@ -125,6 +125,7 @@ class Manager:
         self.filling = self.filling_before = 0     # partitions being filled, this pass and the last
         self.changes = self.cache.follow()         # what the watch changed since the last pass
         self.unsettled: set[int] = set()           # partitions a pass found not settled: looked at every pass
+        self.reports_pending: set[str] = set()     # registrations changed that no pass has adopted from yet
         self.swept_at = float("-inf")              # the last pass over every partition
         self.stale_nodes: set[str] = set()         # registrations changed since copies were last looked for
         self.stale_at = float("-inf")
@@ -223,6 +224,8 @@ class Manager:
             if addr in nodes:
                 del self.down_since[addr]
         changed, registered, _other = self.changes.take()
+        registered |= self.reports_pending          # (a pass cut short by an etcd error left these unread)
+        self.reports_pending = registered
         full = now - self.swept_at >= FULL_SWEEP_S
         if full:
             self.swept_at = now
@@ -235,12 +238,14 @@ class Manager:
         restore, unknown = self.cache.invalid_parts()
         views = {pid: v for pid in todo if (v := self.cache.part(pid)) is not None}
         self.unsettled &= views.keys()
+        self.unsettled |= views.keys()              # until this pass has found each settled (an error: next pass)
         self.redundancy.track({**{pid: v for pid in self.redundancy.since if pid not in views
                                   and (v := self.cache.part(pid)) is not None}, **views}, nodes)
         reporting = nodes if full or unknown else {a: nodes[a] for a in registered if a in nodes}
-        if await self._restore(restore) | await self._adopt(reporting, unknown, set(nodes)):
-            self.unsettled |= views.keys()          # (looked at again once the views written arrive)
-            return True
+        wrote = await self._restore(restore) | await self._adopt(reporting, unknown, set(nodes))
+        self.reports_pending = set()
+        if wrote:
+            return True                             # (looked at again once the views written arrive)
         busy = [await self._drop_stale(nodes, full, now)]
 
         async def one(view):
