@@ -223,7 +223,7 @@ class Manager:
         for addr in list(self.down_since):
             if addr in nodes:
                 del self.down_since[addr]
-        changed, registered, _other = self.changes.take()
+        changed, registered, other = self.changes.take()
         registered |= self.reports_pending          # (a pass cut short by an etcd error left these unread)
         self.reports_pending = registered
         full = now - self.swept_at >= FULL_SWEEP_S
@@ -234,6 +234,8 @@ class Manager:
             todo = changed | self.unsettled
             for addr in nodes.keys() ^ before.keys():          # a node came or went: the partitions naming it
                 todo |= self.cache.pids_of(addr)
+            if registered or other:     # a node back, one with room again, a drain ended: a spare for those short
+                todo |= self.redundancy.since.keys()
         self.stale_nodes |= registered
         restore, unknown = self.cache.invalid_parts()
         views = {pid: v for pid in todo if (v := self.cache.part(pid)) is not None}
