@@ -126,9 +126,11 @@ class Manager:
         self.changes = self.cache.follow()         # what the watch changed since the last pass
         self.unsettled: set[int] = set()           # partitions a pass found not settled: looked at every pass
         self.reports_pending: set[str] = set()     # registrations changed that no pass has adopted from yet
+        self.tasks_full = False                    # the tasks' next run looks over everything
         self.swept_at = float("-inf")              # the last pass over every partition
         self.stale_nodes: set[str] = set()         # registrations changed since copies were last looked for
         self.stale_at = float("-inf")
+        self.stale_full = False                    # the next look for stale copies looks at every registration
         self.visited = 0                           # partitions handled, over every pass (tests, logs)
         self.spares_given: dict[str, int] = {}     # new replicas placed on each node this pass
         self._bg: trio.Nursery | None = None
@@ -237,6 +239,9 @@ class Manager:
             if registered or other:     # a node back, one with room again, a drain ended: a spare for those short
                 todo |= self.redundancy.since.keys()
         self.stale_nodes |= registered
+        self.tasks.registrations_changed(registered)
+        self.tasks_full |= full                     # (a pass that writes views returns before the tasks run)
+        self.stale_full |= full
         restore, unknown = self.cache.invalid_parts()
         views = {pid: v for pid in todo if (v := self.cache.part(pid)) is not None}
         self.unsettled &= views.keys()
@@ -248,7 +253,7 @@ class Manager:
         self.reports_pending = set()
         if wrote:
             return True                             # (looked at again once the views written arrive)
-        busy = [await self._drop_stale(nodes, full, now)]
+        busy = [await self._drop_stale(nodes, now)]
 
         async def one(view):
             b = await self._handle_safely(view, nodes, now)
@@ -263,16 +268,18 @@ class Manager:
                     continue
                 self.visited += 1
                 n.start_soon(one, view)
-        busy.append(await self.tasks.run(nodes, full=full, registered=registered))   # placement, requests, ...
+        full, self.tasks_full = self.tasks_full, False
+        busy.append(await self.tasks.run(nodes, full=full))     # placement, min_writable, decommission, requests
         return any(busy)
 
-    async def _drop_stale(self, nodes: dict, full: bool, now: float) -> bool:
+    async def _drop_stale(self, nodes: dict, now: float) -> bool:
         """Copies etcd's views do not name (manager/redundancy.py), looked for among the registrations that
         changed (and those that held one), at most every STALE_LOOK_S; among all of them on a full pass."""
+        full = self.stale_full
         if not full and (now - self.stale_at < STALE_LOOK_S or not (self.stale_nodes or self.redundancy.stale)):
             return bool(self.redundancy.stale)
         only = None if full else self.stale_nodes | {a for a, _ in self.redundancy.stale}
-        self.stale_nodes, self.stale_at = set(), now
+        self.stale_nodes, self.stale_at, self.stale_full = set(), now, False
         return await self.redundancy.drop_stale(_Peek(self.cache), nodes, only=only)
 
     async def _restore(self, views: list[PartView]) -> bool:

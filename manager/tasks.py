@@ -99,13 +99,18 @@ class ManagerTasks:
         return self.draining | self.leaving
 
     # -- one pass -----------------------------------------------------------------------------------
-    async def run(self, nodes: dict, full: bool = True, registered: set[str] | None = None) -> bool:
+    def registrations_changed(self, addrs: set[str]) -> None:
+        """These nodes' registrations changed (the manager's pass says so): the next looks for leftovers
+        look at them."""
+        self._changed_nodes |= addrs
+
+    async def run(self, nodes: dict, full: bool = True) -> bool:
         """One pass (hook: the end of ``Manager.tick``).  It reads the manager's watched copy of the map
         (``m.cache``: no etcd request at idle) and etcd itself only before it changes something.  True while
         work is under way (a node draining, a manager not yet settled): look again soon.  The looks for
         leftovers (``forget_deleted``, ``drop_unfinished``: each waits seconds before it acts) go over every
         partition and registration on ``full`` passes; in between, at most every ``HOUSEKEEP_S``, over the
-        registrations that changed since (``registered``: node addresses) and what they already track."""
+        registrations that changed since (``registrations_changed``) and what they already track."""
         now = trio.current_time()
         if self._active_since is None:
             self._active_since = now
@@ -114,7 +119,6 @@ class ManagerTasks:
         await self.hand_off(nodes)
         self.warn_unreachable_transport(nodes)
         await self.serve_requests(nodes)
-        self._changed_nodes |= registered or set()
         if full or now - self._housekept >= HOUSEKEEP_S:
             only = None if full else self._changed_nodes
             self._housekept, self._changed_nodes = now, set()
