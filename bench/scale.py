@@ -1,6 +1,7 @@
 """How a default secured cluster copes as its partition count grows.
 
     python -m bench.scale --partitions 10,100,1000 [--nodes 3] [--clients 50] [--json] [--plot scale.png]
+    python -m bench.scale --sim 300 --partitions 30000     (simulated nodes: bench/scale_sim.py)
 
 For each partition count N, in a fresh temporary directory on free ports, the bench does what an operator
 would with ``dnctl``: ``cluster up --nodes 3`` (etcd with one user per component, the cluster secret on),
@@ -548,6 +549,10 @@ def plot(runs: list[dict], path: str) -> str | None:
 
 
 def main() -> None:
+    if "--sim" in sys.argv[1:]:               # the simulated cluster: bench/scale_sim.py, its own figures
+        from bench import scale_sim
+        argv = ["--nodes" if x == "--sim" else x for x in sys.argv[1:]]
+        sys.exit(scale_sim.main(argv))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--partitions", default="10,100",
                     help="comma-separated partition counts; a fresh cluster for each (default: 10,100)")
@@ -561,6 +566,9 @@ def main() -> None:
     ap.add_argument("--dir", help="keep the clusters' data and logs here (default: a temp dir, removed)")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON (the table goes to stderr)")
     ap.add_argument("--plot", metavar="FILE.png", help="each figure against partitions (matplotlib)")
+    ap.add_argument("--sim", type=int, metavar="NODES",
+                    help="instead: the real manager and etcd against NODES simulated nodes in this process, "
+                         "--partitions N of them (python -m bench.scale_sim --help)")
     a = ap.parse_args()
     counts = [int(x) for x in a.partitions.split(",") if x.strip()]
     if shutil.which("etcd") is None:
