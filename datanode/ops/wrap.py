@@ -93,7 +93,7 @@ class Serving:
 class Wrap:
     def __init__(self, *, cfg: Config, serving: Serving, table: PartitionTable, counters: RequestCounters,
                  metrics: NodeMetrics, audit: AuditLog, handlers: dict[Op, Handler],
-                 now: Callable[[Request], Header | None]):
+                 now: Callable[[Request], Header | None], lean=None):
         assert set(handlers) == set(Op), "every opcode has exactly one handler"
         self.cfg = cfg
         self.serving = serving
@@ -103,6 +103,9 @@ class Wrap:
         self.audit = audit
         self.handlers = {op.value: fn for op, fn in handlers.items()}
         self.now = now                   # a follower's lone inline append, right here (Appends.now)
+        self.lean = lean                 # the common case of a client's append, by its connection's thread
+        if lean is not None:
+            lean.admit, lean.answer = self.admit, self._lean_answer
         self.inflight = 0
         self._idle = trio.Event()
 
@@ -158,6 +161,8 @@ class Wrap:
                     self._dispatch(nursery, conn, raw, runs, last.last_active)
             finally:
                 conn.deliver_to(None)     # the nursery is about to close to new arrivals
+                if self.lean is not None:
+                    self.lean.closed(conn)
 
     async def _busy(self, conn: Connection, raw: bytes, limit: int) -> bool:
         """Answer a request over the connection's in-flight limit BUSY, inline; False: the peer does not
@@ -194,6 +199,8 @@ class Wrap:
             return
         if trace.ON:
             stages.arrived(h)
+        if payload is not None and self.lean is not None and self._lean(nursery, conn, h, payload, now):
+            return
         run = runs[0]
         if payload is not None and run is not None and run.join(h, payload, now):
             self.inflight += 1
@@ -334,6 +341,50 @@ class Wrap:
             return True
         self._answered(conn, h, resp.result, trio.current_time() - rq.t0)
         return True
+
+    def _lean(self, nursery: trio.Nursery, conn: Connection, h: Header, payload, t0: float) -> bool:
+        """The common case of a client's append, handed to its connection's data-plane thread (ops/lean.py),
+        or refused by the admission right here: True.  False: it goes the usual way, untouched."""
+        try:
+            rq = self.lean.take(conn, h, payload, t0, nursery)
+        except Reply as e:
+            rq = Request(conn, h, None, payload, None, t0)
+            resp = self._failed(conn, h, e)
+            self.inflight += 1
+            conn.busy += 1
+            self._lean_answer(nursery, rq, resp)
+            return True
+        if rq is None:
+            return False
+        self.inflight += 1
+        conn.busy += 1
+        return True
+
+    def _lean_answer(self, nursery: trio.Nursery, rq: Request, resp: Header) -> None:
+        """A lean append's answer (``Lean.finish``), sent right away where the connection takes it at once
+        (else by a task of the connection's), with its stage times, trace and metrics."""
+        conn, h = rq.conn, rq.h
+        if resp.result not in (Result.OK, Result.STALE_EPOCH, Result.NOT_FOUND):
+            log.info("%s from %s -> %s", h.describe(), conn.peer, Result(resp.result).name)
+        elif resp.result == Result.OK:
+            rq.stages.count(self.metrics.write_stages, h, 1)
+        if trace.ON:
+            rq.stages.trace(h)
+            stages.replied(h, [h])
+        try:
+            sent = conn.send_nowait(self.cfg.peer_timeout, resp.encode())
+        except ProtocolError:
+            sent = False                       # (_send answers it as the bug it is)
+        except TransportError as e:
+            log.debug("reply to %s lost: %s", conn.peer, e)
+            sent = True                        # (the connection is gone, the answer with it)
+        if not sent:
+            try:
+                nursery.start_soon(self._send_answer, conn, h, rq.t0, resp)
+                return
+            except RuntimeError:               # the connection's requests are all in: it is gone
+                pass
+        self._answered(conn, h, resp.result, trio.current_time() - rq.t0)
 
     @staticmethod
     def _start_run(rq: Request) -> None:
