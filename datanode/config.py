@@ -119,7 +119,7 @@ class Config:
     direct_reads: bool = True      # false if big cold reads are read again soon (they then stay in the page cache)
     direct_writes: bool = True     # false on a file system whose O_DIRECT is slow (appends then use the page cache)
     # -- the write path (datanode/ops/append.py; its common case: datanode/ops/lean.py) --
-    lean_appends: bool = True      # plain inline appends to a partition of one replica: the connection's thread
+    lean_appends: bool = True      # plain inline appends (unreplicated; followers'): the connection's thread
 
     # where each key's value came from (``load`` notes it; print-config shows it); not a key itself
     origin: ClassVar[Mapping[str, str]] = MappingProxyType({})
@@ -299,10 +299,11 @@ KEY_HELP: dict[str, tuple[str, str]] = {
                                  "mounted with online discard does not stall its other writers (0: at once)"),
     "prefill_bytes": ("bytes", "sync=always: a small append zero-fills the data file this far ahead, so the "
                                "appends after it do not grow the file (0: off)"),
-    "lean_appends": ("bool", "which path serves a client's plain inline append on TCP to a partition whose only "
-                             "replica is this node: true, the connection's data-plane thread (CRC, pwrite, a "
-                             "flush shared with the appends queued meanwhile; datanode/ops/lean.py); false, "
-                             "the WRITE handler's task like every other append"),
+    "lean_appends": ("bool", "which path serves a plain inline append on TCP -- a client's to a partition whose "
+                             "only replica is this node, a leader's forward to a follower here: true, the "
+                             "connection's data-plane thread (CRC, pwrite, a flush shared with the appends "
+                             "queued meanwhile; datanode/ops/lean.py); false, the WRITE handler's task like "
+                             "every other append"),
     "direct_reads": ("bool", "big aligned reads of bytes not in the page cache use O_DIRECT (false: the page cache)"),
     "direct_writes": ("bool", "big aligned appends use O_DIRECT (false: the page cache)"),
     "slots": ("count", "preposted control slots per connection (requests in flight per connection)"),

@@ -142,8 +142,8 @@ class Node:
                                self.drain).handlers(),
                     **RepairOps(self.partitions, self.buffers, self.repair.counters).handlers(),
                     **MapOps(self.agent.copy if self.agent else None, self.buffers, self.serving).handlers()}
-        self.lean = (Lean(self.me, self.table, self.replication, self.counters, cfg.sync == config_mod.SyncMode.ALWAYS)
-                     if cfg.lean_appends else None)
+        self.lean = (Lean(self.me, self.table, self.replication, self.counters, cfg.sync == config_mod.SyncMode.ALWAYS,
+                          self.commit.here) if cfg.lean_appends else None)
         self.wrap = Wrap(cfg=cfg, serving=self.serving, table=self.table, counters=self.counters,
                          metrics=self.metrics, audit=self.audit, handlers=handlers, now=appends.now, lean=self.lean)
 

@@ -319,9 +319,9 @@ class Alone:
     """This node as the only replica of partition PID, behind a wrapper with the WRITE handler -- and with the
     lean path when ``lean`` -- as the node composes them (datanode/server.py)."""
 
-    def __init__(self, root: str, commit: GroupCommit, lean: bool):
+    def __init__(self, root: str, commit: GroupCommit, lean: bool, replicas=(ME,)):
         self.table = PartitionTable(pathlib.Path(root), "always")
-        self.part = self.table.create(PID, [ME], 1)
+        self.part = self.table.create(PID, list(replicas), 1)
         self.eid = self.part.store.create_extent()
         self.counters = RequestCounters()
         partitions = Partitions(Config(), ME, self.table, self.counters, None, lambda kick: None)
@@ -332,7 +332,7 @@ class Alone:
 
         async def other(rq):
             return rq.h.reply(Result.OK)
-        self.lean = Lean(ME, self.table, replication, self.counters, True) if lean else None
+        self.lean = Lean(ME, self.table, replication, self.counters, True, commit.here) if lean else None
         self.wrap = Wrap(cfg=Config(), serving=Serving("serving"), table=self.table, counters=self.counters,
                          metrics=NodeMetrics(None), audit=AuditLog(f"{root}/audit.log", ME),
                          handlers={**{op: other for op in Op}, Op.WRITE: appends.write}, now=appends.now,
@@ -361,10 +361,42 @@ def client_conn() -> Conn:
     return c
 
 
-async def alone(roots: list[str], nursery) -> list[Alone]:
+async def alone(roots: list[str], nursery, replicas=(ME,)) -> list[Alone]:
     commit = GroupCommit(quiet=lambda: False)
     await nursery.start(commit.run)
-    return [Alone(root, commit, lean) for root, lean in zip(roots, (True, False))]
+    return [Alone(root, commit, lean, replicas) for root, lean in zip(roots, (True, False))]
+
+
+def test_a_followers_forwards_by_the_lean_path_and_by_the_handler_leave_the_same_extent(tmp_path):
+    """A leader's pipelined inline forwards: the same answers and the same durable extent on a follower taking
+    them by the lean path as on one taking them by the WRITE handler's task; a forward from a node that does
+    not lead is refused by the same admission."""
+    async def main():
+        async with trio.open_nursery() as n:
+            nodes = await alone([str(tmp_path / "a"), str(tmp_path / "b")], n, replicas=(LEADER, ME))
+            conns = [Conn(Role.NODE, LEADER), Conn(Role.NODE, LEADER)]
+            for c in conns:
+                c.transport = "tcp"
+            end = 0
+            for i in range(30):
+                data = pattern(i, 100 + 37 * i)
+                for node, conn in zip(nodes, conns):
+                    await node.send(n, conn, append(end, data, extent=nodes[0].eid, flags=INLINE | Flag.FORWARDED,
+                                                    req_id=i + 1), data)
+                end += len(data)
+            got = [sorted(await node.answers(conn, 30)) for node, conn in zip(nodes, conns)]
+            assert got[0] == got[1] and {r for _i, r, _a in got[0]} == {Result.OK}
+            assert nodes[0].extent() == nodes[1].extent() and nodes[0].extent()[1] == end
+            assert nodes[0].counters.lean_writes == nodes[0].counters.replica_writes == 30
+            assert nodes[1].counters.lean_writes == 0 and nodes[1].counters.replica_writes == 30
+            stranger = Conn(Role.NODE, "127.0.0.1:3")
+            stranger.transport = "tcp"
+            data = pattern(99, 10)
+            await nodes[0].send(n, stranger, append(end, data, extent=nodes[0].eid, flags=INLINE | Flag.FORWARDED,
+                                                    req_id=99), data)
+            assert await nodes[0].answers(stranger, 1) == [(99, Result.FORBIDDEN, 0)]
+            n.cancel_scope.cancel()
+    trio.run(main)
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,10 +1,12 @@
 """The lean append: the common case of the one write path (ops/append.py), done by a data-plane thread.
 
-The common case is a client's plain inline append (``Flag.INLINE`` and no other flag, on TCP) to a partition
-led here whose only replica is this node, at the partition's epoch, to an extent that takes appends.  For it
+The common case is a plain inline append on TCP at the partition's epoch to an extent that takes appends:
+a client's (``Flag.INLINE`` and no other flag) to a partition whose only replica is this node, or a leader's
+forward (``INLINE | FORWARDED``) to a follower here, unless it is the only request in flight (then the
+follower's in-loop driver, ``Appends.now``, does it cheaper).  For it
 the event loop does only what it must: the transport cuts the request from the stream and checks its session
 MAC (wire/session.py), the wrapper decodes it and admits it (ops/wrap.py ``Wrap.admit``: the node's state,
-the connection's role and volume), counts it in flight, and hands it to the connection's data-plane thread
+the connection's role and volume, a forward's sender being the leader), counts it in flight, and hands it to the connection's data-plane thread
 (``Plane``) -- no task, no turn to await, no group-commit waiter.  The thread, outside trio (the GIL released
 in its system calls), does the steps of ``Appends.write``: the payload's CRC32C and its block CRCs
 (``_checked``), the checks of its turn (``_in_turn``: the extent takes appends, the offset is its end, the
@@ -16,8 +18,8 @@ loop in one hand-over per batch (``TrioToken.run_sync_soon``), which sends them 
 (``Lean.finish``).  The durability contract is the write path's: an answer OK only once the bytes and their
 CRCs are durable.
 
-Everything else goes the usual way (the WRITE handler's task): a payload still to fetch, a forwarded or
-repair write, a replicated partition (its forwards and acks are the replicator's, datanode/replication.py),
+Everything else goes the usual way (the WRITE handler's task): a payload still to fetch, a repair write, a
+client's append to a replicated partition (its forwards and acks are the replicator's, datanode/replication.py),
 another epoch, a sealed extent, a node not serving, any other request.  A failure after the write began
 seals the extent, as on the task's path.
 
@@ -48,6 +50,7 @@ from .stages import DURABLE, FETCHED, STARTED, TURN, WRITTEN
 log = logging.getLogger(__name__)
 
 BATCH = 64               # appends a plane takes from its queue for one flush at most
+_FORWARD = Flag.INLINE | Flag.FORWARDED
 
 
 class _Lease:
@@ -63,8 +66,9 @@ class Lean:
     connections' planes, and the answers (``finish``, in the event loop)."""
 
     def __init__(self, me: str, table: PartitionTable, replication: Replicator, counters: RequestCounters,
-                 sync_always: bool) -> None:
+                 sync_always: bool, here: Callable[[], bool]) -> None:
         self.me = me
+        self.here = here                   # a lone request may flush right in the event loop (GroupCommit.here)
         self.table = table
         self.replication = replication
         self.counters = counters
@@ -78,11 +82,17 @@ class Lean:
     def take(self, conn: Connection, h: Header, payload, t0: float, nursery: trio.Nursery) -> Request | None:
         """In the event loop, as the request arrives: the request handed to its connection's plane (the
         caller counts it in flight), or None: it goes the usual way, untouched."""
-        if h.flags != Flag.INLINE or h.opcode != Op.WRITE or conn.transport != "tcp":
+        forwarded = h.flags == _FORWARD
+        if (h.flags != Flag.INLINE and not forwarded) or h.opcode != Op.WRITE or conn.transport != "tcp":
             return None
         part = self.table.get(h.partition)
-        if (part is None or part.dropped or h.epoch != part.epoch or len(part.replicas) != 1
-                or part.replicas[0] != self.me):
+        if part is None or part.dropped or h.epoch != part.epoch:
+            return None
+        if forwarded:
+            # a follower's: a lone one is cheaper done right where it arrived (``Appends.now``)
+            if self.me not in part.replicas[1:] or self.here():
+                return None
+        elif len(part.replicas) != 1 or part.replicas[0] != self.me:
             return None
         lane = part.lane(h.extent)
         if lane is None or lane.diverged:
@@ -120,7 +130,10 @@ class Lean:
                     del self.leases[lane]
                     lane.done(lease.ticket)
             if resp.result == Result.OK:
-                c.writes += 1
+                if rq.h.flags & Flag.FORWARDED:
+                    c.replica_writes += 1
+                else:
+                    c.writes += 1
                 c.lean_writes += 1
                 c.write_bytes += rq.h.length
             elif part.dropped and resp.result != Result.NOT_FOUND:
@@ -153,7 +166,7 @@ class Lean:
             return h.reply(Result.NOT_FOUND), ""
         if part.epoch != h.epoch:
             return h.reply(Result.STALE_EPOCH, arg=part.epoch), ""
-        if part.leader != self.me:
+        if part.leader != self.me and not h.flags & Flag.FORWARDED:
             return h.reply(Result.NOT_LEADER), ""
         try:
             end = part.store.size(h.extent)

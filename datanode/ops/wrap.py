@@ -345,19 +345,17 @@ class Wrap:
     def _lean(self, nursery: trio.Nursery, conn: Connection, h: Header, payload, t0: float) -> bool:
         """The common case of a client's append, handed to its connection's data-plane thread (ops/lean.py),
         or refused by the admission right here: True.  False: it goes the usual way, untouched."""
+        self.inflight += 1               # (in flight while it is looked at: ``GroupCommit.here`` counts it)
+        conn.busy += 1
         try:
             rq = self.lean.take(conn, h, payload, t0, nursery)
         except Reply as e:
-            rq = Request(conn, h, None, payload, None, t0)
-            resp = self._failed(conn, h, e)
-            self.inflight += 1
-            conn.busy += 1
-            self._lean_answer(nursery, rq, resp)
+            self._lean_answer(nursery, Request(conn, h, None, payload, None, t0), self._failed(conn, h, e))
             return True
         if rq is None:
+            self.inflight -= 1
+            conn.busy -= 1
             return False
-        self.inflight += 1
-        conn.busy += 1
         return True
 
     def _lean_answer(self, nursery: trio.Nursery, rq: Request, resp: Header) -> None:
