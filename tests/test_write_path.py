@@ -125,6 +125,9 @@ class Conn:
     async def send_within(self, timeout, raw) -> bool:
         return self.send_nowait(timeout, raw)
 
+    def send_many_nowait(self, timeout, raws) -> bool:
+        return all([self.send_nowait(timeout, raw) for raw in raws])
+
 
 class Follower:
     """This node as a follower of partition PID (led by LEADER), with a running group commit."""

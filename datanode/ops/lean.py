@@ -75,7 +75,7 @@ class Lean:
         self.sync_always = sync_always
         self.leases: dict[ExtentLane, _Lease] = {}
         self.planes: dict[Connection, Plane] = {}
-        # set by the wrapper: admit(conn, h) raises its refusal; answer(nursery, rq, resp) sends and counts
+        # set by the wrapper: admit(conn, h) raises its refusal; answer(nursery, conn, [(rq, resp)]) sends them
         self.admit: Callable[[Connection, Header], None] | None = None
         self.answer: Callable | None = None
 
@@ -120,6 +120,7 @@ class Lean:
     def finish(self, plane: "Plane", done: list) -> None:
         """In the event loop: the plane's answered batch -- seals, leases given back, answers sent, counts."""
         c = self.counters
+        answers = []
         for rq, part, lane, resp, seal in done:
             if seal:
                 self.replication.seal(part, rq.h.extent, lane, seal)
@@ -138,7 +139,8 @@ class Lean:
                 c.write_bytes += rq.h.length
             elif part.dropped and resp.result != Result.NOT_FOUND:
                 resp = rq.h.reply(Result.NOT_FOUND)   # dropped from this node meanwhile (``Wrap._gone``)
-            self.answer(plane.nursery, rq, resp)
+            answers.append((rq, resp))
+        self.answer(plane.nursery, plane.conn, answers)
 
     def closed(self, conn: Connection) -> None:
         """The connection's requests are all in; its plane ends once it answered what it holds."""
@@ -200,6 +202,14 @@ class Plane:
         self._thread = threading.Thread(target=self._run, name=f"lean {conn.peer}", daemon=True)
         self._thread.start()
 
+    def _finish(self, done: list) -> None:
+        """In the event loop (a callback of ``run_sync_soon``, where an exception would end the whole node):
+        a bug costs the batch's answers, logged."""
+        try:
+            self.lean.finish(self, done)
+        except Exception:
+            log.exception("answering lean appends from %s failed", self.conn.peer)
+
     def put(self, item) -> None:
         self._q.put(item)
 
@@ -254,6 +264,6 @@ class Plane:
                 else:
                     d[3], d[4] = _answer(rq.h, store_reply(err)), f"local flush failed: {err}"
         try:
-            self.token.run_sync_soon(lean.finish, self, done)
+            self.token.run_sync_soon(self._finish, done)
         except trio.RunFinishedError:       # the node is gone
             pass

@@ -105,7 +105,7 @@ class Wrap:
         self.now = now                   # a follower's lone inline append, right here (Appends.now)
         self.lean = lean                 # the common case of a client's append, by its connection's thread
         if lean is not None:
-            lean.admit, lean.answer = self.admit, self._lean_answer
+            lean.admit, lean.answer = self.admit, self._lean_answers
         self.inflight = 0
         self._idle = trio.Event()
 
@@ -359,30 +359,51 @@ class Wrap:
         return True
 
     def _lean_answer(self, nursery: trio.Nursery, rq: Request, resp: Header) -> None:
-        """A lean append's answer (``Lean.finish``), sent right away where the connection takes it at once
-        (else by a task of the connection's), with its stage times, trace and metrics."""
-        conn, h = rq.conn, rq.h
-        if resp.result not in (Result.OK, Result.STALE_EPOCH, Result.NOT_FOUND):
-            log.info("%s from %s -> %s", h.describe(), conn.peer, Result(resp.result).name)
-        elif resp.result == Result.OK:
-            rq.stages.count(self.metrics.write_stages, h, 1)
-        if trace.ON:
-            rq.stages.trace(h)
-            stages.replied(h, [h])
+        self._lean_answers(nursery, rq.conn, [(rq, resp)])
+
+    def _lean_answers(self, nursery: trio.Nursery, conn: Connection, done: list[tuple[Request, Header]]) -> None:
+        """Lean appends' answers (``Lean.finish``: a batch of one connection's), sent right away -- one
+        ``sendmsg`` on TCP -- where the connection takes them at once (else by a task of the connection's),
+        with their stage times, trace and metrics."""
+        raws = []
+        for rq, resp in done:
+            h = rq.h
+            if resp.result not in (Result.OK, Result.STALE_EPOCH, Result.NOT_FOUND):
+                log.info("%s from %s -> %s", h.describe(), conn.peer, Result(resp.result).name)
+            elif resp.result == Result.OK:
+                rq.stages.count(self.metrics.write_stages, h, 1)
+            if trace.ON:
+                rq.stages.trace(h)
+                stages.replied(h, [h])
+            try:
+                raws.append(resp.encode())
+            except ProtocolError as e:               # a field out of range: a bug, answered as one
+                log.error("reply %s to %s does not encode (%s): answering ERROR", resp.describe(), conn.peer, e)
+                raws.append(Header(opcode=resp.opcode, req_id=resp.req_id, result=Result.ERROR,
+                                   version=resp.version).encode())
         try:
-            sent = conn.send_nowait(self.cfg.peer_timeout, resp.encode())
-        except ProtocolError:
-            sent = False                       # (_send answers it as the bug it is)
+            sent = (conn.send_nowait(self.cfg.peer_timeout, raws[0]) if len(raws) == 1 else
+                    conn.send_many_nowait(self.cfg.peer_timeout, raws))
         except TransportError as e:
             log.debug("reply to %s lost: %s", conn.peer, e)
-            sent = True                        # (the connection is gone, the answer with it)
+            sent = True                        # (the connection is gone, the answers with it)
         if not sent:
             try:
-                nursery.start_soon(self._send_answer, conn, h, rq.t0, resp)
+                nursery.start_soon(self._send_answers, conn, done)
                 return
             except RuntimeError:               # the connection's requests are all in: it is gone
                 pass
-        self._answered(conn, h, resp.result, trio.current_time() - rq.t0)
+        now = trio.current_time()
+        for rq, resp in done:
+            self._answered(conn, rq.h, resp.result, now - rq.t0)
+
+    async def _send_answers(self, conn: Connection, done: list[tuple[Request, Header]]) -> None:
+        try:
+            await self._send(conn, *[resp for _rq, resp in done])
+        finally:
+            now = trio.current_time()
+            for rq, resp in done:
+                self._answered(conn, rq.h, resp.result, now - rq.t0)
 
     @staticmethod
     def _start_run(rq: Request) -> None:
