@@ -12,9 +12,10 @@ import sys
 import pytest
 import trio
 
+from wire.auth import gen_secret
 from wire.protocol import Op
 
-from tests.conftest import create_partition, pattern, run
+from tests.conftest import create_partition, open_client, pattern, run
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 KiB = 1024
@@ -65,6 +66,25 @@ def test_followers_take_a_leaders_pipelined_forwards_lean(nodes, client):
             assert counts[0]["lean_writes"] == 0 and counts[0]["writes"] == 200      # the leader: the handler
             for f in counts[1:]:
                 assert f["replica_writes"] == counts[0]["forwarded"] and 0 < f["lean_writes"] <= f["replica_writes"]
+    run(body)
+
+
+def test_with_authentication_a_batch_of_lean_answers_carries_the_sessions_macs(nodes, tmp_path):
+    """On an authenticated session every answer carries its MAC, also several sent in one ``sendmsg``: the
+    client checks each, and a wrong one would end the connection (its writes would fail)."""
+    secret = tmp_path / "cluster.secret"
+    secret.write_text(gen_secret())
+    secret.chmod(0o600)
+    [node] = nodes(1, secret_file=str(secret))
+
+    async def body():
+        async with open_client("tcp", [], secret=str(secret)) as dc:
+            await create_partition(dc, 7, [node.addr])
+            written = await _pipelined(dc, 7, 16, 20)
+            for data, locs in written[::10]:
+                assert b"".join([await dc.read_location(loc) for loc in locs]) == data
+            st = await dc.admin(node.addr, Op.NODE_STATUS)
+            assert st["auth"] == "on" and st["counters"]["lean_writes"] > 0 and st["counters"]["writes"] == 320
     run(body)
 
 
