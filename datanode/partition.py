@@ -255,7 +255,7 @@ class Partition:
     # leader: where each extent written since it took the lead ends as acknowledged (appends in flight beyond)
     acked: dict[int, int] = field(default_factory=dict)
     # the volume it belongs to ("": none): set when the copy is created, never changed; a connection proving
-    # a volume key reaches only its volume's partitions (ops/wrap.py)
+    # a volume key reaches only its volume's partitions (ops/admit.py)
     volume: str = ""
 
     @property

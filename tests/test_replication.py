@@ -151,6 +151,37 @@ def test_failed_follower(nodes, client, how):
             c.kill(signal.SIGCONT)
 
 
+def test_a_create_or_delete_that_a_follower_fails_leaves_the_leaders_extents_as_they_were(nodes, client):
+    """Creating and deleting an extent go to every replica: with a follower dead, a create is refused and the
+    extent it made on the leader is taken back; a delete is refused before the leader deletes its copy (the
+    extent stays readable there); and a client's TRUNCATE is refused (only a leader's repair cuts, and only
+    on followers)."""
+    a, b, c = nodes(3)
+    data = pattern(4, 5000)
+
+    async def body():
+        async with client([]) as dc:
+            await create_partition(dc, P1, [a.addr, b.addr, c.addr])
+            eid = (await dc.write(P1, data))[0].extent
+            before = await dc.watermarks(P1)
+            c.kill(signal.SIGKILL)
+            with trio.fail_after(2 * REPLICA_TIMEOUT + SLACK):
+                with pytest.raises(ReplicationError) as ei:
+                    await dc.create_extent(P1)
+                assert ei.value.replica == c.addr
+                assert await dc.watermarks(P1) == before
+                with pytest.raises(ReplicationError) as ei:
+                    await dc.delete_extent(P1, eid)
+                assert ei.value.replica == c.addr
+                assert await dc.watermarks(P1) == before
+                assert await dc.read(P1, eid, 0, len(data), replica=a.addr) == data
+            cut = Header(opcode=Op.TRUNCATE, partition=P1, extent=eid, offset=0, epoch=dc.partition(P1).epoch)
+            resp, _ = await dc.request(a.addr, cut)
+            assert resp.result == Result.WRONG_ROLE
+            assert await dc.read(P1, eid, 0, len(data), replica=a.addr) == data
+    run(body)
+
+
 def test_restarted_follower_keeps_acked_data_and_diverged_extent_stays_sealed(nodes, client):
     a, b, c = nodes(3)
     acked = pattern(4, 2 * MiB + 3)

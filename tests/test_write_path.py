@@ -25,7 +25,7 @@ from datanode.ops.lean import Lean
 from datanode.ops.partitions import Partitions
 from datanode.ops.run import AppendRun
 from datanode.ops.stages import DURABLE, STARTED, WRITTEN
-from datanode.ops.wrap import Serving, Wrap
+from datanode.ops.wrap import ConnState, Serving, Wrap
 from datanode.partition import ExtentLane, PartitionTable
 from datanode.replication import Replicator
 from datanode.store import StoreCode, StoreError
@@ -127,6 +127,9 @@ class Conn:
 
     def send_many_nowait(self, timeout, raws) -> bool:
         return all([self.send_nowait(timeout, raw) for raw in raws])
+
+    async def send_many_within(self, timeout, raws) -> bool:
+        return self.send_many_nowait(timeout, raws)
 
 
 class Follower:
@@ -283,10 +286,10 @@ def test_a_lone_forward_from_a_node_that_does_not_lead_is_refused_once_where_it_
             data = pattern(3, 4 * KiB)
             raw = encode_message(append(0, data, extent=f.eid, flags=INLINE | Flag.FORWARDED, req_id=5), data)
             stranger, leader = Conn(Role.NODE, "127.0.0.1:3"), Conn(Role.NODE, LEADER)
-            w._dispatch(n, stranger, raw, [None], 0.0)
+            w._dispatch(n, stranger, ConnState(), raw, 0.0)
             assert [(r.req_id, r.result) for r in stranger.sent] == [(5, Result.FORBIDDEN)]
             assert w.counters.forbidden == 1 and w.inflight == 0 and stranger.busy == 0
-            w._dispatch(n, leader, raw, [None], 0.0)
+            w._dispatch(n, leader, ConnState(), raw, 0.0)
             assert [(r.req_id, r.result, r.arg) for r in leader.sent] == [(5, Result.OK, 4 * KiB)]
             assert f.counters.appends_now == 1 and w.inflight == 0
             at = w.metrics.write_stages.follower
@@ -308,8 +311,8 @@ def test_with_tracing_on_each_step_of_an_append_is_noted_under_its_name(tmp_path
             (f,) = await followers(1, [str(tmp_path)], n)
             w = wrapper(f.table, Serving("serving"), f.appends, str(tmp_path))
             data = pattern(4, 4 * KiB)
-            w._dispatch(n, Conn(Role.NODE, LEADER), encode_message(
-                append(0, data, extent=f.eid, flags=INLINE | Flag.FORWARDED, req_id=6), data), [None], 0.0)
+            w._dispatch(n, Conn(Role.NODE, LEADER), ConnState(), encode_message(
+                append(0, data, extent=f.eid, flags=INLINE | Flag.FORWARDED, req_id=6), data), 0.0)
             n.cancel_scope.cancel()
     trio.run(main)
     named = sorted(steps, key=lambda s: s[3])
@@ -336,13 +339,15 @@ class Alone:
         async def other(rq):
             return rq.h.reply(Result.OK)
         self.lean = Lean(ME, self.table, replication, self.counters, True, commit.here) if lean else None
+        self.states: dict[int, ConnState] = {}
         self.wrap = Wrap(cfg=Config(), serving=Serving("serving"), table=self.table, counters=self.counters,
                          metrics=NodeMetrics(None), audit=AuditLog(f"{root}/audit.log", ME),
                          handlers={**{op: other for op in Op}, Op.WRITE: appends.write}, now=appends.now,
                          lean=self.lean)
 
     async def send(self, nursery, conn, h: Header, data: bytes) -> None:
-        self.wrap._dispatch(nursery, conn, encode_message(h, data), [None], trio.current_time())
+        cs = self.states.setdefault(id(conn), ConnState())     # the connection's state: its run, as served
+        self.wrap._dispatch(nursery, conn, cs, encode_message(h, data), trio.current_time())
 
     async def answers(self, conn, n: int) -> list[tuple[int, int, int]]:
         """The first ``n`` answers on ``conn`` (req_id, result, arg), in the order sent, once all are in."""
@@ -497,7 +502,7 @@ def test_what_the_lean_path_does_not_take_goes_the_usual_way(tmp_path):
             node.part.replicas = [ME, LEADER]
             assert node.lean.take(conn, h, data, 0.0, n) is None
             node.part.replicas = [ME]
-            node.wrap.serving.draining = True
+            node.wrap.admit.serving.draining = True
             with pytest.raises(Reply):
                 node.lean.take(conn, h, data, 0.0, n)
             assert not node.lean.leases and not node.lean.planes

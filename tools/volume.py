@@ -2,7 +2,7 @@
 
 A partition's volume is set when it is created (``dnctl partition create --volume NAME``) and kept in every
 copy's meta on the datanodes; a volume key (``dnctl volume key NAME``) proves the client role scoped to the
-partitions of that volume alone (wire/auth.py, datanode/ops/wrap.py).  The membership lives on the nodes, so
+partitions of that volume alone (wire/auth.py, datanode/ops/admit.py).  The membership lives on the nodes, so
 ``list`` asks them.
 """
 from __future__ import annotations

@@ -19,7 +19,7 @@ a connection with a peer of a build before sessions is not a session;
 every datanode holds the cluster secret, so a compromised datanode can act as any node or admin; a client key
 holder can overwrite nothing but can append garbage to,
 delete, or fill (to its share) any partition, a *volume key* the same on its volume's partitions only
-(FORBIDDEN elsewhere: datanode/ops/wrap.py); on verbs a grant is a
+(FORBIDDEN elsewhere: datanode/ops/admit.py); on verbs a grant is a
 type-2 memory window bound per request on the peer's queue pair (the MR itself has no remote rights), but
 rdma_rxe bounds a window by its MR, so during its own request a peer can reach the rest of that region, and a
 device without type-2 windows falls back to MR-wide rkeys (transport/verbs.py); floods of connections are

@@ -14,42 +14,56 @@ Follow a write from the client to the disk:
      came inline (a small WRITE on TCP, ``Flag.INLINE``: no READ round trip, and no pool block when every
      follower's link takes it inline too); ``_checked``: its CRC32C;
   3. in the extent's turn (``async with lane.turn(ticket)``): ``_in_turn`` checks the extent takes appends and
-     the offset is its end; then ``_hand``: ``_forward`` SENDs each follower the same header marked
-     forwarded with the descriptor rewritten to name *our pool block* (``Replicator.submit``,
-     datanode/replication.py: followers READ it from there, no copy here; a payload of at most ``INLINE_MAX``
-     bytes goes inline in the forward instead, where the link takes it), and ``_append_here`` appends a small
-     payload right here in the event loop (datanode/store.py ``append``: CRCs + pwrite), while a large one is
-     handed to a worker thread, where it waits for the extent's earlier writes (``ExtentLane.hand_over``) --
-     the turn ends once it is handed over, so the next append's turn overlaps this one's pwrite;
-  4. outside the turn, ``_settle``: the local write done, and durable (``_durable``; under ``sync = always``:
-     group commit, datanode/commit.py -- one flush for every append queued meanwhile; the only request in
-     flight flushes right here, ``_flush_here``); ``_acked``: every follower's ack (``Replicator.wait``:
-     matched on request id, partition, extent, offset, CRC) within ``replica_timeout``; ``_done`` counts it
-     and the wrapper replies OK only then.
-  Any failure after the turn began seals the extent (DIVERGED): its replicas may differ, so no more appends.
-  The handler notes each step in the request's recorder (ops/stages.py): the wrapper turns them into stage
-  times (``metrics.WriteStages``) and trace steps.
+     the offset is its end; then the replication pipeline (ops/pipeline.py) SENDs each follower the same
+     header marked forwarded (``forward``) with the descriptor rewritten to name *our pool block*
+     (``Replicator.submit``, datanode/replication.py: followers READ it from there, no copy here; a payload of
+     at most ``INLINE_MAX`` bytes goes inline in the forward instead, where the link takes it), and ``local``
+     appends a small payload right here in the event loop (``_append_here``, datanode/store.py ``append``:
+     CRCs + pwrite), while a large one is handed to a worker thread (``_hand_over``), where it waits for the
+     extent's earlier writes (``ExtentLane.hand_over``) -- the turn ends once it is handed over, so the next
+     append's turn overlaps this one's pwrite;
+  4. outside the turn, ``settle``: the local write done (``_written``), and durable (``_durable``; under
+     ``sync = always``: group commit, datanode/commit.py -- one flush for every append queued meanwhile; the
+     only request in flight flushes right here, ``_flush_here``); then the pipeline awaits every follower's ack
+     (``Replicator.wait``: matched on request id, partition, extent, offset, CRC) within ``replica_timeout``;
+     ``_done`` counts it and the wrapper replies OK only then.
+  Any failure after the turn began seals the extent (DIVERGED, ``broken``): its replicas may differ, so no
+  more appends.  The handler notes each step in the request's recorder (ops/stages.py): the wrapper turns
+  them into stage times (``metrics.WriteStages``) and trace steps.
 
-The drivers: ``write``, the handler, for every append in a task of its own; and ``now``, for a follower's
-lone inline append that nothing would make wait, right where its forward arrives, in the transport's
-delivery -- the same steps, with no task, and no pass of the event loop before it starts nor after its
-flush.
+The drivers: ``write``, the handler, for every append in a task of its own (the pipeline takes the steps,
+on leader and follower alike); and ``now``, for a follower's lone inline append that nothing would make
+wait, right where its forward arrives, in the transport's delivery -- the same steps, with no task, and no
+pass of the event loop before it starts nor after its flush.
 """
 from __future__ import annotations
+
+from typing import NoReturn
 
 from wire.protocol import INLINE_MAX, Flag, Header, Op, Result
 from wire.transport.base import Connection
 from ..commit import GroupCommit
 from ..partition import ExtentLane, Partition
-from ..replication import Fanout, Replicator, replica_names
+from ..replication import Replicator, replica_names
 from ..store import StoreError, WouldBlock, io_error, piece_crcs
 from .base import DISK, LOOP_IO, Handler, Reply, Request, RequestCounters, appended, store_reply
 from .buffers import Buffers
 from .partitions import Partitions
-from .stages import ACKED, DURABLE, FETCHED, FORWARDED, STARTED, TURN, WRITTEN
+from .pipeline import Forwardable, Order, Pipeline, Replicated
+from .stages import DURABLE, FETCHED, STARTED, TURN, WRITTEN
 
 
-class Appends:
+class Appends(Forwardable):
+    """The append's steps, as the replication pipeline (ops/pipeline.py) takes them -- ``prepare``: the
+    payload in hand and checked; in the extent's ``turn``: ``in_turn``'s checks, the forwards (``forward``)
+    and the local write started (``local``: right here, or handed to a worker thread); ``settle``: the local
+    write done and durable; then the followers' acks, ``answer``, and ``release`` (the pool block).  Each
+    names the plain step it takes (``_payload``, ``_checked``, ``_in_turn``, ``_append_here``, ``_hand_over``,
+    ``_written``, ``_durable``, ``_done``): ``now`` takes the same ones."""
+
+    ORDER = Order.FORWARD_LOCAL          # the followers write while we do
+    WHAT = "write"
+
     def __init__(self, partitions: Partitions, buffers: Buffers, replication: Replicator, commit: GroupCommit,
                  counters: RequestCounters):
         self.partitions = partitions
@@ -57,6 +71,7 @@ class Appends:
         self.replication = replication
         self.commit = commit
         self.counters = counters
+        self.pipeline = Pipeline(partitions, replication)
 
     def handlers(self) -> dict[Op, Handler]:
         return {Op.WRITE: self.write}
@@ -64,37 +79,8 @@ class Appends:
     # -- the drivers ----------------------------------------------------------------------------------------
     async def write(self, rq: Request) -> Header:
         """The append of ``rq`` (``rq.requests`` of them, a run), in its task."""
-        h, st = rq.h, rq.stages
-        st.mark(STARTED)
-        forwarded = bool(h.flags & Flag.FORWARDED)
-        part = self.partitions.at_epoch(h) if forwarded else await self.partitions.lead(h)
-        if rq.ticket is None:
-            raise Reply(Result.NOT_FOUND, why=f"extent {h.extent} does not exist")
-        lane, t = rq.ticket
-        holder = None if forwarded else rq.conn     # a leader's forwards are not held to a client's share
-        fanout = not forwarded and len(part.replicas) > 1
-        block = None
-        try:
-            view, block = await self._payload(rq, part, fanout, holder)
-            if rq.payload is None:               # fetched: nobody passes it in the lane from now on
-                lane.fetched(t)
-            pieces = self._checked(h, view)
-            st.mark(FETCHED)
-            async with lane.turn(t, settle=False):
-                st.mark(TURN)
-                self._in_turn(part, lane, h)
-                fan, written = await self._hand(rq, part, lane, view, pieces, block, fanout)
-            # outside the turn: the extent's next append goes on while this one is written and made durable
-            size = await self._settle(rq, part, lane, fan, written)
-            if fan:
-                await self._acked(part, lane, h, fan)
-                st.mark(ACKED)
-                if part.acked.get(h.extent, 0) < h.offset + h.length:    # (a leader's confirmations read it)
-                    part.acked[h.extent] = h.offset + h.length
-        finally:
-            if block is not None:
-                self.buffers.free(block, holder)
-        return self._done(h, size, rq.requests)
+        rq.stages.mark(STARTED)
+        return await self.pipeline.run(self, rq)
 
     def now(self, rq: Request) -> Header | None:
         """A follower's lone inline append (a run of one, just opened) done right here, when nothing would make
@@ -110,7 +96,7 @@ class Appends:
             part = self.partitions.at_epoch(h)
             pieces = self._checked(h, payload)
             st.mark(FETCHED)
-            self._in_turn(part, lane, h)
+            self._in_turn(part, lane, h, leader=False)
         except Reply:
             st.clear()                           # the task notes its own steps
             return None
@@ -129,11 +115,78 @@ class Appends:
             self.replication.seal(part, h.extent, lane, f"local {stage} failed: {e}")
             raise
         self.counters.appends_now += 1
-        return self._done(h, size, 1)
+        return self._done(h, size, 1, leader=False)
+
+    # -- the pipeline's steps -----------------------------------------------------------------------------------
+    async def prepare(self, x: Replicated) -> None:
+        """The payload in hand (fetched: nobody passes it in the lane from now on) and checked."""
+        rq = x.rq
+        if rq.ticket is None:
+            raise Reply(Result.NOT_FOUND, why=f"extent {rq.h.extent} does not exist")
+        x.payload, x.block = await self._payload(rq, x.part, x.view is not None, rq.conn if x.leader else None)
+        if rq.payload is None:
+            rq.ticket[0].fetched(rq.ticket[1])
+        x.pieces = self._checked(rq.h, x.payload)
+        rq.stages.mark(FETCHED)
+
+    def turn(self, x: Replicated):
+        lane, t = x.rq.ticket
+        return lane.turn(t, settle=False)
+
+    def in_turn(self, x: Replicated) -> None:
+        x.rq.stages.mark(TURN)
+        self._in_turn(x.part, x.rq.ticket[0], x.h, x.leader)
+
+    def forward(self, x: Replicated) -> tuple[Header, object]:
+        """A small payload inline where the link takes it; otherwise the forward names our pool block, and
+        followers READ the payload from it (we copy nothing)."""
+        h = x.h
+        if x.block is None:
+            fwd = h.forwarded()
+        else:
+            fwd = h.forwarded(flags=h.flags & ~Flag.INLINE, addr=x.block.addr,
+                              rkey=self.buffers.region.rkey, rlen=h.length)
+        return fwd, x.payload if h.length <= INLINE_MAX else None
+
+    async def local(self, x: Replicated) -> None:
+        """The local write, right here (the new size) or handed to a worker thread behind the extent's earlier
+        writes (its ``aio.Handed``: the turn may end at once)."""
+        lane, h = x.rq.ticket[0], x.h
+        written = self._append_here(lane, x.part, h, x.payload, x.pieces)
+        x.outcome = written if written is not None else self._hand_over(lane, x.part, h, x.payload, x.pieces)
+
+    async def settle(self, x: Replicated) -> None:
+        """Outside the turn: the local write done (awaited if it was handed over) and durable."""
+        rq = x.rq
+        x.outcome = size = await self._written(rq.ticket[0], x.outcome)
+        rq.stages.mark(WRITTEN)
+        x.stage = "flush"
+        await self._durable(x.part, rq.h, size)
+        rq.stages.mark(DURABLE)
+
+    def broken(self, x: Replicated, e: BaseException) -> None:
+        """Any failure after the turn began seals the extent: its replicas may differ."""
+        self.replication.seal(x.part, x.h.extent, x.rq.ticket[0], f"local {x.stage} failed: {e}")
+
+    async def replicas_failed(self, x: Replicated, failed: int) -> NoReturn:
+        names = replica_names(x.fan.replicas, failed)
+        self.replication.seal(x.part, x.h.extent, x.rq.ticket[0], f"replica {names} failed a write")
+        raise Reply(Result.REPLICATION_FAILED, arg=failed, why=f"replica {names} failed {x.h.describe()}")
+
+    def answer(self, x: Replicated) -> Header:
+        h = x.h
+        if x.fan and x.part.acked.get(h.extent, 0) < h.offset + h.length:   # (a leader's confirmations read it)
+            x.part.acked[h.extent] = h.offset + h.length
+        return self._done(h, x.outcome, x.rq.requests, x.leader)
+
+    def release(self, x: Replicated) -> None:
+        if x.block is not None:
+            self.buffers.free(x.block, x.rq.conn if x.leader else None)
 
     # -- the steps ----------------------------------------------------------------------------------------------
     async def _payload(self, rq: Request, part: Partition, fanout: bool, holder: Connection | None):
-        """The payload in hand: (its bytes, the pool block holding them or None)."""
+        """The payload in hand: (its bytes, the pool block holding them or None).  ``holder``: the client
+        whose share of the pool it counts against (None: a leader's forward)."""
         h = rq.h
         if rq.payload is not None and (not fanout or await self.replication.inline_ok(part, h.length)):
             return rq.payload, None              # it came inline and goes on inline: no pool block
@@ -148,7 +201,7 @@ class Appends:
                     view[:] = rq.payload             # some follower takes no inline payload: it READs the block
                 else:
                     await self.buffers.fetch(rq.conn, h.remote.slice(0, h.length), view, client=awaiting)
-                    if h.flags & Flag.FORWARDED:
+                    if holder is None:
                         self.counters.count_forward_fetch(rq.conn.identity or rq.conn.peer, h.length)
             except BaseException:
                 self.buffers.free(block, holder)
@@ -166,46 +219,17 @@ class Appends:
             raise Reply(Result.CRC_MISMATCH, why="payload CRC does not match the header")
         return pieces
 
-    def _in_turn(self, part: Partition, lane: ExtentLane, h: Header) -> None:
+    def _in_turn(self, part: Partition, lane: ExtentLane, h: Header, leader: bool) -> None:
         """In the extent's turn (every earlier append has reached the store or been handed to the disk): the
         extent takes appends, this one starts where it ends, and a leader still leads at the request's epoch
         (the payload's fetch may have awaited a step-down)."""
-        forwarded = h.flags & Flag.FORWARDED
-        if lane.diverged and not (forwarded and h.flags & Flag.REPAIR):     # repair may fill a sealed one
+        if lane.diverged and (leader or not h.flags & Flag.REPAIR):     # a repair may fill a sealed one
             raise Reply(Result.DIVERGED, why=f"extent {h.extent} sealed: {lane.diverged}")
         end = lane.tail if lane.writing else self.partitions.size(part, h.extent)
         if h.offset != end:
             raise Reply(Result.WRONG_OFFSET, arg=end, why=f"append at {h.offset} but extent {h.extent} ends at {end}")
-        if not forwarded:
+        if leader:
             self.partitions.still_leading(part, h)
-
-    async def _hand(self, rq: Request, part: Partition, lane: ExtentLane, view, pieces, block,
-                    fanout: bool) -> tuple[Fanout | None, object]:
-        """In the turn: the forwards sent, and the local write done right here (its new size) or handed to a
-        worker thread behind the extent's earlier writes (its ``aio.Handed``: the turn may end at once)."""
-        h, fan = rq.h, None
-        try:
-            if fanout:
-                rq.stages.mark(FORWARDED)        # before the sends: a follower may see one before we return
-                fan = await self._forward(part, h, view, block)
-            written = self._append_here(lane, part, h, view, pieces)
-            if written is None:
-                written = lane.hand_over(DISK, h.offset + h.length, part.store.append, h.extent, h.offset, view,
-                                         None, pieces)
-        except BaseException as e:
-            await self._seal(part, lane, h, fan, f"local write failed: {e}")
-            raise
-        return fan, written
-
-    async def _forward(self, part: Partition, h: Header, view, block) -> Fanout:
-        """The forwards to the followers: a small payload inline where the link takes it; otherwise the
-        forward names our pool block, and followers READ the payload from it (we copy nothing)."""
-        if block is None:
-            fwd = h.forwarded()
-        else:
-            fwd = h.but(flags=(h.flags | Flag.FORWARDED) & ~Flag.INLINE, addr=block.addr,
-                        rkey=self.buffers.region.rkey, rlen=h.length)
-        return await self.replication.submit(part, fwd, view if h.length <= INLINE_MAX else None)
 
     @staticmethod
     def _append_here(lane: ExtentLane, part: Partition, h: Header, view, pieces) -> int | None:
@@ -223,19 +247,16 @@ class Appends:
         except OSError as e:
             raise store_reply(io_error("append", e)) from None
 
-    async def _settle(self, rq: Request, part: Partition, lane: ExtentLane, fan: Fanout | None, written) -> int:
-        """The local write done (awaited if it was handed over) and durable: the extent's new size."""
-        h, stage = rq.h, "write"
-        try:
-            size = written if isinstance(written, int) else await appended(lane, written)
-            rq.stages.mark(WRITTEN)
-            stage = "flush"
-            await self._durable(part, h, size)
-            rq.stages.mark(DURABLE)
-        except BaseException as e:
-            await self._seal(part, lane, h, fan, f"local {stage} failed: {e}")
-            raise
-        return size
+    @staticmethod
+    def _hand_over(lane: ExtentLane, part: Partition, h: Header, view, pieces):
+        """``store.append`` handed to a worker thread, where it waits for the extent's earlier writes."""
+        return lane.hand_over(DISK, h.offset + h.length, part.store.append, h.extent, h.offset, view, None, pieces)
+
+    @staticmethod
+    async def _written(lane: ExtentLane, written) -> int:
+        """The extent's new size once the local write is done (``written``: the size, or the handed-over
+        write to await)."""
+        return written if isinstance(written, int) else await appended(lane, written)
 
     async def _durable(self, part: Partition, h: Header, end: int) -> None:
         """Until ``[0, end)`` of the extent is durable: group commit (at once under sync=none); flushed right
@@ -255,28 +276,13 @@ class Appends:
             except StoreError as e:
                 raise store_reply(e) from None
 
-    async def _acked(self, part: Partition, lane: ExtentLane, h: Header, fan: Fanout) -> None:
-        """Every follower acknowledged the append (else the extent is sealed: REPLICATION_FAILED)."""
-        failed = await self.replication.wait(fan)
-        if failed:
-            names = replica_names(fan.replicas, failed)
-            self.replication.seal(part, h.extent, lane, f"replica {names} failed a write")
-            raise Reply(Result.REPLICATION_FAILED, arg=failed, why=f"replica {names} failed {h.describe()}")
-
-    async def _seal(self, part: Partition, lane: ExtentLane, h: Header, fan: Fanout | None, why: str) -> None:
-        """A step failed after the turn began: seal the extent (its replicas may differ now) and wait until
-        the followers are done with our pool block (the caller frees it next)."""
-        self.replication.seal(part, h.extent, lane, why)
-        if fan:
-            await self.replication.wait(fan)
-
-    def _done(self, h: Header, size: int, requests: int) -> Header:
+    def _done(self, h: Header, size: int, requests: int, leader: bool) -> Header:
         """The append is acknowledged: counted ``requests`` times (a run), and its answer."""
         c = self.counters
-        if h.flags & Flag.FORWARDED:
-            c.replica_writes += requests
-        else:
+        if leader:
             c.writes += requests
+        else:
+            c.replica_writes += requests
         c.joined_writes += requests - 1
         c.write_bytes += h.length
         return h.reply(Result.OK, arg=size, crc=h.crc)

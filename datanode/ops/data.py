@@ -1,14 +1,19 @@
-"""The data path besides appends (ops/append.py): READ, CREATE_EXTENT, MARK_DELETE, WATERMARKS, PING."""
+"""The data path besides appends (ops/append.py): READ, CREATE_EXTENT, MARK_DELETE, WATERMARKS, PING.
+Creating and deleting an extent are replicated: their steps, for the pipeline (ops/pipeline.py), are
+``CreateExtent`` and ``MarkDelete``."""
 from __future__ import annotations
 
 import dataclasses
 import os
+
+from typing import NoReturn
 
 from wire.protocol import Flag, Header, Op, Result
 from ..replication import Replicator, replica_names
 from .base import Handler, Reply, Request, RequestCounters, read_into, store_call
 from .buffers import Buffers
 from .partitions import Partitions
+from .pipeline import Forwardable, Order, Pipeline, Replicated
 from .stages import READ_DISK, READ_SENT, STARTED
 
 
@@ -19,6 +24,9 @@ class DataOps:
         self.buffers = buffers
         self.replication = replication
         self.counters = counters
+        self.pipeline = Pipeline(partitions, replication)
+        self._create = CreateExtent(partitions)
+        self._delete = MarkDelete()
 
     def handlers(self) -> dict[Op, Handler]:
         return {Op.PING: self.ping, Op.READ: self.read, Op.CREATE_EXTENT: self.create_extent,
@@ -63,52 +71,75 @@ class DataOps:
         return h.reply(Result.OK, length=h.length, crc=crc, arg=self.partitions.size(part, h.extent))
 
     async def create_extent(self, rq: Request) -> Header:
-        h = rq.h
-        part = self.partitions.at_epoch(h)
-        if h.flags & Flag.FORWARDED:
-            # The leader's repair and a client's create may race (both forwards may even be creating here at
-            # once, in worker threads): an empty extent of that id is the same result either way.
-            try:
-                eid = await store_call(part.store.create_extent, h.extent)
-            except Reply as e:
-                if (e.result == Result.EXISTS and part.lane(h.extent) is not None
-                        and self.partitions.size(part, h.extent) == 0):
-                    return h.reply(Result.OK, arg=h.extent)
-                raise
-            return h.reply(Result.OK, arg=eid)
-        part = await self.partitions.lead(h)
-        view = list(part.replicas)          # the view of h.epoch: forwards go to it, whatever happens meanwhile
-        eid = await store_call(part.store.create_extent, None)
-        try:
-            self.partitions.still_leading(part, h)   # stepped down during the create: take it back, redirect
-        except Reply:
-            await store_call(part.store.mark_delete, eid)
-            part.lanes.pop(eid, None)
-            raise
-        failed = await self.replication.replicate(part, h.forwarded(extent=eid), view)
-        if failed:
-            # not on every replica: take it back (its tombstone makes repair delete it where it did land),
-            # so a client retrying against a dead follower does not leave an empty extent per try
-            await store_call(part.store.mark_delete, eid)
-            part.lanes.pop(eid, None)
-            raise Reply(Result.REPLICATION_FAILED, arg=failed,
-                        why=f"replica {replica_names(view, failed)} failed create (extent {eid} taken back)")
-        return dataclasses.replace(h.reply(Result.OK, arg=eid), extent=eid)
+        return await self.pipeline.run(self._create, rq)
 
     async def mark_delete(self, rq: Request) -> Header:
-        h = rq.h
-        part = self.partitions.at_epoch(h)
-        if not h.flags & Flag.FORWARDED:
-            part = await self.partitions.lead(h)
-            view = list(part.replicas)
-            failed = await self.replication.replicate(part, h.forwarded(), view)
-            if failed:
-                raise Reply(Result.REPLICATION_FAILED, arg=failed,
-                            why=f"replica {replica_names(view, failed)} failed delete")
-        await store_call(part.store.mark_delete, h.extent)
-        part.lanes.pop(h.extent, None)
-        return h.reply(Result.OK)
+        return await self.pipeline.run(self._delete, rq)
 
     async def watermarks(self, rq: Request) -> Header:
         part = self.partitions.hosted(rq.h)
         return await self.buffers.push_json(rq.conn, rq.h, {str(k): v for k, v in part.store.watermarks().items()})
+
+
+class CreateExtent(Forwardable):
+    """The leader creates the extent (the store picks its id) and forwards that id; a follower creates it."""
+
+    ORDER = Order.LOCAL_FORWARD          # the forward names the extent the local step made
+    WHAT = "create"
+
+    def __init__(self, partitions: Partitions):
+        self.partitions = partitions
+
+    async def local(self, x: Replicated) -> None:
+        h, part = x.h, x.part
+        if not x.leader:
+            # The leader's repair and a client's create may race (both forwards may even be creating here at
+            # once, in worker threads): an empty extent of that id is the same result either way.
+            try:
+                x.outcome = await store_call(part.store.create_extent, h.extent)
+            except Reply as e:
+                if not (e.result == Result.EXISTS and part.lane(h.extent) is not None
+                        and self.partitions.size(part, h.extent) == 0):
+                    raise
+                x.outcome = h.extent
+            return
+        x.outcome = await store_call(part.store.create_extent, None)
+        try:
+            self.partitions.still_leading(part, h)   # stepped down during the create: take it back, redirect
+        except Reply:
+            await self._take_back(x)
+            raise
+
+    def forward(self, x: Replicated) -> tuple[Header, object]:
+        return x.h.forwarded(extent=x.outcome), None
+
+    async def replicas_failed(self, x: Replicated, failed: int) -> NoReturn:
+        # not on every replica: take it back (its tombstone makes repair delete it where it did land), so a
+        # client retrying against a dead follower does not leave an empty extent per try
+        await self._take_back(x)
+        raise Reply(Result.REPLICATION_FAILED, arg=failed,
+                    why=f"replica {replica_names(x.fan.replicas, failed)} failed create (extent {x.outcome} "
+                        f"taken back)")
+
+    def answer(self, x: Replicated) -> Header:
+        resp = x.h.reply(Result.OK, arg=x.outcome)
+        return dataclasses.replace(resp, extent=x.outcome) if x.leader else resp
+
+    @staticmethod
+    async def _take_back(x: Replicated) -> None:
+        await store_call(x.part.store.mark_delete, x.outcome)
+        x.part.lanes.pop(x.outcome, None)
+
+
+class MarkDelete(Forwardable):
+    """Every replica marks the extent deleted: the leader only once every follower did."""
+
+    ORDER = Order.ACKS_LOCAL             # a follower that failed leaves the extent in place here
+    WHAT = "delete"
+
+    async def local(self, x: Replicated) -> None:
+        await store_call(x.part.store.mark_delete, x.h.extent)
+        x.part.lanes.pop(x.h.extent, None)
+
+    def answer(self, x: Replicated) -> Header:
+        return x.h.reply(Result.OK)

@@ -5,7 +5,7 @@ a client's (``Flag.INLINE`` and no other flag) to a partition whose only replica
 forward (``INLINE | FORWARDED``) to a follower here, unless it is the only request in flight (then the
 follower's in-loop driver, ``Appends.now``, does it cheaper).  For it
 the event loop does only what it must: the transport cuts the request from the stream and checks its session
-MAC (wire/session.py), the wrapper decodes it and admits it (ops/wrap.py ``Wrap.admit``: the node's state,
+MAC (wire/session.py), the wrapper decodes it and admits it (ops/admit.py ``Admit``: the node's state,
 the connection's role and volume, a forward's sender being the leader), counts it in flight, and hands it to the connection's data-plane thread
 (``Plane``) -- no task, no turn to await, no group-commit waiter.  The thread, outside trio (the GIL released
 in its system calls), does the steps of ``Appends.write``: the payload's CRC32C and its block CRCs

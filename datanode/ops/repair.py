@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import trio
 
-from wire.protocol import Flag, Header, Op, Result, Role
+from wire.protocol import Header, Op, Result, Role
 from ..health import follower_token, tokens_page
 from ..repair import RepairCounters, scrub_range
 from .base import Handler, Reply, Request, store_call
 from .buffers import Buffers
 from .partitions import Partitions
+from .pipeline import Forwardable, Pipeline, Replicated
 
 
 class RepairOps:
@@ -16,6 +17,8 @@ class RepairOps:
         self.partitions = partitions
         self.buffers = buffers
         self.counters = counters
+        self.pipeline = Pipeline(partitions, None)
+        self._truncate = Truncate(partitions)
 
     def handlers(self) -> dict[Op, Handler]:
         return {Op.REPLICA_STATE: self.replica_state, Op.BLOCK_CRCS: self.block_crcs,
@@ -30,7 +33,7 @@ class RepairOps:
     async def replica_state(self, rq: Request) -> Header:
         """Our view and extents, and whether our copy is known synced (``cuts``: what a confirmation must
         name).  With ``arg`` = cuts + 1 it is our leader's confirmation that this copy, as it answered last,
-        holds every acknowledged byte (only from the leader, at our epoch: checked on admission, ops/wrap.py);
+        holds every acknowledged byte (only from the leader, at our epoch: checked on admission, ops/admit.py);
         one sent before a cut since is void."""
         h = rq.h
         part = self.partitions.hosted(h)
@@ -60,19 +63,36 @@ class RepairOps:
 
     async def truncate(self, rq: Request) -> Header:
         """Leader's repair -> follower: cut an extent back to ``offset`` bytes (in the extent's turn)."""
-        h = rq.h
-        part = self.partitions.at_epoch(h)
-        if not h.flags & Flag.FORWARDED or part.leader == self.partitions.me:
-            raise Reply(Result.WRONG_ROLE, why="only a leader's repair truncates, and only on followers")
-        if rq.ticket is None:
-            raise Reply(Result.NOT_FOUND, why=f"extent {h.extent} does not exist")
-        lane, t = rq.ticket
-        async with lane.turn(t):
-            # cut back at a block boundary, the copy may miss acknowledged bytes until the leader refills it
-            # and confirms it again: until then it may not lead (datanode/viewguard.py)
-            part.cuts += 1
-            if part.synced:
-                part.synced = False
-                await store_call(part.save)
-            await store_call(part.store.truncate, h.extent, h.offset)
-        return h.reply(Result.OK, arg=h.offset)
+        return await self.pipeline.run(self._truncate, rq)
+
+
+class Truncate(Forwardable):
+    """A leader's repair cuts a follower's extent back to ``offset`` bytes: only ever a forward (a leader
+    truncates its own copy never), in the extent's turn, after every write of it handed to the disk."""
+
+    FOLLOWERS_ONLY = "only a leader's repair truncates, and only on followers"
+    WHAT = "truncate"
+
+    def __init__(self, partitions: Partitions):
+        self.partitions = partitions
+
+    async def prepare(self, x: Replicated) -> None:
+        if x.rq.ticket is None:
+            raise Reply(Result.NOT_FOUND, why=f"extent {x.h.extent} does not exist")
+
+    def turn(self, x: Replicated):
+        lane, t = x.rq.ticket
+        return lane.turn(t)
+
+    async def local(self, x: Replicated) -> None:
+        # cut back at a block boundary, the copy may miss acknowledged bytes until the leader refills it and
+        # confirms it again: until then it may not lead (datanode/viewguard.py)
+        part, h = x.part, x.h
+        part.cuts += 1
+        if part.synced:
+            part.synced = False
+            await store_call(part.save)
+        await store_call(part.store.truncate, h.extent, h.offset)
+
+    def answer(self, x: Replicated) -> Header:
+        return x.h.reply(Result.OK, arg=x.h.offset)

@@ -426,7 +426,7 @@ async def accept(sock, peer: str, domain: Domain, *, transport: str = "auto", sl
         if conn is None:
             conn = TcpConnection(sock, domain, peer, hello.slots, slots)
         conn.role, conn.identity, conn.tls = role, identity, secure
-        conn.volume = identity if role == Role.CLIENT else ""     # proven: scopes it (datanode/ops/wrap.py)
+        conn.volume = identity if role == Role.CLIENT else ""     # proven: scopes it (datanode/ops/admit.py)
         conn.version, conn.peer_software = version, hello.software
         if keys is not None:
             conn.bind_session(Session(keys[1], keys[0]))
