@@ -21,6 +21,7 @@ from datanode.metrics import NodeMetrics
 from datanode.ops.append import Appends
 from datanode.ops.base import Reply, Request, RequestCounters
 from datanode.ops.buffers import Buffers
+from datanode.ops import lean as lean_mod
 from datanode.ops.lean import Lean
 from datanode.ops.partitions import Partitions
 from datanode.ops.run import AppendRun
@@ -489,9 +490,9 @@ def test_a_failed_lean_append_seals_the_extent_as_the_handler_would(tmp_path, mo
     trio.run(main)
 
 
-def test_what_the_lean_path_does_not_take_goes_the_usual_way(tmp_path):
-    """A replicated partition, another epoch, a flag besides INLINE, a refused admission: not lean (the
-    handler answers it, with its reasons)."""
+def test_what_the_lean_path_does_not_take_goes_the_usual_way(tmp_path, monkeypatch):
+    """A replicated partition, another epoch, a flag besides INLINE, a connection past the planes' limit, a
+    refused admission: not lean (the handler answers it, with its reasons)."""
     async def main():
         async with trio.open_nursery() as n:
             (node,) = await alone([str(tmp_path)], n)
@@ -502,9 +503,14 @@ def test_what_the_lean_path_does_not_take_goes_the_usual_way(tmp_path):
             node.part.replicas = [ME, LEADER]
             assert node.lean.take(conn, h, data, 0.0, n) is None
             node.part.replicas = [ME]
+            monkeypatch.setattr(lean_mod, "MAX_PLANES", 1)     # one connection has a thread: a second has none
+            await node.send(n, conn, h, data)
+            assert await node.answers(conn, 1) == [(0, Result.OK, 100)]
+            assert node.lean.take(client_conn(), h.but(offset=100), data, 0.0, n) is None
+            assert list(node.lean.planes) == [conn] and node.counters.lean_writes == 1
             node.wrap.admit.serving.draining = True
             with pytest.raises(Reply):
-                node.lean.take(conn, h, data, 0.0, n)
-            assert not node.lean.leases and not node.lean.planes
+                node.lean.take(conn, h.but(offset=100), data, 0.0, n)
+            assert not node.lean.leases
             n.cancel_scope.cancel()
     trio.run(main)

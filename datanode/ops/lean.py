@@ -50,6 +50,7 @@ from .stages import DURABLE, FETCHED, STARTED, TURN, WRITTEN
 log = logging.getLogger(__name__)
 
 BATCH = 64               # appends a plane takes from its queue for one flush at most
+MAX_PLANES = 256         # connections with a data-plane thread at once; the others' appends go the usual way
 _FORWARD = Flag.INLINE | Flag.FORWARDED
 
 
@@ -104,8 +105,10 @@ class Lean:
                 return None
         elif lane.issued != lane.serving or lane.writing or lane.held is not None:
             return None                    # the lane has something in flight: behind it, the usual way
-        self.admit(conn, h)                # (its refusal is answered by the caller)
         plane = self.planes.get(conn)
+        if plane is None and len(self.planes) >= MAX_PLANES:
+            return None                    # (a thread per connection: bounded, whatever the connections)
+        self.admit(conn, h)                # (its refusal is answered by the caller)
         if plane is None:
             plane = self.planes[conn] = Plane(self, conn, trio.lowlevel.current_trio_token(), nursery)
         if lease is None:
