@@ -4,10 +4,16 @@ A key's value comes from, the later winning: its default; the file (``datanode s
 the environment, $DATANODE_<KEY> (``DATANODE_VERBS_INLINE=0`` sets ``verbs_inline``; booleans 1/0, true/false,
 yes/no, on/off; other DATANODE_* variables are ignored), read once by ``load`` when the daemon starts; the
 command line (``serve --listen ...``).  ``datanode print-config`` shows each key's value and where it came from.
-Not from the environment: ``secret_file`` and ``tls_ca``, whose variables are a client's (dnctl, the SDK):
-a node started from an admin's shell must not take them up.
-The connection keys (tcp_congestion, rdma_*, gid_index, verbs_*, trace) reach the transport as the
-TransportOptions of the same names (``transport_options``).
+Not from the environment: ``secret_file``, ``tls_ca`` and the etcd_* credentials, whose variables are a
+client's (dnctl, the SDK): a node started from an admin's shell must not take them up.
+
+Each key is declared once, with ``key(default, unit, help, check)``, in the section of the component it
+tunes; the checks, ``print-config``, and the key table in docs/operations.md (``python -m datanode.config
+--write docs/operations.md``; ``--markdown`` prints it) are made from those declarations.  The file stays
+flat (a key's section is not written in it): ``Config`` holds every section's keys, and is each section, so
+a component may be typed to see its own, or given its own alone (``section``).
+The connection keys (TransportConfig) reach the transport as the TransportOptions of the same names
+(``transport_options``).
 """
 from __future__ import annotations
 
@@ -15,9 +21,10 @@ import dataclasses
 import enum
 import os
 import pathlib
+import sys
 import tomllib
 from types import MappingProxyType
-from typing import ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Iterator, Mapping, TypeVar
 
 from wire.env import ENV_PREFIX, env_values
 from wire.transport.base import OptionError, TransportChoice, TransportOptions
@@ -35,94 +42,128 @@ class SyncMode(enum.StrEnum):
 
 _ENUMS = {"SyncMode": SyncMode, "TransportChoice": TransportChoice}
 _WIRE = TransportOptions()       # the connection keys' defaults are the transport's own
-# their $DATANODE_ variables are a client's (module docstring)
-_NOT_FROM_ENV = ("secret_file", "tls_ca", "etcd_credentials", "etcd_ca", "etcd_cert", "etcd_key")
+
+# A check looks at a key's value (and the whole config, for a key bounded by another) and returns what is
+# wrong with it, or None.
+Check = Callable[[Any, Any], "str | None"]
 
 
+@dataclasses.dataclass(frozen=True)
+class KeyInfo:
+    unit: str
+    help: str
+    checks: tuple[Check, ...]
+    env: bool                    # may $DATANODE_<KEY> set it
+
+
+def key(default, unit: str, help: str, check: Check | tuple[Check, ...] = (), *, env: bool = True):
+    """A config key: its default, unit and one-line meaning (print-config, the docs), and its checks, run
+    in order by ``load``; ``env=False``: the environment does not set it."""
+    checks = check if isinstance(check, tuple) else (check,)
+    return dataclasses.field(default=default, metadata={"key": KeyInfo(unit, help, checks, env)})
+
+
+# -- checks -----------------------------------------------------------------------------------------------
+def rule(ok: Callable[[Any, Any], bool], why: str | Callable[[Any], str]) -> Check:
+    """A check: ``why`` (text, or a function of the config) unless ``ok(value, cfg)``."""
+    return lambda v, cfg: None if ok(v, cfg) else why(cfg) if callable(why) else why
+
+
+def between(lo, hi, unit: str = "", note: str = "") -> Check:
+    return rule(lambda v, _: lo <= v <= hi, f"must be between {lo} and {hi}{' ' + unit if unit else ''}"
+                                            f"{' (' + note + ')' if note else ''}")
+
+
+def at_least(lo, why: str) -> Check:
+    return rule(lambda v, _: v >= lo, why)
+
+
+def positive(why: str = "must be > 0 seconds") -> Check:
+    return rule(lambda v, _: v > 0, why)
+
+
+def power_of_two(lo: int, hi: int, note: str = "") -> Check:
+    return rule(lambda v, _: lo <= v <= hi and not v & (v - 1),
+                f"must be a power of two between {lo} and {hi}{' (' + note + ')' if note else ''}")
+
+
+def one_of(*values: str) -> Check:
+    return rule(lambda v, _: v in values, "must be " + " or ".join(f"'{v}'" for v in values))
+
+
+def fraction() -> Check:
+    return rule(lambda v, _: 0 < v <= 1, "must be in (0, 1]")
+
+
+def host_port(why: str, empty_ok: bool = False) -> Check:
+    def ok(v, _):
+        if empty_ok and not v:
+            return True
+        host, sep, port = v.rpartition(":")
+        return bool(sep and host and port.isdigit() and 0 <= int(port) <= 65535)
+    return rule(ok, why)
+
+
+def a_file(why: str = "no such file") -> Check:
+    return rule(lambda v, _: not v or pathlib.Path(v).is_file(), why)
+
+
+def with_key(other: str, why: str) -> Check:
+    """Set only together with key ``other``: this one is wrong when ``other`` is set and it is not."""
+    return rule(lambda v, cfg: bool(v) or not getattr(cfg, other), why)
+
+
+def _wire(name: str) -> Check:
+    """The transport's own range check of its option ``name`` (TransportOptions)."""
+    def check(v, _):
+        try:
+            TransportOptions(**{name: v})
+        except OptionError as e:
+            return e.why
+        return None
+    return check
+
+
+def _parsed(parse: Callable[[str], Any]) -> Check:
+    """``parse`` takes the value (ValueError: its message is what is wrong)."""
+    def check(v, _):
+        if not v:
+            return None
+        try:
+            parse(v)
+        except ValueError as e:
+            return str(e)
+        return None
+    return check
+
+
+def _etcd_urls(v):
+    from wire.etcdmap import parse_urls
+    parse_urls(v)
+
+
+def _etcd_user(v):
+    from wire.etcdmap import EtcdAccess
+    EtcdAccess.load(v)
+
+
+# -- the sections, one per component ----------------------------------------------------------------------
 @dataclasses.dataclass
-class Config:
-    listen: str = "127.0.0.1:17310"
-    data_dir: str = "./data"
-    pool_mib: int = 256            # registered pool arena
-    max_block_kib: int = 4096      # largest pool block (and so the largest single request payload)
-    sync: SyncMode = SyncMode.ALWAYS                  # always: fdatasync before every ack | none: page cache only
-    transport: TransportChoice = TransportChoice.AUTO  # auto | verbs | tcp
-    rdma_device: str = _WIRE.rdma_device  # e.g. "rxe0"; empty: first active device (only when transport != tcp)
-    gid_index: int = _WIRE.gid_index      # GID table index of the RDMA port (RoCE v2 is usually 1)
-    replica_timeout: float = 5.0   # seconds a follower may take to ack a forwarded write
-    pool_wait: float = 10.0        # seconds a request may wait for pool memory before POOL_BUSY
-    peer_timeout: float = 10.0     # seconds a peer may take to serve a one-sided op (else its connection is dropped)
-    slots: int = 64                # preposted control slots per connection
-    log_level: str = "info"
-    cpu_sched: str = "batch"       # the node's Linux CPU scheduling policy: batch (SCHED_BATCH) | normal
-    metrics_listen: str = ""       # HOST:PORT serving Prometheus /metrics (empty: off)
-    # -- connection tuning (wire/transport: TransportOptions, whose fields have these names) --
-    tcp_congestion: str = _WIRE.tcp_congestion  # cubic: a LAN gains nothing from BBR's pacing of each flow
-    rdma_windows: bool = _WIRE.rdma_windows     # a peer reaches only the range a request granted it
-    verbs_inline: int = _WIRE.verbs_inline      # bytes of a WRITE's payload sent in its header's SEND (0: off)
-    verbs_spin_us: int = _WIRE.verbs_spin_us    # busy-poll the CQ after a completion (0: off; for hardware)
-    verbs_unsignaled: bool = _WIRE.verbs_unsignaled  # no completions for header SENDs and binds (for hardware)
-    verbs_post_thread_min: int = _WIRE.verbs_post_thread_min  # one-sided ops this large posted off the GIL
-    verbs_posters: int = _WIRE.verbs_posters    # threads posting them
-    trace: str = _WIRE.trace       # directory for each request's step times, written at exit (empty: off)
-    # -- replica health, repair and scrub (datanode/repair.py) --
-    heartbeat_s: float = 1.0       # how often a leader probes each follower
-    repair_interval_s: float = 60.0  # a full repair pass (sizes and block CRCs) at least this often
-    repair_mib_s: float = 64.0     # repair bandwidth cap per node, MiB/s (0: unlimited)
-    repair_chunk_kib: int = 1024   # bytes moved per repair write (one extent-lane turn each)
-    scrub_interval_s: float = 3600.0  # background scrub pass this often (0: only on demand)
-    scrub_mib_s: float = 32.0      # scrub read rate cap per node, MiB/s (0: unlimited)
-    # -- trust boundaries (docs/security.md) --
-    secret_file: str = ""          # the cluster secret (datanode gen-secret); empty: no auth, loopback peers only
-    insecure: bool = False         # without a secret, take peers from other hosts too (else loopback only)
-    auth_transition: bool = False  # with a secret: also take peers without one (switching a running cluster)
-    hello_timeout: float = 5.0     # seconds a new connection may take to complete its hello
-    preauth_max: int = 64          # connections still in their hello at once (all hosts): never others' slots
-    preauth_per_host: int = 8      # of those, from one address
-    preauth_early_drop: int = 32   # from this many in their hello, new ones are dropped at random (sshd MaxStartups)
-    max_connections: int = 1024    # connections past their hello at once; idle clients make room, else refused
-    reserved_connections: int = 32  # of max_connections, kept for role node and admin (clients never take them)
-    max_connections_per_host: int = 0   # client-role connections from one host at once (0: no per-host limit)
-    idle_timeout_s: float = 600.0  # a connection with nothing in flight for this long is closed (0: never)
-    idle_max: int = 128            # idle client connections kept (memory); the least active go (0: no limit)
-    idle_per_host: int = 32        # of those, from one host (0: no limit)
-    conn_pool_share: float = 0.5   # most of the pool one connection's requests may hold (fraction)
-    payload_timeout: float = 5.0   # seconds a client may take to serve its payload READ (else PAYLOAD_TIMEOUT)
-    conn_fetch_mib: int = 32       # MiB of pool one connection's requests may hold awaiting their payload READs
-    fetch_pool_share: float = 0.5  # most of the pool all blocks awaiting a payload READ may hold (fraction)
-    max_inflight: int = 0          # requests one connection may have in flight; more are answered BUSY (0: = slots)
-    penalty_max_s: float = 2.0     # a host+role (node: +identity) whose peer was dropped for abuse: its new connections wait (0: never)
-    trash_retention_s: float = 86400.0   # a deleted/removed partition's data is kept in data_dir/trash this long
-    audit_log: str = ""            # admin actions, one JSON line each (empty: data_dir/audit.log)
-    tls_cert: str = ""             # PEM certificate (chain) this node presents to TLS clients (empty: no TLS)
-    tls_key: str = ""              # its private key (PEM)
-    tls_ca: str = ""               # CA bundle (PEM) to verify other nodes with; set: this node dials them with TLS
-    tls_required: bool = False     # refuse plaintext connections (needs tls_cert)
-    # -- cluster map in etcd (wire/etcdmap.py); empty etcd: no etcd, the map is what admins set --
-    etcd: str = ""                 # e.g. "http://127.0.0.1:2379" or "http://a:2379,http://b:2379"
-    etcd_prefix: str = "/datanode"  # every key of this cluster lives under it
-    etcd_credentials: str = ""     # file holding USER:PASSWORD, this node's etcd user (empty: etcd without auth)
-    etcd_ca: str = ""              # CA bundle (PEM) the etcd members' certificates are checked against (https://)
-    etcd_cert: str = ""            # client certificate (PEM) presented to etcd, where it requires one
-    etcd_key: str = ""             # its private key (PEM)
-    lease_ttl_s: int = 3           # registration lease: etcd forgets a dead node this long after its death
-    zone: str = "default"          # failure-domain label: the manager spreads replicas across zones
-    drain_timeout_s: float = 30.0  # a stopping node's bound on handing its partitions off and finishing requests
-    # -- opening the partitions at start --
-    open_verify: str = "tail"      # tail: at open, CRC-check only what crash recovery needs (each extent's
-                                   # tail); a leader scrubs soon after start (unless scrub_interval_s = 0) |
-                                   # full: CRC-check every block before serving (slow: reads all data)
-    # -- the extent store (datanode/store/) --
-    one_flush: bool = True         # one fdatasync per durable flush where safe; false: two, to compare or rule it out
-    free_step_bytes: int = 8 << 20  # smaller if deletes stall other writers on a discard-mounted disk (0: at once)
-    prefill_bytes: int = 256 << 10  # zeros ahead, so small durable appends do not grow the file (0: off, to compare)
-    direct_reads: bool = True      # false if big cold reads are read again soon (they then stay in the page cache)
-    direct_writes: bool = True     # false on a file system whose O_DIRECT is slow (appends then use the page cache)
-    # -- the write path (datanode/ops/append.py; its common case: datanode/ops/lean.py) --
-    lean_appends: bool = True      # plain inline appends (unreplicated; followers'): the connection's thread
-
-    # where each key's value came from (``load`` notes it; print-config shows it); not a key itself
-    origin: ClassVar[Mapping[str, str]] = MappingProxyType({})
+class NodeConfig:
+    """the node: its address and name, its files, its process"""
+    listen: str = key("127.0.0.1:17310", "HOST:PORT", "address the node serves on; also its name in partitions' "
+                      "replica lists", host_port("expected HOST:PORT, e.g. 127.0.0.1:17310"))
+    data_dir: str = key("./data", "path", "directory holding the partitions (created if missing)",
+                        rule(lambda v, _: bool(v), "must be a directory path"))
+    trash_retention_s: float = key(86400.0, "seconds", "a deleted or removed partition's data stays in "
+                                   "data_dir/trash this long", at_least(0, "must be >= 0 seconds (0: purge at once)"))
+    audit_log: str = key("", "path", "admin actions as JSON lines (empty: data_dir/audit.log)")
+    log_level: str = key("info", "level", "debug, info, warning or error",
+                         rule(lambda v, _: v.lower() in ("debug", "info", "warning", "error"),
+                              "must be debug, info, warning or error"))
+    cpu_sched: str = key("batch", "batch|normal", "Linux CPU scheduling policy of the node's threads; batch "
+                         "(SCHED_BATCH): a woken node does not preempt a running process, so under load each "
+                         "wake-up serves more requests", one_of("batch", "normal"))
 
     @property
     def host(self) -> str:
@@ -133,241 +174,264 @@ class Config:
         return int(self.listen.rsplit(":", 1)[1])
 
 
+@dataclasses.dataclass
+class TransportConfig:
+    """connections and the data path (wire/transport; the TransportOptions of the same names)"""
+    transport: TransportChoice = key(TransportChoice.AUTO, "|".join(TransportChoice),
+                                     "data path; auto uses RDMA verbs if a device works, else TCP")
+    rdma_device: str = key(_WIRE.rdma_device, "name", "RDMA device, e.g. rxe0; empty: the first active one")
+    gid_index: int = key(_WIRE.gid_index, "index", "GID table index of the RDMA port (RoCE v2 is usually 1)",
+                         _wire("gid_index"))
+    slots: int = key(64, "count", "preposted control slots per connection (requests in flight per connection)",
+                     between(1, 4096))
+    tcp_congestion: str = key(_WIRE.tcp_congestion, "name", "TCP congestion control of every connection (\"\": the "
+                              "system's); cubic, because BBR paces each flow itself and sends a large payload in "
+                              "many small pieces")
+    rdma_windows: bool = key(_WIRE.rdma_windows, "bool", "verbs: a type-2 memory window per request, so a peer "
+                             "reaches only the range it was granted (false, or a device without them: the region's "
+                             "rkey reaches all of it)")
+    verbs_inline: int = key(_WIRE.verbs_inline, "bytes", "verbs: a WRITE payload this small goes in its header's "
+                            "SEND, saving the READ round trip (0: off)", _wire("verbs_inline"))
+    verbs_spin_us: int = key(_WIRE.verbs_spin_us, "us", "verbs: busy-poll the completion queue this long after the "
+                             "last completion (0: off; spinning takes CPU a software device such as rxe needs)",
+                             _wire("verbs_spin_us"))
+    verbs_unsignaled: bool = key(_WIRE.verbs_unsignaled, "bool", "verbs: no completions for header SENDs and window "
+                                 "binds (may pay on hardware)")
+    verbs_post_thread_min: int = key(_WIRE.verbs_post_thread_min, "bytes", "verbs: one-sided ops this large are "
+                                     "posted from a thread without the GIL (software devices move the bytes inside "
+                                     "the post); -1: 64 KiB on software devices, never on hardware; 0: never",
+                                     _wire("verbs_post_thread_min"))
+    verbs_posters: int = key(_WIRE.verbs_posters, "count", "threads posting those ops", _wire("verbs_posters"))
+    trace: str = key(_WIRE.trace, "path", "directory where each request's step times go at exit (wire/trace.py, "
+                     "bench/write_timeline.py); empty: off")
+
+
+@dataclasses.dataclass
+class MemoryConfig:
+    """the registered pool, and how much of it and how long a request and a connection may hold"""
+    pool_mib: int = key(256, "MiB", "registered memory pool (buddy allocator) for request payloads",
+                        between(1, 65536))
+    max_block_kib: int = key(4096, "KiB", "largest pool block, so the largest single request payload", (
+        power_of_two(4, 65536),
+        rule(lambda v, cfg: (cfg.pool_mib * 1024) % v == 0,
+             lambda cfg: f"pool_mib ({cfg.pool_mib} MiB) must be a multiple of the max block")))
+    pool_wait: float = key(10.0, "seconds", "how long a request may wait for pool memory before POOL_BUSY",
+                           positive())
+    conn_pool_share: float = key(0.5, "fraction", "most of the pool one connection may hold (BUSY beyond; fair "
+                                 "share when short)", fraction())
+    conn_fetch_mib: int = key(32, "MiB", "pool one connection's requests may hold awaiting their payload READs at "
+                              "once (BUSY beyond)",
+                              rule(lambda v, cfg: v << 20 >= cfg.max_block_kib << 10,
+                                   lambda cfg: f"must hold at least one max block ({cfg.max_block_kib} KiB)"))
+    fetch_pool_share: float = key(0.5, "fraction", "most of the pool all connections together may hold awaiting "
+                                  "payload READs (BUSY beyond; an equal share each when more than half is taken): "
+                                  "the rest stays for reads, answers and forwards", fraction())
+    payload_timeout: float = key(5.0, "seconds", "how long a client may take to serve the one-sided READ of its "
+                                 "WRITE's payload (or a request body): beyond, the request fails PAYLOAD_TIMEOUT, "
+                                 "its pool block is freed and its connection dropped (a node's forwards: "
+                                 "peer_timeout)", positive())
+    peer_timeout: float = key(10.0, "seconds", "how long a peer may take to serve a one-sided op before its request "
+                              "fails and its connection is dropped", positive())
+
+
+@dataclasses.dataclass
+class StoreConfig:
+    """the extent store (datanode/store/): durability, opening, the disk"""
+    sync: SyncMode = key(SyncMode.ALWAYS, "|".join(SyncMode),
+                         "always: fdatasync before every ack; none: page cache only (survives a killed "
+                         "process, not a power cut)")
+    open_verify: str = key("tail", "tail|full", "at start, CRC-check only each extent's tail (scrub checks the rest "
+                           "soon after) or every block before serving", one_of("tail", "full"))
+    one_flush: bool = key(True, "bool", "a durable flush takes one fdatasync where that is safe (sync_file_range "
+                          "first); false: always two, data then CRCs")
+    free_step_bytes: int = key(8 << 20, "bytes", "a deleted extent or a big truncate is freed this much per fsync, "
+                               "so a disk mounted with online discard does not stall its other writers (0: at once)",
+                               at_least(0, "must be >= 0 bytes (0: off)"))
+    prefill_bytes: int = key(256 << 10, "bytes", "sync=always: a small append zero-fills the data file this far "
+                             "ahead, so the appends after it do not grow the file (0: off)",
+                             at_least(0, "must be >= 0 bytes (0: off)"))
+    direct_reads: bool = key(True, "bool", "big aligned reads of bytes not in the page cache use O_DIRECT (false: "
+                             "the page cache)")
+    direct_writes: bool = key(True, "bool", "big aligned appends use O_DIRECT (false: the page cache)")
+    lean_appends: bool = key(True, "bool", "which path serves a plain inline append on TCP -- a client's to a "
+                             "partition whose only replica is this node, a leader's forward to a follower here: "
+                             "true, the connection's data-plane thread (CRC, pwrite, a flush shared with the "
+                             "appends queued meanwhile; datanode/ops/lean.py); false, the WRITE handler's task like "
+                             "every other append")
+
+
+@dataclasses.dataclass
+class ReplicationConfig:
+    """replication: a leader's forwards to its followers"""
+    replica_timeout: float = key(5.0, "seconds", "how long a leader waits for a follower's ack before failing the "
+                                 "write", positive("must be > 0 seconds"))
+
+
+@dataclasses.dataclass
+class RepairConfig:
+    """replica health, repair and scrub (datanode/health.py, repair.py, scrub.py)"""
+    heartbeat_s: float = key(1.0, "seconds", "how often a leader probes each follower", positive())
+    repair_interval_s: float = key(60.0, "seconds", "a full repair pass (sizes and block CRCs) at least this often",
+                                   positive())
+    repair_mib_s: float = key(64.0, "MiB/s", "repair bandwidth cap per node (0: unlimited)",
+                              at_least(0, "must be >= 0 (0: unlimited / off)"))
+    repair_chunk_kib: int = key(1024, "KiB", "bytes moved per repair write (one extent-lane turn each)",
+                                power_of_two(4, 65536, "capped at max_block_kib"))
+    scrub_interval_s: float = key(3600.0, "seconds", "background scrub pass this often (0: only on demand)",
+                                  at_least(0, "must be >= 0 (0: unlimited / off)"))
+    scrub_mib_s: float = key(32.0, "MiB/s", "scrub read rate cap per node (0: unlimited)",
+                             at_least(0, "must be >= 0 (0: unlimited / off)"))
+
+
+@dataclasses.dataclass
+class TrustConfig:
+    """trust boundaries: the cluster secret and TLS (docs/security.md)"""
+    secret_file: str = key("", "path", "the cluster secret (datanode gen-secret); empty: no authentication, peers "
+                           "on this host only (unless insecure), warned at start",
+                           a_file("no such file (make one with: datanode gen-secret > FILE)"), env=False)
+    insecure: bool = key(False, "bool", "without secret_file: also take peers from other hosts, unauthenticated -- "
+                         "anyone who reaches the port can then read, write and delete (false: loopback peers only)")
+    auth_transition: bool = key(False, "bool", "while switching a running cluster to secret_file: also take peers "
+                                "without the secret (loopback only unless insecure) and talk to nodes without one; "
+                                "turn it off once every node and client has the secret (docs/security.md)",
+                                rule(lambda v, cfg: not v or bool(cfg.secret_file),
+                                     "is for switching to a secret: set secret_file too"))
+    tls_cert: str = key("", "path", "PEM certificate (chain) presented to TLS clients; names the node's listen "
+                        "IP/host", (with_key("tls_key", "tls_cert and tls_key go together"), a_file()))
+    tls_key: str = key("", "path", "the certificate's private key (PEM)",
+                       (with_key("tls_cert", "tls_cert and tls_key go together"), a_file()))
+    tls_ca: str = key("", "path", "CA bundle to verify other nodes' certificates; set: node-to-node links use TLS",
+                      a_file(), env=False)
+    tls_required: bool = key(False, "bool", "refuse plaintext connections (clients must dial with TLS)",
+                             rule(lambda v, cfg: not v or bool(cfg.tls_cert), "needs tls_cert and tls_key"))
+
+
+@dataclasses.dataclass
+class AdmissionConfig:
+    """admission: which connections and requests the node takes, and how many (docs/security.md)"""
+    hello_timeout: float = key(5.0, "seconds", "how long a new connection may take to complete its "
+                               "(authenticated) hello", positive())
+    preauth_max: int = key(64, "count", "connections still in their hello at once, all hosts (0: no limit); at the "
+                           "limit a new one from a quieter address takes the place of the oldest of the busiest "
+                           "address", at_least(0, "must be >= 0 (0: no limit)"))
+    preauth_per_host: int = key(8, "count", "connections still in their hello from one address; a new one takes the "
+                                "place of the oldest that has not sent its whole hello, else of the oldest (0: no "
+                                "limit)", at_least(0, "must be >= 0 (0: no limit)"))
+    preauth_early_drop: int = key(32, "count", "from this many connections in their hello, a new one from an "
+                                  "address that has one pending is dropped at random, 30% rising to 100% at "
+                                  "preauth_max (sshd's MaxStartups)", (
+                                      at_least(0, "must be >= 0 (0: no limit)"),
+                                      rule(lambda v, cfg: not cfg.preauth_max or 0 < v <= cfg.preauth_max,
+                                           lambda cfg: f"must be between 1 and preauth_max ({cfg.preauth_max})")))
+    max_connections: int = key(1024, "count", "connections past their hello at once; a new one takes the place of "
+                               "the least recently active idle client connection, or is refused with 'too many "
+                               "connections' (those in their hello count against preauth_max instead)",
+                               at_least(1, "must be >= 1"))
+    reserved_connections: int = key(32, "count", "of max_connections, this many are kept for datanodes (role node) "
+                                    "and admins: client-role connections are refused beyond max_connections minus "
+                                    "these (at most half of max_connections is kept), so clients cannot lock "
+                                    "replication and admins out",
+                                    at_least(0, "must be >= 0 (0: none kept for nodes and admins)"))
+    max_connections_per_host: int = key(0, "count", "client-role connections from one host at once; more are "
+                                        "refused with 'too many connections' (0: no per-host limit; mind NAT and "
+                                        "loopback)", at_least(0, "must be >= 0 (0: no per-host limit)"))
+    idle_timeout_s: float = key(600.0, "seconds", "a connection with nothing in flight this long is closed (0: "
+                                "never)", at_least(0, "must be >= 0 seconds (0: never)"))
+    idle_max: int = key(128, "count", "idle client connections (nothing in flight) kept at once; beyond, the least "
+                        "recently active are closed (0: no limit)", at_least(0, "must be >= 0 (0: no limit)"))
+    idle_per_host: int = key(32, "count", "idle client connections kept from one host; beyond, its least recently "
+                             "active are closed (0: no limit)", at_least(0, "must be >= 0 (0: no limit)"))
+    max_inflight: int = key(0, "count", "requests one connection may have in flight; more are answered BUSY at once "
+                            "(0: the same as slots)", at_least(0, "must be >= 0 (0: the same as slots)"))
+    penalty_max_s: float = key(2.0, "seconds", "after a peer is dropped for abuse (payload not served, answers not "
+                               "read, slots overrun), new connections of its host and role (a node: its identity) "
+                               "wait 0.05s after their hello, doubling per offence up to this (0: never)",
+                               at_least(0, "must be >= 0 seconds (0: no penalty)"))
+
+
+@dataclasses.dataclass
+class ClusterConfig:
+    """the cluster map in etcd (wire/etcdmap.py), this node's registration, its drain; empty etcd: no etcd,
+    the map is what admins set"""
+    etcd: str = key("", "URL,URL...", "etcd endpoints holding the cluster map (empty: no etcd; views set by admins)",
+                    _parsed(_etcd_urls))
+    etcd_prefix: str = key("/datanode", "key", "prefix of every etcd key of this cluster",
+                           rule(lambda v, _: v.startswith("/") and v.strip("/") != "",
+                                "must be an absolute key prefix such as /datanode"))
+    etcd_credentials: str = key("", "path", "file holding USER:PASSWORD of this node's etcd user (role datanode; "
+                                "dnctl cluster up makes DIR/etcd-auth/datanode); empty: etcd has no authentication",
+                                _parsed(_etcd_user), env=False)
+    etcd_ca: str = key("", "path", "CA bundle (PEM) to check the etcd members' certificates with (https:// URLs)",
+                       a_file(), env=False)
+    etcd_cert: str = key("", "path", "client certificate (PEM) presented to etcd members that require one",
+                         (with_key("etcd_key", "etcd_cert and etcd_key go together"), a_file()), env=False)
+    etcd_key: str = key("", "path", "the client certificate's private key (PEM)",
+                        (with_key("etcd_cert", "etcd_cert and etcd_key go together"), a_file()), env=False)
+    lease_ttl_s: int = key(3, "seconds", "registration lease in etcd: a dead node is noticed this long after it "
+                           "dies", between(2, 3600, "seconds", "etcd's smallest lease is about 2 s"))
+    zone: str = key("default", "label", "failure domain: the manager spreads replicas across zones",
+                    rule(lambda v, _: bool(v) and "/" not in v, "must be a non-empty label without '/'"))
+    drain_timeout_s: float = key(30.0, "seconds", "SIGTERM or `dnctl node drain`: how long the node waits for the "
+                                 "manager to move its partitions to other replicas and for its requests to finish "
+                                 "before it stops anyway (saying what was left)", between(1, 3600, "seconds"))
+
+
+@dataclasses.dataclass
+class MetricsConfig:
+    """metrics"""
+    metrics_listen: str = key("", "HOST:PORT", "where Prometheus /metrics is served (empty: off)",
+                              host_port("expected HOST:PORT (e.g. 127.0.0.1:9310), or empty for no metrics",
+                                        empty_ok=True))
+
+
+S = TypeVar("S")
+SECTIONS = (NodeConfig, TransportConfig, MemoryConfig, StoreConfig, ReplicationConfig, RepairConfig, TrustConfig,
+            AdmissionConfig, ClusterConfig, MetricsConfig)
+
+
+# A dataclass lists its bases' fields from the last base to the first: SECTIONS' order, reversed.
+@dataclasses.dataclass
+class Config(MetricsConfig, ClusterConfig, AdmissionConfig, TrustConfig, RepairConfig, ReplicationConfig,
+             StoreConfig, MemoryConfig, TransportConfig, NodeConfig):
+    """Every key of every section: what node.toml sets."""
+
+    # where each key's value came from (``load`` notes it; print-config shows it); not a key itself
+    origin: ClassVar[Mapping[str, str]] = MappingProxyType({})
+
+
+def section(cfg: Config, cls: type[S]) -> S:
+    """``cfg``'s keys of section ``cls``, as that section alone: what a component that needs no other is given."""
+    return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)})
+
+
+def sections() -> Iterator[tuple[type, list[dataclasses.Field]]]:
+    """Each section and its keys, in order."""
+    for s in SECTIONS:
+        yield s, [f for f in dataclasses.fields(s)]
+
+
+def _info(f: dataclasses.Field) -> KeyInfo:
+    return f.metadata["key"]
+
+
 def _check(cfg: Config) -> Config:
     def bad(key, why):
         src = cfg.origin.get(key, "")
         raise ConfigError(f"config key '{key}': {why} (got {getattr(cfg, key)!r}"
                           + (f", from {src})" if src.startswith("env") else ")"))
 
-    host, sep, port = cfg.listen.rpartition(":")
-    if not sep or not host or not port.isdigit() or not (0 <= int(port) <= 65535):
-        bad("listen", "expected HOST:PORT, e.g. 127.0.0.1:17310")
-    if not cfg.data_dir:
-        bad("data_dir", "must be a directory path")
-    if cfg.metrics_listen:
-        mh, msep, mport = cfg.metrics_listen.rpartition(":")
-        if not msep or not mh or not mport.isdigit() or not (0 <= int(mport) <= 65535):
-            bad("metrics_listen", "expected HOST:PORT (e.g. 127.0.0.1:9310), or empty for no metrics")
-    if not (1 <= cfg.pool_mib <= 64 * 1024):
-        bad("pool_mib", "must be between 1 and 65536")
-    kib = cfg.max_block_kib
-    if kib < 4 or kib & (kib - 1) or kib * 1024 > 64 << 20:
-        bad("max_block_kib", "must be a power of two between 4 and 65536")
-    if (cfg.pool_mib * 1024) % kib:
-        bad("max_block_kib", f"pool_mib ({cfg.pool_mib} MiB) must be a multiple of the max block")
-    for key, kind in (("sync", SyncMode), ("transport", TransportChoice)):
-        try:
-            setattr(cfg, key, kind(getattr(cfg, key)))
-        except ValueError:
-            bad(key, "must be " + " or ".join(f"'{m.value}'" for m in kind))
-    try:
-        transport_options(cfg)
-    except OptionError as e:
-        bad(e.key, e.why)
-    if cfg.replica_timeout <= 0:
-        bad("replica_timeout", "must be > 0 seconds")
-    if cfg.secret_file and not pathlib.Path(cfg.secret_file).is_file():
-        bad("secret_file", "no such file (make one with: datanode gen-secret > FILE)")
-    if cfg.hello_timeout <= 0 or cfg.max_connections < 1 or cfg.idle_timeout_s < 0:
-        bad("hello_timeout" if cfg.hello_timeout <= 0 else "max_connections" if cfg.max_connections < 1
-            else "idle_timeout_s", "must be > 0 (idle_timeout_s: >= 0, 0 = never)")
-    if bool(cfg.tls_cert) != bool(cfg.tls_key):
-        bad("tls_cert" if not cfg.tls_cert else "tls_key", "tls_cert and tls_key go together")
-    for key in ("tls_cert", "tls_key", "tls_ca", "etcd_ca", "etcd_cert", "etcd_key"):
-        if getattr(cfg, key) and not pathlib.Path(getattr(cfg, key)).is_file():
-            bad(key, "no such file")
-    if cfg.tls_required and not cfg.tls_cert:
-        bad("tls_required", "needs tls_cert and tls_key")
-    for key in ("preauth_max", "preauth_per_host", "preauth_early_drop", "idle_max", "idle_per_host"):
-        if getattr(cfg, key) < 0:
-            bad(key, "must be >= 0 (0: no limit)")
-    if cfg.preauth_max and not 0 < cfg.preauth_early_drop <= cfg.preauth_max:
-        bad("preauth_early_drop", f"must be between 1 and preauth_max ({cfg.preauth_max})")
-    if cfg.auth_transition and not cfg.secret_file:
-        bad("auth_transition", "is for switching to a secret: set secret_file too")
-    if cfg.reserved_connections < 0:
-        bad("reserved_connections", "must be >= 0 (0: none kept for nodes and admins)")
-    if cfg.max_connections_per_host < 0:
-        bad("max_connections_per_host", "must be >= 0 (0: no per-host limit)")
-    if cfg.penalty_max_s < 0:
-        bad("penalty_max_s", "must be >= 0 seconds (0: no penalty)")
-    if cfg.max_inflight < 0:
-        bad("max_inflight", "must be >= 0 (0: the same as slots)")
-    if not 0 < cfg.conn_pool_share <= 1:
-        bad("conn_pool_share", "must be in (0, 1]")
-    if not 0 < cfg.fetch_pool_share <= 1:
-        bad("fetch_pool_share", "must be in (0, 1]")
-    if cfg.conn_fetch_mib << 20 < cfg.max_block_kib << 10:
-        bad("conn_fetch_mib", f"must hold at least one max block ({cfg.max_block_kib} KiB)")
-    if cfg.trash_retention_s < 0:
-        bad("trash_retention_s", "must be >= 0 seconds (0: purge at once)")
-    for key in ("pool_wait", "peer_timeout", "payload_timeout"):
-        if getattr(cfg, key) <= 0:
-            bad(key, "must be > 0 seconds")
-    if not (1 <= cfg.slots <= 4096):
-        bad("slots", "must be between 1 and 4096")
-    for key in ("heartbeat_s", "repair_interval_s"):
-        if getattr(cfg, key) <= 0:
-            bad(key, "must be > 0 seconds")
-    for key in ("repair_mib_s", "scrub_mib_s", "scrub_interval_s"):
-        if getattr(cfg, key) < 0:
-            bad(key, "must be >= 0 (0: unlimited / off)")
-    rk = cfg.repair_chunk_kib
-    if rk < 4 or rk & (rk - 1) or rk > 65536:
-        bad("repair_chunk_kib", "must be a power of two between 4 and 65536 (capped at max_block_kib)")
-    for key in ("free_step_bytes", "prefill_bytes"):
-        if getattr(cfg, key) < 0:
-            bad(key, "must be >= 0 bytes (0: off)")
-    if cfg.open_verify not in ("tail", "full"):
-        bad("open_verify", "must be 'tail' or 'full'")
-    if cfg.etcd:
-        from wire.etcdmap import parse_urls
-        try:
-            parse_urls(cfg.etcd)
-        except ValueError as e:
-            bad("etcd", str(e))
-    if cfg.etcd_credentials:
-        from wire.etcdmap import EtcdAccess
-        try:
-            EtcdAccess.load(cfg.etcd_credentials)
-        except ValueError as e:
-            bad("etcd_credentials", str(e))
-    if bool(cfg.etcd_cert) != bool(cfg.etcd_key):
-        bad("etcd_cert" if not cfg.etcd_cert else "etcd_key", "etcd_cert and etcd_key go together")
-    if not cfg.etcd_prefix.startswith("/") or cfg.etcd_prefix.strip("/") == "":
-        bad("etcd_prefix", "must be an absolute key prefix such as /datanode")
-    if not (2 <= cfg.lease_ttl_s <= 3600):
-        bad("lease_ttl_s", "must be between 2 and 3600 seconds (etcd's smallest lease is about 2 s)")
-    if not 1 <= cfg.drain_timeout_s <= 3600:
-        bad("drain_timeout_s", "must be between 1 and 3600 seconds")
-    if not cfg.zone or "/" in cfg.zone:
-        bad("zone", "must be a non-empty label without '/'")
-    if cfg.cpu_sched not in ("batch", "normal"):
-        bad("cpu_sched", "must be 'batch' or 'normal'")
-    if cfg.log_level.lower() not in ("debug", "info", "warning", "error"):
-        bad("log_level", "must be debug, info, warning or error")
+    for f in dataclasses.fields(Config):
+        kind = _ENUMS.get(f.type)
+        if kind is not None:
+            try:
+                setattr(cfg, f.name, kind(getattr(cfg, f.name)))
+            except ValueError:
+                bad(f.name, "must be " + " or ".join(f"'{m.value}'" for m in kind))
+        for check in _info(f).checks:
+            why = check(getattr(cfg, f.name), cfg)
+            if why is not None:
+                bad(f.name, why)
     return cfg
-
-
-# Every key's unit and one-line meaning: `datanode print-config` prints them beside the values.
-KEY_HELP: dict[str, tuple[str, str]] = {
-    "listen": ("HOST:PORT", "address the node serves on; also its name in partitions' replica lists"),
-    "data_dir": ("path", "directory holding the partitions (created if missing)"),
-    "pool_mib": ("MiB", "registered memory pool (buddy allocator) for request payloads"),
-    "max_block_kib": ("KiB", "largest pool block, so the largest single request payload"),
-    "sync": ("|".join(SyncMode), "always: fdatasync before every ack; none: page cache only (not durable)"),
-    "transport": ("|".join(TransportChoice), "data path; auto uses RDMA verbs if a device works, else TCP"),
-    "rdma_device": ("name", "RDMA device, e.g. rxe0; empty: the first active one"),
-    "gid_index": ("index", "GID table index of the RDMA port (RoCE v2 is usually 1)"),
-    "tcp_congestion": ("name", "TCP congestion control of every connection (\"\": the system's); cubic, because BBR "
-                               "paces each flow itself and sends a large payload in many small pieces"),
-    "rdma_windows": ("bool", "verbs: a type-2 memory window per request, so a peer reaches only the range it was "
-                             "granted (false, or a device without them: the region's rkey reaches all of it)"),
-    "verbs_inline": ("bytes", "verbs: a WRITE payload this small goes in its header's SEND, saving the READ "
-                              "round trip (0: off)"),
-    "verbs_spin_us": ("us", "verbs: busy-poll the completion queue this long after the last completion (0: off; "
-                            "spinning takes CPU a software device such as rxe needs)"),
-    "verbs_unsignaled": ("bool", "verbs: no completions for header SENDs and window binds (may pay on hardware)"),
-    "verbs_post_thread_min": ("bytes", "verbs: one-sided ops this large are posted from a thread without the GIL "
-                                       "(software devices move the bytes inside the post); -1: 64 KiB on "
-                                       "software devices, never on hardware; 0: never"),
-    "verbs_posters": ("count", "threads posting those ops"),
-    "trace": ("path", "directory where each request's step times go at exit (wire/trace.py, "
-                      "bench/write_timeline.py); empty: off"),
-    "replica_timeout": ("seconds", "how long a leader waits for a follower's ack before failing the write"),
-    "pool_wait": ("seconds", "how long a request may wait for pool memory before POOL_BUSY"),
-    "peer_timeout": ("seconds", "how long a peer may take to serve a one-sided op before its request fails "
-                                "and its connection is dropped"),
-    "metrics_listen": ("HOST:PORT", "where Prometheus /metrics is served (empty: off)"),
-    "etcd": ("URL,URL...", "etcd endpoints holding the cluster map (empty: no etcd; views set by admins)"),
-    "etcd_prefix": ("key", "prefix of every etcd key of this cluster"),
-    "etcd_credentials": ("path", "file holding USER:PASSWORD of this node's etcd user (role datanode; dnctl "
-                                 "cluster up makes DIR/etcd-auth/datanode); empty: etcd has no authentication"),
-    "etcd_ca": ("path", "CA bundle (PEM) to check the etcd members' certificates with (https:// URLs)"),
-    "etcd_cert": ("path", "client certificate (PEM) presented to etcd members that require one"),
-    "etcd_key": ("path", "the client certificate's private key (PEM)"),
-    "lease_ttl_s": ("seconds", "registration lease in etcd: a dead node is noticed this long after it dies"),
-    "zone": ("label", "failure domain: the manager spreads replicas across zones"),
-    "drain_timeout_s": ("seconds", "SIGTERM or `dnctl node drain`: how long the node waits for the manager to move "
-                                   "its partitions to other replicas and for its requests to finish before it "
-                                   "stops anyway (saying what was left)"),
-    "open_verify": ("tail|full", "at start, CRC-check only each extent's tail (scrub checks the rest soon "
-                                 "after) or every block before serving"),
-    "one_flush": ("bool", "a durable flush takes one fdatasync where that is safe (sync_file_range first); "
-                          "false: always two, data then CRCs"),
-    "free_step_bytes": ("bytes", "a deleted extent or a big truncate is freed this much per fsync, so a disk "
-                                 "mounted with online discard does not stall its other writers (0: at once)"),
-    "prefill_bytes": ("bytes", "sync=always: a small append zero-fills the data file this far ahead, so the "
-                               "appends after it do not grow the file (0: off)"),
-    "lean_appends": ("bool", "which path serves a plain inline append on TCP -- a client's to a partition whose "
-                             "only replica is this node, a leader's forward to a follower here: true, the "
-                             "connection's data-plane thread (CRC, pwrite, a flush shared with the appends "
-                             "queued meanwhile; datanode/ops/lean.py); false, the WRITE handler's task like "
-                             "every other append"),
-    "direct_reads": ("bool", "big aligned reads of bytes not in the page cache use O_DIRECT (false: the page cache)"),
-    "direct_writes": ("bool", "big aligned appends use O_DIRECT (false: the page cache)"),
-    "slots": ("count", "preposted control slots per connection (requests in flight per connection)"),
-    "log_level": ("level", "debug, info, warning or error"),
-    "cpu_sched": ("batch|normal", "Linux CPU scheduling policy of the node's threads; batch (SCHED_BATCH): a "
-                                  "woken node does not preempt a running process, so under load each wake-up "
-                                  "serves more requests"),
-    "heartbeat_s": ("seconds", "how often a leader probes each follower"),
-    "repair_interval_s": ("seconds", "a full repair pass (sizes and block CRCs) at least this often"),
-    "repair_mib_s": ("MiB/s", "repair bandwidth cap per node (0: unlimited)"),
-    "repair_chunk_kib": ("KiB", "bytes moved per repair write (one extent-lane turn each)"),
-    "scrub_interval_s": ("seconds", "background scrub pass this often (0: only on demand)"),
-    "scrub_mib_s": ("MiB/s", "scrub read rate cap per node (0: unlimited)"),
-    "secret_file": ("path", "the cluster secret (datanode gen-secret); empty: no authentication, peers on this "
-                            "host only (unless insecure), warned at start"),
-    "insecure": ("bool", "without secret_file: also take peers from other hosts, unauthenticated -- anyone who "
-                         "reaches the port can then read, write and delete (false: loopback peers only)"),
-    "auth_transition": ("bool", "while switching a running cluster to secret_file: also take peers without the "
-                                "secret (loopback only unless insecure) and talk to nodes without one; turn it off "
-                                "once every node and client has the secret (docs/security.md)"),
-    "hello_timeout": ("seconds", "how long a new connection may take to complete its (authenticated) hello"),
-    "preauth_max": ("count", "connections still in their hello at once, all hosts (0: no limit); at the limit a "
-                             "new one from a quieter address takes the place of the oldest of the busiest address"),
-    "preauth_per_host": ("count", "connections still in their hello from one address; a new one takes the "
-                                  "place of the oldest that has not sent its whole hello, else of the oldest "
-                                  "(0: no limit)"),
-    "preauth_early_drop": ("count", "from this many connections in their hello, a new one from an address that "
-                                    "has one pending is dropped at random, 30% rising to 100% at preauth_max "
-                                    "(sshd's MaxStartups)"),
-    "idle_max": ("count", "idle client connections (nothing in flight) kept at once; beyond, the least recently "
-                          "active are closed (0: no limit)"),
-    "idle_per_host": ("count", "idle client connections kept from one host; beyond, its least recently active are "
-                               "closed (0: no limit)"),
-    "max_connections": ("count", "connections past their hello at once; a new one takes the place of the least "
-                                 "recently active idle client connection, or is refused with 'too many "
-                                 "connections' (those in their hello count against preauth_max instead)"),
-    "reserved_connections": ("count", "of max_connections, this many are kept for datanodes (role node) and admins: "
-                                      "client-role connections are refused beyond max_connections minus these (at "
-                                      "most half of max_connections is kept), so clients cannot lock replication "
-                                      "and admins out"),
-    "max_connections_per_host": ("count", "client-role connections from one host at once; more are refused with "
-                                          "'too many connections' (0: no per-host limit; mind NAT and loopback)"),
-    "idle_timeout_s": ("seconds", "a connection with nothing in flight this long is closed (0: never)"),
-    "conn_pool_share": ("fraction", "most of the pool one connection may hold (BUSY beyond; fair share when short)"),
-    "payload_timeout": ("seconds", "how long a client may take to serve the one-sided READ of its WRITE's payload "
-                                   "(or a request body): beyond, the request fails PAYLOAD_TIMEOUT, its pool block "
-                                   "is freed and its connection dropped (a node's forwards: peer_timeout)"),
-    "conn_fetch_mib": ("MiB", "pool one connection's requests may hold awaiting their payload READs at once "
-                              "(BUSY beyond)"),
-    "fetch_pool_share": ("fraction", "most of the pool all connections together may hold awaiting payload READs "
-                                     "(BUSY beyond; an equal share each when more than half is taken): the rest "
-                                     "stays for reads, answers and forwards"),
-    "max_inflight": ("count", "requests one connection may have in flight; more are answered BUSY at once "
-                              "(0: the same as slots)"),
-    "penalty_max_s": ("seconds", "after a peer is dropped for abuse (payload not served, answers not read, "
-                                 "slots overrun), new connections of its host and role (a node: its identity) wait "
-                                 "0.05s after their hello, doubling per offence up to this (0: never)"),
-    "trash_retention_s": ("seconds", "a deleted or removed partition's data stays in data_dir/trash this long"),
-    "audit_log": ("path", "admin actions as JSON lines (empty: data_dir/audit.log)"),
-    "tls_cert": ("path", "PEM certificate (chain) presented to TLS clients; names the node's listen IP/host"),
-    "tls_key": ("path", "the certificate's private key (PEM)"),
-    "tls_ca": ("path", "CA bundle to verify other nodes' certificates; set: node-to-node links use TLS"),
-    "tls_required": ("bool", "refuse plaintext connections (clients must dial with TLS)"),
-}
 
 
 def check_host(cfg: Config) -> Config:
@@ -401,12 +465,12 @@ def _mem_available() -> int | None:
     return None
 
 
-def transport_options(cfg: Config) -> TransportOptions:
+def transport_options(cfg: TransportConfig) -> TransportOptions:
     """The node's connection settings for ``connect.make_domain``: Config has a key for each field."""
     return TransportOptions(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(TransportOptions)})
 
 
-def etcd_access(cfg: Config):
+def etcd_access(cfg: ClusterConfig):
     """The node's etcd user and client TLS (``wire.etcdmap.EtcdAccess``) from its etcd_* keys."""
     from wire.etcdmap import EtcdAccess
     return EtcdAccess.load(cfg.etcd_credentials, cfg.etcd_ca, cfg.etcd_cert, cfg.etcd_key)
@@ -447,8 +511,7 @@ def load(path: str | pathlib.Path | None, environ: Mapping[str, str] | None = No
             raise ConfigError(f"config file {p}: {e}") from None
     origin = dict.fromkeys(d, f"file {path}")
     try:
-        env = env_values({f.name: f.type for f in dataclasses.fields(Config) if f.name not in _NOT_FROM_ENV},
-                         environ or {})
+        env = env_values({f.name: f.type for f in dataclasses.fields(Config) if _info(f).env}, environ or {})
     except ValueError as e:
         raise ConfigError(f"environment: {e}") from None
     given = {k: v for k, v in overrides.items() if v is not None}
@@ -457,17 +520,67 @@ def load(path: str | pathlib.Path | None, environ: Mapping[str, str] | None = No
     return from_dict({**d, **env, **given}, str(path or "config"), origin)
 
 
+def _toml_value(v) -> str:
+    return f'"{v}"' if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def _title(section: type) -> str:
+    return " ".join((section.__doc__ or "").split())
+
+
 def to_toml(cfg: Config, annotate: bool = False) -> str:
-    """The config as TOML; with ``annotate`` each key is followed by a comment: its unit, where its value came
-    from (default, file, env, command line) and its meaning."""
+    """The config as TOML; with ``annotate`` each section opens with a comment saying what it tunes, and each
+    key is followed by a comment: its unit, where its value came from (default, file, env, command line) and
+    its meaning."""
     lines = []
-    for f in dataclasses.fields(Config):
-        v = getattr(cfg, f.name)
-        line = (f'{f.name} = "{v}"' if isinstance(v, str) else f"{f.name} = {str(v).lower()}"
-                if isinstance(v, bool) else f"{f.name} = {v}")
+    for section, fields in sections():
         if annotate:
-            unit, text = KEY_HELP.get(f.name, ("", ""))
-            text = f"({cfg.origin.get(f.name, 'default')}) {text}"
-            line = f"{line:30} # [{unit}] {text}" if unit else line
-        lines.append(line)
+            lines += [""] if lines else []
+            lines.append(f"# -- {_title(section)} --")
+        for f in fields:
+            line = f"{f.name} = {_toml_value(getattr(cfg, f.name))}"
+            if annotate:
+                info = _info(f)
+                line = f"{line:30} # [{info.unit}] ({cfg.origin.get(f.name, 'default')}) {info.help}"
+            lines.append(line)
     return "\n".join(lines) + "\n"
+
+
+def markdown() -> str:
+    """The key table of docs/operations.md: per section, each key's default, unit and meaning."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+    out = []
+    for section, fields in sections():
+        out += [f"**{cell(_title(section))}** (`{section.__name__}`)", "",
+                "| key | default | unit | meaning |", "| --- | --- | --- | --- |"]
+        for f in fields:
+            info = _info(f)
+            default = _toml_value(f.default)
+            out.append(f"| `{f.name}` | `{cell(default)}` | {cell(info.unit)} | {cell(info.help)}"
+                       + ("" if info.env else " (not from the environment)") + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+DOCS_BEGIN = ("<!-- node.toml keys: made by `python -m datanode.config --markdown` "
+              "(tests/test_node_config.py checks) -->")
+DOCS_END = "<!-- end of node.toml keys -->"
+
+
+def with_table(doc: str) -> str:
+    """``doc`` (docs/operations.md) with the key table between its DOCS_BEGIN and DOCS_END lines made anew."""
+    begin, end = doc.index(DOCS_BEGIN) + len(DOCS_BEGIN) + 1, doc.index(DOCS_END)
+    return doc[:begin] + markdown() + doc[end:]
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    if args == ["--markdown"]:
+        print(markdown(), end="")
+    elif len(args) == 2 and args[0] == "--write":
+        path = pathlib.Path(args[1])
+        path.write_text(with_table(path.read_text()))
+    else:
+        sys.exit("usage: python -m datanode.config --markdown        print the node.toml key table\n"
+                 "       python -m datanode.config --write FILE.md   make it anew in FILE.md (docs/operations.md)")

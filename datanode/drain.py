@@ -25,12 +25,19 @@ in flight that step 2 waits for are the others.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from typing import TYPE_CHECKING, Awaitable, Callable, Iterable
 
 import trio
 
 from wire.etcdmap import EtcdError
+
+if TYPE_CHECKING:
+    from .config import ClusterConfig
+    from .etcdagent import EtcdAgent
+    from .partition import Partition
 
 log = logging.getLogger("datanode.server")
 POLL_S = 0.05             # how often the hand-off looks at the partitions still held (local state: cheap)
@@ -63,11 +70,25 @@ def why_held(pid: int, view) -> str:
             f"{','.join(view.synced) or 'none'}, {view.state}{'' if view.installed else ', being installed'}")
 
 
+@dataclasses.dataclass(frozen=True)
+class NodeControl:
+    """What the stop sequence sees of its node and may do to it."""
+    me: str                                          # the node's listen address
+    cfg: ClusterConfig                               # drain_timeout_s; etcd, for the advice it logs
+    parts: Callable[[], Iterable[Partition]]         # the partitions held here now
+    state: Callable[[], str]                         # starting | serving | ...
+    inflight: Callable[[], int]                      # requests in flight
+    drained: Callable[[], Awaitable[None]]           # returns once the answers in flight are sent
+    stop_taking: Callable[[], None]                  # refuse new requests from now on (RETRY)
+    agent: EtcdAgent | None                          # the cluster map in etcd, when configured
+    leave_etcd: Callable[[], Awaitable[str | None]]  # stop the agent; how leaving went (None: no etcd)
+
+
 class Drain:
     """The stop sequence of one node (``datanode.server.Node``)."""
 
-    def __init__(self, node):
-        self.node = node
+    def __init__(self, ctl: NodeControl):
+        self.ctl = ctl
         self.requested = trio.Event()        # set by the first signal or NODE_DRAIN
         self.hurry = trio.Event()            # set by a second one: skip what is left of the hand-off
         self.why = ""
@@ -96,7 +117,7 @@ class Drain:
             return None
         return {"phase": self.phase or "starting", "why": self.why, "seconds": round(time.time() - self.started, 2),
                 "handed_off": sorted(self.handed_off), "left": {str(k): v for k, v in sorted(self.left.items())},
-                "notes": list(self.notes), "inflight": self.node.wrap.inflight - self.waiting}
+                "notes": list(self.notes), "inflight": self.ctl.inflight() - self.waiting}
 
     async def report(self) -> dict:
         """The drain's outcome, once the node has stopped taking requests and left etcd."""
@@ -112,13 +133,13 @@ class Drain:
         log.warning("%s", text)
 
     async def run(self, accepting: trio.CancelScope) -> None:
-        node, cfg = self.node, self.node.cfg
+        ctl, cfg = self.ctl, self.ctl.cfg
         t0 = trio.current_time()
         deadline = t0 + cfg.drain_timeout_s
         log.info("%s: stopping (drain_timeout_s %g): handing off, then %d in-flight requests", self.why,
-                 cfg.drain_timeout_s, node.wrap.inflight)
+                 cfg.drain_timeout_s, ctl.inflight())
         self.phase = "handing off"
-        if node.state == "serving":
+        if ctl.state() == "serving":
             budget = cfg.drain_timeout_s - reserve(cfg.drain_timeout_s)
             with trio.move_on_at(t0 + budget) as handing:
                 await self._hand_off()
@@ -127,18 +148,18 @@ class Drain:
                            f"{reserve(cfg.drain_timeout_s):g}s for the requests in flight)")
             self._report_left()
         self.phase = "draining"
-        node.serving.draining = True
-        if node.agent is not None:
-            node.agent.copy.close()           # clients' long polls of the map answer now, not at their bound
+        ctl.stop_taking()
+        if ctl.agent is not None:
+            ctl.agent.copy.close()            # clients' long polls of the map answer now, not at their bound
         accepting.cancel()
         with trio.move_on_at(deadline) as waited:
-            while node.wrap.inflight > self.waiting:      # (the NODE_DRAINs waiting for the report wait on)
+            while ctl.inflight() > self.waiting:          # (the NODE_DRAINs waiting for the report wait on)
                 await trio.sleep(POLL_S / 5)
         if waited.cancelled_caught:
-            self._note(f"{node.wrap.inflight - self.waiting} request(s) still in flight after "
+            self._note(f"{ctl.inflight() - self.waiting} request(s) still in flight after "
                        f"{cfg.drain_timeout_s:g}s (drain_timeout_s): stopping anyway")
         self.phase = "leaving"
-        left = await node.leave_etcd()
+        left = await ctl.leave_etcd()
         if left:
             (log.info if left.startswith("left") else log.warning)("%s", left)
             if not left.startswith("left"):
@@ -148,19 +169,19 @@ class Drain:
                  len(self.handed_off), f", {len(self.left)} not" if self.left else "")
         self.finished.set()
         with trio.move_on_after(REPORT_S):
-            await node.wrap.drained()                     # the reports sent
+            await ctl.drained()                           # the reports sent
 
     # -- step 1 ----------------------------------------------------------------------------------------------
     async def _hand_off(self) -> None:
-        node = self.node
-        alone = sorted(p.pid for p in node.table.all() if len(p.replicas) == 1)
+        ctl = self.ctl
+        alone = sorted(p.pid for p in ctl.parts() if len(p.replicas) == 1)
         if alone:
             self._note(f"partition(s) {_ids(alone)} have no other replica: nobody serves them until this node "
                        f"is back")
-        held = {p.pid for p in still_held(node.table.all(), node.me)}
+        held = {p.pid for p in still_held(ctl.parts(), ctl.me)}
         if not held:
             return
-        agent = node.agent
+        agent = ctl.agent
         if agent is None:
             self._note(f"no cluster map (etcd is not configured): partition(s) {_ids(held)} not handed off; their "
                        f"writes stop until this node is back, unless an admin moves them first "
@@ -170,7 +191,7 @@ class Drain:
             manager = await agent.manager()
             if manager is None:
                 self._note(f"no active manager in etcd: partition(s) {_ids(held)} not handed off; their writes "
-                           f"wait for this node (start one: dnmanager --etcd {node.cfg.etcd})")
+                           f"wait for this node (start one: dnmanager --etcd {ctl.cfg.etcd})")
                 return
             await agent.request_handoff()
         except EtcdError as e:
@@ -179,7 +200,7 @@ class Drain:
         log.info("asked manager %s to move partition(s) %s to their other replicas", manager, _ids(held))
         looked = -1e9
         while True:
-            now_held = {p.pid for p in still_held(node.table.all(), node.me)}
+            now_held = {p.pid for p in still_held(ctl.parts(), ctl.me)}
             self.handed_off = sorted(held - now_held)
             if not now_held:
                 self.left = {}
@@ -199,17 +220,20 @@ class Drain:
         no manager is active any more, or the manager cannot move any of them (``movable``)."""
         et = agent.etcd
         try:
-            views = await et.parts()
+            # every entry is read, but only those of the partitions still here are checked and opened: the
+            # hand-off looks each VIEWS_S, and opening all of a thousand views each time cost more than the rest
+            kvs, _ = await et.get_prefix(et.parts_prefix)
+            keys = {et.part_key(pid) for pid in held}
+            views = {v.id: v for v in (et.open(k, val, rev) for k, val, rev in kvs if k in keys) if v is not None}
             manager = await agent.manager()
             kvs, _ = await et.get_prefix(et.key("handoff") + "/")
         except EtcdError as e:
             log.debug("hand-off progress: %s", e)
             return True
-        leaving = {k.rsplit("/", 1)[1] for k, _v, _r in kvs} | {self.node.me}
-        for pid in held:                  # a view our watch has not delivered yet (it drops our copy)
-            if pid in views:
-                await agent.apply(views[pid])
-        held = {p.pid for p in still_held(self.node.table.all(), self.node.me)}
+        leaving = {k.rsplit("/", 1)[1] for k, _v, _r in kvs} | {self.ctl.me}
+        # the views our watch has not delivered yet (they drop our copies): together, as the watch would
+        await agent.apply_many([views[pid] for pid in sorted(held) if pid in views])
+        held = {p.pid for p in still_held(self.ctl.parts(), self.ctl.me)}
         if not held:
             return True                   # (the caller sees it at once)
         self.left = {pid: why_held(pid, views.get(pid)) for pid in sorted(held)}

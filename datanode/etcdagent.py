@@ -8,13 +8,13 @@ when etcd is unreachable the node keeps serving the map it has:
   every TTL/3 and re-published when its partitions change.  A lost lease (the node was paused or cut off
   longer than the TTL) is replaced by a new one and the map is re-read before the node registers again.
 * **watch** of ``parts/``: a view with a higher epoch than the local one is installed when it names this node
-  (``Node.install_view``, the same path as ``PARTITION_UPDATE``) and the partition is dropped when it does
+  (``Views.install_view``, the same path as ``PARTITION_UPDATE``) and the partition is dropped when it does
   not (this node was replaced while it was away: its copy is stale); so is a copy at etcd's own epoch when
   neither view names this node (no node keeps a copy for a view without itself: ops/partitions.py).
   Partitions etcd does not know are left alone (a cluster run by hand, or not yet adopted by the manager).
   The views of one watch event batch (or of a re-read) that this node takes are installed together, with one
-  durable sync per ``MAX_VIEWS_PER_UPDATE`` (``Node.install_views``), and the copies they drop go to the
-  trash together (``Node.drop_partitions``): a failover or a hand-off moves hundreds at once.
+  durable sync per ``MAX_VIEWS_PER_UPDATE`` (``Views.install_views``), and the copies they drop go to the
+  trash together (``Views.drop_partitions``): a failover or a hand-off moves hundreds at once.
   Nothing read is obeyed unchecked (wire/mapcheck.py): a view must be well-formed, carry the manager's MAC
   when the node has a secret, move the epoch forward by a bounded step, and add only registered nodes;
   anything else is logged, counted (``datanode_etcd_invalid_values_total``) and ignored.
@@ -40,6 +40,7 @@ import logging
 import os
 import shutil
 import time
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -47,8 +48,13 @@ from wire.etcdmap import Etcd, EtcdError, Lease, PartView, open_channel
 from wire.limits import MAX_VIEWS_PER_UPDATE
 from wire.protocol import Role
 
-from .config import etcd_access
+from .config import ClusterConfig, etcd_access
 from .mapcopy import MapCopy
+
+if TYPE_CHECKING:
+    from wire.auth import Credentials
+
+    from .partition import PartitionTable, Views
 
 log = logging.getLogger(__name__)
 RESYNC_S = 30.0           # a safety net under the watch (which delivers every change at once)
@@ -62,10 +68,14 @@ REPUBLISH_BYTES_PER_S = 64 << 10
 
 
 class EtcdAgent:
-    def __init__(self, node):
-        self.node = node
-        cfg = node.cfg
-        creds = node.server_auth.creds           # the cluster secret: entries' MACs are made and checked with it
+    """``cfg``: the node's cluster section; ``me``: its listen address; ``transport`` and ``data_dir``: what it
+    registers (and whose disk); ``creds``: the cluster secret, with which entries' MACs are made and checked;
+    ``table``: the partitions held; ``views``: how the views read are installed and dropped."""
+
+    def __init__(self, cfg: ClusterConfig, *, me: str, transport: str, data_dir: str, creds: Credentials | None,
+                 table: PartitionTable, views: Views):
+        self.cfg, self.me, self.transport, self.data_dir = cfg, me, transport, data_dir
+        self.table, self.views = table, views
         self.etcd = Etcd(cfg.etcd, cfg.etcd_prefix, timeout=max(1.0, cfg.lease_ttl_s / 2), access=etcd_access(cfg),
                          admin_key=creds.key(Role.ADMIN) if creds is not None else None)
         self.registered = False
@@ -92,14 +102,13 @@ class EtcdAgent:
 
     # -- registration -------------------------------------------------------------------------------
     def record(self) -> dict:
-        node, cfg = self.node, self.node.cfg
         try:
-            du = shutil.disk_usage(cfg.data_dir)
+            du = shutil.disk_usage(self.data_dir)
             cap, free = du.total, du.free
         except OSError:
             cap = free = 0
-        parts = {str(p.pid): {"epoch": p.epoch, "replicas": list(p.replicas)} for p in node.table.all()}
-        return {"addr": node.me, "pid": os.getpid(), "transport": cfg.transport, "zone": cfg.zone,
+        parts = {str(p.pid): {"epoch": p.epoch, "replicas": list(p.replicas)} for p in self.table.all()}
+        return {"addr": self.me, "pid": os.getpid(), "transport": self.transport, "zone": self.cfg.zone,
                 "capacity_bytes": cap, "free_bytes": free, "partitions": parts}
 
     async def _register_loop(self) -> None:
@@ -108,7 +117,7 @@ class EtcdAgent:
         try:
             while True:
                 try:
-                    new = Lease(self.etcd, self.node.cfg.lease_ttl_s, on_check=self._lease_checked)
+                    new = Lease(self.etcd, self.cfg.lease_ttl_s, on_check=self._lease_checked)
                     await new.grant()
                     if self.lease is not None and not self.fenced:
                         # etcd answers again, and the registration we had is gone (we could not keep it
@@ -125,7 +134,7 @@ class EtcdAgent:
                     self._checked()
                     delay = 0.5
                     log.info("registered in etcd %s as %s (lease %x, ttl %ds)", self.etcd.urls,
-                             self.etcd.node_key(self.node.me), lease.id, lease.ttl)
+                             self.etcd.node_key(self.me), lease.id, lease.ttl)
                     async with trio.open_nursery() as n:
                         n.start_soon(self._republish, lease, published)
                         await lease.keep_alive()
@@ -168,7 +177,7 @@ class EtcdAgent:
         lease = self.lease
         if not self.registered or lease is None or not lease.ok:
             raise EtcdError("not registered in etcd")
-        await self.etcd.put_entry(self.etcd.key("handoff", self.node.me),
+        await self.etcd.put_entry(self.etcd.key("handoff", self.me),
                                   {"pid": os.getpid(), "since": time.time()}, lease.id)
 
     async def manager(self) -> str | None:
@@ -216,7 +225,7 @@ class EtcdAgent:
 
     async def _publish(self, lease: Lease) -> dict:
         rec = self.record()
-        await self.etcd.put_entry(self.etcd.node_key(self.node.me), rec, lease.id)
+        await self.etcd.put_entry(self.etcd.node_key(self.me), rec, lease.id)
         return rec
 
     async def _republish(self, lease: Lease, last: dict) -> None:
@@ -232,7 +241,7 @@ class EtcdAgent:
             try:
                 rec = self.record()
                 if _differs(rec, last):
-                    await self.etcd.put_entry(self.etcd.node_key(self.node.me), rec, lease.id)
+                    await self.etcd.put_entry(self.etcd.node_key(self.me), rec, lease.id)
                     last = rec
                     next_at = trio.current_time() + len(json.dumps(rec)) / REPUBLISH_BYTES_PER_S
             except EtcdError as e:
@@ -279,16 +288,16 @@ class EtcdAgent:
         drops: list[PartView] = []
         views = list({v.id: v for v in views}.values())     # a partition changed twice in a batch: the last
         for view in views:
-            part = self.node.table.get(view.id)
+            part = self.table.get(view.id)
             if (part is None or view.epoch <= part.epoch
                     or any(r not in part.replicas for r in view.replicas) and self.etcd.mac_key is None):
                 await self.apply(view)              # nothing, equal epochs, or a check that reads etcd: alone
             elif self.etcd.follows(part.epoch, part.replicas, view):
-                (installs if self.node.me in view.replicas else drops).append(view)
+                (installs if self.me in view.replicas else drops).append(view)
         for at in range(0, len(installs), MAX_VIEWS_PER_UPDATE):
             chunk = installs[at:at + MAX_VIEWS_PER_UPDATE]
             try:
-                await self.node.install_views([(v.id, v.replicas, v.epoch) for v in chunk])
+                await self.views.install_views([(v.id, v.replicas, v.epoch) for v in chunk])
             except Exception:  # noqa: BLE001 - e.g. a disk error saving them: the next resync tries again
                 log.exception("partitions %s: installing etcd's views failed", ",".join(str(v.id) for v in chunk))
         for at in range(0, len(drops), MAX_VIEWS_PER_UPDATE):
@@ -296,7 +305,7 @@ class EtcdAgent:
             log.warning("partitions %s: etcd's views no longer name this node; dropping our copies",
                         ",".join(str(v.id) for v in chunk))
             try:
-                await self.node.drop_partitions([(v.id, v.replicas, v.epoch) for v in chunk])
+                await self.views.drop_partitions([(v.id, v.replicas, v.epoch) for v in chunk])
             except Exception:  # noqa: BLE001 - e.g. a disk error moving them: the next resync tries again
                 log.exception("partitions %s: dropping our copies failed", ",".join(str(v.id) for v in chunk))
         if installs or drops:
@@ -314,16 +323,16 @@ class EtcdAgent:
             log.exception("partition %d: installing etcd's epoch %d failed", view.id, view.epoch)
 
     async def _apply(self, view: PartView) -> None:
-        part = self.node.table.get(view.id)
+        part = self.table.get(view.id)
         if part is None or view.epoch < part.epoch:
             return
-        me = self.node.me
+        me = self.me
         if view.epoch == part.epoch:
             # our own epoch, and neither the map's view nor our copy's names this node: a copy kept for a view
             # without it (an earlier version installed such views).  Kept, nothing would ever drop or refill
             # it, and the manager would not re-replicate onto a node holding the partition: dropped (checked
             # like any drop: the view's leader must be known to hold every acknowledged byte).
-            if await self.node.drop_partition(view.id, view.replicas, view.epoch, equal_ok=True):
+            if await self.views.drop_partition(view.id, view.replicas, view.epoch, equal_ok=True):
                 log.warning("partition %d: our copy was at etcd's epoch %d, whose replicas (%s) do not name this "
                             "node: dropped", view.id, view.epoch, ",".join(view.replicas))
                 self.changed()
@@ -332,11 +341,11 @@ class EtcdAgent:
         if not self.etcd.follows(part.epoch, part.replicas, view, registered):
             return
         if me in view.replicas:
-            await self.node.install_view(view.id, view.replicas, view.epoch)
+            await self.views.install_view(view.id, view.replicas, view.epoch)
         else:
             log.warning("partition %d: etcd's epoch %d (replicas %s) no longer names this node; dropping our "
                         "epoch-%d copy", view.id, view.epoch, ",".join(view.replicas), part.epoch)
-            await self.node.drop_partition(view.id, view.replicas, view.epoch)
+            await self.views.drop_partition(view.id, view.replicas, view.epoch)
         self.changed()
 
 

@@ -12,7 +12,9 @@ from the node's own nursery.  The SDK's client-side families are in ``client/met
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import trio
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -23,6 +25,11 @@ from prometheus_client.core import (
 )
 
 from wire.metrics import RequestFamilies, etcd_invalid_family, serve_metrics  # noqa: F401 - the node serves it
+
+if TYPE_CHECKING:
+    from wire.pool import BuddyPool
+
+    from .partition import OpenProgress, Partition
 
 log = logging.getLogger(__name__)
 
@@ -178,15 +185,36 @@ def lag_percentile(before: dict | None, after: dict, q: float) -> float:
     return float("inf")
 
 
+@dataclasses.dataclass(frozen=True)
+class NodeReadings:
+    """What the node's metrics read at scrape time: its components' own numbers (never the node itself)."""
+    me: str                                      # the node's listen address: which partitions it leads
+    state: Callable[[], str]                     # starting | serving | ...
+    opening: OpenProgress                        # the partitions' opening at start
+    pool: BuddyPool
+    conns: Callable[[], Iterable[Any]]           # the open connections (each with its ``transport``)
+    auth_on: bool                                # peers must prove the cluster secret
+    open_to: str                                 # secret | loopback | any: who is taken without it
+    admission_counts: Callable[[], Mapping[str, int]]   # ops.admission.Admission.counts
+    counters: Any                                # ops.base.RequestCounters
+    answers_refused: Callable[[], int]
+    replication: Any                             # replication.ReplicationCounters
+    repair: Any                                  # repair.RepairCounters
+    parts: Callable[[], Iterable[Partition]]     # the partitions held
+    etcd_invalid: Mapping[str, int] | None       # etcd values ignored as invalid, by reason (None: no etcd)
+    disk: Callable[[], Mapping[str, int]]        # the file system of data_dir: total, free, used
+
+
 class NodeMetrics(RequestFamilies):
-    def __init__(self, node):
+    def __init__(self, node: NodeReadings | None):
         self.registry = CollectorRegistry(auto_describe=True)
         super().__init__("datanode", "answered (arrival to answer)", self.registry)
         self.loop_lag = LoopLag(self.registry)
         self.write_stages = WriteStages()
         self.registry.register(self.write_stages)
         self.gc = GcPauses()
-        self.registry.register(_NodeCollector(node))
+        if node is not None:
+            self.registry.register(_NodeCollector(node))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -195,16 +223,16 @@ class NodeMetrics(RequestFamilies):
 class _NodeCollector:
     """Reads the numbers the node's components own, at scrape time."""
 
-    def __init__(self, node):
-        self.node = node
+    def __init__(self, readings: NodeReadings):
+        self.readings = readings
 
     def describe(self):
         return []
 
     def collect(self):
-        n = self.node
+        n = self.readings
         yield _gauge("datanode_starting", "1 while the node opens its partitions (data requests get RETRY)",
-                     1 if n.state == "starting" else 0)
+                     1 if n.state() == "starting" else 0)
         o = n.opening
         yield _gauge("datanode_opening_bytes", "Bytes of extent files opened so far at start", o.bytes)
         yield _gauge("datanode_opening_bytes_total", "Bytes of extent files to open at start", o.bytes_total)
@@ -217,7 +245,7 @@ class _NodeCollector:
 
         conns = GaugeMetricFamily("datanode_connections", "Open connections by transport", labels=["transport"])
         by_transport: dict[str, int] = {}
-        for c in list(n.conns):
+        for c in list(n.conns()):
             by_transport[c.transport] = by_transport.get(c.transport, 0) + 1
         for t in ("tcp", "verbs"):
             conns.add_metric([t], by_transport.get(t, 0))
@@ -227,10 +255,10 @@ class _NodeCollector:
         sec = GaugeMetricFamily("datanode_auth", "1; labels: whether peers must prove the cluster secret (auth) "
                                 "and which peers are taken without it (peers: none, loopback, any)",
                                 labels=["auth", "peers"])
-        sec.add_metric(["on" if n.server_auth.creds is not None else "off",
+        sec.add_metric(["on" if n.auth_on else "off",
                         "none" if n.open_to == "secret" else n.open_to], 1)
         yield sec
-        a = n.admission.counts()
+        a = n.admission_counts()
         yield _gauge("datanode_pending_connections", "Connections still in their hello", a["pending_connections"])
         yield _gauge("datanode_idle_client_connections", "Client connections with nothing in flight",
                      a["idle_client_connections"])
@@ -246,7 +274,7 @@ class _NodeCollector:
         yield _counter("datanode_answers_refused",
                        "READ answers (posted one-sided writes) a client refused: it had given up on the read",
                        n.answers_refused())
-        r = n.replication.counters
+        r = n.replication
         yield _counter("datanode_forwarded_writes", "Appends forwarded to followers (as leader)", r.forwarded)
         fb = CounterMetricFamily("datanode_forward_fetch_bytes", "Bytes fetched from leaders' pools (as follower)",
                                  labels=[])
@@ -259,7 +287,7 @@ class _NodeCollector:
         yield rf
         yield _counter("datanode_extent_seals", "Extents sealed because replicas may differ", r.seals)
 
-        rc = n.repair.counters
+        rc = n.repair
         yield _counter("datanode_repair_bytes", "Bytes copied to followers by repair", rc.repair_bytes)
         yield _counter("datanode_repair_passes", "Repair passes finished", rc.repair_passes)
         yield _counter("datanode_repair_errors", "Repair passes of a follower that stopped", rc.repair_errors)
@@ -267,7 +295,7 @@ class _NodeCollector:
         yield _counter("datanode_scrub_passes", "Scrub passes finished", rc.scrub_passes)
         yield _counter("datanode_scrub_bad_blocks", "Blocks scrub found failing their CRC", rc.scrub_bad_blocks)
 
-        parts = list(n.table.parts.values())
+        parts = list(n.parts())
         yield _gauge("datanode_partitions", "Partitions hosted", len(parts))
         role = GaugeMetricFamily("datanode_partition_leader", "1 if this node leads the partition",
                                  labels=["partition"])
@@ -286,8 +314,8 @@ class _NodeCollector:
                 behind.add_metric([pid], p.health.get("bytes_behind", 0))
         yield from (role, pbytes, healthy, behind)
 
-        if n.agent is not None:
-            yield etcd_invalid_family("datanode", n.agent.etcd.invalid)
+        if n.etcd_invalid is not None:
+            yield etcd_invalid_family("datanode", n.etcd_invalid)
 
         disk = n.disk()
         if "total" in disk:

@@ -21,7 +21,7 @@ import stat
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 import trio
 
@@ -109,6 +109,20 @@ def remove_tree(root: pathlib.Path, step: int = StoreOptions.free_step_bytes) ->
             except OSError as e:
                 log.warning("trash: could not free %s before removing it: %s", path, e)
     shutil.rmtree(root, ignore_errors=True)
+
+
+class Views(Protocol):
+    """How the etcd agent and repair install and drop partitions' views on this node (the same path as
+    ``PARTITION_UPDATE``): a view refused (its leader is not known to hold every acknowledged byte) is False.
+    ``views``: (partition, replicas, epoch) each."""
+
+    async def install_view(self, pid: int, replicas: list[str], epoch: int) -> bool: ...
+
+    async def install_views(self, views: list[tuple[int, list[str], int]]) -> list[bool]: ...
+
+    async def drop_partition(self, pid: int, replicas: list[str], epoch: int, *, equal_ok: bool = False) -> bool: ...
+
+    async def drop_partitions(self, views: list[tuple[int, list[str], int]]) -> list[bool]: ...
 
 
 class EarlierWriteFailed(Exception):

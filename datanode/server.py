@@ -34,8 +34,8 @@ from wire.transport.tcp import received_bytes
 from . import config as config_mod
 from .audit import AuditLog
 from .commit import GroupCommit
-from .drain import Drain
-from .metrics import NodeMetrics, serve_metrics
+from .drain import Drain, NodeControl
+from .metrics import NodeMetrics, NodeReadings, serve_metrics
 from .ops.admin import AdminOps
 from .ops.admission import Admission, Limits
 from .ops.append import Appends
@@ -70,6 +70,33 @@ def tune_gc() -> None:
     g0, g1, g2 = gc.get_threshold()
     if g0 and g0 < GC_YOUNG:
         gc.set_threshold(GC_YOUNG, g1, g2)
+
+
+class NodeViews:
+    """The node's ``partition.Views``, through its partitions (ops/partitions.py): a refused view (its leader
+    is not known to hold every acknowledged byte) is logged and counted there, and is False here; the etcd
+    agent tries it again at its next re-read, repair at its next look."""
+
+    def __init__(self, partitions: Partitions):
+        self.partitions = partitions
+
+    async def install_view(self, pid: int, replicas: list[str], epoch: int) -> bool:
+        try:
+            return await self.partitions.install_view(pid, replicas, epoch)
+        except ViewRefused:
+            return False
+
+    async def install_views(self, views: list[tuple[int, list[str], int]]) -> list[bool]:
+        return await self.partitions.install_views(views)
+
+    async def drop_partitions(self, views: list[tuple[int, list[str], int]]) -> list[bool]:
+        return await self.partitions.drop_partitions(views)
+
+    async def drop_partition(self, pid: int, replicas: list[str], epoch: int, *, equal_ok: bool = False) -> bool:
+        try:
+            return await self.partitions.drop_partition(pid, replicas, epoch, equal_ok=equal_ok)
+        except ViewRefused:
+            return False
 
 
 class Node:
@@ -117,28 +144,47 @@ class Node:
         self.conns: set[Connection] = set()
         self._agent_scope = trio.CancelScope()   # the etcd agent's: a node that lost its data directory leaves
         self._agent_ended = trio.Event()
-        self.drain = Drain(self)             # the controlled shutdown (SIGTERM, NODE_DRAIN)
         self.counters = RequestCounters()
         self._nursery: trio.Nursery | None = None
         self.replication = Replicator(cfg.replica_timeout)   # fan-out to followers (links set up in serve)
         # sync=always: appends share their fdatasyncs (datanode/commit.py); the only request in flight
         # flushes right in the event loop
         self.commit = GroupCommit(quiet=lambda: self.wrap.inflight <= 1)
-        self.metrics = NodeMetrics(self)     # Prometheus (datanode/metrics.py); served on metrics_listen
+        # each part is given its config section and the parts of the node it uses, never the node
+        node_keys = config_mod.section(cfg, config_mod.NodeConfig)
+        cluster_keys = config_mod.section(cfg, config_mod.ClusterConfig)
+        self.partitions = Partitions(node_keys, self.me, self.table, self.counters, None, self._partitions_changed)
+        self.views = NodeViews(self.partitions)  # how the etcd agent and repair install and drop views
         self.agent = None                    # the cluster map in etcd, when configured (datanode/etcdagent.py)
         if cfg.etcd:
             from .etcdagent import EtcdAgent
-            self.agent = EtcdAgent(self)
-        self.partitions = Partitions(cfg, self.me, self.table, self.counters, self.agent, self._partitions_changed)
+            self.agent = EtcdAgent(cluster_keys, me=self.me, transport=cfg.transport, data_dir=cfg.data_dir,
+                                   creds=creds, table=self.table, views=self.views)
+            self.partitions.agent = self.agent   # leaders self-fence by it
         self.repair = Repairer(me=self.me, cfg=cfg, table=self.table, pool=self.pool, region=self.region,
                                domain=self.domain, replication=self.replication,
-                               views=self)         # health, repair, scrub
+                               views=self.views)   # health, repair, scrub
         self.partitions.peers = self.repair          # a view's new leader is asked whether it is synced
-        self.buffers = Buffers(cfg, self.pool, self.region)
+        serving, conns = self.serving, self.conns
+
+        def stop_taking() -> None:
+            serving.draining = True
+
+        self.drain = Drain(NodeControl(         # the controlled shutdown (SIGTERM, NODE_DRAIN)
+            me=self.me, cfg=cluster_keys, parts=self.table.all, state=lambda: serving.state,
+            inflight=lambda: self.wrap.inflight, drained=lambda: self.wrap.drained(), stop_taking=stop_taking,
+            agent=self.agent, leave_etcd=self.leave_etcd))
+        self.metrics = NodeMetrics(NodeReadings(     # Prometheus (datanode/metrics.py); served on metrics_listen
+            me=self.me, state=lambda: serving.state, opening=self.opening, pool=self.pool, conns=lambda: conns,
+            auth_on=creds is not None, open_to=self.open_to, admission_counts=self.admission.counts,
+            counters=self.counters, answers_refused=self.answers_refused, replication=self.replication.counters,
+            repair=self.repair.counters, parts=self.table.all,
+            etcd_invalid=self.agent.etcd.invalid if self.agent is not None else None, disk=self.disk))
+        self.buffers = Buffers(config_mod.section(cfg, config_mod.MemoryConfig), self.pool, self.region)
         appends = Appends(self.partitions, self.buffers, self.replication, self.commit, self.counters)
         handlers = {**appends.handlers(),
                     **DataOps(self.partitions, self.buffers, self.replication, self.counters).handlers(),
-                    **AdminOps(cfg, self.partitions, self.buffers, self.repair, self.status,
+                    **AdminOps(node_keys, self.partitions, self.buffers, self.repair, self.status,
                                self.drain).handlers(),
                     **RepairOps(self.partitions, self.buffers, self.repair.counters).handlers(),
                     **MapOps(self.agent.copy if self.agent else None, self.buffers, self.serving).handlers()}
@@ -158,26 +204,6 @@ class Node:
             self.repair.kick()
         if self.agent is not None:
             self.agent.changed()
-
-    # the etcd agent installs and drops views through the node; a refused one (its leader is not known to
-    # hold every acknowledged byte) is logged and counted there, and tried again at the agent's next re-read
-    async def install_view(self, pid: int, replicas: list[str], epoch: int) -> bool:
-        try:
-            return await self.partitions.install_view(pid, replicas, epoch)
-        except ViewRefused:
-            return False
-
-    async def install_views(self, views: list[tuple[int, list[str], int]]) -> list[bool]:
-        return await self.partitions.install_views(views)
-
-    async def drop_partitions(self, views: list[tuple[int, list[str], int]]) -> list[bool]:
-        return await self.partitions.drop_partitions(views)
-
-    async def drop_partition(self, pid: int, replicas: list[str], epoch: int, *, equal_ok: bool = False) -> bool:
-        try:
-            return await self.partitions.drop_partition(pid, replicas, epoch, equal_ok=equal_ok)
-        except ViewRefused:
-            return False
 
     # -- lifecycle ------------------------------------------------------------------------------------
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:

@@ -66,6 +66,7 @@ from wire.limits import DEFAULT_REPLICAS
 from wire.metrics import etcd_invalid_family
 from wire.protocol import Op, Result, Role
 from manager.combine import Combiner
+from manager.fillwatch import FillWatch
 from manager.etcdcare import EtcdCare
 from manager.redundancy import Redundancy
 from manager.tasks import ManagerTasks
@@ -111,6 +112,7 @@ class Manager:
         self.ticks = 0
         self.dc: DataClient | None = None
         self.push: ViewPush | None = None       # view installs, many per request to a node (viewpush.py)
+        self.fill: FillWatch | None = None      # leaders' fill progress, one request per node (fillwatch.py)
         self.installing: set[int] = set()       # partitions whose install runs beside the passes
         self.filled_asked: dict[int, float] = {}   # pid -> when its leader was last asked how far a fill is
         self.nodes_seen: dict[str, dict] = {}      # the registrations as the last pass saw them
@@ -133,6 +135,7 @@ class Manager:
                 trio.open_nursery() as n:
             self.dc = dc
             self.push = ViewPush(dc)
+            self.fill = FillWatch(dc)
             log.info("manager %s: standing by (etcd %s, prefix %s)", self.ident, self.etcd.urls, self.etcd.prefix)
             await n.start(self.cache.run)           # the map, followed by one watch (etcdmap.MapCache)
             delay = STANDBY_POLL_S
@@ -424,9 +427,11 @@ class Manager:
 
     async def _check_filled(self, view: PartView, unsynced: list[str]) -> None:
         """A replica being filled by repair joins ``synced`` once the leader reports it healthy."""
-        h = await self.dc.admin(view.leader, Op.PARTITION_HEALTH, partition=view.id)
-        healthy = {f["addr"] for f in h.get("followers", []) if f.get("state") == "healthy"}
-        running = (h.get("repair") or {}).get("running")
+        st = await self.fill.state(view.leader, view.id)    # (one request per leader node: fillwatch.py)
+        if st is None or st[0] != view.epoch:
+            return                                  # not (yet) led there at this epoch: next pass
+        healthy = {a for a, state in st[1].items() if state == "healthy"}
+        running = st[2]
         done = [r for r in unsynced if r in healthy]
         if done and not running:
             synced = view.synced + done

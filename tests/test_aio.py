@@ -8,7 +8,7 @@ import time
 import pytest
 import trio
 
-from wire.aio import InlinePause, Workers
+from wire.aio import InlinePause, Workers, thread_waits
 
 
 def test_calls_run_at_once_in_threads_up_to_most_and_the_rest_wait_their_turn():
@@ -84,3 +84,16 @@ def test_a_slow_call_in_the_loop_sends_the_next_ones_to_the_thread_for_a_while_i
     assert p.took(time.monotonic() - 1.0)                # 1 s, a failing disk: the next ~19 s
     now = time.monotonic()
     assert not p.allowed(now + 18.0) and p.allowed(now + 19.5)
+
+
+def test_a_slow_call_that_never_waited_for_anything_pauses_nothing():
+    """On a busy machine a call in the loop may take long only because other processes had the CPU: a thread
+    would not do it sooner, so it does not send the next calls away.  One that waited (a disk) still does."""
+    p = InlinePause(slow=0.005, share=0.05)
+    w, t0 = thread_waits(), time.monotonic()
+    while time.monotonic() - t0 < 0.02:                  # 20 ms of CPU (preempted at most), no wait
+        pass
+    assert not p.took(t0, w) and p.allowed(time.monotonic())
+    w, t0 = thread_waits(), time.monotonic()
+    time.sleep(0.02)                                     # 20 ms waiting
+    assert p.took(t0, w) and not p.allowed(time.monotonic())

@@ -131,7 +131,7 @@ def test_version_print_config_and_dev_help():
     import dataclasses
     import tomllib
     keys = {f.name for f in dataclasses.fields(config.Config)}
-    lines = [ln for ln in p.stdout.splitlines() if ln.strip()]
+    lines = [ln for ln in p.stdout.splitlines() if ln.strip() and not ln.startswith("#")]   # not: section titles
     assert {ln.split("=")[0].strip() for ln in lines} == keys
     for ln in lines:     # key = value   # [unit] one-line description
         m = re.fullmatch(r"\S+ = .*?\s+# \[([^\]]+)\] (\S.{8,})", ln)

@@ -7,11 +7,12 @@ import math
 import os
 import stat
 import threading
+import time
 
 import pytest
 import trio
 
-from client.fs.meta import ROOT, MetaBusy, MetaError, Slice
+from client.fs.meta import ROOT, MetaBusy, MetaError, Slice, coalesce
 from client.fs.meta_sqlite import SqliteMeta
 from wire.aio import InlinePause
 from tests.conftest import dirty_pages
@@ -22,6 +23,17 @@ DIR = stat.S_IFDIR | 0o755
 
 def sl(off, length, extent, ext_off=0):
     return Slice(off, length, 1, extent, ext_off, ext_off, length, 0)
+
+
+def test_reading_joins_pieces_that_follow_each_other_in_file_and_extent_into_one_request():
+    # a file written 4 KiB + fsync at a time: a slice per write, back to back in one extent
+    row = [sl(i * 4096, 4096, 7, 8192 + i * 4096) for i in range(300)]
+    assert coalesce(row) == [Slice(0, 300 * 4096, 1, 7, 8192, 8192, 4096, 0)]
+    # not neighbours: another extent, a gap in the extent, a gap in the file, an inline piece
+    apart = [sl(0, 10, 1, 0), sl(10, 10, 2, 10), sl(20, 10, 2, 30), sl(40, 10, 2, 40),
+             Slice(50, 10, 0, 0, 0, 0, 10, 0, b"x" * 10), Slice(60, 10, 0, 0, 0, 0, 10, 0, b"y" * 10)]
+    assert coalesce(apart) == apart
+    assert coalesce([]) == []
 
 
 def sqlite_in_thread(path: str) -> SqliteMeta:
@@ -236,8 +248,10 @@ def test_a_slow_transaction_in_the_event_loop_sends_the_next_ones_to_the_worker_
         m = SqliteMeta(str(tmp_path / "m.db"))
         f = await m.create(ROOT, b"f", FILE, 0, 0)
         assert (m.inline_txs, m.thread_txs) == (1, 0)
-        m.inline.slow = 0.0                       # every transaction in the loop now counts as slow,
+        m.inline.slow = 0.0                       # every transaction in the loop that waits counts as slow,
         m.inline.share = 1e-6                     # and keeps the next ones out of the loop for long
+        m.db.create_function("disk", 0, lambda: time.sleep(0.002))     # this one waits, as for a slow disk
+        m.db.execute("CREATE TEMP TRIGGER slow AFTER INSERT ON slices BEGIN SELECT disk(); END")
         await m.commit(f.ino, [sl(0, 10, 1)], 10, 1)
         assert (m.inline_txs, m.thread_txs) == (2, 0)
         for i in range(3):

@@ -18,7 +18,8 @@ import pytest
 import trio
 
 from client.sdk import ClientError
-from datanode.drain import movable, still_held
+from datanode.config import ClusterConfig
+from datanode.drain import Drain, NodeControl, movable, still_held
 from manager.tasks import handoff_plan
 from tests.conftest import REPO, create_partition, open_client, pattern, print_tails, run
 from lab import rolling
@@ -74,6 +75,43 @@ def test_drain_waits_only_for_what_can_move():
     assert movable(_view(["me", "b"]), {"me"})
     assert not movable(None, {"me"})                    # etcd does not know it: no manager will move it
     assert not movable(_view(["me", "b"]), {"me", "b"})  # every replica is stopping
+
+
+def test_a_drain_without_etcd_says_what_stays_and_waits_for_the_requests_in_flight():
+    """The stop sequence sees its node only through a NodeControl: here one without etcd, holding a partition
+    with another replica and one without, whose last requests end 0.3 s after it stops taking new ones."""
+    class P:
+        def __init__(self, pid, replicas):
+            self.pid, self.replicas = pid, replicas
+    inflight, stopped = [2], []
+
+    async def main():
+        async def drained():
+            pass
+
+        async def leave_etcd():
+            return None
+
+        async def requests_end():
+            await trio.sleep(0.3)
+            inflight[0] = 0
+        drain = Drain(NodeControl(
+            me="me", cfg=ClusterConfig(drain_timeout_s=10), parts=lambda: [P(1, ["me", "b"]), P(2, ["me"])],
+            state=lambda: "serving", inflight=lambda: inflight[0], drained=drained,
+            stop_taking=lambda: stopped.append(inflight[0]), agent=None, leave_etcd=leave_etcd))
+        assert drain.request("test") and not drain.request("test again")
+        t0 = trio.current_time()
+        async with trio.open_nursery() as n:
+            n.start_soon(requests_end)
+            await drain.run(trio.CancelScope())
+        return drain, trio.current_time() - t0
+
+    drain, took = trio.run(main)
+    p = drain.progress()
+    assert stopped == [2] and drain.finished.is_set() and 0.3 <= took < 5, (stopped, took)
+    assert p["phase"] == "stopped" and p["inflight"] == 0 and p["handed_off"] == []
+    assert any(n.startswith("partition(s) 2 have no other replica") for n in p["notes"]), p["notes"]
+    assert any("etcd is not configured): partition(s) 1 not handed off" in n for n in p["notes"]), p["notes"]
 
 
 def test_sync_pending():

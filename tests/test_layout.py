@@ -1,7 +1,8 @@
 """The shape of the code, checked: imports run one way (CLI -> admin library -> SDK -> datanode) with no
 cycle in tools/ or client/ (import-linter's `lint-imports`, contracts in pyproject.toml), no module imports
-another module's private names, every dnctl command is defined exactly once, and every entry point of
-tools/ is a click command that answers --help."""
+another module's private names, no class grows past ``MAX_CLASS_LINES``, the node hands its parts narrow
+interfaces (never itself), every dnctl command is defined exactly once, and every entry point of tools/ is a
+click command that answers --help."""
 from __future__ import annotations
 
 import ast
@@ -16,6 +17,7 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("wire", "datanode", "manager", "client", "tools", "lab")
+MAX_CLASS_LINES = 600      # past this a class does several things: split it
 
 
 def _sources():
@@ -42,6 +44,31 @@ def test_no_private_names_imported_across_modules():
                     if alias.name.startswith("_") and not alias.name.startswith("__"):
                         bad.append(f"{path.relative_to(REPO)}:{node.lineno}: from {node.module} import {alias.name}")
     assert not bad, "\n".join(bad)
+
+
+def test_no_class_is_longer_than_the_limit():
+    long = []
+    for path in _sources():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                long.append(f"{path.relative_to(REPO)}: {node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not long, long
+
+
+def test_the_node_hands_its_parts_narrow_interfaces_not_itself():
+    """datanode/server.py passes ``self`` (the whole Node) to no component, and the parts it used to be
+    passed to (the stop sequence, the metrics, the etcd agent) reach into no ``node``."""
+    server = ast.parse((REPO / "datanode" / "server.py").read_text())
+    handed = [node.lineno for node in ast.walk(server) if isinstance(node, ast.Call)
+              and not (isinstance(node.func, ast.Attribute) and node.func.attr == "started")   # to its starter
+              for arg in [*node.args, *(k.value for k in node.keywords)]
+              if isinstance(arg, ast.Name) and arg.id == "self"]
+    assert not handed, f"datanode/server.py hands self to a component at line(s) {handed}"
+    for name in ("drain.py", "metrics.py", "etcdagent.py"):
+        tree = ast.parse((REPO / "datanode" / name).read_text())
+        reach = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                 and (isinstance(node.value, ast.Name) and node.value.id == "node" or node.attr == "node")]
+        assert not reach, f"datanode/{name} reaches into the node at line(s) {reach}"
 
 
 def test_every_dnctl_command_is_defined_once():

@@ -164,3 +164,25 @@ def test_a_client_from_env_takes_what_it_is_given_and_reads_the_environment_only
     monkeypatch.setenv("DATANODE_VERBS_POSTERS", "many")
     with pytest.raises(ClientError, match="DATANODE_VERBS_POSTERS"):
         _client(secret=creds)
+
+
+def test_each_key_is_in_one_section_and_the_docs_table_is_made_from_the_declarations():
+    """Config is the union of its sections: a key declared in two of them would silently be one key."""
+    per_section = [f.name for s in config_mod.SECTIONS for f in dataclasses.fields(s)]
+    assert sorted(per_section) == sorted(f.name for f in dataclasses.fields(config_mod.Config))
+    for f in dataclasses.fields(config_mod.Config):
+        assert f.metadata["key"].help and f.metadata["key"].unit, f.name
+    docs = (pathlib.Path(__file__).parent.parent / "docs" / "operations.md").read_text()
+    assert config_mod.with_table(docs) == docs, \
+        "docs/operations.md's key table is not the declarations': python -m datanode.config --write docs/operations.md"
+    p = subprocess.run([sys.executable, "-m", "datanode.config", "--markdown"], capture_output=True, text=True,
+                       timeout=60, cwd=pathlib.Path(__file__).parent.parent)
+    assert p.returncode == 0 and p.stdout == config_mod.markdown(), p.stderr
+
+
+def test_print_config_groups_the_keys_by_section():
+    text = config_mod.to_toml(config_mod.Config(), annotate=True)
+    titles = [ln for ln in text.splitlines() if ln.startswith("# -- ")]
+    assert len(titles) == len(config_mod.SECTIONS)
+    order = [ln.split(" = ")[0] for ln in text.splitlines() if " = " in ln and not ln.startswith("#")]
+    assert order.index("slots") < order.index("pool_mib") < order.index("sync") < order.index("etcd")

@@ -3,6 +3,7 @@ blocking work may run right in the event loop, and the worker threads blocking w
 from __future__ import annotations
 
 import queue
+import resource
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -37,6 +38,12 @@ async def nursery() -> AsyncIterator[trio.Nursery]:
         raise
 
 
+def thread_waits() -> int:
+    """How often the calling thread has waited (blocked: disk, locks) -- not counting the times it was only
+    preempted."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
+
+
 class InlinePause:
     """The rule for blocking work done right in the event loop instead of in a worker thread (a flush, a
     SQLite transaction: the thread's hand-over can cost more than the work): allowed unless a call done so
@@ -58,11 +65,14 @@ class InlinePause:
         """May a call start inline at ``now`` (``time.monotonic()``)?"""
         return now >= self._until
 
-    def took(self, started: float) -> bool:
-        """An inline call that started at ``started`` has ended; True if it was slow (the pause began)."""
+    def took(self, started: float, waits: int | None = None) -> bool:
+        """An inline call that started at ``started`` has ended; True if it was slow (the pause began).
+        ``waits``: the thread's count of waits (:func:`waits`) when the call started -- a call that never
+        waited for anything (no disk: only other processes had the CPU meanwhile) is not slow, a thread would
+        not have done it sooner; without, the time alone decides."""
         now = time.monotonic()
         took = now - started
-        if took <= self.slow:
+        if took <= self.slow or (waits is not None and thread_waits() == waits):
             return False
         self._until = now + took * (1.0 / self.share - 1.0)
         return True

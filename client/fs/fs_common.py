@@ -23,11 +23,13 @@ CAPS = b"security.capability"      # the kernel asks for it before every write t
 UNKNOWN = object()
 
 
-def fuse_op(fn):
+def fuse_op(fn=None, *, name: str | None = None):
     """Turn metadata and cluster failures into the errno the kernel expects; never let a traceback out.
     Counts the requests in flight (``DnFS.inflight``), and each kind's requests, failures and time
-    (``DnFS.ops``, shown by ``dnfs stats``)."""
-    name = fn.__name__
+    (``DnFS.ops``, shown by ``dnfs stats``; ``name``: the kind, if not the method's name)."""
+    if fn is None:
+        return functools.partial(fuse_op, name=name)
+    name = name or fn.__name__
 
     @functools.wraps(fn)
     async def wrapper(self, *args, **kw):
@@ -51,13 +53,19 @@ def fuse_op(fn):
             raise FUSEError(errno.EIO) from None
         finally:
             self.inflight -= 1
-            c = self.ops.get(name)
-            if c is None:
-                c = self.ops[name] = [0, 0, 0.0]
-            c[0] += 1
-            c[1] += not ok
-            c[2] += time.perf_counter() - t0
+            counted(self.ops, name, t0, ok)
     return wrapper
+
+
+def counted(ops: dict, name: str, t0: float, ok: bool) -> None:
+    """One request of kind ``name`` that started at ``t0`` (``perf_counter``) ended (``ok``: no errno), in
+    ``dnfs stats``'s counts."""
+    c = ops.get(name)
+    if c is None:
+        c = ops[name] = [0, 0, 0.0]
+    c[0] += 1
+    c[1] += not ok
+    c[2] += time.perf_counter() - t0
 
 
 class FileState(FileWriter):
@@ -69,10 +77,11 @@ class FileState(FileWriter):
         self.slices: list[Slice] | None = None
         self.starts: list[int] = []
         self.gen = 0                      # bumped whenever the committed content changes
-        self.ra: tuple[int, bytearray] | None = None         # readahead: the current window ...
-        self.ra_next: tuple[int, bytearray] | None = None    # ... the next one, fetched in the background
-        self.prefetch: tuple[int, int, trio.Event] | None = None
-        self.last_end = -1
+        # readahead: windows of committed bytes fetched (start, bytes; never changed once stored, so a read
+        # answers with a view of one), the newest last, and the fetches under way (start, end, gen, done)
+        self.windows: list[tuple[int, bytearray]] = []
+        self.fetching: list[tuple[int, int, int, trio.Event]] = []
+        self.last_end = -1                    # where the last read ended (a read starting near it is sequential)
         self.seen: tuple[int, int] = (0, 0)   # (mtime, ctime) of the last attributes we know
         self.committed_slices = 0             # slices committed since the last compaction check
         self.caps = UNKNOWN                  # its security.capability (None: it has none), once asked ...
@@ -82,7 +91,7 @@ class FileState(FileWriter):
     def changed(self) -> None:
         self.gen += 1
         self.slices = None
-        self.ra = self.ra_next = None
+        self.windows = []
 
     def committed(self, attr: Attr, nslices: int) -> None:
         self.seen = (attr.mtime_ns, attr.ctime_ns)

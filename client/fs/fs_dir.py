@@ -7,7 +7,7 @@ import errno
 import stat
 import time
 
-from client.fs.fs_common import TIMEOUT, fuse_op, killed_privs
+from client.fs.fs_common import TIMEOUT, counted, fuse_op, killed_privs
 from client.fs.fuse_types import RENAME_EXCHANGE, RENAME_NOREPLACE, EntryAttributes, FUSEError
 from client.fs.meta import MetaError
 
@@ -25,12 +25,47 @@ class DirOps:
             neg.entry_timeout = TIMEOUT
             return neg
 
+    def lookup_now(self, parent_inode, name):
+        """``lookup`` answered at once when the engine can (no task: the session's inline path), else None."""
+        t0 = time.perf_counter()
+        try:
+            a = self.meta.lookup_now(parent_inode, name)
+        except MetaError as e:
+            if e.errno != errno.ENOENT or not self.negative_cache:
+                counted(self.ops, "lookup", t0, False)
+                raise FUSEError(e.errno) from None
+            neg = EntryAttributes()
+            neg.st_ino = 0
+            neg.entry_timeout = TIMEOUT
+            counted(self.ops, "lookup", t0, True)
+            return neg
+        if a is None:
+            return None
+        counted(self.ops, "lookup", t0, True)
+        return self._looked_up(a, parent_inode)
+
+    def getattr_now(self, inode):
+        """``getattr`` answered at once when the engine can, else None."""
+        t0 = time.perf_counter()
+        try:
+            a = self.meta.getattr_now(inode)
+        except MetaError as e:
+            counted(self.ops, "getattr", t0, False)
+            raise FUSEError(e.errno) from None
+        if a is None:
+            return None
+        counted(self.ops, "getattr", t0, True)
+        return self.entry(a)
+
     @fuse_op
     async def getattr(self, inode, ctx=None):
         return self.entry(await self.meta.getattr(inode))
 
     @fuse_op
     async def setattr(self, inode, attr, fields, fh, ctx):
+        gone = self.removed.get(inode)
+        if gone is not None:        # the kernel writing back the times of a file it just unlinked
+            return self.entry(gone)
         now = time.time_ns()
         mode = attr.st_mode if fields.update_mode else None
         st = self.files.get(inode)
@@ -90,6 +125,8 @@ class DirOps:
         if gone:
             self.seen.pop(a.ino, None)
             self.reclaimer.kick()
+            if self.kernel_writes_back and self.lookups.get(a.ino, 0) > 0:
+                self.removed[a.ino] = a
         elif a.nlink <= 0:
             self.unlinked.add(a.ino)
             await self._maybe_remove(a.ino)

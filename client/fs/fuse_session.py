@@ -8,12 +8,15 @@ INIT: we take what the kernel offers of ASYNC_READ, ATOMIC_O_TRUNC, BIG_WRITES +
 AUTO_INVAL_DATA, READDIRPLUS, ASYNC_DIO, PARALLEL_DIROPS, CACHE_SYMLINKS, POSIX_ACL (when the handlers
 enforce ACLs) and HANDLE_KILLPRIV_V2: the handlers clear set-user-ID/set-group-ID bits on write, truncate
 and chown themselves when the kernel says so, so the kernel no longer asks for ``security.capability``
-before each write (it remembers that the file has none).  WRITEBACK_CACHE only when asked for.
+before each write (it remembers that the file has none).  WRITEBACK_CACHE only when asked for.  Root raises
+the mount's readahead to 1 MiB after INIT.
 
 The loop costs little Python per request: one readiness wait per wakeup, then every queued request read
 (the descriptor is non-blocking) until EAGAIN.  Requests that need no I/O are answered inline -- FORGET,
-BATCH_FORGET, INTERRUPT, INIT, unknown opcodes (ENOSYS); the others each get a task that awaits the handler
-and writes the answer with one ``writev``.  An INTERRUPT cancels a handler that only reads (lookup,
+BATCH_FORGET, INTERRUPT, INIT, unknown opcodes (ENOSYS), and those the handlers can answer at once: a WRITE
+that only buffers, a close with nothing to write, a GETATTR or LOOKUP while the metadata engine's connection
+is free (``*_now``: no task, no scheduler pass); the others each get a task that awaits the handler and
+writes the answer with one ``writev``.  An INTERRUPT cancels a handler that only reads (lookup,
 getattr, read, ...; it answers EINTR); handlers that change state run to the end, as the kernel's
 non-interruptible requests do.  A request whose bytes make no sense is logged and answered EIO; the mount
 goes on.  Unmounting (ENODEV on read) ends the loop once the handlers under way are done.
@@ -42,6 +45,7 @@ FUSE_DEV = "/dev/fuse"
 MAX_WRITE = 1 << 20                  # bytes of one WRITE (MAX_PAGES lets the kernel send that many)
 PAGE = os.sysconf("SC_PAGE_SIZE")
 BUFSIZE = MAX_WRITE + PAGE           # a WRITE's data plus its headers
+READAHEAD_KB = MAX_WRITE >> 10     # the kernel's readahead of our files when root mounts: one READ per MiB
 BURST = 256                          # requests read per wakeup at most before the others get a turn
 MS_NOSUID, MS_NODEV = 2, 4
 MNT_DETACH = 2
@@ -112,7 +116,7 @@ class Session:
         self._buf = bytearray(BUFSIZE)
         self._view, self._into = memoryview(self._buf), [self._buf]
         self.counts = {"wakeups": 0, "requests": 0, "inline": 0, "malformed": 0, "interrupted": 0,
-                       "after_reply": 0}
+                       "after_reply": 0, "read_bytes": 0}
         self._handlers = {
             fp.Op.LOOKUP: self._lookup, fp.Op.GETATTR: self._getattr, fp.Op.SETATTR: self._setattr,
             fp.Op.READLINK: self._readlink, fp.Op.SYMLINK: self._symlink, fp.Op.MKNOD: self._mknod,
@@ -128,6 +132,10 @@ class Session:
             fp.Op.DESTROY: self._destroy,
         }
         self._inline = {fp.Op.FORGET, fp.Op.BATCH_FORGET, fp.Op.INTERRUPT, fp.Op.INIT, fp.Op.DESTROY}
+        # requests the handlers may be able to answer at once (no I/O): the answer, True (queued its rest
+        # itself), or None -- not now, a task serves it
+        self._now = {fp.Op.WRITE: self._write_now, fp.Op.GETATTR: self._getattr_now,
+                     fp.Op.LOOKUP: self._lookup_now, fp.Op.FLUSH: self._flush_now}
 
     # -- mounting
     def mount(self) -> None:
@@ -286,6 +294,21 @@ class Session:
             self.counts["inline"] += 1
             self._send(fp.error(req.unique, errno.ENOSYS))
             return
+        now = self._now.get(req.opcode)
+        if now is not None:
+            try:
+                out = now(req)
+            except FUSEError as e:
+                out = fp.error(req.unique, e.errno)
+            except Exception:
+                log.exception("FUSE %s failed: %r", fp.NAMES.get(req.opcode), req)
+                out = fp.error(req.unique, errno.EIO)
+            if out is True:                    # queued what it still waits for
+                return
+            if out is not None:
+                self.counts["inline"] += 1
+                self._send(out)
+                return
         if req.opcode in self._inline:
             self.counts["inline"] += 1
             try:
@@ -364,8 +387,32 @@ class Session:
         log.info("FUSE %d.%d, flags %#x (offered %#x)", a.major, a.minor, self.flags, a.flags)
         if hasattr(self.ops, "kernel_kills_privs"):
             self.ops.kernel_kills_privs = not self.flags & fp.HANDLE_KILLPRIV_V2
-        return fp.reply(req.unique, fp.init_out(a.minor, a.max_readahead, self.flags, MAX_WRITE,
-                                                MAX_WRITE // PAGE))
+        if hasattr(self.ops, "kernel_writes_back"):
+            self.ops.kernel_writes_back = bool(self.flags & fp.WRITEBACK_CACHE)
+        self._send(fp.reply(req.unique, fp.init_out(a.minor, a.max_readahead, self.flags, MAX_WRITE,
+                                                    MAX_WRITE // PAGE)))
+        self._raise_readahead()
+        return None
+
+    def _raise_readahead(self) -> None:
+        """Have the kernel read ahead READAHEAD_KB of our files (its default is 128 KiB, and INIT can only
+        lower it): a sequential reader then costs one READ per MiB instead of one per 128 or 256 KiB.  Only
+        root may (the mount's read_ahead_kb in sysfs), and only after INIT, which would cap it again."""
+        if os.getuid() != 0:
+            return
+        try:
+            dev = None
+            with open("/proc/self/mountinfo") as f:
+                for line in f:                 # the last one mounted there is ours (it is being served)
+                    fields = line.split()
+                    if fields[4].replace("\\040", " ") == self.mountpoint and \
+                            line.split(" - ")[1].startswith("fuse"):
+                        dev = fields[2]
+            if dev is not None:
+                with open(f"/sys/class/bdi/{dev}/read_ahead_kb", "w") as ra:
+                    ra.write(str(READAHEAD_KB))
+        except (OSError, IndexError) as e:
+            log.debug("readahead of %s not raised: %s", self.mountpoint, e)
 
     def _destroy(self, req: fp.Request):
         return fp.error(req.unique, 0)
@@ -387,6 +434,16 @@ class Session:
     async def _lookup(self, req):
         e = await self.ops.lookup(req.nodeid, req.args.name, self._ctx(req))
         return fp.reply(req.unique, fp.entry_out(e))
+
+    def _lookup_now(self, req):
+        now = getattr(self.ops, "lookup_now", None)
+        e = now(req.nodeid, req.args.name) if now is not None else None
+        return None if e is None else fp.reply(req.unique, fp.entry_out(e))
+
+    def _getattr_now(self, req):
+        now = getattr(self.ops, "getattr_now", None)
+        e = now(req.nodeid) if now is not None else None
+        return None if e is None else fp.reply(req.unique, fp.attr_out(e))
 
     async def _getattr(self, req):
         e = await self.ops.getattr(req.nodeid, self._ctx(req))
@@ -457,8 +514,26 @@ class Session:
 
     async def _read(self, req):
         a = req.args
-        data = await self.ops.read(a.fh, a.offset, a.size)
+        data = await self.ops.read(a.fh, a.offset, a.size)    # bytes, or a view of the mount's readahead
+        self.counts["read_bytes"] += len(data)
         return [fp.reply_header(req.unique, len(data)), data]
+
+    def _write_now(self, req):
+        write_now = getattr(self.ops, "write_now", None)
+        if write_now is None:
+            return None
+        a = req.args
+        done = write_now(a.fh, a.offset, a.data, bool(a.write_flags & fp.WRITE_KILL_SUIDGID))
+        if done is None:
+            return None
+        if not done:                          # buffered; what it waits for goes to a task, answered after
+            self._queue.append((req, self._write_rest))
+            return True
+        return fp.reply(req.unique, fp.write_out(len(a.data)))
+
+    async def _write_rest(self, req):
+        await self.ops.write_rest(req.args.fh)
+        return fp.reply(req.unique, fp.write_out(len(req.args.data)))
 
     async def _write(self, req):
         a = req.args
@@ -499,6 +574,10 @@ class Session:
     async def _removexattr(self, req):
         await self.ops.removexattr(req.nodeid, req.args.name, self._ctx(req))
         return fp.error(req.unique, 0)
+
+    def _flush_now(self, req):
+        now = getattr(self.ops, "flush_now", None)
+        return fp.error(req.unique, 0) if now is not None and now(req.args.fh) else None
 
     async def _flush(self, req):
         await self.ops.flush(req.args.fh)

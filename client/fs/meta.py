@@ -130,6 +130,22 @@ def overlay(old: Sequence[Slice], new: Slice) -> tuple[list[Slice], list[Slice]]
     return kept, touched
 
 
+def coalesce(pieces: Sequence[Slice]) -> list[Slice]:
+    """``pieces`` (in file order) with each run of extent-neighbours -- the next piece's bytes follow the
+    previous one's both in the file and in the same extent -- joined into one window, so reading them is one
+    request instead of one per piece (a file written 4 KiB + fsync at a time has a slice per write, all in a
+    row of one extent).  Only for reading: the joined window's ``(wpos, wlen, crc)`` are its first piece's."""
+    out: list[Slice] = []
+    for p in pieces:
+        last = out[-1] if out else None
+        if (last is not None and not p.inline and not last.inline and p.partition == last.partition
+                and p.extent == last.extent and p.off == last.end and p.ext_off == last.ext_off + last.length):
+            out[-1] = dataclasses.replace(last, length=last.length + p.length)
+        else:
+            out.append(p)
+    return out
+
+
 class MetaTx(abc.ABC):
     """The storage primitives of one metadata transaction: what an engine implements on its store.  Reads see
     the transaction's own writes; nothing is visible to others before the transaction commits."""
@@ -221,6 +237,11 @@ class Meta(abc.ABC):
     async def _run(self, fn: Callable[..., T], *args) -> T:
         """``fn(tx, *args)`` as one transaction (retried as a whole if the engine needs to)."""
 
+    def _now(self, fn: Callable[..., T], *args) -> T | None:
+        """``fn(tx, *args)`` as one transaction right now, without waiting -- or None if the engine cannot
+        (busy, or it waits for its store): then ``_run``.  For the mount's requests answered without a task."""
+        return None
+
     async def _run_durable(self, fn: Callable[..., T], *args) -> T:
         """``_run``, then ``sync``: this transaction and every one before it are durable when it returns.  An
         engine that can do both in one step overrides it."""
@@ -304,6 +325,15 @@ class Meta(abc.ABC):
 
     async def getattr(self, ino: int) -> Attr:
         return await self._run(self._get, ino)
+
+    def lookup_now(self, parent: int, name: bytes) -> Attr | None:
+        """``lookup`` if the engine can answer at once (``_now``), else None."""
+        check_length(name)
+        return self._now(lambda tx: self._get(tx, self._existing(tx, parent, name)))
+
+    def getattr_now(self, ino: int) -> Attr | None:
+        """``getattr`` if the engine can answer at once (``_now``), else None."""
+        return self._now(self._get, ino)
 
     async def setattr(self, ino: int, *, mode=None, uid=None, gid=None, atime_ns=None, mtime_ns=None,
                       ctime_ns: int) -> Attr:

@@ -6,7 +6,8 @@ transaction (``BEGIN IMMEDIATE``); the connection runs with ``synchronous=NORMAL
 killed process at once) and :meth:`sync` fsyncs the WAL (every commit so far) before an ``fsync`` returns.
 SQLite calls run one at a time.  A transaction runs right in the event loop when no other SQLite call is
 running (a read or a page-cache commit is shorter than the hand-over to a worker thread and back); one that
-took longer than 5 ms (a WAL checkpoint, a slow disk) sends the transactions of a while to the worker thread,
+took longer than 5 ms waiting for something (a WAL checkpoint, a slow disk -- not one that was only preempted
+on a busy machine: a thread would not do it sooner) sends the transactions of a while to the worker thread,
 a while in proportion to its length, so slow ones stall the loop at most 5% of the time (``aio.InlinePause``).
 A transaction in the loop then lets the other tasks run only if a millisecond has passed since it last did so
 (``InlinePause.yield_due``): a FUSE request's transaction costs no scheduler pass of its own (a visible share
@@ -40,7 +41,7 @@ from collections import Counter
 import trio
 
 from client.fs.meta import DIRENT, ROOT, Attr, Meta, MetaBusy, MetaError, MetaTx, Slice
-from wire.aio import InlinePause, Workers
+from wire.aio import InlinePause, Workers, thread_waits
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +215,19 @@ class SqliteMeta(Meta):
         """``fn(SqliteTx, *args)`` as one transaction."""
         return await self._raw(lambda db: fn(SqliteTx(db, self), *args))
 
+    def _now(self, fn, *args):
+        """The transaction right here if the connection is free and no slow call paused that (as ``_call``
+        would run it in the loop), else None."""
+        t0 = time.monotonic()
+        if self._limiter.borrowed_tokens or not self.inline.allowed(t0):
+            return None
+        self.inline_txs += 1
+        w = thread_waits()
+        try:
+            return self._tx(lambda db: fn(SqliteTx(db, self), *args))
+        finally:
+            self.inline.took(t0, w)
+
     async def _raw(self, fn, *args):
         """``fn(connection, *args)`` as one transaction (the engine's own queries): in the event loop when the
         connection is free and no slow transaction paused that (the module docstring), else in the worker
@@ -255,10 +269,11 @@ class SqliteMeta(Meta):
                 t0 = time.monotonic()
                 if self.quiet is not None and self.quiet() and self.inline.allowed(t0):
                     self.inline_txs += 1
+                    w = thread_waits()
                     try:
                         self._fsync_wal()               # nobody waits behind it: no hand-over
                     finally:
-                        self.inline.took(t0)
+                        self.inline.took(t0, w)
                 else:
                     self.thread_txs += 1
                     await self._syncer.run_sync(self._fsync_wal)
@@ -274,10 +289,11 @@ class SqliteMeta(Meta):
         t0 = time.monotonic()
         if inline and self._limiter.borrowed_tokens == 0 and self.inline.allowed(t0):
             self.inline_txs += 1
+            w = thread_waits()
             try:
                 out = job()                     # no await inside: nothing else can reach the connection
             finally:
-                self.inline.took(t0)
+                self.inline.took(t0, w)         # (a call that was only preempted pauses nothing)
                 if self.inline.yield_due(time.monotonic()):
                     await trio.lowlevel.cancel_shielded_checkpoint()    # the others' turn (done is done)
         else:

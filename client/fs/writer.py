@@ -56,6 +56,25 @@ def data_errno(e: ClientError, what: str) -> int:
     return errno.EIO
 
 
+class held:
+    """``async with held(lock)``: a trio lock taken without a scheduler pass when it is free (trio's own
+    ``acquire`` always makes one, and a flush per fsync takes its file's lock); waits for it only when held."""
+
+    __slots__ = ("lock",)
+
+    def __init__(self, lock: trio.Lock):
+        self.lock = lock
+
+    async def __aenter__(self) -> None:
+        try:
+            self.lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self.lock.acquire()
+
+    async def __aexit__(self, *exc) -> None:
+        self.lock.release()
+
+
 class FileWriter:
     """One file's write-back state: its size and mtime with the buffered bytes counted in, the buffer, the
     lock one flush at a time holds, and the error of a flush nobody waited for (reported once)."""
@@ -124,9 +143,28 @@ class DataWriter:
     async def write(self, f: FileWriter, off: int, data) -> None:
         """Buffer ``data`` at ``off``; flushes what the budget says (:meth:`Budget.after_write`, and the
         largest buffers when all of them hold too much)."""
+        if not self.write_now(f, off, data):
+            await self.write_rest(f)
+
+    def write_now(self, f: FileWriter, off: int, data) -> bool:
+        """The part of :meth:`write` that never waits: buffer ``data`` (starting a full chunk's background
+        flush).  False if the write must still wait (backpressure, the budget): then :meth:`write_rest`."""
         f.buf.write(off, data)
-        f.size = max(f.size, off + len(data))
+        end = off + len(data)
+        if end > f.size:
+            f.size = end
         f.mtime_ns = time.time_ns()
+        then = self.budget.after_write(f.buf.dirty.nbytes, f.background or f.flush_lock.locked())
+        if then is Flush.WAIT or self.budget.over():
+            return False
+        if then is Flush.BACKGROUND:
+            f.background = True
+            self.nursery.start_soon(self._background_flush, f)
+        return True
+
+    async def write_rest(self, f: FileWriter) -> None:
+        """What a buffered write waits for: its file's flush under way (one chunk written, one filled), and
+        the largest buffers written when all of them hold more than the budget."""
         while (then := self.budget.after_write(f.buf.dirty.nbytes, f.background or f.flush_lock.locked())) \
                 is Flush.WAIT:
             if f.background:
@@ -149,7 +187,7 @@ class DataWriter:
     async def flush(self, f: FileWriter, *, durable: bool = False) -> bool:
         """Write the file's buffered bytes and commit their slices; ``durable`` (an fsync): the commit, and every
         one before it, durable on return.  Returns whether it committed (errors: ``f.error``)."""
-        async with f.flush_lock:
+        async with held(f.flush_lock):
             if not f.buf.dirty or f.error is not None:     # (after a failure: nothing until it is reported)
                 return False
             m = f.buf.take()

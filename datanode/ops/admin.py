@@ -25,7 +25,7 @@ from wire.protocol import (
     decode_volume,
 )
 from ..audit import NOTE as AUDIT_NOTE
-from ..config import Config
+from ..config import NodeConfig
 from ..partition import PartitionTable
 from ..repair import PartitionWorker, Repairer
 from .base import Handler, Reply, Request, bad_body, store_call
@@ -45,7 +45,7 @@ def _decode_create(obj) -> tuple[list[str], int, str]:
 
 
 class AdminOps:
-    def __init__(self, cfg: Config, partitions: Partitions, buffers: Buffers, repair: Repairer,
+    def __init__(self, cfg: NodeConfig, partitions: Partitions, buffers: Buffers, repair: Repairer,
                  status: Callable[..., dict], drain):
         self.cfg = cfg
         self.me = partitions.me
@@ -169,6 +169,11 @@ class AdminOps:
         return await self.buffers.push_json(rq.conn, rq.h, {**report, "already_stopping": not started})
 
     async def partition_health(self, rq: Request) -> Header:
+        """One partition's health; partition 0: the replica states of every partition led here, in short
+        (``Repairer.fill_summary``: the manager following hundreds of new replicas being filled asks each
+        leader once, not once per partition)."""
+        if rq.h.partition == 0:
+            return await self.buffers.push_json(rq.conn, rq.h, self.repair.fill_summary())
         self.partitions.hosted(rq.h)
         return await self.buffers.push_json(rq.conn, rq.h, self.repair.health(rq.h.partition))
 

@@ -10,7 +10,7 @@ import trio
 from wire.pool import Block, BuddyPool, PoolExhausted
 from wire.protocol import BodyError, Header, RemoteBuf, Result
 from wire.transport.base import Access, Connection, ConnectionClosed, Region, RemoteAccessError
-from ..config import Config
+from ..config import MemoryConfig
 from .base import PeerTimeout, Reply, bad_body
 
 MAX_JSON = 1 << 20
@@ -41,7 +41,7 @@ class ByteBudget:
 
 
 class Buffers:
-    def __init__(self, cfg: Config, pool: BuddyPool, region: Region):
+    def __init__(self, cfg: MemoryConfig, pool: BuddyPool, region: Region):
         self.cfg = cfg
         self.pool = pool
         self.region = region       # the whole pool, registered once: peers may read it, never write

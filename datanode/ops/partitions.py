@@ -10,7 +10,7 @@ from typing import Callable
 import trio
 
 from wire.protocol import Header, Result
-from ..config import Config
+from ..config import NodeConfig
 from ..etcdagent import EtcdAgent
 from ..partition import Partition, PartitionTable
 from ..store import StoreError
@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 
 class Partitions:
-    def __init__(self, cfg: Config, me: str, table: PartitionTable, counters: RequestCounters,
+    def __init__(self, cfg: NodeConfig, me: str, table: PartitionTable, counters: RequestCounters,
                  agent: EtcdAgent | None, changed: Callable[[bool], None]):
         self.cfg = cfg
         self.me = me

@@ -3,8 +3,12 @@ says when to change each), given to every ``ExtentStore`` it opens."""
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from .files import FREE_STEP
+
+if TYPE_CHECKING:
+    from ..config import StoreConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,6 +20,6 @@ class StoreOptions:
     direct_writes: bool = True         # big aligned appends with O_DIRECT (direct.py)
 
     @classmethod
-    def from_config(cls, cfg) -> "StoreOptions":
-        """The options a node's ``Config`` sets (its keys have these names)."""
+    def from_config(cls, cfg: "StoreConfig") -> "StoreOptions":
+        """The options a node's config sets (its store section's keys have these names)."""
         return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)})
