@@ -253,6 +253,11 @@ class StoreConfig:
     direct_reads: bool = key(True, "bool", "big aligned reads of bytes not in the page cache use O_DIRECT (false: "
                              "the page cache)")
     direct_writes: bool = key(True, "bool", "big aligned appends use O_DIRECT (false: the page cache)")
+    lean_appends: bool = key(True, "bool", "which path serves a plain inline append on TCP -- a client's to a "
+                             "partition whose only replica is this node, a leader's forward to a follower here: "
+                             "true, the connection's data-plane thread (CRC, pwrite, a flush shared with the "
+                             "appends queued meanwhile; datanode/ops/lean.py); false, the WRITE handler's task like "
+                             "every other append")
 
 
 @dataclasses.dataclass
