@@ -45,6 +45,7 @@ from ..partition import ExtentLane, Partition, PartitionTable
 from ..replication import Replicator
 from ..store import StoreError, io_error, piece_crcs
 from .base import Reply, Request, RequestCounters, store_reply
+from .pipeline import forwarded
 from .stages import DURABLE, FETCHED, STARTED, TURN, WRITTEN
 
 log = logging.getLogger(__name__)
@@ -83,13 +84,13 @@ class Lean:
     def take(self, conn: Connection, h: Header, payload, t0: float, nursery: trio.Nursery) -> Request | None:
         """In the event loop, as the request arrives: the request handed to its connection's plane (the
         caller counts it in flight), or None: it goes the usual way, untouched."""
-        forwarded = h.flags == _FORWARD
-        if (h.flags != Flag.INLINE and not forwarded) or h.opcode != Op.WRITE or conn.transport != "tcp":
+        as_follower = h.flags == _FORWARD
+        if (h.flags != Flag.INLINE and not as_follower) or h.opcode != Op.WRITE or conn.transport != "tcp":
             return None
         part = self.table.get(h.partition)
         if part is None or part.dropped or h.epoch != part.epoch:
             return None
-        if forwarded:
+        if as_follower:
             # a follower's: a lone one is cheaper done right where it arrived (``Appends.now``)
             if self.me not in part.replicas[1:] or self.here():
                 return None
@@ -134,7 +135,7 @@ class Lean:
                     del self.leases[lane]
                     lane.done(lease.ticket)
             if resp.result == Result.OK:
-                if rq.h.flags & Flag.FORWARDED:
+                if forwarded(rq.h):
                     c.replica_writes += 1
                 else:
                     c.writes += 1
@@ -171,7 +172,7 @@ class Lean:
             return h.reply(Result.NOT_FOUND), ""
         if part.epoch != h.epoch:
             return h.reply(Result.STALE_EPOCH, arg=part.epoch), ""
-        if part.leader != self.me and not h.flags & Flag.FORWARDED:
+        if part.leader != self.me and not forwarded(h):
             return h.reply(Result.NOT_LEADER), ""
         try:
             end = part.store.size(h.extent)
