@@ -13,6 +13,8 @@ Workloads:
   fsync4k   fio 4 KiB write+fdatasync (psync) for --seconds: IOPS, the FUSE write's and the fdatasync's p50
   seq128k   fio 128 KiB sequential write of --size with end_fsync: MiB/s, write p99, mount CPU per GB
   seq1m     the same with 1 MiB writes
+  read1m    fio 1 MiB sequential reads of a --size file written and then remounted (its pages not cached):
+            MiB/s, mount CPU per GiB read, the READ requests and their mean size (`dnfs stats`)
   tar       tar x of 2,000 small files (0-3 KiB), timed until unmounted: files/s, mount CPU per file
   utime     os.utime in a loop for --seconds: ops/s, mount CPU per op (one FUSE SETATTR each)
   tree      the peers' small-file row: tar -x of a real source tree (--tree, default Python's standard
@@ -53,6 +55,18 @@ def one(code: str, opts: list[str], workload: str, a, work: pathlib.Path) -> str
             return (f"{w['bw_bytes'] / 2**20:7.1f} MiB/s  write p99 "
                     f"{w['clat_ns']['percentile']['99.000000'] / 1e6:6.1f} ms  "
                     f"mount CPU {(_cpu(pid) - c0) / (w['io_bytes'] / 1e9):.2f} s/GB")
+        if workload == "read1m":
+            fio(mnt, "ab", "--filename=f", "--rw=write", "--bs=1m", f"--size={a.size}", "--end_fsync=1")
+            m.umount()
+            m.mount("mount2.log")      # a fresh mount: none of the file's pages cached
+            pid = m.pid
+            c0 = _cpu(pid)
+            j = fio(mnt, "ab", "--filename=f", "--rw=read", "--bs=1m", f"--size={a.size}")
+            r = j["read"]
+            st = json.loads(py(code, "-m", "client.fs.cli", "stats", str(mnt), "--json").stdout)
+            reads = st["requests"].get("read", {}).get("count", 0)
+            return (f"{r['bw_bytes'] / 2**20:7.1f} MiB/s  mount CPU {(_cpu(pid) - c0) / (r['io_bytes'] / 2**30):.2f} "
+                    f"s/GiB  {reads} READs, {r['io_bytes'] / max(1, reads) / 1024:.0f} KiB each")
         if workload == "tar":
             tar = root / "small.tar"
             make_tar(tar)
@@ -101,10 +115,10 @@ def one(code: str, opts: list[str], workload: str, a, work: pathlib.Path) -> str
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variant", action="append", required=True, metavar=VARIANT_HELP)
-    ap.add_argument("--workload", choices=["fsync4k", "seq128k", "seq1m", "tar", "utime", "tree"], required=True)
+    ap.add_argument("--workload", choices=["fsync4k", "seq128k", "seq1m", "read1m", "tar", "utime", "tree"], required=True)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=int, default=10, help="fsync4k and utime: how long")
-    ap.add_argument("--size", default="1G", help="fsync4k, seq128k, seq1m: fio --size")
+    ap.add_argument("--size", default="1G", help="fsync4k, seq128k, seq1m, read1m: fio --size")
     ap.add_argument("--dir", default="/var/tmp", help="where the clusters and mounts go")
     ap.add_argument("--tree", default=f"/usr/lib/python3.{sys.version_info.minor}",
                     help="tree: the directory tarred and then untarred into the mount")

@@ -48,10 +48,18 @@ def variants(ap: argparse.ArgumentParser, values: list[str]) -> list[tuple[str, 
 @dataclass
 class Mounted:
     code: str
+    opts: list[str]         # the variant's mount options
     root: pathlib.Path      # the round's scratch directory
+    cluster: pathlib.Path
     mnt: pathlib.Path
-    pid: int                # the mount process, for its CPU
-    mounted: bool = True
+    pid: int = 0            # the mount process, for its CPU
+    mounted: bool = False
+
+    def mount(self, log: str) -> None:
+        """Mount the cluster at ``mnt``, the mount's log in ``root / log``."""
+        out = py(self.code, "-m", "client.fs.cli", "mount", "--cluster", str(self.cluster), "--json", "--log",
+                 str(self.root / log), *self.opts, str(self.mnt)).stdout
+        self.pid, self.mounted = json.loads(out)["pid"], True
 
     def umount(self, check: bool = True) -> None:
         py(self.code, "-m", "client.fs.cli", "umount", str(self.mnt), check=check)
@@ -73,9 +81,8 @@ def mounted_cluster(code: str, opts: list[str], work: pathlib.Path, prefix: str)
         nodes = json.loads((cl / "cluster.json").read_text())["nodes"]
         py(code, "-m", "tools.dnctl", "partition", "create", "--id", "1", "--replicas",
            ",".join(n["addr"] for n in nodes))
-        out = py(code, "-m", "client.fs.cli", "mount", "--cluster", str(cl), "--json", "--log",
-                 str(root / "mount.log"), *opts, str(mnt)).stdout
-        m = Mounted(code, root, mnt, json.loads(out)["pid"])
+        m = Mounted(code, opts, root, cl, mnt)
+        m.mount("mount.log")
         yield m
     finally:
         if m is not None and m.mounted:
