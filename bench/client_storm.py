@@ -1,17 +1,26 @@
-"""Many SDK clients, each its own process, opening at once against one cluster: failures, open time, etcd's cost.
+"""Many SDK clients opening at once against one cluster: failures, open time, etcd's cost.
 
-    python -m bench.client_storm --cluster DIR [--clients 100] [--per-process 1] [--json]
+    python -m bench.client_storm --cluster DIR [--clients 100] [--per-process 1] [--via auto] [--json]
     python -m bench.client_storm --clients 100            # starts a default secured local cluster of its own
 
 Each process imports the SDK, says it is ready and waits; once all are ready they are released together
-and each opens ``DataClient.open`` as a script would with the cluster's client credentials (the secret,
-the etcd ``mount`` user), checks it knows a partition, and reports its open time.  ``--per-process N`` opens
-N clients as tasks of one process (each a separate ``DataClient``: its own etcd login and watch), to reach
-a thousand clients on a small machine.
+and each opens ``DataClient.open`` as a script would with the cluster's client credentials (the secret
+claiming the client role, the etcd ``mount`` user), checks it knows a partition, and reports its open time.
+``--per-process N`` opens N clients as tasks of one process (each a separate ``DataClient``: its own
+connections, and through etcd its own login and watch), to reach a thousand clients on a small machine.  A
+client counts as open once ``DataClient.open`` returned with the map read and a partition known: its hello
+(the session's key exchange and proofs), the map (MAP_READ from one node, or etcd's login and read) and one
+PARTITION_LIST.
 
-Printed: clients, failures (with the first errors), open time p50/p99/max, the CPU etcd spent during the
-storm (/proc), etcd's ``grpc_server_started_total`` for Authenticate and Watch, and how many TCP
-connections etcd held while the clients were open (``ss``).
+Many clients on one host share its address, and a datanode bounds the hellos in progress per address
+(``preauth_per_host``: a flood from one address costs that address alone).  Clients of a real cluster come
+from many hosts, so each client here connects from an address of its own in 127.0.0.0/8 (``source_address``;
+Linux routes the whole block to loopback); ``--one-address`` makes them all 127.0.0.1 instead.
+
+Printed: clients, failures (with the first errors), open time p50/p99/max, the CPU etcd spent and the CPU
+the datanodes and the client processes spent per client open (/proc, from the go until all are open and a
+second more), etcd's ``grpc_server_started_total`` for Authenticate and Watch, and how many TCP connections
+etcd held (``ss``): before, at the most while the clients opened, and with all of them open.
 """
 from __future__ import annotations
 
@@ -23,6 +32,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -38,20 +48,26 @@ from client.sdk import DataClient
 from wire.etcdmap import EtcdAccess, _client_class
 _client_class()          # etcd3gw and requests imported: the open is timed, not the imports
 url, cred, secret, timeout, n = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]), int(sys.argv[5])
-nodes, via = [a for a in sys.argv[6].split(",") if a], sys.argv[7]
+nodes, via, first = [a for a in sys.argv[6].split(",") if a], sys.argv[7], int(sys.argv[8])
 access = EtcdAccess.load(**json.loads(cred)) if cred else None
 print("ready", flush=True)
 sys.stdin.readline()
 
-async def one(done):
+def source(i):
+    # client i's own loopback address: 127.1.0.1, 127.1.0.2, ... (first < 0: the host's one address)
+    return "" if first < 0 else f"127.{1 + i // 62500}.{i // 250 % 250}.{i % 250 + 1}"
+
+async def one(done, i):
     t0 = time.monotonic()
     try:
         async with DataClient.from_env(nodes, transport="tcp", pool_mib=4, etcd=url, etcd_access=access,
-                                   secret=secret or None, timeout=timeout, map_via=via) as dc:
+                                   secret=secret or None, role="client" if secret else None,
+                                   timeout=timeout, map_via=via,
+                                   source_address=source(first + i)) as dc:
             took = time.monotonic() - t0
             if not dc.partitions:
                 raise RuntimeError("opened, but knows no partition")
-            print(json.dumps({"ok": True, "open_s": took}), flush=True)
+            print(json.dumps({"ok": True, "open_s": took, "partitions": len(dc.partitions)}), flush=True)
             done.release()
             await trio.sleep_forever()
     except Exception as e:
@@ -62,8 +78,8 @@ async def one(done):
 async def main():
     done = trio.Semaphore(0)
     async with trio.open_nursery() as nursery:
-        for _ in range(n):
-            nursery.start_soon(one, done)
+        for i in range(n):
+            nursery.start_soon(one, done, i)
         for _ in range(n):
             await done.acquire()
         print("opened", flush=True)
@@ -98,12 +114,14 @@ def _connections(port: int) -> int:
 
 
 def storm(cluster: pathlib.Path, clients: int, per_process: int = 1, timeout: float = 15.0,
-          via: str = "etcd") -> dict:
+          via: str = "etcd", one_address: bool = False) -> dict:
     """Open ``clients`` SDK clients at once against the local cluster in ``cluster`` (``dnctl cluster up``'s
     directory), each following the map ``via`` etcd or the cluster's nodes (``DataClient(map_via=)``, with
-    the nodes given to open); returns what ``main`` prints."""
+    the nodes given to open), each from an address of its own (``one_address``: all from 127.0.0.1);
+    returns what ``main`` prints."""
     from tools.cluster import local_access_files, local_tls
     info = json.loads((cluster / "cluster.json").read_text())
+    info["nodes"] = [n for n in info["nodes"] if n.get("pid") and pathlib.Path(f"/proc/{n['pid']}").exists()]
     url = info["etcd"]["url"]
     files = local_access_files(info["etcd"], "mount")      # its etcd user and, where required, certificate
     cred = json.dumps(files) if files else ""
@@ -112,18 +130,29 @@ def storm(cluster: pathlib.Path, clients: int, per_process: int = 1, timeout: fl
     counts = [per_process] * (clients // per_process) + ([clients % per_process] if clients % per_process else [])
     nodes = ",".join(n["addr"] for n in info["nodes"]) if via != "etcd" else ""
     warnings: list[str] = []
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD, url, cred, secret, str(timeout), str(k), nodes, via],
+    firsts = [-1 if one_address else sum(counts[:j]) for j in range(len(counts))]
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD, url, cred, secret, str(timeout), str(k), nodes, via,
+                               str(first)],
                               cwd=REPO,
                               env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for k in counts]
+                              text=True) for k, first in zip(counts, firsts)]
     try:
         for p in procs:
             line = p.stdout.readline()
             if line.strip() != "ready":
                 raise RuntimeError(f"a client process did not start: {line!r} {p.stderr.read()[-2000:]}")
         etcd_pid = info["etcd"]["pid"]
+        node_pids = [n["pid"] for n in info["nodes"]]
         cpu0, rpc0 = _cpu_s(etcd_pid), _started(url, local_tls(info["etcd"]))
+        nodes0, clients0 = sum(map(_cpu_s, node_pids)), sum(_cpu_s(p.pid) for p in procs)
         conns0 = _connections(info["etcd"]["client_port"])
+        peak, sampling = [conns0], threading.Event()
+
+        def sample() -> None:           # the most connections etcd held at once, from the go on
+            while not sampling.wait(0.1):
+                peak[0] = max(peak[0], _connections(info["etcd"]["client_port"]))
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
         for p in procs:
             p.stdin.write("go\n")
             p.stdin.flush()
@@ -139,7 +168,10 @@ def storm(cluster: pathlib.Path, clients: int, per_process: int = 1, timeout: fl
                                 + p.stderr.read()[-500:]})
         time.sleep(1.0)           # the follow tasks are up: count etcd's connections with every client open
         conns = _connections(info["etcd"]["client_port"])
+        sampling.set()
+        sampler.join()
         cpu1, rpc1 = _cpu_s(etcd_pid), _started(url, local_tls(info["etcd"]))
+        nodes1, clients1 = sum(map(_cpu_s, node_pids)), sum(_cpu_s(p.pid) for p in procs)
     finally:
         for p in procs:
             try:
@@ -162,12 +194,17 @@ def storm(cluster: pathlib.Path, clients: int, per_process: int = 1, timeout: fl
     def pct(q: float) -> float:
         return round(opens[min(len(opens) - 1, int(q * len(opens)))], 3) if opens else float("nan")
     errors = [r["error"] for r in results if not r["ok"]]
-    return {"clients": clients, "via": via, "processes": len(procs), "failed": len(errors), "errors": errors[:5],
+    return {"clients": clients, "via": via, "processes": len(procs), "addresses": 1 if one_address else clients,
+            "failed": len(errors), "errors": errors[:5],
             "open_p50_s": pct(0.50), "open_p99_s": pct(0.99), "open_max_s": round(opens[-1], 3) if opens else None,
             "etcd_cpu_s": round(cpu1 - cpu0, 2),
+            "nodes_cpu_ms_per_client": round((nodes1 - nodes0) * 1000 / clients, 2),
+            "client_cpu_ms_per_client": round((clients1 - clients0) * 1000 / clients, 2),
             "etcd_authenticate": rpc1.get("Authenticate", 0) - rpc0.get("Authenticate", 0),
             "etcd_watch_streams": rpc1.get("Watch", 0) - rpc0.get("Watch", 0),
             "etcd_connections_before": conns0, "etcd_connections_open": conns,
+            "etcd_connections_peak": max(peak[0], conns),
+            "partitions_seen": sorted({r["partitions"] for r in results if r["ok"]}),
             "client_warnings": sorted(counted.items(), key=lambda kv: -kv[1])[:5]}
 
 
@@ -180,6 +217,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=15.0, help="each client's timeout (its open's deadline)")
     ap.add_argument("--via", choices=("etcd", "nodes", "auto"), default="etcd",
                     help="where the clients follow the map (DataClient's map_via; not etcd: the nodes are given)")
+    ap.add_argument("--one-address", action="store_true",
+                    help="every client connects from 127.0.0.1 (default: each from its own 127.x.y.z)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     tmp = None
@@ -190,7 +229,7 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "tools.dnctl", "cluster", "up", "--nodes", "3", "--cluster",
                         str(cluster)], cwd=REPO, check=True, capture_output=True)
     try:
-        out = storm(cluster, a.clients, a.per_process, a.timeout, a.via)
+        out = storm(cluster, a.clients, a.per_process, a.timeout, a.via, a.one_address)
     finally:
         if tmp is not None:
             subprocess.run([sys.executable, "-m", "tools.dnctl", "cluster", "down", "--cluster", str(cluster)],

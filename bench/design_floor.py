@@ -275,25 +275,27 @@ def _kill(children: list[tuple[int, int]]) -> None:
         os.close(r)
 
 
-def one_round(variant: str, directory: str, writes: int) -> dict:
-    """``writes`` writes back to back through four fresh processes; latency per write and every process's CPU."""
-    direct = variant == "trio-direct"
+def _four_processes(what: str, directory: str, writes: int, leader, follower, arg: str, client,
+                    direct: bool = False, lone=None) -> tuple:
+    """A leader and two followers forked fresh (``leader(arg, up, downs, copy)``, ``follower(arg, up, back,
+    copy)``: ``back`` a socket to the client with ``direct``, else ``lone``) and ``client(leader_socket,
+    follower_sockets)`` run here: what the client returns, and every process's CPU per write."""
     cl, ld = loopback_pair()
     to_f = [loopback_pair() for _ in range(2)]
     f_cl = [loopback_pair() for _ in range(2)] if direct else []
     with tempfile.TemporaryDirectory(dir=directory) as d:
         copies = [_Copy(d, f"r{i}") for i in range(3)]
-        pids = [_child(_leader, variant, ld, [a for a, _ in to_f], copies[0])]
+        pids = [_child(leader, arg, ld, [a for a, _ in to_f], copies[0])]
         for i, (_, b) in enumerate(to_f):
-            pids.append(_child(_follower, variant, b, f_cl[i][0] if direct else None, copies[i + 1]))
+            pids.append(_child(follower, arg, b, f_cl[i][0] if direct else lone, copies[i + 1]))
         for s in (ld, *(p for pair in to_f for p in pair), *(a for a, _ in f_cl)):
             s.close()
         t0 = _cpu(resource.RUSAGE_SELF)            # the client's CPU: its writes, not the forks
         try:
-            lat = _client(variant, cl, [b for _, b in f_cl], writes)
+            got = client(cl, [b for _, b in f_cl])
         except (OSError, RuntimeError, trio.TooSlowError) as e:
             _kill(pids)
-            raise SystemExit(f"design_floor: a {variant} round failed: {e!r}") from None
+            raise SystemExit(f"design_floor: a {what} round failed: {e!r}") from None
         t1 = _cpu(resource.RUSAGE_SELF)
         _end([cl])
         cl.close()
@@ -301,16 +303,23 @@ def one_round(variant: str, directory: str, writes: int) -> dict:
             b.close()
         codes, use = _reap(pids)                       # the leader's is the first
     if any(codes):
-        raise SystemExit(f"design_floor: a {variant} process failed (status {codes})")
-    lat.sort()
-    client_cpu = t1 - t0
-    nodes_cpu = sum(u + k for u, k in use)
-    nodes_sys = sum(k for _, k in use)
-    leader_cpu = sum(use[0])
-    return {"variant": variant, "writes": writes,
-            "p50_ms": round(lat[len(lat) // 2] * 1e3, 3), "p99_ms": round(lat[int(len(lat) * 0.99)] * 1e3, 3),
-            "client_cpu_us": round(client_cpu / writes * 1e6, 1), "nodes_cpu_us": round(nodes_cpu / writes * 1e6, 1),
-            "nodes_sys_us": round(nodes_sys / writes * 1e6, 1), "leader_cpu_us": round(leader_cpu / writes * 1e6, 1)}
+        raise SystemExit(f"design_floor: a {what} process failed (status {codes})")
+    return got, {"client_cpu_us": round((t1 - t0) / writes * 1e6, 1),
+                 "nodes_cpu_us": round(sum(u + k for u, k in use) / writes * 1e6, 1),
+                 "nodes_sys_us": round(sum(k for _, k in use) / writes * 1e6, 1),
+                 "leader_cpu_us": round(sum(use[0]) / writes * 1e6, 1)}
+
+
+def _latency(lat: list[float]) -> dict:
+    lat = sorted(lat)
+    return {"p50_ms": round(lat[len(lat) // 2] * 1e3, 3), "p99_ms": round(lat[int(len(lat) * 0.99)] * 1e3, 3)}
+
+
+def one_round(variant: str, directory: str, writes: int) -> dict:
+    """``writes`` writes back to back through four fresh processes; latency per write and every process's CPU."""
+    lat, cpu = _four_processes(variant, directory, writes, _leader, _follower, variant,
+                               lambda cl, fs: _client(variant, cl, fs, writes), direct=variant == "trio-direct")
+    return {"variant": variant, "writes": writes, **_latency(lat), **cpu}
 
 
 # ---- the candidate shapes of the lean append path: one loop per node, any depth, every step of an append ----
@@ -592,36 +601,10 @@ def _client_pipelined(leader: socket.socket, writes: int, depth: int) -> tuple[l
 
 def shape_round(shape: str, directory: str, writes: int, depth: int) -> dict:
     """One shape at one depth through four fresh processes: latency, appends/s, every process's CPU."""
-    cl, ld = loopback_pair()
-    to_f = [loopback_pair() for _ in range(2)]
-    with tempfile.TemporaryDirectory(dir=directory) as d:
-        copies = [_Copy(d, f"r{i}") for i in range(3)]
-        pids = [_child(_node, shape, ld, [a for a, _ in to_f], copies[0])]
-        for i, (_, b) in enumerate(to_f):
-            pids.append(_child(_node, shape, b, [], copies[i + 1]))
-        for s in (ld, *(p for pair in to_f for p in pair)):
-            s.close()
-        t0 = _cpu(resource.RUSAGE_SELF)
-        try:
-            lat, wall = _client_pipelined(cl, writes, depth)
-        except (OSError, RuntimeError) as e:
-            _kill(pids)
-            raise SystemExit(f"design_floor: a {shape} round at depth {depth} failed: {e!r}") from None
-        t1 = _cpu(resource.RUSAGE_SELF)
-        _end([cl])
-        cl.close()
-        codes, use = _reap(pids)                       # the leader's is the first
-    if any(codes):
-        raise SystemExit(f"design_floor: a {shape} process failed (status {codes})")
-    lat.sort()
-    client_cpu = t1 - t0
-    nodes_cpu = sum(u + k for u, k in use)
-    nodes_sys = sum(k for _, k in use)
-    leader_cpu = sum(use[0])
-    return {"variant": shape, "depth": depth, "writes": writes, "per_s": round(writes / wall),
-            "p50_ms": round(lat[len(lat) // 2] * 1e3, 3), "p99_ms": round(lat[int(len(lat) * 0.99)] * 1e3, 3),
-            "client_cpu_us": round(client_cpu / writes * 1e6, 1), "nodes_cpu_us": round(nodes_cpu / writes * 1e6, 1),
-            "nodes_sys_us": round(nodes_sys / writes * 1e6, 1), "leader_cpu_us": round(leader_cpu / writes * 1e6, 1)}
+    (lat, wall), cpu = _four_processes(f"{shape} (depth {depth})", directory, writes, _node, _node, shape,
+                                       lambda cl, _: _client_pipelined(cl, writes, depth), lone=[])  # no downs
+    return {"variant": shape, "depth": depth, "writes": writes, "per_s": round(writes / wall), **_latency(lat),
+            **cpu}
 
 
 def fio_round(directory: str, depth: int, seconds: float) -> dict:

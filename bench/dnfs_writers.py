@@ -17,18 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import subprocess
-import tempfile
 
-from bench.dnfs_ab import _py
+from bench.dnfs_variant import VARIANT_HELP, fio, mounted_cluster, py, variants
 from tools.cluster import cpu_seconds as _cpu
 
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-
-
 def _stats(code: str, mnt: pathlib.Path) -> dict:
-    r = _py(code, "-m", "client.fs.cli", "stats", str(mnt), "--json", check=False)
+    r = py(code, "-m", "client.fs.cli", "stats", str(mnt), "--json", check=False)
     try:
         return json.loads(r.stdout)
     except ValueError:
@@ -44,17 +39,10 @@ def _per(s0: dict, s1: dict, key: str, n: int) -> float | None:
     return None if a is None or b is None else (b - a) / max(1, n)
 
 
-def _fio(mnt: pathlib.Path, jobs: int, a) -> dict:
-    r = subprocess.run(["fio", f"--name=w{jobs}", f"--directory={mnt}", "--ioengine=psync", "--fallocate=none",
-                        "--rw=write", "--bs=4k", f"--size={a.size}", "--fdatasync=1", f"--runtime={a.seconds}",
-                        "--time_based", f"--numjobs={jobs}", "--group_reporting", "--output-format=json"],
-                       capture_output=True, text=True, check=True)
-    return json.loads(r.stdout[r.stdout.index("{"):])["jobs"][0]
-
-
 def phase(code: str, pid: int, mnt: pathlib.Path, jobs: int, a) -> dict:
     s0, c0 = _stats(code, mnt), _cpu(pid)
-    j = _fio(mnt, jobs, a)
+    j = fio(mnt, f"w{jobs}", "--rw=write", "--bs=4k", f"--size={a.size}", "--fdatasync=1", f"--runtime={a.seconds}",
+            "--time_based", f"--numjobs={jobs}", "--group_reporting")
     cpu = _cpu(pid) - c0
     s1 = _stats(code, mnt)
     w, n = j["write"], j["write"]["total_ios"]
@@ -66,21 +54,8 @@ def phase(code: str, pid: int, mnt: pathlib.Path, jobs: int, a) -> dict:
 
 
 def one(code: str, opts: list[str], a, work: pathlib.Path) -> str:
-    root = pathlib.Path(tempfile.mkdtemp(prefix="dnfs-writers-", dir=work))
-    mnt = root / "mnt"
-    mnt.mkdir()
-    cl = root / "cluster"
-    _py(code, "-c", f"import pathlib; from tools import cluster as cl; cl.up(pathlib.Path({str(cl)!r}), 3, "
-                    f"sync='always')")
-    mounted = False
-    try:
-        nodes = json.loads((cl / "cluster.json").read_text())["nodes"]
-        _py(code, "-m", "tools.dnctl", "partition", "create", "--id", "1", "--replicas",
-            ",".join(n["addr"] for n in nodes))
-        out = _py(code, "-m", "client.fs.cli", "mount", "--cluster", str(cl), "--json", "--log",
-                  str(root / "mount.log"), *opts, str(mnt)).stdout
-        pid = json.loads(out)["pid"]
-        mounted = True
+    with mounted_cluster(code, opts, work, "dnfs-writers-") as m:
+        pid, mnt = m.pid, m.mnt
         r1 = phase(code, pid, mnt, 1, a)
         r8 = phase(code, pid, mnt, 8, a)
 
@@ -91,32 +66,19 @@ def one(code: str, opts: list[str], a, work: pathlib.Path) -> str:
             return (f"{r['iops']:6.0f} IOPS p50 {r['p50']:5.2f} p99 {r['p99']:6.2f} ms cpu {r['cpu_ms']:.3f} "
                     f"ms/op{wal}")
         return f"j1 {show(r1)} | j8 {show(r8)} | j8/j1 {r8['iops'] / r1['iops']:.2f}x"
-    finally:
-        if mounted:
-            _py(code, "-m", "client.fs.cli", "umount", str(mnt), check=False)
-        _py(code, "-c", f"import pathlib; from tools import cluster as cl; cl.down(pathlib.Path({str(cl)!r}))",
-            check=False)
-        subprocess.run(["rm", "-rf", str(root)])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variant", action="append", required=True, metavar="NAME=DIR[:MOUNT-OPTIONS]")
+    ap.add_argument("--variant", action="append", required=True, metavar=VARIANT_HELP)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seconds", type=int, default=15, help="each phase's fio --runtime")
     ap.add_argument("--size", default="256M", help="each writer's fio --size (the harness's j8 row: 256M)")
     ap.add_argument("--dir", default="/var/tmp", help="where the clusters and mounts go")
     a = ap.parse_args()
-    variants = []
-    for v in a.variant:
-        name, sep, rest = v.partition("=")
-        code, _, opts = rest.partition(":")
-        code = str(pathlib.Path(code).resolve())
-        if not sep or not (pathlib.Path(code) / "client" / "fs").is_dir():
-            ap.error(f"--variant {v!r}: expected NAME=DIR[:MOUNT-OPTIONS], DIR a checkout (with client/fs/)")
-        variants.append((name, code, opts.split()))
+    runs = variants(ap, a.variant)
     for r in range(a.rounds):
-        for name, code, opts in variants:
+        for name, code, opts in runs:
             print(f"{name:10} round {r}  {one(code, opts, a, pathlib.Path(a.dir))}", flush=True)
 
 

@@ -1,6 +1,7 @@
 """How a default secured cluster copes as its partition count grows.
 
     python -m bench.scale --partitions 10,100,1000 [--nodes 3] [--clients 50] [--json] [--plot scale.png]
+    python -m bench.scale --sim 300 --partitions 30000     (simulated nodes: bench/scale_sim.py)
 
 For each partition count N, in a fresh temporary directory on free ports, the bench does what an operator
 would with ``dnctl``: ``cluster up --nodes 3`` (etcd with one user per component, the cluster secret on),
@@ -23,10 +24,12 @@ command's limit), and then measures, one row each:
 * controlled stop: SIGTERM (``cluster stop-node``) the live node holding the most replicas: seconds until
   its process exits (it hands off first: datanode/drain.py); ``cluster start-node``: seconds until every
   partition is back to its replica count, all synced, and how many were not 60 s after the restart;
-* clients opening at once: ``--clients K`` processes, each importing first, then all told "go" together,
-  each opens a ``DataClient`` on the etcd map with the cluster's client credentials (the secret claiming the
-  client role, the etcd user ``mount``) and reads the partition map: failures, p50/p99 open time, and the
-  most TCP connections to etcd's client port (``ss``) seen meanwhile.
+* clients opening at once: ``--clients K`` SDK clients (bench/client_storm.py; ``--clients-per-process``
+  to a process, each client from its own loopback address), all imported first, then told "go" together;
+  each opens a ``DataClient`` with the cluster's client credentials (the secret claiming the client role,
+  the etcd user ``mount``) and the nodes' addresses, reading the partition map through a node (the
+  default): failures, p50/p99 open time, the datanodes' CPU per open, etcd logins, and the most TCP
+  connections to etcd's client port (``ss``) seen meanwhile.
 
 Every step has a timeout (``--step-timeout``) and reports "timeout" rather than hanging; every process it
 starts is stopped at the end (also on Ctrl-C, SIGTERM or an error).  The map and the SDK run in-process from
@@ -275,127 +278,24 @@ async def failover(root: pathlib.Path, info: dict, et, timeout: float, concurren
     return out
 
 
-async def clients_at_once(info: dict, k: int, timeout: float) -> dict:
-    """K processes open an SDK client together; each reads the map; open time per process, failures, and the
-    most etcd client connections seen."""
-    port = int(info["etcd"]["url"].rpartition(":")[2])
-    env = {**os.environ, "SCALE_ETCD": info["etcd"]["url"], "SCALE_SECRET": info["config"]["secret_file"],
-           "SCALE_ETCD_ACCESS": json.dumps(cl.local_access_files(info["etcd"], "mount"))}
-    baseline = etcd_connections(port)
-    procs: list[trio.Process] = []
-    results: list[dict] = []
-    peak = [baseline]
-
-    async def sample(stop: trio.Event) -> None:
-        while not stop.is_set():
-            peak[0] = max(peak[0], await trio.to_thread.run_sync(etcd_connections, port))
-            await trio.sleep(0.05)
-
-    try:
-        with trio.move_on_after(timeout) as scope:
-            for _ in range(k):
-                procs.append(await trio.lowlevel.open_process(
-                    [sys.executable, "-m", "bench.scale", "--_client"], env=env, cwd=str(REPO),
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL))
-            readers = [_Lines(p.stdout) for p in procs]
-            # every process has imported what it needs before any is told to go: the time is the open's alone
-            async with trio.open_nursery() as n:
-                for r in readers:
-                    n.start_soon(r.line)
-            stop = trio.Event()
-            async with trio.open_nursery() as n:
-                n.start_soon(sample, stop)
-                for p in procs:
-                    await p.stdin.send_all(b"go\n")
-
-                async def result(r: _Lines) -> None:
-                    line = await r.line()
-                    try:
-                        results.append(json.loads(line))
-                    except ValueError:
-                        results.append({"ok": False, "error": f"no answer ({line[:80]!r})"})
-                async with trio.open_nursery() as n2:
-                    for r in readers:
-                        n2.start_soon(result, r)
-                await trio.sleep(0.2)         # every client still open: one more look at the connections
-                stop.set()
-            for p in procs:                   # now they may close
-                try:
-                    await p.stdin.send_all(b"close\n")
-                except trio.BrokenResourceError:
-                    pass
-            for p in procs:
-                await p.wait()
-    finally:
-        for p in procs:
-            if p.returncode is None:
-                p.kill()
-                with trio.move_on_after(5) as s:
-                    s.shield = True
-                    await p.wait()
-    ok = sorted(r["open_s"] for r in results if r.get("ok"))
-    fails = k - len(ok)
+async def clients_at_once(root: pathlib.Path, k: int, per_process: int, timeout: float) -> dict:
+    """K SDK clients open together (bench/client_storm.py: in processes of ``per_process`` clients, each from
+    its own loopback address), the map through the nodes as by default; failures, open time, and the most
+    etcd client connections seen -- which must not grow with K."""
+    from bench.client_storm import storm
+    # (each client's open gives up at its own deadline, so the storm ends within the step's time)
+    r = await trio.to_thread.run_sync(lambda: storm(root, k, per_process, timeout=min(30.0, timeout / 2),
+                                                    via="auto"))
     errs: dict[str, int] = {}
-    for r in results:
-        if not r.get("ok"):
-            errs[r.get("error", "?")[:160]] = errs.get(r.get("error", "?")[:160], 0) + 1
-    out = {"clients": k, "clients_failed": fails, "clients_errors": errs,
-           "etcd_connections_peak": peak[0], "etcd_connections_before": baseline,
-           "clients_partitions_seen": sorted({r.get("partitions") for r in results if r.get("ok")})}
-    if scope.cancelled_caught:
-        out["clients_failed"] = k - len(ok)
-        out["clients_errors"]["step timeout"] = k - len(results)
-    out["clients_open_p50_s"] = round(_pct(ok, 50), 3) if ok else TIMEOUT
-    out["clients_open_p99_s"] = round(_pct(ok, 99), 3) if ok else TIMEOUT
-    return out
-
-
-def _pct(xs: list[float], q: float) -> float:
-    return xs[min(len(xs) - 1, max(0, math.ceil(q / 100 * len(xs)) - 1))]
-
-
-class _Lines:
-    """Lines from a pipe, one at a time."""
-
-    def __init__(self, stream):
-        self.stream, self.buf = stream, b""
-
-    async def line(self) -> str:
-        while b"\n" not in self.buf:
-            chunk = await self.stream.receive_some(4096)
-            if not chunk:
-                line, self.buf = self.buf, b""
-                return line.decode(errors="replace")
-            self.buf += chunk
-        line, _, self.buf = self.buf.partition(b"\n")
-        return line.decode(errors="replace")
-
-
-def client_main() -> None:
-    """One of ``--clients``: import, say ready, wait for go, open a client and read the map, answer, wait."""
-    from client.sdk import DataClient
-    from wire.etcdmap import EtcdAccess
-
-    async def go() -> dict:
-        stdin = trio.lowlevel.FdStream(os.dup(0))
-        lines = _Lines(stdin)
-        print("ready", flush=True)
-        await lines.line()
-        t0 = time.monotonic()
-        try:
-            with trio.fail_after(60):
-                async with DataClient.from_env(etcd=os.environ["SCALE_ETCD"], secret=os.environ["SCALE_SECRET"],
-                                           role="client", etcd_access=EtcdAccess.load(
-                                               **json.loads(os.environ["SCALE_ETCD_ACCESS"])),
-                                           timeout=30, pool_mib=2) as dc:
-                    n = len(dc.partitions)
-                    el = time.monotonic() - t0
-                    print(json.dumps({"ok": True, "open_s": el, "partitions": n}), flush=True)
-                    with trio.move_on_after(60):
-                        await lines.line()    # stay open until every client has answered
-        except Exception as e:  # noqa: BLE001 - reported to the bench, which counts it
-            print(json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}"}), flush=True)
-    trio.run(go)
+    for e in r["errors"]:
+        errs[e[:160]] = errs.get(e[:160], 0) + 1
+    return {"clients": k, "clients_failed": r["failed"], "clients_errors": errs,
+            "etcd_connections_peak": r["etcd_connections_peak"],
+            "etcd_connections_before": r["etcd_connections_before"],
+            "clients_etcd_logins": r["etcd_authenticate"], "clients_node_cpu_ms": r["nodes_cpu_ms_per_client"],
+            "clients_partitions_seen": r["partitions_seen"],
+            "clients_open_p50_s": r["open_p50_s"] if r["failed"] < k else TIMEOUT,
+            "clients_open_p99_s": r["open_p99_s"] if r["failed"] < k else TIMEOUT}
 
 
 # -- one cluster ----------------------------------------------------------------------------------------------
@@ -509,7 +409,7 @@ async def run_one(root: pathlib.Path, n: int, a: argparse.Namespace) -> dict:
         fig.setdefault(key, fig.get("stop_resync_s") if isinstance(fig.get("stop_resync_s"), str) else TIMEOUT)
 
     if a.clients:
-        res = await step("clients_open_p50_s", clients_at_once, info, a.clients, T)
+        res = await step("clients_open_p50_s", clients_at_once, root, a.clients, a.clients_per_process, T)
         if res:
             fig.update(res)
         else:
@@ -595,6 +495,7 @@ ROWS = [
     ("clients at once: open p50, s", "clients_open_p50_s", None),
     ("clients at once: open p99, s", "clients_open_p99_s", None),
     ("clients at once: etcd connections (peak)", "etcd_connections_peak", None),
+    ("clients at once: datanode CPU per open, ms (all nodes)", "clients_node_cpu_ms", None),
     ("daemons that died of an exception", "crashed_processes", None),
 ]
 
@@ -648,19 +549,26 @@ def plot(runs: list[dict], path: str) -> str | None:
 
 
 def main() -> None:
-    if sys.argv[1:] == ["--_client"]:
-        return client_main()
+    if "--sim" in sys.argv[1:]:               # the simulated cluster: bench/scale_sim.py, its own figures
+        from bench import scale_sim
+        argv = ["--nodes" if x == "--sim" else x for x in sys.argv[1:]]
+        sys.exit(scale_sim.main(argv))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--partitions", default="10,100",
                     help="comma-separated partition counts; a fresh cluster for each (default: 10,100)")
     ap.add_argument("--nodes", type=int, default=3)
-    ap.add_argument("--clients", type=int, default=10, help="processes opening a client at once (0: skip)")
+    ap.add_argument("--clients", type=int, default=10, help="SDK clients opening at once (0: skip)")
+    ap.add_argument("--clients-per-process", type=int, default=50,
+                    help="clients opened by one process (a thousand processes do not fit a small machine)")
     ap.add_argument("--concurrency", type=int, default=32, help="the failover's writes in flight at most")
     ap.add_argument("--step-timeout", type=float, default=600.0,
                     help="seconds any one step may take before it is reported as a timeout")
     ap.add_argument("--dir", help="keep the clusters' data and logs here (default: a temp dir, removed)")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON (the table goes to stderr)")
     ap.add_argument("--plot", metavar="FILE.png", help="each figure against partitions (matplotlib)")
+    ap.add_argument("--sim", type=int, metavar="NODES",
+                    help="instead: the real manager and etcd against NODES simulated nodes in this process, "
+                         "--partitions N of them (python -m bench.scale_sim --help)")
     a = ap.parse_args()
     counts = [int(x) for x in a.partitions.split(",") if x.strip()]
     if shutil.which("etcd") is None:

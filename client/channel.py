@@ -26,6 +26,7 @@ from wire.transport.base import Access, ConnectionClosed, Domain, TransportError
 from wire.transport.connect import AuthError, NotAdmitted
 
 ADMIN_ANSWER = 1 << 20      # bytes of landing memory an admin request reserves for its JSON answer
+HUGE_POOL_MIB = 16          # pools of at least this many MiB each go on huge pages (BuddyPool.huge_pages)
 
 
 class ClientError(Exception):
@@ -98,16 +99,20 @@ class Channel:
     the metrics of every request it sends."""
 
     def __init__(self, nursery: trio.Nursery, domain: Domain, auth: DialAuth, *, transport: str, timeout: float,
-                 max_block: int, pool_mib: int, inline_max: int):
+                 max_block: int, pool_mib: int, inline_max: int, source: str = ""):
         self.domain = domain
         self.timeout = timeout
         self.inline_max = inline_max
-        self.wpool = BuddyPool(pool_mib << 20, max_block)
-        self.rpool = BuddyPool(pool_mib << 20, max_block)
+        # huge pages for the pools of a client that moves data in bulk; a small one (a map reader, a short
+        # script) would pay their first touches -- each may stall on the kernel's compaction -- at its open
+        huge = pool_mib >= HUGE_POOL_MIB
+        self.wpool = BuddyPool(pool_mib << 20, max_block, huge_pages=huge)
+        self.rpool = BuddyPool(pool_mib << 20, max_block, huge_pages=huge)
         self.wregion = domain.register(self.wpool.arena, self.wpool.base_addr, Access.REMOTE_READ, scoped=True)
         self.rregion = domain.register(self.rpool.arena, self.rpool.base_addr,
                                        Access.LOCAL_WRITE | Access.REMOTE_WRITE, scoped=True)
-        self.links = Links(nursery, domain, transport=transport, slots=64, connect_timeout=timeout, auth=auth)
+        self.links = Links(nursery, domain, transport=transport, slots=64, connect_timeout=timeout, auth=auth,
+                           source=source)
         # an admin answer reserves ADMIN_ANSWER of the receive pool for the whole request: more admin
         # requests at once than the pool holds would wait for memory and fail ("pool exhausted") -- a
         # manager moving many partitions at once sends hundreds -- so the excess waits here, unhurried

@@ -24,10 +24,12 @@ reaches only its volume's partitions: ``put`` picks among those (``learn_volume`
 client also checks the MAC of every view it reads (wire/mapcheck.py).  TLS: ``tls_ca=``
 a CA bundle or an ``ssl.SSLContext``: every connection then speaks TLS and checks the node's certificate
 (wire/transport/tls.py).  Connections: ``options=`` a TransportOptions (congestion control, RDMA device and
-tuning).  The client is configured by these arguments only; a program configured by its environment opens
-it with ``DataClient.from_env`` instead, which fills in what is not given from $DATANODE_SECRET_FILE,
-$DATANODE_TLS_CA, $DATANODE_ETCD_CREDENTIALS/_CA/_CERT/_KEY and $DATANODE_<FIELD> for each option
-(``TransportOptions.from_env``), and starts tracing where $DATANODE_TRACE asks.
+tuning); ``source_address=`` the local IP address every connection is made from (a host with several
+addresses; the datanodes' per-address limits count by it).  The client is configured by these arguments
+only; a program configured by its environment opens it with ``DataClient.from_env`` instead, which fills
+in what is not given from $DATANODE_SECRET_FILE, $DATANODE_TLS_CA, $DATANODE_ETCD_CREDENTIALS/_CA/_CERT/_KEY
+and $DATANODE_<FIELD> for each option (``TransportOptions.from_env``), and starts tracing where
+$DATANODE_TRACE asks.
 """
 from __future__ import annotations
 
@@ -67,7 +69,8 @@ class DataClient:
                  etcd: str | None = None, etcd_prefix: str = DEFAULT_PREFIX, etcd_access: EtcdAccess | None = None,
                  secret: "str | Credentials | None" = None, role: str | None = None,
                  tls_ca: "str | ssl.SSLContext | None" = None, options: TransportOptions | None = None,
-                 inline_max: int = INLINE_MAX, read_from: str = "leader", map_via: str = "auto"):
+                 inline_max: int = INLINE_MAX, read_from: str = "leader", map_via: str = "auto",
+                 source_address: str = ""):
         if block_size & (block_size - 1) or not (4096 <= block_size <= 4 << 20):
             raise ValueError("block_size must be a power of two between 4 KiB and 4 MiB")
         if role is not None and role not in ROLE_NAMES:
@@ -94,7 +97,7 @@ class DataClient:
         self.domain = domain or make_domain(transport, options)
         channel = self._channel = Channel(nursery, self.domain, self.auth, transport=transport, timeout=timeout,
                                           max_block=max(block_size, 1 << 20), pool_mib=pool_mib,
-                                          inline_max=self.inline_max)
+                                          inline_max=self.inline_max, source=source_address)
         self.links, self.metrics = channel.links, channel.metrics
         self.wpool, self.rpool, self.wregion, self.rregion = (channel.wpool, channel.rpool, channel.wregion,
                                                               channel.rregion)

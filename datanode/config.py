@@ -253,6 +253,11 @@ class StoreConfig:
     direct_reads: bool = key(True, "bool", "big aligned reads of bytes not in the page cache use O_DIRECT (false: "
                              "the page cache)")
     direct_writes: bool = key(True, "bool", "big aligned appends use O_DIRECT (false: the page cache)")
+    lean_appends: bool = key(True, "bool", "which path serves a plain inline append on TCP -- a client's to a "
+                             "partition whose only replica is this node, a leader's forward to a follower here: "
+                             "true, the connection's data-plane thread (CRC, pwrite, a flush shared with the "
+                             "appends queued meanwhile; datanode/ops/lean.py); false, the WRITE handler's task like "
+                             "every other append")
 
 
 @dataclasses.dataclass
@@ -332,8 +337,9 @@ class AdmissionConfig:
                                         "loopback)", at_least(0, "must be >= 0 (0: no per-host limit)"))
     idle_timeout_s: float = key(600.0, "seconds", "a connection with nothing in flight this long is closed (0: "
                                 "never)", at_least(0, "must be >= 0 seconds (0: never)"))
-    idle_max: int = key(128, "count", "idle client connections (nothing in flight) kept at once; beyond, the least "
-                        "recently active are closed (0: no limit)", at_least(0, "must be >= 0 (0: no limit)"))
+    idle_max: int = key(128, "count", "idle client connections (nothing in flight; an authenticated one past "
+                        "hello_timeout since its hello) kept at once; beyond, the least recently active are closed "
+                        "(0: no limit)", at_least(0, "must be >= 0 (0: no limit)"))
     idle_per_host: int = key(32, "count", "idle client connections kept from one host; beyond, its least recently "
                              "active are closed (0: no limit)", at_least(0, "must be >= 0 (0: no limit)"))
     max_inflight: int = key(0, "count", "requests one connection may have in flight; more are answered BUSY at once "

@@ -26,11 +26,12 @@ import trio
 
 from wire.protocol import OP_SINCE, Header, Op
 from wire.transport.base import TransportError
-from .repairkit import RepairAbort
+from .repairkit import JSON_ANSWER, RepairAbort
 
 log = logging.getLogger(__name__)
 PAGE = 16384            # partitions per NODE_HEALTH answer: under 0.75 MiB of JSON, within JSON_ANSWER
 PROBE_CONCURRENCY = 32  # per-partition probes in flight to one follower node (after a change, a restart)
+MISSING_RECHECK_S = 5.0  # a follower that lacks the partition and does not list it: probed this often
 
 
 def follower_token(part) -> int:
@@ -123,10 +124,11 @@ class HealthProber:
             self._nodes.discard(addr)
 
     async def _beat_node(self, addr: str, items: list) -> None:
+        listed = True                   # the answer lists every partition it holds that we lead
         try:
             tokens = await self._tokens(addr)
         except Unsupported:
-            tokens = {}                 # an older node: every partition is probed on its own
+            tokens, listed = {}, False  # an older node: every partition is probed on its own
         except RepairAbort as e:        # unreachable, or an unreadable answer
             for w, part in items:
                 w.unreachable(addr, e)
@@ -140,6 +142,11 @@ class HealthProber:
             if (base is not None and h.state == "healthy" and not h.came_back
                     and tokens.get(part.pid) == base[0] and leader_token(part) == base[1]):
                 h.last_contact = now    # answered, and nothing changed on either side since it was healthy
+            elif (h is not None and h.missing is not None and listed and part.pid not in tokens
+                    and time.monotonic() - h.missing < MISSING_RECHECK_S):
+                h.last_contact = now    # it still does not hold the partition (a new replica whose create has
+                                        # not come yet): probing it, and repairing it, would only hear so again
+                                        # (now and then it is, in case its copy names another leader)
             else:
                 todo.append((w, part))
         if not todo:
@@ -175,7 +182,7 @@ class HealthProber:
         start = 0
         while True:
             self.counters.health_node_probes += 1
-            ans = await self.rep.call_json(addr, Header(opcode=Op.NODE_HEALTH, arg=start))
+            ans = await self.rep.call_json(addr, Header(opcode=Op.NODE_HEALTH, arg=start), room=JSON_ANSWER)
             try:
                 for pid, tok in ans["tokens"]:
                     out[int(pid)] = tok

@@ -9,10 +9,13 @@ a client holding the cluster's key accepts.  How it fits: docs/architecture.md, 
 """
 from __future__ import annotations
 
+import json
+
 import trio
 
 PAGE_BYTES = 256 << 10      # an answer's entries stop near this size (well under a client's answer buffer)
 WAIT_MAX_S = 10.0           # a long poll waits at most this long for a change (clients wait less)
+ANSWERS_KEPT = 32           # encoded answers kept for the copy's current state (a large map's pages, ...)
 
 
 class MapCopy:
@@ -28,6 +31,7 @@ class MapCopy:
         self.ready = False                   # read from etcd at least once
         self.closed = False                  # the node stops: waiters answer at once
         self._ev = trio.Event()
+        self._answers: dict[tuple, bytes] = {}   # (from rev, page, fresh) -> encoded answer, at self.rev
 
     def event(self, typ: str, key: str, value: bytes, rev: int, served: int = 0) -> None:
         """One watch event (``PUT`` or ``DELETE``) at mod revision ``rev`` (served at ``served`` if later)."""
@@ -40,6 +44,7 @@ class MapCopy:
         elif cur is not None:
             del self.kv[key]
             self.gone[key] = rev
+        self._answers.clear()
         self._advance(rev)
 
     def reload(self, kvs: list[tuple[str, bytes, int]], rev: int) -> None:
@@ -52,6 +57,7 @@ class MapCopy:
             if key not in seen and mod <= rev:
                 self.event("DELETE", key, b"", rev)
         self.ready = True
+        self._answers.clear()
         self._advance(rev)
 
     def _advance(self, rev: int) -> None:
@@ -80,6 +86,20 @@ class MapCopy:
             size += len(key) + len(text) + 32
         return {"ready": self.ready, "fresh": bool(self.fresh()), "rev": through, "more": len(out) < len(changed),
                 "entries": out}
+
+    def answer(self, rev: int, page: int = PAGE_BYTES) -> bytes:
+        """``since(rev, page)`` encoded, as a MAP_READ answer.  Clients ask from the same few revisions -- 0 at
+        their open, the copy's last revision once a change wakes their long polls -- so each answer is
+        encoded once per revision of the copy and served to all of them: a thousand clients opening or
+        woken together cost the node one pass over the map, not one each."""
+        key = (rev, page, bool(self.fresh()))
+        data = self._answers.get(key)
+        if data is None:
+            data = json.dumps(self.since(rev, page)).encode()
+            if len(self._answers) >= ANSWERS_KEPT:
+                self._answers.pop(next(iter(self._answers)))
+            self._answers[key] = data
+        return data
 
     async def wait_past(self, rev: int, timeout: float) -> None:
         """Until the copy is past ``rev``, ``timeout`` ran out, or the node stops."""

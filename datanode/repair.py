@@ -65,15 +65,15 @@ from wire.pool import BuddyPool, PoolExhausted
 from wire.protocol import BodyError, Flag, Header, Op, Result, decode_view
 from . import viewguard
 from .health import HealthProber, leader_token
-from .repairkit import MiB, NotHosted, RateLimiter, RepairAbort, _name
+from .repairkit import JSON_ANSWER, JSON_FIRST, MiB, NotHosted, RateLimiter, Refused, RepairAbort, _name
 from .scrub import ScrubPasses, scrub_range
+from .statebatch import StateAsks
 from .store import BLOCK, StoreError
 from wire.transport.base import Access, TransportError
 
 log = logging.getLogger(__name__)
 REPAIR_DEPTH = 4          # repair chunks in flight to one follower
 FIRST_SCRUB_HEARTBEATS = 3  # a partition opened without full verification is scrubbed this soon after start
-JSON_ANSWER = 1 << 20
 
 
 @dataclasses.dataclass
@@ -91,6 +91,8 @@ class ReplicaHealth:
     repaired_bytes: int = 0         # bytes repair copied to it while this node led the partition (all passes)
     base: tuple | None = None       # (its token, ours) when a probe last found it healthy: unchanged since, it
                                     # still is (datanode/health.py)
+    missing: float | None = None    # when it answered that it does not host the partition: probed again once
+                                    # its NODE_HEALTH lists it, or MISSING_RECHECK_S later (datanode/health.py)
 
     def to_dict(self) -> dict:
         now = time.time()
@@ -169,6 +171,8 @@ class RepairCounters:
     health_beats: int = 0             # heartbeats of the node's prober (datanode/health.py)
     health_node_probes: int = 0       # NODE_HEALTH requests it sent (one per follower node per beat and page)
     health_partition_probes: int = 0  # partitions it sent through their own probe (changed, or not healthy)
+    state_batches: int = 0            # REPLICA_STATES sent for view checks and new replicas' volumes
+    state_singles: int = 0            # ... and REPLICA_STATE (an older peer; an answer too large for a batch)
 
 
 class Repairer:
@@ -194,6 +198,7 @@ class Repairer:
         self.workers: dict[int, PartitionWorker] = {}
         self._kick = trio.Event()
         self.prober = HealthProber(self)
+        self.state_asks = StateAsks(self)   # the view checks' and new replicas' asks, together per node
 
     @property
     def links(self):
@@ -231,6 +236,19 @@ class Repairer:
         out.update(w.describe())
         return out
 
+    def fill_summary(self) -> dict:
+        """Each partition led here: its epoch, each follower's state and whether a repair pass is running
+        ({"partitions": {id: [epoch, {addr: state}, running]}}: about 100 bytes each, within an admin
+        answer at MAX_PARTITIONS_PER_NODE)."""
+        out = {}
+        for pid, w in list(self.workers.items()):
+            part = w.part()
+            if part is None:
+                continue
+            out[str(pid)] = [part.epoch, {a: w.replicas[a].state for a in part.replicas[1:] if a in w.replicas},
+                             w.running == "repair"]
+        return {"partitions": out}
+
     # -- talking to peers ------------------------------------------------------------------------------
     async def call(self, addr: str, h: Header, timeout: float | None = None) -> Header:
         try:
@@ -239,35 +257,43 @@ class Repairer:
         except (TransportError, OSError) as e:
             raise RepairAbort(f"{addr}: {e}") from None
 
-    async def call_json(self, addr: str, h: Header, timeout: float | None = None):
-        """A request whose JSON answer the peer WRITEs into our landing region."""
-        try:
-            block = await self.landing.alloc(JSON_ANSWER, timeout=self.cfg.pool_wait)
-        except PoolExhausted as e:
-            raise RepairAbort(str(e)) from None
-        try:
-            h = dataclasses.replace(h, addr=block.addr, rkey=self.landing_region.rkey, rlen=JSON_ANSWER)
-            r = await self.call(addr, h, timeout)
-            if r.result == Result.NOT_FOUND:
-                raise NotHosted(f"{addr}: {h.describe()} -> NOT_FOUND")
-            if r.result != Result.OK:
-                raise RepairAbort(f"{addr}: {h.describe()} -> {_name(r.result)}")
+    async def call_json(self, addr: str, h: Header, timeout: float | None = None, room: int = JSON_FIRST):
+        """A request whose JSON answer the peer WRITEs into our landing region: into a block of ``room``
+        bytes, and once more into one as large as it needs (at most ``JSON_ANSWER``) if that was too small.
+        Most answers are a few hundred bytes: a block of ``JSON_ANSWER`` each would let only 8 requests of
+        the node's repairs, probes and view checks be under way at once."""
+        r = None
+        while True:
             try:
-                if not 0 < r.length <= JSON_ANSWER:
-                    raise ValueError(f"{r.length} bytes")
-                body = json.loads(bytes(block.view(r.length)))
-                if not isinstance(body, dict):
-                    raise ValueError(f"a JSON {type(body).__name__}, not an object")
-            except ValueError as e:     # a peer's malformed answer fails this step, never the worker
-                raise RepairAbort(f"{addr}: {h.describe()} -> unreadable answer ({e})") from None
-            return body
-        finally:
-            self.landing.free(block)
+                block = await self.landing.alloc(room, timeout=self.cfg.pool_wait)
+            except PoolExhausted as e:
+                raise RepairAbort(str(e)) from None
+            try:
+                h = dataclasses.replace(h, addr=block.addr, rkey=self.landing_region.rkey, rlen=room)
+                r = await self.call(addr, h, timeout)
+                if r.result == Result.SHORT_BUFFER and room < r.arg <= JSON_ANSWER:
+                    room = r.arg
+                    continue
+                if r.result == Result.NOT_FOUND:
+                    raise NotHosted(f"{addr}: {h.describe()} -> NOT_FOUND")
+                if r.result != Result.OK:
+                    raise Refused(f"{addr}: {h.describe()} -> {_name(r.result)}")
+                try:
+                    if not 0 < r.length <= room:
+                        raise ValueError(f"{r.length} bytes")
+                    body = json.loads(bytes(block.view(r.length)))
+                    if not isinstance(body, dict):
+                        raise ValueError(f"a JSON {type(body).__name__}, not an object")
+                except ValueError as e:     # a peer's malformed answer fails this step, never the worker
+                    raise RepairAbort(f"{addr}: {h.describe()} -> unreadable answer ({e})") from None
+                return body
+            finally:
+                self.landing.free(block)
 
     async def replica_state(self, addr: str, pid: int) -> dict:
         """``addr``'s REPLICA_STATE of partition ``pid`` (any epoch): its view, extents, and whether its copy
         is known synced (a view's new leader is asked this: ops/partitions.py)."""
-        return await self.call_json(addr, Header(opcode=Op.REPLICA_STATE, partition=pid))
+        return await self.state_asks.ask(addr, pid)
 
     async def scrub_local(self, part, extent: int, offset: int, length: int) -> dict:
         return await trio.to_thread.run_sync(scrub_range, part, extent, offset, length)
@@ -395,11 +421,13 @@ class PartitionWorker(ScrubPasses):
             st = await self.rep.call_json(addr, Header(opcode=Op.REPLICA_STATE, partition=self.pid,
                                                        epoch=part.epoch))
         except NotHosted:      # being created right now, or lost: `dnctl partition sync` creates it
-            h.state, h.error, h.came_back = "lagging", "does not host the partition", True
+            h.state, h.error, h.came_back, h.missing = ("lagging", "does not host the partition", True,
+                                                        time.monotonic())
             return
         except RepairAbort as e:
             self.unreachable(addr, e)
             return
+        h.missing = None
         was_down = h.state in ("unreachable", "unknown")
         h.last_contact, h.epoch, h.error = time.time(), st["epoch"], ""
         if st["epoch"] > part.epoch:
@@ -580,6 +608,7 @@ class PartitionWorker(ScrubPasses):
                     results[addr] = "ok"
                 except NotHosted as e:
                     h.state, h.error = "lagging", f"does not host the partition ({e})"
+                    h.missing = time.monotonic()
                     results[addr] = "not hosting the partition"
                 except RepairAbort as e:
                     self.rep.counters.repair_errors += 1

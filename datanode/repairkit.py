@@ -7,6 +7,8 @@ import trio
 from wire.protocol import Result
 
 MiB = 1 << 20
+JSON_ANSWER = 1 << 20     # the largest JSON answer taken from a peer
+JSON_FIRST = 64 << 10     # the room first given to one (most are far smaller): a larger answer is asked again
 
 
 class RepairAbort(Exception):
@@ -30,7 +32,11 @@ class RateLimiter:
         await trio.sleep_until(start)
 
 
-class NotHosted(RepairAbort):
+class Refused(RepairAbort):
+    """The peer answered the request with an error (its result code is in the message)."""
+
+
+class NotHosted(Refused):
     """The peer does not host the partition (or the extent)."""
 
 

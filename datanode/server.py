@@ -42,6 +42,7 @@ from .ops.append import Appends
 from .ops.base import RequestCounters
 from .ops.buffers import Buffers
 from .ops.data import DataOps
+from .ops.lean import Lean
 from .ops.mapread import MapOps
 from .ops.partitions import Partitions, ViewRefused
 from .ops.repair import RepairOps
@@ -187,8 +188,10 @@ class Node:
                                self.drain).handlers(),
                     **RepairOps(self.partitions, self.buffers, self.repair.counters).handlers(),
                     **MapOps(self.agent.copy if self.agent else None, self.buffers, self.serving).handlers()}
+        self.lean = (Lean(self.me, self.table, self.replication, self.counters, cfg.sync == config_mod.SyncMode.ALWAYS,
+                          self.commit.here) if cfg.lean_appends else None)
         self.wrap = Wrap(cfg=cfg, serving=self.serving, table=self.table, counters=self.counters,
-                         metrics=self.metrics, audit=self.audit, handlers=handlers, now=appends.now)
+                         metrics=self.metrics, audit=self.audit, handlers=handlers, now=appends.now, lean=self.lean)
 
     @property
     def state(self) -> str:

@@ -98,13 +98,16 @@ class Redundancy:
         return sum(now - t >= self.warn_after_s for t in self.since.values())
 
     # -- stale copies -------------------------------------------------------------------------------------------
-    async def drop_stale(self, parts: dict[int, PartView], nodes: dict) -> bool:
+    async def drop_stale(self, parts, nodes: dict, only: set[str] | None = None) -> bool:
         """Ask nodes to drop copies of partitions whose view does not name them (see the module's docstring).
-        True while such a copy is reported (look again soon)."""
+        ``parts``: the views by id (``get``); ``only``: look at these nodes' registrations alone (those that
+        changed), None: at every one.  True while such a copy is reported (look again soon)."""
         now = time.monotonic()
         current = set()
         asks = []
         for addr, rec in nodes.items():
+            if only is not None and addr not in only:
+                continue
             for pid_s, pv in (rec.get("partitions") or {}).items():
                 v = parts.get(int(pid_s))
                 try:
@@ -124,9 +127,9 @@ class Redundancy:
                 n.start_soon(self._ask_drop, *ask)
         for d in (self.stale, self.asked, self.refused):
             for key in list(d):
-                if key not in current:
+                if key not in current and (only is None or key[0] in only):
                     del d[key]
-        return bool(current)
+        return bool(self.stale)
 
     async def _ask_drop(self, addr: str, v: PartView, epoch: int) -> None:
         key = (addr, v.id)

@@ -13,8 +13,11 @@ is a CAS that also requires the manager key to still hold its id, so a deposed m
 
 The active manager passes over the cached map whenever it changes (a node's lease lapsed, a view was
 written), and every ``tick_s`` while something is under way (a replica gone but not yet ``down_after_s``,
-an install to retry, a repair to follow) -- else every ``IDLE_LOOK_S``, which costs no etcd request.  Per
-partition (design and the no-acknowledged-write-lost argument: wire/etcdmap.py):
+an install to retry, a repair to follow) -- else every ``IDLE_LOOK_S``, which costs no etcd request.  A pass
+costs what changed, not the cluster: it handles the partitions the watch changed (``MapCache.follow``),
+those naming a node that came or went, and those it found unsettled last time; every ``FULL_SWEEP_S`` all
+of them, a safety net under that bookkeeping (a settled one costs a look, no task).  Per partition (design
+and the no-acknowledged-write-lost argument: wire/etcdmap.py):
 
 * **adopt**: a partition a registered leader reports that etcd does not have yet is written to etcd as it
   is (its replica count becomes ``want``; its followers become ``synced`` once the leader reports them
@@ -62,10 +65,11 @@ from prometheus_client.core import GaugeMetricFamily
 
 from client.sdk import ClientError, DataClient
 from wire.etcdmap import CREATE_TXN_MAX, Etcd, EtcdAccess, EtcdError, Lease, MapCache, PartView
-from wire.limits import DEFAULT_REPLICAS
+from wire.limits import DEFAULT_REPLICAS, nodes_error
 from wire.metrics import etcd_invalid_family
 from wire.protocol import Op, Result, Role
 from manager.combine import Combiner
+from manager.fillwatch import FillWatch
 from manager.etcdcare import EtcdCare
 from manager.redundancy import Redundancy
 from manager.tasks import ManagerTasks
@@ -76,6 +80,11 @@ STANDBY_POLL_S = 0.25     # first retry after etcd refused (doubling up to 5 s)
 STANDBY_RESYNC_S = 10.0   # a standby looks at the manager key at least this often (else: on its deletion)
 IDLE_LOOK_S = 5.0         # the active manager passes over a settled map this often (no etcd request)
 MAP_RESYNC_S = 30.0       # full re-read of the map, a safety net under the watch
+# a pass looks at the partitions that changed (the watch says which), those of a node that came or went, and
+# those not settled at the last pass -- an event costs O(what it changed), not O(cluster) -- and at every
+# partition this often, a safety net under that bookkeeping
+FULL_SWEEP_S = 30.0
+STALE_LOOK_S = 1.0        # copies etcd's views do not name: looked for at most this often (grace: 5 s)
 # partitions whose new replica is being filled: their leaders are asked how far (PARTITION_HEALTH) every pass
 # while at most FILLING_EACH_PASS are; with more, each at most every FILLED_LOOK_S -- a refill of a thousand
 # partitions must not cost a thousand requests every tick_s
@@ -111,10 +120,21 @@ class Manager:
         self.ticks = 0
         self.dc: DataClient | None = None
         self.push: ViewPush | None = None       # view installs, many per request to a node (viewpush.py)
+        self.fill: FillWatch | None = None      # leaders' fill progress, one request per node (fillwatch.py)
         self.installing: set[int] = set()       # partitions whose install runs beside the passes
         self.filled_asked: dict[int, float] = {}   # pid -> when its leader was last asked how far a fill is
         self.nodes_seen: dict[str, dict] = {}      # the registrations as the last pass saw them
         self.filling = self.filling_before = 0     # partitions being filled, this pass and the last
+        self.changes = self.cache.follow()         # what the watch changed since the last pass
+        self.unsettled: set[int] = set()           # partitions a pass found not settled: looked at every pass
+        self.reports_pending: set[str] = set()     # registrations changed that no pass has adopted from yet
+        self.tasks_full = False                    # the tasks' next run looks over everything
+        self.swept_at = float("-inf")              # the last pass over every partition
+        self.stale_nodes: set[str] = set()         # registrations changed since copies were last looked for
+        self.stale_at = float("-inf")
+        self.stale_full = False                    # the next look for stale copies looks at every registration
+        self.visited = 0                           # partitions handled, over every pass (tests, logs)
+        self.spares_given: dict[str, int] = {}     # new replicas placed on each node this pass
         self._bg: trio.Nursery | None = None
         # the partitions' CASes that wait together go in one etcd transaction (all or none; on a refusal each
         # is tried alone, to learn which moved)
@@ -133,6 +153,7 @@ class Manager:
                 trio.open_nursery() as n:
             self.dc = dc
             self.push = ViewPush(dc)
+            self.fill = FillWatch(dc)
             log.info("manager %s: standing by (etcd %s, prefix %s)", self.ident, self.etcd.urls, self.etcd.prefix)
             await n.start(self.cache.run)           # the map, followed by one watch (etcdmap.MapCache)
             delay = STANDBY_POLL_S
@@ -159,6 +180,7 @@ class Manager:
         self.active = True
         self.down_since.clear()
         self.filled_asked.clear()
+        self.swept_at = float("-inf")               # a new term starts with a pass over everything
         try:
             async with trio.open_nursery() as n:
                 n.start_soon(self._active_loop)
@@ -192,28 +214,76 @@ class Manager:
 
     # -- one pass over the map ----------------------------------------------------------------------
     async def tick(self) -> bool:
-        """One pass over the cached map; True while some partition is not settled (look again soon)."""
+        """One pass over the cached map; True while some partition is not settled (look again soon).  It
+        handles the partitions that changed since the last pass, those naming a node that came or went and
+        those not settled last time; every ``FULL_SWEEP_S`` all of them."""
         nodes = self.cache.nodes()
-        self.nodes_seen = nodes
+        if nodes_error(len(nodes)) and len(nodes) != len(self.nodes_seen):
+            log.warning("%d datanodes registered: %s (wire/limits.py): more than this manager is sized and "
+                        "measured for", len(nodes), nodes_error(len(nodes)))
+        before, self.nodes_seen = self.nodes_seen, nodes
+        self.spares_given = {}
         self.filling_before, self.filling = self.filling, 0
         now = trio.current_time()
         for addr in list(self.down_since):
             if addr in nodes:
                 del self.down_since[addr]
-        parts = self.cache.parts()
+        changed, registered, other = self.changes.take()
+        registered |= self.reports_pending          # (a pass cut short by an etcd error left these unread)
+        self.reports_pending = registered
+        full = now - self.swept_at >= FULL_SWEEP_S
+        if full:
+            self.swept_at = now
+            todo = set(self.cache.part_ids())
+        else:
+            todo = changed | self.unsettled
+            for addr in nodes.keys() ^ before.keys():          # a node came or went: the partitions naming it
+                todo |= self.cache.pids_of(addr)
+            if registered or other:     # a node back, one with room again, a drain ended: a spare for those short
+                todo |= self.redundancy.since.keys()
+        self.stale_nodes |= registered
+        self.tasks.registrations_changed(registered)
+        self.tasks_full |= full                     # (a pass that writes views returns before the tasks run)
+        self.stale_full |= full
         restore, unknown = self.cache.invalid_parts()
-        self.redundancy.track(parts, nodes)
-        if await self._restore(restore) | await self._adopt(nodes, parts, unknown):
-            return True                             # the views written arrive by the watch
-        busy = [await self.redundancy.drop_stale(parts, nodes)]
+        views = {pid: v for pid in todo if (v := self.cache.part(pid)) is not None}
+        self.unsettled &= views.keys()
+        self.unsettled |= views.keys()              # until this pass has found each settled (an error: next pass)
+        self.redundancy.track({**{pid: v for pid in self.redundancy.since if pid not in views
+                                  and (v := self.cache.part(pid)) is not None}, **views}, nodes)
+        reporting = nodes if full or unknown else {a: nodes[a] for a in registered if a in nodes}
+        wrote = await self._restore(restore) | await self._adopt(reporting, unknown, set(nodes))
+        self.reports_pending = set()
+        if wrote:
+            return True                             # (looked at again once the views written arrive)
+        busy = [await self._drop_stale(nodes, now)]
 
         async def one(view):
-            busy.append(await self._handle_safely(view, nodes, now))
+            b = await self._handle_safely(view, nodes, now)
+            (self.unsettled.add if b else self.unsettled.discard)(view.id)
+            busy.append(b)
+        live = nodes.keys()
         async with trio.open_nursery() as n:
-            for view in parts.values():
+            for view in views.values():
+                if view.id not in self.installing and _settled(view, live):
+                    self.unsettled.discard(view.id)      # nothing to do: no task for it
+                    self.filled_asked.pop(view.id, None)
+                    continue
+                self.visited += 1
                 n.start_soon(one, view)
-        busy.append(await self.tasks.run(nodes))     # placement, min_writable, decommission, requests
+        full, self.tasks_full = self.tasks_full, False
+        busy.append(await self.tasks.run(nodes, full=full))     # placement, min_writable, decommission, requests
         return any(busy)
+
+    async def _drop_stale(self, nodes: dict, now: float) -> bool:
+        """Copies etcd's views do not name (manager/redundancy.py), looked for among the registrations that
+        changed (and those that held one), at most every STALE_LOOK_S; among all of them on a full pass."""
+        full = self.stale_full
+        if not full and (now - self.stale_at < STALE_LOOK_S or not (self.stale_nodes or self.redundancy.stale)):
+            return bool(self.redundancy.stale)
+        only = None if full else self.stale_nodes | {a for a, _ in self.redundancy.stale}
+        self.stale_nodes, self.stale_at, self.stale_full = set(), now, False
+        return await self.redundancy.drop_stale(_Peek(self.cache), nodes, only=only)
 
     async def _restore(self, views: list[PartView]) -> bool:
         """Write back the last valid view of partitions whose key now holds an invalid value."""
@@ -225,16 +295,17 @@ class Manager:
                 changed = True
         return changed
 
-    async def _adopt(self, nodes: dict, parts: dict[int, PartView], invalid: dict[int, int]) -> bool:
-        """Partitions the leaders report and etcd has not (or has only as an invalid value: ``invalid`` maps
-        them to its revision), or has at a lower epoch."""
+    async def _adopt(self, nodes: dict, invalid: dict[int, int], live: set[str]) -> bool:
+        """Partitions the leaders among ``nodes`` (registrations) report and etcd has not (or has only as an
+        invalid value: ``invalid`` maps them to its revision), or has at a lower epoch; ``live``: every node
+        registered."""
         changed = False
         for addr, rec in nodes.items():
             for pid_s, pv in (rec.get("partitions") or {}).items():
                 pid, replicas, epoch = int(pid_s), list(pv["replicas"]), int(pv["epoch"])
                 if not replicas or replicas[0] != addr:
                     continue                        # only a leader's own view is adopted
-                cur = parts.get(pid)
+                cur = self.cache.part(pid)
                 if cur is None:
                     # only the leader is known to hold every acknowledged write; followers join
                     # ``synced`` when the leader reports them healthy (``_check_filled``)
@@ -247,7 +318,7 @@ class Manager:
                     view = PartView(pid, replicas, epoch, want=max(cur.want, 1),
                                     synced=[r for r in replicas if r in cur.synced] or replicas[:1])
                     view.state = _state(view)
-                    if not self.etcd.follows(cur.epoch, cur.replicas, view, set(nodes)):
+                    if not self.etcd.follows(cur.epoch, cur.replicas, view, live):
                         continue
                     if await self._cas(view, cur.rev):
                         log.info("partition %d: leader %s reports epoch %d (etcd had %d): adopted", pid, addr,
@@ -312,7 +383,14 @@ class Manager:
         return False
 
     def pick_spare(self, view: PartView, nodes: dict) -> str | None:
-        return self.tasks.spare(view, nodes)      # manager/placement.py decides; draining nodes excluded
+        """manager/placement.py decides (draining nodes excluded), by the replicas each node holds -- its
+        registration's, and those given to it this pass: a failover's refills spread, not all on the
+        freest node."""
+        held = {a: len(r.get("partitions") or {}) + self.spares_given.get(a, 0) for a, r in nodes.items()}
+        spare = self.tasks.spare(view, nodes, held=held)
+        if spare is not None:
+            self.spares_given[spare] = self.spares_given.get(spare, 0) + 1
+        return spare
 
     # -- changes ------------------------------------------------------------------------------------
     async def _cas(self, view: PartView, rev: int, also: tuple[str, str] | None = None) -> bool:
@@ -424,15 +502,34 @@ class Manager:
 
     async def _check_filled(self, view: PartView, unsynced: list[str]) -> None:
         """A replica being filled by repair joins ``synced`` once the leader reports it healthy."""
-        h = await self.dc.admin(view.leader, Op.PARTITION_HEALTH, partition=view.id)
-        healthy = {f["addr"] for f in h.get("followers", []) if f.get("state") == "healthy"}
-        running = (h.get("repair") or {}).get("running")
+        st = await self.fill.state(view.leader, view.id)    # (one request per leader node: fillwatch.py)
+        if st is None or st[0] != view.epoch:
+            return                                  # not (yet) led there at this epoch: next pass
+        healthy = {a for a, state in st[1].items() if state == "healthy"}
+        running = st[2]
         done = [r for r in unsynced if r in healthy]
         if done and not running:
             synced = view.synced + done
             new_state = _state(PartView(view.id, view.replicas, view.epoch, view.want, synced))
             if await self._set(view, synced=synced, state=new_state):
                 log.info("partition %d: %s filled by repair; %s", view.id, ",".join(done), new_state)
+
+
+class _Peek:
+    """The cached views by partition id, read in place (no copy): for a look over every registration."""
+
+    def __init__(self, cache: MapCache):
+        self.cache = cache
+
+    def get(self, pid: int) -> PartView | None:
+        return self.cache.peek(pid)
+
+
+def _settled(view: PartView, live) -> bool:
+    """Nothing for ``handle`` to do (its checks, in short): installed, every replica live and synced, at
+    its replica count, in the state that says so."""
+    return (view.installed and len(view.replicas) >= view.want and view.state == "writable"
+            and all(r in live and r in view.synced for r in view.replicas))
 
 
 def _state(view: PartView, installed: bool | None = None) -> str:

@@ -34,7 +34,9 @@ A create cut short before the leader had it leaves empty copies on followers: ``
 """
 from __future__ import annotations
 
+import functools
 import logging
+
 import trio
 
 from client import admin
@@ -51,6 +53,7 @@ MiB = 1 << 20
 TAKES_WRITES = ("writable", "degraded", "recovering")
 CREATE_CHUNK = 32  # partitions created on their nodes at once, then published together (<= CREATE_TXN_MAX)
 FORGET_S = 10.0    # a partition no replica holds any more is dropped from the map after this long
+HOUSEKEEP_S = 2.0  # the looks for partitions no replica holds and for half-done creates, at most this often
 
 
 class ManagerTasks:
@@ -74,6 +77,8 @@ class ManagerTasks:
         self._unfinished: dict[tuple[str, int], float] = {}   # (node, partition) -> since when (see below)
         self._warned_unfinished: set[tuple[str, int]] = set()
         self._verbs_only_warned: set[str] = set()
+        self._housekept = float("-inf")
+        self._changed_nodes: set[str] = set()
 
     # -- keys ---------------------------------------------------------------------------------------
     @property
@@ -94,10 +99,18 @@ class ManagerTasks:
         return self.draining | self.leaving
 
     # -- one pass -----------------------------------------------------------------------------------
-    async def run(self, nodes: dict) -> bool:
+    def registrations_changed(self, addrs: set[str]) -> None:
+        """These nodes' registrations changed (the manager's pass says so): the next looks for leftovers
+        look at them."""
+        self._changed_nodes |= addrs
+
+    async def run(self, nodes: dict, full: bool = True) -> bool:
         """One pass (hook: the end of ``Manager.tick``).  It reads the manager's watched copy of the map
         (``m.cache``: no etcd request at idle) and etcd itself only before it changes something.  True while
-        work is under way (a node draining, a manager not yet settled): look again soon."""
+        work is under way (a node draining, a manager not yet settled): look again soon.  The looks for
+        leftovers (``forget_deleted``, ``drop_unfinished``: each waits seconds before it acts) go over every
+        partition and registration on ``full`` passes; in between, at most every ``HOUSEKEEP_S``, over the
+        registrations that changed since (``registrations_changed``) and what they already track."""
         now = trio.current_time()
         if self._active_since is None:
             self._active_since = now
@@ -106,8 +119,11 @@ class ManagerTasks:
         await self.hand_off(nodes)
         self.warn_unreachable_transport(nodes)
         await self.serve_requests(nodes)
-        await self.forget_deleted(nodes, now)
-        await self.drop_unfinished(nodes, now)
+        if full or now - self._housekept >= HOUSEKEEP_S:
+            only = None if full else self._changed_nodes
+            self._housekept, self._changed_nodes = now, set()
+            await self.forget_deleted(nodes, now, only)
+            await self.drop_unfinished(nodes, now, only)
         await self.decommission(nodes)
         settled = now - self._active_since >= self.settle_s
         if settled:
@@ -128,11 +144,14 @@ class ManagerTasks:
             leading[v.leader] = leading.get(v.leader, 0) + 1
         return held, leading
 
-    def spare(self, view: PartView, nodes: dict, parts: dict[int, PartView] | None = None) -> str | None:
-        """A node for one more replica of ``view`` (not draining or stopping, not holding it, enough free space)."""
+    def spare(self, view: PartView, nodes: dict, parts: dict[int, PartView] | None = None,
+              held: dict[str, int] | None = None) -> str | None:
+        """A node for one more replica of ``view`` (not draining or stopping, not holding it, enough free space);
+        ``held``: the replicas each node has (else counted from ``parts``)."""
         ok = {a: r for a, r in eligible(nodes, exclude=self.away, min_free_bytes=self.min_free).items()
               if str(view.id) not in (r.get("partitions") or {})}
-        held, _ = self._load(parts or {})
+        if held is None:
+            held, _ = self._load(parts or {})
         return pick_spare(ok, view.replicas, held=held)
 
     async def create(self, nodes: dict, count: int, replicas: int,
@@ -146,7 +165,10 @@ class ManagerTasks:
         parts = await self.m.etcd.parts()
         ok = eligible(nodes, exclude=self.away, min_free_bytes=self.min_free)
         held, leading = self._load(parts)
-        layout = place(ok, count, replicas, held=held, leading=leading)
+        # (O(count x replicas x nodes): seconds for a thousand partitions on hundreds of nodes, in a thread so
+        # that the event loop keeps this manager's lease alive meanwhile)
+        layout = await trio.to_thread.run_sync(functools.partial(place, ok, count, replicas, held=held,
+                                                                 leading=leading))
         known = set(parts) | {int(p) for r in nodes.values() for p in (r.get("partitions") or {})}
         known |= await self._held_now({a for reps in layout for a in reps})
         first = max(known, default=0) + 1
@@ -215,15 +237,16 @@ class ManagerTasks:
         if self.min_writable <= 0 or not nodes:
             return
 
-        def good(parts):
-            return [v for v in parts.values()
-                    if v.state in TAKES_WRITES      # a view being installed (a change under way) counts too
-                    and all(int((nodes.get(a) or {}).get("free_bytes") or 0) >= self.min_free
-                            for a in v.replicas)]
-        if len(good(self.m.cache.parts())) >= self.min_writable:
-            self._warned = ""
-            return
-        good = good(await self.m.etcd.parts())       # the watched copy may lag: ask etcd before creating
+        def ok(v) -> bool:
+            return (v.state in TAKES_WRITES      # a view being installed (a change under way) counts too
+                    and all(int((nodes.get(a) or {}).get("free_bytes") or 0) >= self.min_free for a in v.replicas))
+        enough = 0
+        for _key, v in self.m.cache.under(self.m.etcd.parts_prefix):     # (stops at min_writable: no copies)
+            enough += ok(v)
+            if enough >= self.min_writable:
+                self._warned = ""
+                return
+        good = [v for v in (await self.m.etcd.parts()).values() if ok(v)]   # the watched copy may lag: ask etcd
         if len(good) >= self.min_writable:
             return
         ok = eligible(nodes, exclude=self.away, min_free_bytes=self.min_free)
@@ -262,14 +285,19 @@ class ManagerTasks:
                             "manager has no RDMA device: it cannot reach it; run the manager on a host with "
                             "one, or set the node's transport to auto", addr)
 
-    async def forget_deleted(self, nodes: dict, now: float) -> None:
+    async def forget_deleted(self, nodes: dict, now: float, only: set[str] | None = None) -> None:
         """A partition etcd has but none of its replicas holds any more, all of them alive and registered
         (deleted by an admin: `dnctl partition delete`, a benchmark's scratch partition), is removed from
         the map after FORGET_S, so clients stop picking it and min_writable stops counting it (the delete
-        is a CAS on the partition's revision: a stale copy of the map cannot remove a newer view)."""
-        parts = self.m.cache.parts()
+        is a CAS on the partition's revision: a stale copy of the map cannot remove a newer view).  ``only``:
+        the partitions naming these nodes (whose registrations changed) and those already missing."""
+        if only is None:
+            parts = self.m.cache.parts()
+        else:
+            pids = set(self._missing).union(*(self.m.cache.pids_of(a) for a in only))
+            parts = {pid: v for pid in pids if (v := self.m.cache.part(pid)) is not None}
         for pid in list(self._missing):
-            if pid not in parts:
+            if self.m.cache.peek(pid) is None:
                 del self._missing[pid]
         for pid, v in parts.items():
             gone = bool(v.replicas) and all(a in nodes and str(pid) not in (nodes[a].get("partitions") or {})
@@ -284,19 +312,22 @@ class ManagerTasks:
                             ",".join(v.replicas))
                 del self._missing[pid]
 
-    async def drop_unfinished(self, nodes: dict, now: float) -> None:
+    async def drop_unfinished(self, nodes: dict, now: float, only: set[str] | None = None) -> None:
         """A create that died half-way -- a manager killed after creating a partition on some followers but
         before its leader (``admin.create_partition`` creates the leader last) -- leaves copies that no map
         names and nobody adopts (the manager adopts a partition from its leader's report only).  Once the
         leader has been registered without the partition for ``unfinished_after_s`` (far longer than a
         create takes), each such copy still at epoch 1 and empty, asked of its node, is deleted there (to
-        the node's trash: kept ``trash_retention_s``).  One holding data is left alone, with a warning."""
-        parts = self.m.cache.parts()
+        the node's trash: kept ``trash_retention_s``).  One holding data is left alone, with a warning.
+        ``only``: the registrations of these nodes (changed) and of those holding such a copy already."""
         current = set()
+        look = None if only is None else only | {a for a, _ in self._unfinished}
         for addr, rec in nodes.items():
+            if look is not None and addr not in look:
+                continue
             for pid_s, pv in (rec.get("partitions") or {}).items():
                 pid, reps = int(pid_s), list(pv.get("replicas") or [])
-                if pid in parts or not reps or reps[0] == addr or int(pv.get("epoch", 0)) != 1:
+                if self.m.cache.peek(pid) is not None or not reps or reps[0] == addr or int(pv.get("epoch", 0)) != 1:
                     continue
                 leader = nodes.get(reps[0])
                 if leader is None or pid_s in (leader.get("partitions") or {}):
@@ -306,7 +337,7 @@ class ManagerTasks:
                 if now - self._unfinished.setdefault(key, now) >= self.unfinished_after_s:
                     await self._drop_unfinished_copy(addr, pid, reps[0])
         for key in list(self._unfinished):
-            if key not in current:
+            if key not in current and (look is None or key[0] in look):
                 del self._unfinished[key]
 
     async def _drop_unfinished_copy(self, addr: str, pid: int, leader: str) -> None:

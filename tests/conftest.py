@@ -6,12 +6,14 @@
                      and a small, fast config; every node is stopped at teardown, killed if it does not stop.
 * ``client(...)`` -- ``DataClient.open`` with the test's transport (and, for verbs, an RDMA-attached domain).
 * ``create_partition(dc, pid, addrs)`` -- creates partition ``pid`` on every replica (leader first).
+* ``run_cli(module, ...)``, ``dnctl(...)``, ``dnctl_json(...)`` -- a CLI run as a user runs it.
 
 Tests are plain functions that call ``trio.run`` (no pytest-trio needed).
 """
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import pathlib
 import signal
@@ -237,3 +239,27 @@ def dirty_pages(path: str, below: int = 0) -> int | None:
     finally:
         os.close(fd)
     return out[1] + out[2]
+
+
+# ------------------------------------------------------------------------------------------------ CLIs
+def run_cli(module: str, *args, check: bool = False, timeout: float = 180, env: dict | None = None,
+            no_traceback: bool = False) -> subprocess.CompletedProcess:
+    """``python -m module args`` from this tree's root, output as text (bytes that do not decode are
+    replaced, so a garbled message fails an assertion, not the helper).  ``check``: a nonzero exit raises
+    with both streams; ``no_traceback``: so does a traceback on stderr, whatever the exit (a user never
+    sees one); ``env``: the whole environment (default: this process's, which names this tree)."""
+    p = subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=REPO, env=env, capture_output=True,
+                       text=True, errors="replace", timeout=timeout)
+    if (check and p.returncode != 0) or (no_traceback and "Traceback" in p.stderr):
+        raise AssertionError(f"{module} {' '.join(map(str, args))} -> {p.returncode}\n{p.stdout}\n{p.stderr}")
+    return p
+
+
+def dnctl(*args, **kw) -> subprocess.CompletedProcess:
+    """``dnctl args``: see run_cli for the keywords."""
+    return run_cli("tools.dnctl", *args, **kw)
+
+
+def dnctl_json(*args, **kw):
+    """``dnctl args`` that must succeed, its stdout parsed as JSON (pass ``--json`` in ``args``)."""
+    return json.loads(dnctl(*args, check=True, **kw).stdout)

@@ -145,3 +145,28 @@ def test_a_pending_connection_that_sent_its_hello_is_closed_for_room_only_after_
     assert legit.state == "pending" and all(s.state == "gone" for s in silent)
     said["legit"] = False                                # (as if it had not spoken): the oldest goes first
     assert a.arrive("h", 9.0).close == [legit]
+
+
+def test_a_connection_just_past_its_hello_is_not_idle_yet():
+    """A crowd of clients opening at once: each new connection is idle until its first request arrives, and
+    with idle_max smaller than the crowd they would close each other's in turn.  For ``fresh_s`` after its
+    hello a connection is not closed to make room; after that an idle one is, as before."""
+    a = adm(idle_max=2, fresh_s=5.0, preauth_max=0, max_connections=16, reserved=0)
+    crowd = []
+    for t in range(6):                             # six clients within a second, none has sent a request yet
+        e = a.arrive(f"10.0.1.{t}", t / 10).entry
+        v = a.hello(e, CLIENT, t / 10)
+        assert v.entry is e and v.close == [], v   # nobody closed for room
+        crowd.append(e)
+    assert a.counts()["client_connections"] == 6
+    late = a.arrive("10.0.2.1", 10.0).entry        # later, all six still idle: the limit applies again
+    closed = a.hello(late, CLIENT, 10.0).close
+    assert sorted(closed, key=lambda x: x.opened) == crowd[:4], closed   # the least recently active go
+    anon = adm(idle_max=2, fresh_s=5.0, preauth_max=0, max_connections=16, reserved=0)
+    closed = [x for t in range(4) for x in anon.hello(anon.arrive(f"10.0.4.{t}", t / 10).entry, None, t / 10).close]
+    assert len(closed) == 2                        # proving nothing (no secret): no grace, the limit holds at once
+    full = adm(preauth_max=0, max_connections=4, reserved=0, fresh_s=5.0)
+    for t in range(4):
+        full.hello(full.arrive(f"10.0.3.{t}", 0).entry, CLIENT, 0)
+    v = full.hello(full.arrive("10.0.3.9", 1).entry, CLIENT, 1)
+    assert v.entry is not None and len(v.close) == 1     # max_connections: an idle new one still makes room

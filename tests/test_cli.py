@@ -24,29 +24,20 @@ import pytest
 from tools import cluster as cl
 from wire.transport.tcp import congestion_of, tune_socket
 from tools.cluster import free_port
+from tests.conftest import dnctl, dnctl_json
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 BIN = pathlib.Path(sys.executable).parent
-ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 FAST = ["--replica-timeout", "2"]
-
-
-def dnctl(*args, check: bool = False, timeout: float = 120, input: bytes | None = None) -> subprocess.CompletedProcess:
-    p = subprocess.run([sys.executable, "-m", "tools.dnctl", *map(str, args)], cwd=REPO, env=ENV,
-                       capture_output=True, timeout=timeout, input=input)
-    p.out, p.err = p.stdout.decode(errors="replace"), p.stderr.decode(errors="replace")
-    if check and p.returncode != 0:
-        raise AssertionError(f"dnctl {' '.join(map(str, args))} -> {p.returncode}\n{p.out}\n{p.err}")
-    return p
 
 
 def refused(p: subprocess.CompletedProcess, *words: str) -> None:
     """A clean refusal: nonzero exit, no traceback, one error naming ``words``."""
-    assert p.returncode != 0, p.out
-    assert "Traceback" not in p.err and "Traceback" not in p.out, p.err
-    assert "Error:" in p.err, p.err
+    assert p.returncode != 0, p.stdout
+    assert "Traceback" not in p.stderr and "Traceback" not in p.stdout, p.stderr
+    assert "Error:" in p.stderr, p.stderr
     for w in words:
-        assert w in p.err, (w, p.err)
+        assert w in p.stderr, (w, p.stderr)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +48,7 @@ def live(tmp_path_factory):
     info = json.loads((root / "cluster.json").read_text())
     src = root.parent / "f.bin"
     src.write_bytes(os.urandom(1000))
-    put = json.loads(dnctl("put", "--cluster", root, "--partition", 1, src, "--json", check=True).out)
+    put = dnctl_json("put", "--cluster", root, "--partition", 1, src, "--json")
     yield {"root": root, "addrs": [n["addr"] for n in info["nodes"]], "extent": put["locations"][0]["extent"],
            "data": src.read_bytes()}
     dnctl("cluster", "down", "--cluster", root, "--timeout", 10)
@@ -74,15 +65,15 @@ def test_get_bad_range_is_refused_once_with_reason(live, tmp_path, args, words):
     p = dnctl("get", "--cluster", live["root"], "--partition", 1, "--extent", live["extent"], *args,
               "--out", tmp_path / "o")
     refused(p, *words)
-    assert "bad request" not in p.err
-    assert p.err.count("Error:") == 1
+    assert "bad request" not in p.stderr
+    assert p.stderr.count("Error:") == 1
 
 
 def test_get_json_and_range(live, tmp_path):
     out = tmp_path / "o"
     p = dnctl("get", "--cluster", live["root"], "--partition", 1, "--extent", live["extent"], "--offset", 100,
               "--out", out, "--json", check=True)
-    res = json.loads(p.out)
+    res = json.loads(p.stdout)
     assert out.read_bytes() == live["data"][100:]
     assert res["length"] == 900 and res["offset"] == 100 and res["extent"] == live["extent"]
     p = dnctl("get", "--cluster", live["root"], "--partition", 1, "--extent", live["extent"], "--offset", 1000,
@@ -150,37 +141,37 @@ def test_node_status_and_partition_list_present_transport_units_health(live):
     a = live["addrs"][0]
     sf = ("--secret-file", live["root"] / "cluster.secret")     # a command that names a node, not DIR
     p = dnctl(*sf, "node", "status", a, check=True)
-    conns = [ln for ln in p.out.splitlines() if ln.startswith("  127.0.0.1:")]
-    assert conns and all(" tcp " in ln for ln in conns), p.out
-    assert all(" session " in ln for ln in conns), p.out     # a cluster with a secret: authenticated sessions
-    assert re.search(r"\d+(\.\d)? (B|KiB|MiB|GiB)", p.out), p.out
-    raw = json.loads(dnctl(*sf, "node", "status", a, "--json", check=True).out)
+    conns = [ln for ln in p.stdout.splitlines() if ln.startswith("  127.0.0.1:")]
+    assert conns and all(" tcp " in ln for ln in conns), p.stdout
+    assert all(" session " in ln for ln in conns), p.stdout     # a cluster with a secret: authenticated sessions
+    assert re.search(r"\d+(\.\d)? (B|KiB|MiB|GiB)", p.stdout), p.stdout
+    raw = dnctl_json(*sf, "node", "status", a, "--json")
     assert isinstance(raw["uptime_s"], (int, float)) and all(c["transport"] == "tcp" for c in raw["connections"])
     with socket.socket() as probe:        # each connection's congestion control, as this machine gives it
         tune_socket(probe)
         cc = congestion_of(probe)
     assert all(c["congestion"] == cc for c in raw["connections"]) and all(f" tcp ({cc}) " in ln for ln in conns), \
-        (raw["connections"], p.out)
+        (raw["connections"], p.stdout)
     assert isinstance(raw["pool"]["arena_bytes"], int)
     # the file put in partition 1 (led by the first node): where its appends spent their time, per stage
     assert raw["write_stages"]["leader"]["durable"]["count"] >= 1, raw["write_stages"]
     assert re.search(r"^appends as leader \(\d+\), mean ms per stage: fetch \d+\.\d{3}, queue .*, durable "
-                     r"\d+\.\d{3}, replicas \d+\.\d{3}$", p.out, re.M), p.out
+                     r"\d+\.\d{3}, replicas \d+\.\d{3}$", p.stdout, re.M), p.stdout
     p = dnctl(*sf, "partition", "list", a, check=True)
-    row = next(ln for ln in p.out.splitlines() if ln.split()[0] == "1")
-    assert "leader" in row and "healthy" in row and live["addrs"][1] in row, p.out
+    row = next(ln for ln in p.stdout.splitlines() if ln.split()[0] == "1")
+    assert "leader" in row and "healthy" in row and live["addrs"][1] in row, p.stdout
     p = dnctl(*sf, "partition", "show", "--id", 1, a, check=True)
-    assert "follower health:" in p.out and "healthy" in p.out and "state read-write" in p.out, p.out
+    assert "follower health:" in p.stdout and "healthy" in p.stdout and "state read-write" in p.stdout, p.stdout
 
 
 def test_scrub_and_repair_show_progress_while_waiting(live):
     p = dnctl("partition", "scrub", "--id", 1, "--cluster", live["root"], check=True)
-    assert re.search(r"^scrub ", p.err, re.M), p.err
-    assert "scrub: idle" in p.out, p.out
+    assert re.search(r"^scrub ", p.stderr, re.M), p.stderr
+    assert "scrub: idle" in p.stdout, p.stdout
     p = dnctl("replica", "repair", "--id", 1, "--cluster", live["root"], check=True)
-    assert re.search(r"^(repair |\S+ repairing )", p.err, re.M), p.err
+    assert re.search(r"^(repair |\S+ repairing )", p.stderr, re.M), p.stderr
     p = dnctl("replica", "repair", "--id", 1, "--cluster", live["root"], "--quiet", "--json", check=True)
-    assert p.err == "" and json.loads(p.out)["repair"]["passes"] >= 2
+    assert p.stderr == "" and json.loads(p.stdout)["repair"]["passes"] >= 2
 
 
 # -- local cluster processes ---------------------------------------------------------------------------
@@ -210,16 +201,16 @@ def test_cluster_follows_real_process_and_restarts_one_node(tmp_path):
         old_b = info["nodes"][1]["pid"]
         src = tmp_path / "f"
         src.write_bytes(os.urandom(300_000))
-        loc = json.loads(dnctl("put", "--cluster", root, "--partition", 1, src, "--json", check=True).out)
+        loc = dnctl_json("put", "--cluster", root, "--partition", 1, src, "--json")
         eid = loc["locations"][0]["extent"]
 
         # restart-node: a new process on the same address; the stop handed partition 1 off it (epoch + 1), so
         # its copy is back once the manager has made it a replica again and repair has filled it
-        r = json.loads(dnctl("cluster", "restart-node", b, "--cluster", root, "--json", check=True).out)
+        r = dnctl_json("cluster", "restart-node", b, "--cluster", root, "--json")
         assert r["stopped"]["result"] == "stopped" and r["pid"] != old_b and _pid_gone(old_b)
         deadline = time.monotonic() + 60
         while True:
-            parts = json.loads(dnctl("partition", "list", "--cluster", root, "--json").out)
+            parts = json.loads(dnctl("partition", "list", "--cluster", root, "--json").stdout)
             if any(p["id"] == 1 and b in p["replicas"] and b in p["synced"] and p["installed"] for p in parts):
                 break
             assert time.monotonic() < deadline, parts
@@ -229,32 +220,32 @@ def test_cluster_follows_real_process_and_restarts_one_node(tmp_path):
         assert got.read_bytes() == src.read_bytes()
 
         # stop-node, then start it BY HAND: status reports the hand-started pid, down stops it
-        st = json.loads(dnctl("cluster", "stop-node", b, "--cluster", root, "--json", check=True).out)
+        st = dnctl_json("cluster", "stop-node", b, "--cluster", root, "--json")
         assert st["result"] == "stopped"
-        s = json.loads(dnctl("cluster", "status", "--cluster", root, "--json").out)
+        s = json.loads(dnctl("cluster", "status", "--cluster", root, "--json").stdout)
         assert [n["health"] for n in s["nodes"]] == ["up", "down"]
         hand = subprocess.Popen([str(BIN / "datanode"), "serve", "--config", str(root / "node2" / "node.toml")],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         try:
             cl.wait_listening(b, proc=hand, secret=str(root / "cluster.secret"))
-            s = json.loads(dnctl("cluster", "status", "--cluster", root, "--json", check=True).out)
+            s = dnctl_json("cluster", "status", "--cluster", root, "--json")
             nb = s["nodes"][1]
             assert nb["health"] == "up" and nb["pid"] == hand.pid, nb
             p = dnctl("cluster", "start-node", b, "--cluster", root)
             refused(p, "already running", str(hand.pid))
-            down = json.loads(dnctl("cluster", "down", "--cluster", root, "--json", check=True).out)
+            down = dnctl_json("cluster", "down", "--cluster", root, "--json")
             assert [d["result"] for d in down] == ["stopped", "stopped"], down
             assert hand.wait(timeout=30) is not None
         finally:
             if hand.poll() is None:
                 hand.kill()
                 hand.wait()
-        s = json.loads(dnctl("cluster", "status", "--cluster", root, "--json").out)
+        s = json.loads(dnctl("cluster", "status", "--cluster", root, "--json").stdout)
         assert [n["health"] for n in s["nodes"]] == ["down", "down"]
         # start-node brings one back; the other stays down
-        r = json.loads(dnctl("cluster", "start-node", a, "--cluster", root, "--json", check=True).out)
+        r = dnctl_json("cluster", "start-node", a, "--cluster", root, "--json")
         assert r["result"] == "started" and cl.pid_alive(r["pid"])
-        s = json.loads(dnctl("cluster", "status", "--cluster", root, "--json").out)
+        s = json.loads(dnctl("cluster", "status", "--cluster", root, "--json").stdout)
         assert [n["health"] for n in s["nodes"]] == ["up", "down"]
     finally:
         dnctl("cluster", "down", "--cluster", root, "--timeout", 10)
@@ -271,7 +262,7 @@ def test_cluster_up_on_a_stopped_cluster_of_another_size_refuses(tmp_path):
                 "stopped cluster of 1 node", "another --cluster")
         assert len(json.loads((root / "cluster.json").read_text())["nodes"]) == 1
         r = dnctl("cluster", "up", "--cluster", root, *FAST, check=True)      # no --nodes: as it was
-        assert "restarted the stopped cluster" in r.out
+        assert "restarted the stopped cluster" in r.stdout
         assert len(json.loads((root / "cluster.json").read_text())["nodes"]) == 1
     finally:
         dnctl("cluster", "down", "--cluster", root, "--timeout", 10)
@@ -297,7 +288,7 @@ def test_cluster_down_stops_a_cluster_whose_directory_was_removed_under_it(tmp_p
         shutil.rmtree(root)
         p = dnctl("cluster", "up", "--nodes", 1, "--cluster", root, "--base-port", port, *FAST)
         refused(p, "already in use", f"dnctl cluster down --cluster {root}", str(info["nodes"][0]["pid"]))
-        down = json.loads(dnctl("cluster", "down", "--cluster", root, "--json", check=True).out)
+        down = dnctl_json("cluster", "down", "--cluster", root, "--json")
         assert sorted(d["pid"] for d in down) == sorted(pids), (down, pids)
         assert [d["kind"] for d in down] == ["manager", "datanode", "etcd"], down
         assert all(d["result"] == "stopped" for d in down), down
@@ -324,8 +315,8 @@ def test_put_with_dead_follower_leaks_no_extent_and_partition_is_degraded(tmp_pa
         dnctl("cluster", "stop-node", c, "--cluster", root, check=True)
 
         def leader_view():
-            return next(p for p in json.loads(dnctl("--secret-file", root / "cluster.secret", "partition", "list",
-                                                    a, "--json", check=True).out) if p["id"] == 1)
+            return next(p for p in dnctl_json("--secret-file", root / "cluster.secret", "partition", "list", a,
+                                                      "--json") if p["id"] == 1)
         deadline = time.monotonic() + 30
         while (leader_view().get("health") or {}).get("followers", {}).get(c) != "unreachable":
             assert time.monotonic() < deadline, "the leader never noticed the dead follower"
@@ -336,7 +327,7 @@ def test_put_with_dead_follower_leaks_no_extent_and_partition_is_degraded(tmp_pa
             refused(p, c)
         assert leader_view()["extents"] == before
         p = dnctl("--secret-file", root / "cluster.secret", "partition", "show", "--id", 1, a, check=True)
-        assert "state degraded" in p.out and f"{c} unreachable" in p.out, p.out
+        assert "state degraded" in p.stdout and f"{c} unreachable" in p.stdout, p.stdout
         # the follower back: writes work again
         dnctl("cluster", "start-node", c, "--cluster", root, check=True)
         deadline = time.monotonic() + 30
@@ -345,7 +336,7 @@ def test_put_with_dead_follower_leaks_no_extent_and_partition_is_degraded(tmp_pa
             if p.returncode == 0 or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
-        assert p.returncode == 0, p.err
+        assert p.returncode == 0, p.stderr
     finally:
         dnctl("cluster", "down", "--cluster", root, "--timeout", 10)
 
@@ -357,12 +348,12 @@ def test_bench_uses_a_scratch_partition_and_leaves_nothing(tmp_path):
     try:
         a = json.loads((root / "cluster.json").read_text())["nodes"][0]["addr"]
         sf = ("--secret-file", root / "cluster.secret")
-        before = json.loads(dnctl(*sf, "partition", "list", a, "--json", check=True).out)
+        before = dnctl_json(*sf, "partition", "list", a, "--json")
         png = tmp_path / "bench.png"
         p = dnctl("bench", "--cluster", root, "--size", "64KiB", "--total-mib", 4, "--json", "--plot", png,
                   "--dd", "--fio", "--dd-mib", 8, timeout=300)
-        assert p.returncode == 0, p.out + p.err
-        res = json.loads(p.out)
+        assert p.returncode == 0, p.stdout + p.stderr
+        res = json.loads(p.stdout)
         assert {r["phase"] for r in res["results"]} == {"write", "read"}
         # the same-run baselines, whether memory was warmed, and a picture of it all
         assert res["warm_memory"] == {"ran": False}
@@ -386,13 +377,13 @@ def test_bench_uses_a_scratch_partition_and_leaves_nothing(tmp_path):
                 assert "replicas" not in st[f]["follower"]
             assert sum(v for k, v in st[leader]["leader"].items() if k != "appends") <= r["latency_ms"]["max"]
         assert "ms per append" in dnctl("bench", "--cluster", root, "--size", "64KiB", "--total-mib", 1,
-                                        "--mode", "write", timeout=120).out
-        after = json.loads(dnctl(*sf, "partition", "list", a, "--json", check=True).out)
+                                        "--mode", "write", timeout=120).stdout
+        after = dnctl_json(*sf, "partition", "list", a, "--json")
         assert [(q["id"], q["extents"], q["bytes"]) for q in after] == [(q["id"], q["extents"], q["bytes"])
                                                                         for q in before]
         assert not list(root.glob("bench-worker*")), list(root.iterdir())
         assert not list(root.glob("*test")), list(root.iterdir())            # ddtest, fiotest removed
-        trash = json.loads(dnctl("trash", "list", "--cluster", root, "--json", check=True).out)
+        trash = dnctl_json("trash", "list", "--cluster", root, "--json")
         assert not trash, trash                       # the scratch data is not kept in the trash either
     finally:
         dnctl("cluster", "down", "--cluster", root, "--timeout", 10)
@@ -407,8 +398,8 @@ def test_bench_write_rounds_each_against_the_dd_right_after_it(tmp_path):
     try:
         p = dnctl("bench", "--cluster", root, "--size", "64KiB", "--total-mib", 2, "--mode", "write", "--dd",
                   "--dd-mib", 8, "--rounds", 3, "--json", timeout=300)
-        assert p.returncode == 0, p.out + p.err
-        res = json.loads(p.out)
+        assert p.returncode == 0, p.stdout + p.stderr
+        res = json.loads(p.stdout)
         writes = [r for r in res["results"] if r["phase"] == "write"]
         assert len(writes) == len(res["results"]) == 3 and res["config"]["write_rounds"] == 3
         rounds = res["dd_rounds"]
@@ -423,10 +414,10 @@ def test_bench_write_rounds_each_against_the_dd_right_after_it(tmp_path):
         assert res["dd"] in [r["dd"] for r in rounds]          # the table's dd: the median round's
         p = dnctl("bench", "--cluster", root, "--size", "64KiB", "--total-mib", 1, "--mode", "write", "--dd",
                   "--dd-mib", 8, "--rounds", 2, timeout=300)
-        assert p.returncode == 0, p.out + p.err
-        assert "2 replica(s), write round 2: ours " in p.out and "median of 2 rounds" in p.out, p.out
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert "2 replica(s), write round 2: ours " in p.stdout and "median of 2 rounds" in p.stdout, p.stdout
         p = dnctl("bench", "--cluster", root, "--size", "64KiB", "--total-mib", 1, "--rounds", 2, timeout=60)
-        assert p.returncode == 2 and "--rounds goes with --cold" in p.err, p.out + p.err
+        assert p.returncode == 2 and "--rounds goes with --cold" in p.stderr, p.stdout + p.stderr
         assert not list(root.glob("*test")), list(root.iterdir())            # every ddtest removed
     finally:
         dnctl("cluster", "down", "--cluster", root, "--timeout", 10)
@@ -444,8 +435,8 @@ def test_bench_cold_reads_each_written_byte_once_beside_a_cold_dd(tmp_path):
         # --mode read: 64 MiB written first (unmeasured), then two cold passes over it, well inside 60 s
         p = dnctl("bench", "--cluster", root, "--size", "64KiB", "--mode", "read", "--seconds", 60, "--cold",
                   "--rounds", 2, "--json", timeout=300)
-        assert p.returncode == 0, p.out + p.err
-        res = json.loads(p.out)
+        assert p.returncode == 0, p.stdout + p.stderr
+        res = json.loads(p.stdout)
         reads = res["results"]
         assert len(reads) == 2 and res["config"]["cold"] and res["config"]["rounds"] == 2
         for read in reads:
@@ -467,8 +458,8 @@ def test_bench_cold_reads_each_written_byte_once_beside_a_cold_dd(tmp_path):
         assert not list(root.glob("coldread")), list(root.iterdir())
         p = dnctl("bench", "--cluster", root, "--size", "64KiB", "--total-mib", 2, "--cold", "--rounds", 1,
                   timeout=300)
-        assert p.returncode == 0 and "cold read rounds (page cache dropped before each read" in p.out, p.out + p.err
-        assert "of dd iflag=direct" in p.out and "median of 1 round" in p.out and " cold " in p.out, p.out
+        assert p.returncode == 0 and "cold read rounds (page cache dropped before each read" in p.stdout, p.stdout + p.stderr
+        assert "of dd iflag=direct" in p.stdout and "median of 1 round" in p.stdout and " cold " in p.stdout, p.stdout
     finally:
         dnctl("cluster", "down", "--cluster", root, "--timeout", 10)
 
@@ -484,14 +475,14 @@ def test_bench_says_whether_memory_was_warmed(tmp_path):
     try:
         p = dnctl("bench", "--cluster", root, "--size", "4KiB", "--total-mib", 1, "--mode", "write",
                   "--warm-memory", warmer, timeout=300)
-        assert p.returncode == 0, p.out + p.err
-        assert f"memory warmed before this run: yes ({warmer}" in p.out, p.out
-        assert "fresh memory at the run's start / end: " in p.out, p.out
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert f"memory warmed before this run: yes ({warmer}" in p.stdout, p.stdout
+        assert "fresh memory at the run's start / end: " in p.stdout, p.stdout
         p = dnctl("bench", "--cluster", root, "--size", "4KiB", "--total-mib", 1, "--mode", "write", timeout=300)
-        assert "memory warmed before this run: NO" in p.out, p.out
+        assert "memory warmed before this run: NO" in p.stdout, p.stdout
         p = dnctl("bench", "--cluster", root, "--size", "4KiB", "--total-mib", 1, "--mode", "write", "--json",
                   timeout=300)
-        out = json.loads(p.out)
+        out = json.loads(p.stdout)
         assert out["warm_memory"]["ran"] is False
         assert out["fresh_memory"]["start_gib_s"] > 0 and out["fresh_memory"]["end_gib_s"] > 0, out["fresh_memory"]
     finally:

@@ -2,7 +2,8 @@
 with a user per component): none fails.
 
 Through etcd (``map_via="etcd"``) and, as by default, through the datanodes: then etcd sees no login, no
-watch and no connection of theirs.
+watch and no connection of theirs, however many clients open (each from its own loopback address, as
+clients of many hosts would: a datanode bounds the hellos in progress per address).
 
 Each client is its own process (bench/client_storm.py: all import first, then are released together), so
 each logs in to etcd as the ``mount`` user at the same moment -- the storm that etcd's default bcrypt cost
@@ -11,16 +12,15 @@ again meanwhile, and says what it waited for; a refusal (a wrong password) is no
 """
 from __future__ import annotations
 
+import functools
 import json
-import os
-import pathlib
 import subprocess
-import sys
 
 import pytest
 import trio
 
 from bench.client_storm import storm
+from tests.conftest import dnctl as conftest_dnctl
 from client.sdk import ClientError, DataClient
 from tools.cluster import free_port, local_access_files
 from tools.etcd_cluster import etcd_binary
@@ -31,16 +31,11 @@ try:
 except FileNotFoundError as e:
     pytestmark = pytest.mark.skip(reason=str(e))
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
 CLIENTS = 100
+SMALL = 40          # clients of the smaller storm through the nodes (the larger has four times as many)
 
 
-def dnctl(*args, check=True):
-    p = subprocess.run([sys.executable, "-m", "tools.dnctl", *map(str, args)], cwd=REPO, capture_output=True,
-                       text=True, timeout=180, env={**os.environ, "PYTHONPATH": str(REPO)})
-    if check and p.returncode != 0:
-        raise AssertionError(f"dnctl {args} -> {p.returncode}\n{p.stdout}\n{p.stderr}")
-    return p
+dnctl = functools.partial(conftest_dnctl, check=True)
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +55,36 @@ def test_a_hundred_client_processes_open_at_once_and_none_fails(cluster):
     assert out["etcd_authenticate"] >= CLIENTS, out        # each did log in: the storm happened
 
 
-def test_clients_following_the_nodes_cost_etcd_no_login_watch_or_connection(cluster):
-    out = storm(cluster, CLIENTS, via="auto")           # the default: the nodes given, the secret held
-    print(json.dumps(out))
-    assert out["failed"] == 0, out
-    assert out["etcd_authenticate"] == 0 and out["etcd_watch_streams"] == 0, out
-    assert out["etcd_connections_open"] <= out["etcd_connections_before"] + 2, out
+def test_clients_following_the_nodes_cost_etcd_nothing_however_many(cluster):
+    """The default (the nodes given, the secret held): each client from its own address, as clients of many
+    hosts are, none fails, and etcd sees no login, no watch and no connection of theirs -- 4x the clients,
+    the same etcd connections."""
+    outs = []
+    for clients in (SMALL, 4 * SMALL):
+        out = storm(cluster, clients, per_process=clients // 4, timeout=60, via="auto")
+        print(json.dumps(out))
+        assert out["failed"] == 0, out
+        assert out["addresses"] == clients and out["partitions_seen"] and 0 not in out["partitions_seen"], out
+        assert out["etcd_authenticate"] == 0 and out["etcd_watch_streams"] == 0, out
+        assert out["etcd_connections_peak"] <= out["etcd_connections_before"] + 2, out
+        outs.append(out)
+    assert outs[1]["etcd_connections_peak"] <= outs[0]["etcd_connections_peak"] + 2, outs
+
+
+def test_a_client_connects_from_the_source_address_it_is_given(cluster):
+    info = json.loads((cluster / "cluster.json").read_text())
+    node = info["nodes"][0]["addr"]
+
+    async def main():
+        async with DataClient.open([node], transport="tcp", pool_mib=4, etcd=info["etcd"]["url"],
+                                   etcd_access=EtcdAccess.load(**local_access_files(info["etcd"], "mount")),
+                                   secret=info["config"]["secret_file"], source_address="127.9.8.7") as dc:
+            assert dc.partitions
+            port = node.rpartition(":")[2]
+            seen = subprocess.run(["ss", "-Htn", "state", "established", f"( dport = :{port} )"],
+                                  capture_output=True, text=True).stdout
+            assert "127.9.8.7:" in seen, seen
+    trio.run(main)
 
 
 def test_an_open_waits_for_etcd_until_its_deadline_and_says_for_what(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import io
 import json
 import os
@@ -15,7 +16,6 @@ import sqlite3
 import stat as stat_mod
 import struct
 import subprocess
-import sys
 import tarfile
 import threading
 import time
@@ -28,18 +28,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from client.sdk import DataClient
-from tests.conftest import NODE_DEFAULTS, REPO, create_partition, dirty_pages, eventually, pattern
+from tests.conftest import NODE_DEFAULTS, create_partition, dirty_pages, eventually, pattern, run_cli
 from tools.cluster import NodeProc, free_port
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
 
 
-def dnfs(*args, check=True, timeout=120):
-    r = subprocess.run([sys.executable, "-m", "client.fs.cli", *map(str, args)], cwd=REPO, capture_output=True,
-                       text=True, timeout=timeout)
-    if check and r.returncode != 0:
-        raise AssertionError(f"dnfs {' '.join(map(str, args))} failed ({r.returncode}): {r.stdout}{r.stderr}")
-    return r
+dnfs = functools.partial(run_cli, "client.fs.cli", check=True, timeout=120)
 
 
 class Addrs(list):
@@ -160,6 +155,25 @@ def test_large_file_100mib(mnt, tmp_path):
     mnt.umount()
     mnt.mount()
     subprocess.run(["cmp", str(tmp_path / "big"), str(mnt.path / "big")], check=True)
+
+
+def test_a_cold_sequential_read_is_large_reads_of_bytes_fetched_once(mnt):
+    """A large file read from a fresh mount (nothing cached): the bytes are the ones written, the kernel asks
+    in readahead-sized READs rather than page by page (1 MiB when root mounts: it raises the mount's
+    readahead), and the mount fetches each byte from the cluster once -- the kernel's READs of one reader
+    arrive several at once and share the fetch under way."""
+    data = pattern(11, 48 << 20)
+    (mnt.path / "big").write_bytes(data)
+    mnt.umount()
+    mnt.mount()
+    with open(mnt.path / "big", "rb", buffering=0) as f:
+        got = b"".join(iter(lambda: f.read(1 << 20), b""))
+    assert got == data
+    st = json.loads(dnfs("stats", mnt.path, "--json").stdout)
+    reads = st["requests"]["read"]["count"]
+    assert st["fuse"]["read_bytes"] == len(data)
+    assert len(data) / reads >= (768 << 10 if os.getuid() == 0 else 64 << 10), reads
+    assert st["read_fetched_bytes"] <= len(data) * 1.1, st["read_fetched_bytes"] / len(data)
 
 
 def test_overwrite_append_truncate_holes(mnt):
@@ -460,6 +474,34 @@ def test_requests_that_need_no_io_are_answered_as_they_are_read_and_still_counte
             for k in ("write", "lookup", "flush")}
     assert grew["write"] >= 50 and grew["lookup"] >= 20 and grew["flush"] >= 2, grew
     assert after["fuse"]["inline"] - before["fuse"]["inline"] >= 50 + 20 + 1, (before["fuse"], after["fuse"])
+
+
+def test_with_the_kernel_cache_a_file_replaced_by_a_symlink_syncs_without_error(cluster, tmp_path):
+    """tar puts a placeholder file where a symlink goes and replaces it at the end.  With the kernel's
+    write-back cache the kernel writes the unlinked placeholder's times back right after the unlink, when the
+    mount has removed the inode: that succeeds, and ``sync -f`` reports no error."""
+    m = Mount(cluster, tmp_path).mount("--kernel-cache")
+    try:
+        for i in range(20):
+            p = m.path / f"f{i}"
+            fd = os.open(p, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            os.write(fd, b"x" * 100)
+            os.close(fd)
+            os.utime(p, ns=(10**18, 10**18))
+        for i in range(20):
+            os.unlink(m.path / f"f{i}")
+            os.symlink(f"target{i}", m.path / f"f{i}")
+        subprocess.run(["sync", "-f", str(m.path)], check=True, capture_output=True)
+        assert sorted(os.readlink(m.path / f"f{i}") for i in range(20)) == sorted(f"target{i}" for i in range(20))
+        assert sum(r[1]["failed"] for r in json.loads(dnfs("stats", m.path, "--json").stdout)["requests"].items()
+                   if r[0] != "getxattr") == 0
+    finally:
+        m.cleanup()
+    db = sqlite3.connect(f"file:{m.db}?mode=ro", uri=True)      # and the placeholders are gone
+    try:
+        assert db.execute("SELECT COUNT(*) FROM inodes WHERE nlink = 0").fetchone()[0] == 0
+    finally:
+        db.close()
 
 
 def test_sigterm_unmounts_after_writing_what_is_buffered(cluster, tmp_path):

@@ -7,13 +7,12 @@ bounded by seconds, it sees no error, every file it fsynced reads back intact fr
 and the woken node acknowledges nothing at the epoch it was frozen in."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
 import signal
 import sqlite3
-import subprocess
-import sys
 import threading
 import time
 
@@ -21,7 +20,7 @@ import pytest
 import trio
 
 from client.sdk import ClientError, DataClient
-from tests.conftest import REPO, pattern
+from tests.conftest import pattern, run_cli
 from tools.cluster import local_access
 from tools.etcd_cluster import etcd_binary
 from wire.etcdmap import Etcd
@@ -36,23 +35,10 @@ except FileNotFoundError as e:
 FREEZE_S = float(os.environ.get("DNFS_FREEZE_S", "20"))   # how long the leader stays frozen
 STALL_MAX_S = 5.0           # the longest a single file's open+write+fsync+close may take meanwhile
 FILE = 256 << 10
-ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
 
-def cli(tool: str, *args, check: bool = True, timeout: float = 180) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, "-m", tool, *map(str, args)], cwd=REPO, env=ENV, capture_output=True,
-                       text=True, timeout=timeout)
-    if check and r.returncode != 0:
-        raise AssertionError(f"{tool} {' '.join(map(str, args))} -> {r.returncode}\n{r.stdout}\n{r.stderr}")
-    return r
-
-
-def dnctl(*args, **kw):
-    return cli("tools.dnctl", *args, **kw)
-
-
-def dnfs(*args, **kw):
-    return cli("client.fs.cli", *args, **kw)
+dnctl = functools.partial(run_cli, "tools.dnctl", check=True)
+dnfs = functools.partial(run_cli, "client.fs.cli", check=True)
 
 
 async def until(what: str, probe, timeout: float = 60.0):

@@ -3,27 +3,22 @@
 cluster's, each says so in one line (no traceback) and names the way out.  Real processes, a real mount."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
 import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import REPO, pattern
+from tests.conftest import REPO, pattern, run_cli
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")
 ENV = {k: v for k, v in os.environ.items() if k not in ("DATANODE_SECRET_FILE", "DATANODE_TLS_CA")}
 ENV["PYTHONPATH"] = str(REPO)
 
 
-def cli(tool: str, *args, check: bool = True, env=None) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, "-m", tool, *map(str, args)], cwd=REPO, env=env or ENV,
-                       capture_output=True, text=True, timeout=180)
-    if check and r.returncode != 0:
-        raise AssertionError(f"{tool} {' '.join(map(str, args))} -> {r.returncode}\n{r.stdout}\n{r.stderr}")
-    return r
+cli = functools.partial(run_cli, check=True, env=ENV)
 
 
 def one_line_refusal(r: subprocess.CompletedProcess, *words: str) -> str:

@@ -11,7 +11,6 @@ import os
 import pathlib
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -21,7 +20,8 @@ from client.sdk import ClientError
 from datanode.config import ClusterConfig
 from datanode.drain import Drain, NodeControl, movable, still_held
 from manager.tasks import handoff_plan
-from tests.conftest import REPO, create_partition, open_client, pattern, print_tails, run
+from tests.conftest import create_partition, open_client, pattern, print_tails, run
+from tests.conftest import dnctl as conftest_dnctl
 from lab import rolling
 from tests.test_dnfs import dnfs
 from tests.test_etcd import etcd, managed_partition, managers, view, wait_for  # noqa: F401 - fixtures
@@ -38,9 +38,7 @@ MiB = 1 << 20
 REC = 64 << 10                   # one write of the streams below
 
 
-def dnctl(*args, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tools.dnctl", *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)
+dnctl = functools.partial(conftest_dnctl, timeout=300)     # a drain moves every partition the node holds
 
 
 # -- the decisions, without sockets ---------------------------------------------------------------------------

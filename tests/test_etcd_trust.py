@@ -11,6 +11,7 @@ client TLS to etcd end to end; a token that expires is renewed.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import os
 import pathlib
@@ -19,7 +20,6 @@ import shutil
 import socket
 import stat
 import subprocess
-import sys
 import threading
 import urllib.request
 
@@ -28,6 +28,8 @@ import trio
 
 from client.sdk import DataClient
 from tests.conftest import NODE_DEFAULTS, create_partition, pattern, run
+from tests.conftest import dnctl as conftest_dnctl
+from tests.conftest import run_cli
 from tests.test_etcd import _verify, wait_for
 from tools.cluster import NodeProc, free_port, local_access
 from tools.etcd_cluster import EtcdProc, ManagerProc, ServerTls, etcd_binary, setup_auth
@@ -40,7 +42,6 @@ try:
 except FileNotFoundError as e:
     pytestmark = pytest.mark.skip(reason=str(e))
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
 TTL = 2
 NODE_CFG = {**NODE_DEFAULTS, "transport": "tcp", "lease_ttl_s": TTL, "heartbeat_s": 0.5}
 BLOB = 96 << 10
@@ -326,12 +327,7 @@ def test_a_map_written_without_a_secret_is_sealed_once_the_cluster_has_one(tmp_p
 
 
 # -- etcd's own lock ---------------------------------------------------------------------------------------
-def dnctl(*args, check=True):
-    p = subprocess.run([sys.executable, "-m", "tools.dnctl", *map(str, args)], cwd=REPO, capture_output=True,
-                       text=True, timeout=180, env={**os.environ, "PYTHONPATH": str(REPO)})
-    if check and p.returncode != 0:
-        raise AssertionError(f"dnctl {args} -> {p.returncode}\n{p.stdout}\n{p.stderr}")
-    return p
+dnctl = functools.partial(conftest_dnctl, check=True)
 
 
 def test_cluster_up_locks_etcd_with_a_role_per_component(tmp_path):
@@ -399,9 +395,7 @@ def test_cluster_up_locks_etcd_with_a_role_per_component(tmp_path):
         dnctl("cluster", "down", "--cluster", root, check=False)
 
 
-def _dnfs(*args):
-    return subprocess.run([sys.executable, "-m", "client.fs.cli", *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+_dnfs = functools.partial(run_cli, "client.fs.cli", timeout=120)
 
 
 def _dnfs_round_trip(root: pathlib.Path, url: str, tmp_path: pathlib.Path) -> None:

@@ -146,3 +146,27 @@ def test_node_health_answers_come_in_pages_that_cover_each_partition_once(monkey
     parts[4].store.changes += 1
     assert dict(health.tokens_page(table, "L", 4)["tokens"])[4] != health.follower_token(NS(**{
         **vars(parts[4]), "store": NS(changes=4)}))
+
+
+def test_a_new_replica_not_created_yet_is_not_probed_each_beat_then_filled(nodes, client):
+    """A leader has a view naming a follower that does not hold the partition yet (the manager's new replica,
+    whose create comes after the view): once told so, the leader probes and repairs it no more than its
+    node's NODE_HEALTH lists it -- not a REPLICA_STATE and a repair pass per partition and heartbeat -- and
+    as soon as the copy is created there, it is filled and found healthy."""
+    a, b = nodes(2, **CFG)
+    pids = list(range(1, 25))
+
+    async def main():
+        async with client([a.addr]) as dc:
+            for pid in pids:       # on a only, naming b
+                await dc.admin(a.addr, Op.PARTITION_CREATE, partition=pid,
+                               body={"replicas": [a.addr, b.addr], "epoch": 1})
+            await trio.sleep(6 * HB)                # told NOT_FOUND by b, by each partition's first probe
+            per_beat = await requests_per_beat(dc, b.addr, 3.0)
+            print(f"b served {per_beat:.2f} requests per heartbeat for {len(pids)} partitions it lacks")
+            assert per_beat <= 4, per_beat          # (NODE_HEALTH, not 2 per partition)
+            for pid in pids:       # created on b now, at the same view
+                await dc.admin(b.addr, Op.PARTITION_CREATE, partition=pid,
+                               body={"replicas": [a.addr, b.addr], "epoch": 1})
+            await all_healthy(dc, a.addr, pids, timeout=30)
+    run(main)

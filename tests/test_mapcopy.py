@@ -2,6 +2,8 @@
 between revisions only, deletions, an entry a re-read found that the watch had missed, the long poll."""
 from __future__ import annotations
 
+import json
+
 import trio
 
 from datanode.mapcopy import MapCopy
@@ -68,3 +70,21 @@ def test_the_long_poll_ends_at_a_change_or_its_bound_or_close():
             c2.close()
         assert trio.current_time() - t0 < 5
     trio.run(main)
+
+
+def test_an_answer_is_encoded_once_for_every_client_that_asks_it_until_the_copy_changes():
+    fresh = [True]
+    c = MapCopy(fresh=lambda: fresh[0])
+    before = c.answer(0)
+    assert json.loads(before)["ready"] is False
+    c.reload([(f"/d/parts/{i}", b"v", 5 + i) for i in range(100)], 200)
+    first = c.answer(0)
+    assert first is c.answer(0) and json.loads(first) == c.since(0)     # the same bytes for the next client
+    assert json.loads(c.answer(150, page=64)) == c.since(150, page=64)
+    fresh[0] = False                                      # cut off from etcd: said at once, no change needed
+    assert json.loads(c.answer(0))["fresh"] is False
+    fresh[0] = True
+    c.event("PUT", "/d/parts/3", b"w", 201)
+    woken = c.answer(200)
+    assert json.loads(woken)["entries"] == [["/d/parts/3", "w", 201]] and woken is c.answer(200)
+    assert json.loads(c.answer(0)) == c.since(0) and ["/d/parts/3", "w", 201] in c.since(0)["entries"]

@@ -11,7 +11,7 @@ import trio
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import create_partition, open_client, pattern
+from tests.conftest import create_partition, dnctl, open_client, pattern
 from tools.cluster import free_port
 
 PID = 3
@@ -223,7 +223,6 @@ def test_who_may_connect_is_a_gauge_and_in_node_status(nodes, tmp_path):
     assert value(scrape(maddrs[0]), "datanode_auth", auth="off", peers="loopback") == 1
     assert value(scrape(maddrs[1]), "datanode_auth", auth="off", peers="any") == 1
     assert value(scrape(maddrs[2]), "datanode_auth", auth="on", peers="none") == 1
-    p = subprocess.run([sys.executable, "-m", "tools.dnctl", "node", "status", plain.addr],
-                       capture_output=True, text=True, timeout=60, cwd=pathlib.Path(__file__).parent.parent)
+    p = dnctl("node", "status", plain.addr, timeout=60)
     assert p.returncode == 0, p.stderr
     assert "authentication off; takes peers: this host only, unauthenticated (no secret)" in p.stdout, p.stdout

@@ -26,7 +26,7 @@ from datanode.store import BLOCK
 from wire.transport.base import Access, ConnectionClosed, RemoteAccessError
 from wire.transport.connect import dial
 from wire.transport.tcp import CTRL, FRAME, READ_REQ, READ_RESP, recv_exactly, send_all
-from tests.conftest import REPO, client_domain, create_partition, open_client, pattern, run
+from tests.conftest import REPO, client_domain, create_partition, dnctl, open_client, pattern, run
 from tools.cluster import free_port
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -85,11 +85,6 @@ def test_round_trip_sizes(nodes, client):
                 while (await dc2.admin(node.addr, Op.NODE_STATUS))["pool"]["in_use_bytes"]:
                     await trio.sleep(0.05)
     run(body)
-
-
-def dnctl(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tools.dnctl", *args], cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60)
 
 
 def test_dnctl_put_get(nodes, tmp_path):

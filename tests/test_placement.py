@@ -1,6 +1,7 @@
 """Placement decisions (manager/placement.py), table-tested: pure functions, no processes."""
 from __future__ import annotations
 
+import functools
 from collections import Counter
 
 import pytest
@@ -86,8 +87,6 @@ def test_pick_spare(replicas, expect):
 import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 import pathlib  # noqa: E402
 
@@ -96,19 +95,15 @@ import trio  # noqa: E402
 from client import admin  # noqa: E402
 from wire.etcdmap import Etcd, PartView  # noqa: E402
 from wire.protocol import Op  # noqa: E402
+from tests.conftest import dnctl as conftest_dnctl  # noqa: E402
 from tests.conftest import open_client, pattern, run  # noqa: E402
 from tests.test_etcd import ETCD_NODE, etcd, managers, wait_for  # noqa: E402,F401 - fixtures used below
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
 NODE = {**ETCD_NODE, "replica_timeout": 2.0}
 MGR = {"min_free_mib": 1}
 
 
-def dnctl(*args, timeout: float = 180) -> subprocess.CompletedProcess:
-    p = subprocess.run([sys.executable, "-m", "tools.dnctl", *map(str, args)], cwd=REPO, capture_output=True,
-                       timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert "Traceback" not in p.stderr.decode(), p.stderr.decode()
-    return p
+dnctl = functools.partial(conftest_dnctl, no_traceback=True)
 
 
 async def _writable(et, n):
@@ -166,7 +161,7 @@ def test_manager_places_and_keeps_min_writable(nodes, etcd, managers):
         assert all({"id", "replicas", "leader", "epoch", "state"} <= set(r) for r in rows)
         # too many replicas: a clear refusal, nothing created
         p = await trio.to_thread.run_sync(lambda: dnctl("partition", "create", "--replicas", 5, "--etcd", e.url))
-        assert p.returncode == 1 and "5 replicas need 5 distinct nodes" in p.stderr.decode(), p.stderr
+        assert p.returncode == 1 and "5 replicas need 5 distinct nodes" in p.stderr, p.stderr
         assert len(await et.parts()) == 6
     run(main)
 
@@ -433,7 +428,7 @@ def test_one_command_cluster_put_without_partition(tmp_path):
             assert q.returncode == 0, q.stderr
             got += out.read_bytes()
         assert got == src.read_bytes()
-        text = dnctl("put", "--cluster", root, src).stdout.decode()
+        text = dnctl("put", "--cluster", root, src).stdout
         assert text.startswith("partition "), text
         # etcd's map for scripts: partition 1 (made by `up`) and the manager's min_writable one
         deadline = time.monotonic() + 30
@@ -453,7 +448,7 @@ def test_one_command_cluster_put_without_partition(tmp_path):
         assert st["managers"][0]["pid"] == up["managers"][0]["pid"]
         # --no-etcd / --etcd together: refused cleanly
         p = dnctl("cluster", "up", "--cluster", tmp_path / "x", "--no-etcd", "--etcd", "http://127.0.0.1:1")
-        assert p.returncode == 2 and "not both" in p.stderr.decode()
+        assert p.returncode == 2 and "not both" in p.stderr
     finally:
         p = dnctl("cluster", "down", "--cluster", root, "--timeout", 10)
     assert p.returncode == 0, p.stderr

@@ -5,11 +5,10 @@ by itself) and that every acknowledged write reads back right from every replica
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import trio
 
@@ -17,7 +16,8 @@ from client.sdk import ClientError, PartitionInfo
 from wire.crc import crc32c
 from wire.protocol import Flag, Header, Op, Result, Role
 from datanode.store import BLOCK
-from tests.conftest import REPO, create_partition, pattern, run
+from tests.conftest import create_partition, pattern, run
+from tests.conftest import dnctl as conftest_dnctl
 from client import admin as dr
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -39,12 +39,7 @@ def flip_byte(path: pathlib.Path, offset: int) -> None:
         f.write(bytes([b[0] ^ 0x5A]))
 
 
-def dnctl(*args, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
-    p = subprocess.run([sys.executable, "-m", "tools.dnctl", *args], cwd=REPO, capture_output=True, text=True,
-                       timeout=timeout)
-    if check and p.returncode != 0:
-        raise AssertionError(f"dnctl {' '.join(args)} -> {p.returncode}\n{p.stdout}\n{p.stderr}")
-    return p
+dnctl = functools.partial(conftest_dnctl, check=True)
 
 
 async def settle(dc, leader: str, pid: int = PID, timeout: float = 90, **kw) -> dict:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import trio
@@ -16,12 +14,12 @@ from client.sdk import ClientError
 from wire.auth import Credentials, DialAuth
 from wire.protocol import BODY_REASONS, Header, Op, Result, Role
 from tests.conftest import create_partition, open_client, pattern, run
+from tests.conftest import dnctl as conftest_dnctl
 from tests.test_trust import secret  # noqa: F401 - the fixture (a cluster secret file, mode 0600)
 from lab import fuzz
 
 KiB = 1 << 10
 PID = 7
-REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 def audit_lines(node) -> list[dict]:
@@ -181,8 +179,7 @@ def test_dnctl_trash_over_the_wire(nodes, secret, tmp_path):
 
     def dnctl(*args, secret_file=secret):
         pre = ["--secret-file", str(secret_file)] if secret_file else []
-        return subprocess.run([sys.executable, "-m", "tools.dnctl", *pre, "trash", *map(str, args)],
-                              capture_output=True, text=True, cwd=REPO, timeout=60)
+        return conftest_dnctl(*pre, "trash", *args, timeout=60)
     p = dnctl("list", "--node", n.addr, "--json")
     assert p.returncode == 0, p.stderr
     [row] = json.loads(p.stdout)

@@ -11,6 +11,7 @@ import pytest
 import trio
 
 from client.sdk import ClientError
+from manager.fillwatch import FillWatch
 from manager.viewpush import ViewPush
 from tests.conftest import open_client, run
 from tests.test_etcd import etcd  # noqa: F401 - a single-member etcd of the test's own
@@ -120,7 +121,7 @@ def test_kill_9_amid_batches_loses_no_acknowledged_view(nodes):
 def test_a_node_of_the_previous_version_gets_one_update_per_partition(nodes, tmp_path):
     """A node that predates PARTITION_UPDATE_MANY is sent PARTITION_UPDATE per partition; a current one is
     sent batches -- and both end up with every view installed."""
-    assert OP_SINCE[Op.PARTITION_UPDATE_MANY] == VERSION
+    assert OP_SINCE[Op.PARTITION_UPDATE_MANY] <= VERSION
     before = OP_SINCE[Op.PARTITION_UPDATE_MANY] - 1
     old_tree = build(tmp_path / "prev", before, before)
     old, new = _start(nodes, [old_tree, None])
@@ -149,6 +150,103 @@ def test_a_node_of_the_previous_version_gets_one_update_per_partition(nodes, tmp
 
 
 # ------------------------------------------------------------------ the manager's combiner (pure: no sockets)
+def test_a_batch_of_new_leaders_is_checked_in_a_few_requests(nodes):
+    """A failover's views on a surviving follower: 119 partitions whose new leader is another node.  Each view
+    is installed only once that leader said its copy is synced (datanode/viewguard.py) -- asked in one
+    REPLICA_STATES per window of ids, not one REPLICA_STATE per partition: the leader serves a handful of
+    requests for 119 checks.  A partition the new leader does not hold is refused, as it is alone."""
+    a, b, c = nodes(3)
+    pids = list(range(1, 120))
+
+    async def requests(dc, addr):
+        return (await dc.admin(addr, Op.NODE_STATUS))["counters"]["requests"]
+
+    async def main():
+        async with open_client("tcp", timeout=10) as dc:
+            body = {"replicas": [a.addr, b.addr, c.addr], "epoch": 1}
+
+            async def make(addr, pid, body):
+                await dc.admin(addr, Op.PARTITION_CREATE, partition=pid, body=body)
+            async with trio.open_nursery() as n:
+                for pid in pids:
+                    for node in (a, b, c):
+                        n.start_soon(make, node.addr, pid, body)
+                # one more, which the new leader b does not hold
+                for node in (a, c):
+                    n.start_soon(make, node.addr, 120, {"replicas": [a.addr, c.addr], "epoch": 1})
+            with trio.fail_after(30):   # the leader's first probe of each follower, done: b serves little
+                before = await requests(dc, b.addr)
+                while True:
+                    await trio.sleep(1.0)
+                    before, prev = await requests(dc, b.addr), before
+                    if before - prev <= 5:
+                        break
+            views = [{"partition": pid, "replicas": [b.addr, c.addr], "epoch": 2} for pid in pids + [120]]
+            answers = {}
+
+            async def send(at):         # two batches at once, as the manager and the node's agent send them
+                resp = await dc.admin(c.addr, Op.PARTITION_UPDATE_MANY, body={"views": views[at:at + 60]})
+                answers[at] = resp.arg
+            async with trio.open_nursery() as n:
+                for at in (0, 60):
+                    n.start_soon(send, at)
+            asked = await requests(dc, b.addr) - before - 1
+            assert answers == {0: 0, 60: 1 << 59}, answers      # every one but 120 (b does not hold it)
+            listed = {p["id"]: p for p in await dc.admin(c.addr, Op.PARTITION_LIST)}
+            assert all(listed[pid]["epoch"] == 2 and listed[pid]["replicas"] == [b.addr, c.addr] for pid in pids)
+            assert listed[120]["epoch"] == 1
+            st = (await dc.admin(c.addr, Op.NODE_STATUS))["counters"]
+            print(f"requests served by the new leader for 119 view checks: {asked} (the asker sent "
+                  f"{st['state_batches']} REPLICA_STATES, {st['state_singles']} REPLICA_STATE)")
+            assert asked <= 30, asked       # (a few per window of 64 ids, and the heartbeats' probes meanwhile)
+            assert st["state_singles"] == 0
+    run(main)
+
+
+def test_the_fill_of_many_partitions_is_asked_once_per_leader(nodes):
+    """The manager following 80 partitions' new replicas being filled asks their leader one summary
+    (PARTITION_HEALTH of partition 0) per round, not one request per partition; each partition's state in it
+    is the one its own PARTITION_HEALTH reports, and a partition the node does not lead has none."""
+    a, b = nodes(2)
+    pids = list(range(1, 81))
+
+    async def main():
+        async with open_client("tcp", timeout=10) as dc:
+            body = {"replicas": [a.addr, b.addr], "epoch": 1}
+
+            async def make(addr, pid):
+                await dc.admin(addr, Op.PARTITION_CREATE, partition=pid, body=body)
+            async with trio.open_nursery() as n:
+                for pid in pids:
+                    for node in (b, a):
+                        n.start_soon(make, node.addr, pid)
+            fill = FillWatch(dc)
+            got = {}
+
+            async def one(pid):
+                got[pid] = await fill.state(a.addr, pid)
+            with trio.fail_after(30):
+                while True:                 # until the leader's first probe of b found every copy healthy
+                    async with trio.open_nursery() as n:
+                        for pid in pids:
+                            n.start_soon(one, pid)
+                    if all(got[pid] == (1, {b.addr: "healthy"}, False) for pid in pids):
+                        break
+                    await trio.sleep(0.5)
+            rounds = fill.summaries
+            async with trio.open_nursery() as n:
+                for pid in pids:
+                    n.start_soon(one, pid)
+            assert 1 <= fill.summaries - rounds <= 3, fill.summaries - rounds
+            for pid in (1, 40, 80):
+                h = await dc.admin(a.addr, Op.PARTITION_HEALTH, partition=pid)
+                assert got[pid] == (h["epoch"], {f["addr"]: f["state"] for f in h["followers"]},
+                                    h["repair"]["running"])
+            assert await fill.state(b.addr, 1) is None          # b follows it
+            assert await fill.state(a.addr, 999) is None        # nobody has it
+    run(main)
+
+
 def test_the_combiner_sends_what_waits_together_and_answers_each_caller():
     """The first item goes at once; what arrives while it is under way goes in the next request (at most
     max_batch); each caller gets its own result or exception; a cancelled sender strands nobody."""

@@ -3,6 +3,7 @@ scope check without sockets; then real datanodes holding a cluster secret, the S
 new replica that takes its partition's volume, and (where /dev/fuse exists) a dnfs mount with a volume key."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -17,7 +18,7 @@ from datanode.ops.wrap import VOLUME_FREE, volume_refusal
 from datanode.partition import PartitionTable
 from wire.auth import AuthConfigError, Credentials, DialAuth, role_key, volume_key
 from wire.protocol import BodyError, Op, ProtocolError, Result, Role, check_volume, decode_identity, decode_volume
-from tests.conftest import REPO, pattern, run
+from tests.conftest import REPO, pattern, run_cli, run
 from tests.test_trust import secret, wait_log  # noqa: F401 - secret: the fixture (a cluster secret file)
 from lab import fuzz
 
@@ -234,12 +235,7 @@ ENV = {k: v for k, v in os.environ.items() if k not in ("DATANODE_SECRET_FILE", 
 ENV["PYTHONPATH"] = str(REPO)
 
 
-def cli(tool: str, *args, check: bool = True) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, "-m", tool, *map(str, args)], cwd=REPO, env=ENV, capture_output=True,
-                       text=True, timeout=180)
-    if check and r.returncode != 0:
-        raise AssertionError(f"{tool} {' '.join(map(str, args))} -> {r.returncode}\n{r.stdout}\n{r.stderr}")
-    return r
+cli = functools.partial(run_cli, check=True, env=ENV)
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no /dev/fuse")

@@ -1,7 +1,8 @@
 """The datanode's request path, without sockets: which appends a run takes in and what each of them is
-answered (ops/run.py), the append's two drivers -- the WRITE handler's task and the follower's fast path in
-the transport's delivery -- giving the same answers and the same extent (ops/append.py), and the wrapper's
-admission, which both take (ops/wrap.py)."""
+answered (ops/run.py), the append's drivers -- the WRITE handler's task, the follower's fast path in the
+transport's delivery, and a client's lean append by its connection's thread (ops/lean.py) -- giving the
+same answers and the same extent (ops/append.py), and the wrapper's admission, which all take
+(ops/wrap.py)."""
 from __future__ import annotations
 
 import math
@@ -20,6 +21,8 @@ from datanode.metrics import NodeMetrics
 from datanode.ops.append import Appends
 from datanode.ops.base import Reply, Request, RequestCounters
 from datanode.ops.buffers import Buffers
+from datanode.ops import lean as lean_mod
+from datanode.ops.lean import Lean
 from datanode.ops.partitions import Partitions
 from datanode.ops.run import AppendRun
 from datanode.ops.stages import DURABLE, STARTED, WRITTEN
@@ -122,6 +125,12 @@ class Conn:
 
     async def send_within(self, timeout, raw) -> bool:
         return self.send_nowait(timeout, raw)
+
+    def send_many_nowait(self, timeout, raws) -> bool:
+        return all([self.send_nowait(timeout, raw) for raw in raws])
+
+    async def send_many_within(self, timeout, raws) -> bool:
+        return self.send_many_nowait(timeout, raws)
 
 
 class Follower:
@@ -310,3 +319,198 @@ def test_with_tracing_on_each_step_of_an_append_is_noted_under_its_name(tmp_path
     named = sorted(steps, key=lambda s: s[3])
     assert [s[0] for s in named] == ["arrived.F", "started.F", "written.F", "durable.F", "replied.F"]
     assert len({(s[1], s[2]) for s in steps}) == 1 and steps[0][2] == 0       # one append's, at offset 0
+
+
+# -- the lean append (ops/lean.py): the common case, by the connection's data-plane thread -----------------------
+class Alone:
+    """This node as the only replica of partition PID, behind a wrapper with the WRITE handler -- and with the
+    lean path when ``lean`` -- as the node composes them (datanode/server.py)."""
+
+    def __init__(self, root: str, commit: GroupCommit, lean: bool, replicas=(ME,)):
+        self.table = PartitionTable(pathlib.Path(root), "always")
+        self.part = self.table.create(PID, list(replicas), 1)
+        self.eid = self.part.store.create_extent()
+        self.counters = RequestCounters()
+        partitions = Partitions(Config(), ME, self.table, self.counters, None, lambda kick: None)
+        pool = BuddyPool(MiB, MiB)
+        region = Domain().register(pool.arena, pool.base_addr, Access.LOCAL_WRITE)
+        replication = Replicator(1.0)
+        appends = Appends(partitions, Buffers(Config(), pool, region), replication, commit, self.counters)
+
+        async def other(rq):
+            return rq.h.reply(Result.OK)
+        self.lean = Lean(ME, self.table, replication, self.counters, True, commit.here) if lean else None
+        self.states: dict[int, ConnState] = {}
+        self.wrap = Wrap(cfg=Config(), serving=Serving("serving"), table=self.table, counters=self.counters,
+                         metrics=NodeMetrics(None), audit=AuditLog(f"{root}/audit.log", ME),
+                         handlers={**{op: other for op in Op}, Op.WRITE: appends.write}, now=appends.now,
+                         lean=self.lean)
+
+    async def send(self, nursery, conn, h: Header, data: bytes) -> None:
+        cs = self.states.setdefault(id(conn), ConnState())     # the connection's state: its run, as served
+        self.wrap._dispatch(nursery, conn, cs, encode_message(h, data), trio.current_time())
+
+    async def answers(self, conn, n: int) -> list[tuple[int, int, int]]:
+        """The first ``n`` answers on ``conn`` (req_id, result, arg), in the order sent, once all are in."""
+        with trio.fail_after(10):
+            while len(conn.sent) < n or self.wrap.inflight:
+                await trio.sleep(0.002)
+        return [(r.req_id, r.result, r.arg) for r in conn.sent]
+
+    def extent(self) -> tuple[bytes, int]:
+        n = self.part.store.size(self.eid)
+        out = bytearray(n)
+        self.part.store.read_into(self.eid, 0, n, memoryview(out))
+        return bytes(out), self.part.store.durable_size(self.eid)
+
+
+def client_conn() -> Conn:
+    c = Conn(Role.CLIENT)
+    c.transport = "tcp"
+    return c
+
+
+async def alone(roots: list[str], nursery, replicas=(ME,)) -> list[Alone]:
+    commit = GroupCommit(quiet=lambda: False)
+    await nursery.start(commit.run)
+    return [Alone(root, commit, lean, replicas) for root, lean in zip(roots, (True, False))]
+
+
+def test_a_followers_forwards_by_the_lean_path_and_by_the_handler_leave_the_same_extent(tmp_path):
+    """A leader's pipelined inline forwards: the same answers and the same durable extent on a follower taking
+    them by the lean path as on one taking them by the WRITE handler's task; a forward from a node that does
+    not lead is refused by the same admission."""
+    async def main():
+        async with trio.open_nursery() as n:
+            nodes = await alone([str(tmp_path / "a"), str(tmp_path / "b")], n, replicas=(LEADER, ME))
+            conns = [Conn(Role.NODE, LEADER), Conn(Role.NODE, LEADER)]
+            for c in conns:
+                c.transport = "tcp"
+            end = 0
+            for i in range(30):
+                data = pattern(i, 100 + 37 * i)
+                for node, conn in zip(nodes, conns):
+                    await node.send(n, conn, append(end, data, extent=nodes[0].eid, flags=INLINE | Flag.FORWARDED,
+                                                    req_id=i + 1), data)
+                end += len(data)
+            got = [sorted(await node.answers(conn, 30)) for node, conn in zip(nodes, conns)]
+            assert got[0] == got[1] and {r for _i, r, _a in got[0]} == {Result.OK}
+            assert nodes[0].extent() == nodes[1].extent() and nodes[0].extent()[1] == end
+            assert nodes[0].counters.lean_writes == nodes[0].counters.replica_writes == 30
+            assert nodes[1].counters.lean_writes == 0 and nodes[1].counters.replica_writes == 30
+            stranger = Conn(Role.NODE, "127.0.0.1:3")
+            stranger.transport = "tcp"
+            data = pattern(99, 10)
+            await nodes[0].send(n, stranger, append(end, data, extent=nodes[0].eid, flags=INLINE | Flag.FORWARDED,
+                                                    req_id=99), data)
+            assert await nodes[0].answers(stranger, 1) == [(99, Result.FORBIDDEN, 0)]
+            n.cancel_scope.cancel()
+    trio.run(main)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(1, 6000), st.sampled_from(["ok", "ok", "ok", "bad crc", "wrong offset"])),
+                min_size=1, max_size=12), st.booleans())
+def test_the_lean_path_and_the_handler_answer_alike_and_leave_the_same_extent(steps, pipelined):
+    """One node takes a client's appends by the lean path, the other by the WRITE handler's task, one at a
+    time or all sent at once (pipelined): the same answers, the same bytes, durable."""
+    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+        async def main():
+            async with trio.open_nursery() as n:
+                nodes = await alone([a, b], n)
+                conns = [client_conn(), client_conn()]
+                end, want = 0, []
+                for i, (size, kind) in enumerate(steps):
+                    data = pattern(i, size)
+                    h = append(end + (kind == "wrong offset"), data, extent=nodes[0].eid, req_id=i + 1,
+                               crc=crc32c(data) ^ 1 if kind == "bad crc" else None)
+                    for node, conn in zip(nodes, conns):
+                        await node.send(n, conn, h, data)
+                        if not pipelined:
+                            await node.answers(conn, i + 1)
+                    want.append((i + 1, *((Result.OK, end + size) if kind == "ok" else (Result.CRC_MISMATCH, 0)
+                                          if kind == "bad crc" else (Result.WRONG_OFFSET, end))))
+                    end += size if kind == "ok" else 0
+                got = [sorted(await node.answers(conn, len(steps))) for node, conn in zip(nodes, conns)]
+                assert got[0] == got[1] == want
+                assert nodes[0].extent() == nodes[1].extent()
+                assert nodes[0].extent()[1] == len(nodes[0].extent()[0])        # all of it durable
+                oks = sum(r == Result.OK for _i, r, _a in got[0])
+                assert nodes[0].counters.lean_writes == nodes[0].counters.writes == oks
+                assert nodes[1].counters.lean_writes == 0 and nodes[1].counters.writes == oks
+                assert nodes[0].wrap.metrics.write_stages.leader[0] == oks
+                n.cancel_scope.cancel()
+        trio.run(main)
+
+
+def test_a_lean_lease_keeps_arrival_order_with_other_connections_and_paths(tmp_path):
+    """A connection's lean appends hold the extent's turn; another connection's append arriving meanwhile
+    waits behind them (the handler's task), and the first connection's next append, arriving after it, goes
+    after it: every append lands in arrival order."""
+    async def main():
+        async with trio.open_nursery() as n:
+            (node,) = await alone([str(tmp_path)], n)
+            first, second = client_conn(), client_conn()
+            datas, end = [], 0
+            for i, conn in enumerate([first] * 20 + [second] + [first] * 3):
+                data = pattern(i, 3000 + i)
+                await node.send(n, conn, append(end, data, extent=node.eid, req_id=i + 1), data)
+                datas.append(data)
+                end += len(data)
+            got = await node.answers(first, 23) + await node.answers(second, 1)
+            assert sorted(got) == [(i + 1, Result.OK, sum(map(len, datas[:i + 1]))) for i in range(24)]
+            assert node.extent() == (b"".join(datas), end)
+            assert node.counters.lean_writes == 20 and node.counters.writes == 24
+            assert not node.lean.leases and node.part.lanes[node.eid].issued == node.part.lanes[node.eid].serving
+            n.cancel_scope.cancel()
+    trio.run(main)
+
+
+@pytest.mark.parametrize("stage", ["write", "flush"])
+def test_a_failed_lean_append_seals_the_extent_as_the_handler_would(tmp_path, monkeypatch, stage):
+    async def main():
+        async with trio.open_nursery() as n:
+            (node,) = await alone([str(tmp_path)], n)
+            store, conn = node.part.store, client_conn()
+            if stage == "write":
+                def boom(*a, **kw):
+                    raise StoreError(StoreCode.DISK, "disk gone")
+                monkeypatch.setattr(store, "append", boom)
+            else:
+                monkeypatch.setattr(store, "flush", lambda ids: {i: StoreError(StoreCode.DISK, "disk gone") for i in ids})
+            data = pattern(1, 4 * KiB)
+            await node.send(n, conn, append(0, data, extent=node.eid, req_id=1), data)
+            assert await node.answers(conn, 1) == [(1, Result.DISK_ERROR, 0)]
+            assert node.part.sealed[str(node.eid)].startswith(f"local {stage} failed: ")
+            monkeypatch.undo()
+            await node.send(n, conn, append(4 * KiB if stage == "flush" else 0, data, extent=node.eid, req_id=2), data)
+            assert (await node.answers(conn, 2))[1][:2] == (2, Result.DIVERGED)
+            assert node.counters.lean_writes == 0
+            n.cancel_scope.cancel()
+    trio.run(main)
+
+
+def test_what_the_lean_path_does_not_take_goes_the_usual_way(tmp_path, monkeypatch):
+    """A replicated partition, another epoch, a flag besides INLINE, a connection past the planes' limit, a
+    refused admission: not lean (the handler answers it, with its reasons)."""
+    async def main():
+        async with trio.open_nursery() as n:
+            (node,) = await alone([str(tmp_path)], n)
+            conn, data = client_conn(), pattern(1, 100)
+            h = append(0, data, extent=node.eid)
+            assert node.lean.take(conn, h.but(epoch=2), data, 0.0, n) is None
+            assert node.lean.take(conn, h.but(flags=INLINE | Flag.REPAIR), data, 0.0, n) is None
+            node.part.replicas = [ME, LEADER]
+            assert node.lean.take(conn, h, data, 0.0, n) is None
+            node.part.replicas = [ME]
+            monkeypatch.setattr(lean_mod, "MAX_PLANES", 1)     # one connection has a thread: a second has none
+            await node.send(n, conn, h, data)
+            assert await node.answers(conn, 1) == [(0, Result.OK, 100)]
+            assert node.lean.take(client_conn(), h.but(offset=100), data, 0.0, n) is None
+            assert list(node.lean.planes) == [conn] and node.counters.lean_writes == 1
+            node.wrap.admit.serving.draining = True
+            with pytest.raises(Reply):
+                node.lean.take(conn, h.but(offset=100), data, 0.0, n)
+            assert not node.lean.leases
+            n.cancel_scope.cancel()
+    trio.run(main)

@@ -820,6 +820,10 @@ class MapCache:
     Each key keeps the mod revision it was last seen at, and an event or a re-read never replaces a newer
     one (a re-read racing a watch event cannot bring an old value back).
 
+    The valid entries are also kept by subtree, with each node's partitions, and a reader that acts on
+    changes (the manager's passes) learns which keys changed (``follow``): what it reads costs what changed,
+    not the size of the map.
+
     Entries of the sealed subtrees (nodes, partitions, requests, drain marks) are checked as they arrive
     (``Etcd.open``; a view also against the one it replaces, ``Etcd.follows``, with the registered nodes).  An
     invalid value is ignored: the key keeps its last valid content, and ``bad`` notes the invalid value's
@@ -838,6 +842,11 @@ class MapCache:
         self.resync_s = resync_s
         self.kv: dict[str, tuple[bytes, int]] = {}   # key -> (value, mod revision)
         self.ok: dict[str, object] = {}               # sealed key -> its last valid content (PartView / dict)
+        # the valid entries again, by subtree ("parts", "nodes", ...), and each node's partitions (those whose
+        # valid view names it): a pass reads what it needs without walking the whole map
+        self.sub: dict[str, dict[str, object]] = {}
+        self.members: dict[str, set[int]] = {}
+        self._followers: list[MapChanges] = []
         self.bad: dict[str, int] = {}                 # sealed key -> revision of the invalid value it holds
         self.gone: dict[str, int] = {}                # deleted key -> revision of its deletion
         self.lease: dict[str, int] = {}               # registration key -> the lease its valid value is under
@@ -917,13 +926,15 @@ class MapCache:
             self.bad.pop(key, None)
             self.gone[key] = rev
             if not self._keep_registration(key):
-                self.ok.pop(key, None)
+                self._forget(key)
         else:
             self.kv[key] = (value, rev)
             self.gone.pop(key, None)
             if kind_of(self.etcd.prefix, key) is not None:
                 self._check(key, value, rev, lease)
         self.rev = max(self.rev, rev)
+        for f in self._followers:
+            f.touch(key)
         return True
 
     def _check(self, key: str, value: bytes, rev: int, lease: int = 0) -> None:
@@ -940,11 +951,41 @@ class MapCache:
             self.bad[key] = rev
             self._keep_registration(key)
         else:
-            self.ok[key] = got
+            self._keep(key, got)
             self.bad.pop(key, None)
             if key.startswith(self.etcd.nodes_prefix):
                 self.lease[key] = lease
                 self.unsure.pop(key, None)
+
+    def _keep(self, key: str, got) -> None:
+        """``got`` is ``key``'s valid content now (and in the indexes)."""
+        self._forget(key)
+        self.ok[key] = got
+        kind = kind_of(self.etcd.prefix, key)
+        self.sub.setdefault(kind[0], {})[key] = got
+        if isinstance(got, PartView):
+            for r in got.replicas:
+                self.members.setdefault(r, set()).add(got.id)
+
+    def _forget(self, key: str) -> None:
+        old = self.ok.pop(key, None)
+        if old is None:
+            return
+        self.sub.get(kind_of(self.etcd.prefix, key)[0], {}).pop(key, None)
+        if isinstance(old, PartView):
+            for r in old.replicas:
+                held = self.members.get(r)
+                if held is not None:
+                    held.discard(old.id)
+                    if not held:
+                        del self.members[r]
+
+    def follow(self) -> "MapChanges":
+        """A record of the keys that change from now on (``MapChanges.take``): a reader that acts on changes
+        looks at those, not at the whole map."""
+        f = MapChanges(self.etcd)
+        self._followers.append(f)
+        return f
 
     def _keep_registration(self, key: str) -> bool:
         """A valid registration's key was deleted or overwritten by a value to ignore: keep the registration
@@ -983,7 +1024,9 @@ class MapCache:
                 del self.unsure[key]
                 self.lease.pop(key, None)
                 if key not in self.kv or key in self.bad:
-                    self.ok.pop(key, None)             # the node's lease ended: so has its registration
+                    self._forget(key)                  # the node's lease ended: so has its registration
+                    for f in self._followers:
+                        f.touch(key)
                     changed = True
             else:
                 self.etcd._log_limited(key, "unattributed", f"changed while the node's lease {lease:x} lives: "
@@ -1009,21 +1052,40 @@ class MapCache:
 
     def under(self, prefix: str) -> list[tuple[str, object]]:
         """(key, checked content) of every valid entry under ``prefix`` (a full key prefix), from memory."""
+        kind = kind_of(self.etcd.prefix, prefix)
+        if kind is not None and not kind[1]:            # a whole subtree: its index
+            return list(self.sub.get(kind[0], {}).items())
         return [(k, v) for k, v in self.ok.items() if k.startswith(prefix)]
 
     def nodes(self) -> dict[str, dict]:
         pre = self.etcd.nodes_prefix
-        return {k[len(pre):]: v for k, v in self.ok.items() if k.startswith(pre)}
+        return {k[len(pre):]: v for k, v in self.sub.get("nodes", {}).items()}
 
     def parts(self) -> dict[int, PartView]:
         """Every partition's last valid view, at the key's current revision (a change the manager makes
-        overwrites an invalid value stored after it)."""
-        pre = self.etcd.parts_prefix
-        out = {}
-        for k, v in self.ok.items():
-            if k.startswith(pre):
-                out[v.id] = dataclasses.replace(v, rev=self.kv[k][1])
-        return out
+        overwrites an invalid value stored after it): a copy each, O(partitions) -- a pass reads ``part``."""
+        return {v.id: dataclasses.replace(v, rev=self.kv[k][1]) for k, v in self.sub.get("parts", {}).items()}
+
+    def part(self, pid: int) -> PartView | None:
+        """Partition ``pid``'s last valid view (a copy), as ``parts`` has it."""
+        key = self.etcd.part_key(pid)
+        v = self.ok.get(key)
+        return dataclasses.replace(v, rev=self.kv[key][1]) if isinstance(v, PartView) else None
+
+    def peek(self, pid: int) -> PartView | None:
+        """Partition ``pid``'s last valid view itself, not a copy (read only; its ``rev`` may be behind)."""
+        v = self.ok.get(self.etcd.part_key(pid))
+        return v if isinstance(v, PartView) else None
+
+    def part_ids(self) -> list[int]:
+        return [v.id for v in self.sub.get("parts", {}).values()]
+
+    def count_parts(self) -> int:
+        return len(self.sub.get("parts", {}))
+
+    def pids_of(self, addr: str) -> set[int]:
+        """The partitions whose valid view names ``addr``."""
+        return set(self.members.get(addr, ()))
 
     def invalid_parts(self) -> tuple[list[PartView], dict[int, int]]:
         """Partitions whose key holds an invalid value now: (their last valid views, at the invalid value's
@@ -1039,6 +1101,34 @@ class MapCache:
             elif k[len(pre):].isdigit():
                 unknown[int(k[len(pre):])] = rev
         return known, unknown
+
+
+class MapChanges:
+    """What changed in a ``MapCache`` since the last ``take`` (``MapCache.follow``): partition ids, node
+    addresses, and whether anything else under the prefix did (requests, drain and hand-off marks, the
+    manager key)."""
+
+    def __init__(self, etcd: Etcd):
+        self.parts_prefix, self.nodes_prefix = etcd.parts_prefix, etcd.nodes_prefix
+        self.parts: set[int] = set()
+        self.nodes: set[str] = set()
+        self.other = False
+
+    def touch(self, key: str) -> None:
+        if key.startswith(self.parts_prefix):
+            name = key[len(self.parts_prefix):]
+            if name.isdigit():
+                self.parts.add(int(name))
+                return
+        elif key.startswith(self.nodes_prefix):
+            self.nodes.add(key[len(self.nodes_prefix):])
+            return
+        self.other = True
+
+    def take(self) -> tuple[set[int], set[str], bool]:
+        out = (self.parts, self.nodes, self.other)
+        self.parts, self.nodes, self.other = set(), set(), False
+        return out
 
 
 def _shutdown(resp) -> None:

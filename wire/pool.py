@@ -1,7 +1,9 @@
 """Registered memory pool: one mmap'd arena managed by a buddy allocator.
 
 The pool allocates ONE private anonymous arena at start-up, on huge pages
-where the kernel gives them.  Its real virtual address (``BuddyPool.base_addr``)
+where the kernel gives them (``huge_pages``: asked for; a small client's pool
+does without -- each first touch of a huge page may stall on the kernel's
+compaction for milliseconds on a busy host, which its few pages do not repay).  Its real virtual address (``BuddyPool.base_addr``)
 is obtained through cffi so that an
 RDMA transport can register the whole arena as a single memory region; every
 ``Block`` then carries ``addr`` (= ``base_addr + offset``) for use in work
@@ -175,7 +177,7 @@ class BuddyPool:
     """
 
     def __init__(self, arena_bytes: int = 256 << 20, max_block: int = 4 << 20,
-                 min_block: int = 4096):
+                 min_block: int = 4096, huge_pages: bool = True):
         arena_bytes = _int_param("arena_bytes", arena_bytes)
         max_block = _int_param("max_block", max_block)
         min_block = _int_param("min_block", min_block)
@@ -207,7 +209,7 @@ class BuddyPool:
             raise RuntimeError("anonymous mmap is not page aligned")
         skip = -start % HUGE_PAGE
         self.base_addr = start + skip
-        self.huge_pages = _advise_huge(self._mm, skip, arena_bytes)
+        self.huge_pages = huge_pages and _advise_huge(self._mm, skip, arena_bytes)
         self._whole = memoryview(self._mm)
         self.arena = self._whole[skip:skip + arena_bytes]
 

@@ -48,12 +48,12 @@ MAGIC = 0xDA7A
 # The protocol versions this build speaks, oldest to newest.  Each connection uses the highest both ends speak
 # (the hello carries each end's range); every header on it carries that number.  What may change within a
 # version and what needs a new one: docs/architecture.md, "Versions and skew".
-VERSION = 10     # 2: BAD_REQUEST split into one result code per condition; 3: authenticated hello, roles;
+VERSION = 11     # 2: BAD_REQUEST split into one result code per condition; 3: authenticated hello, roles;
                  # 4: small WRITE payloads inline (Flag.INLINE); 5: the hello carries a version range and
                  # extensions; 6: NODE_DRAIN; 7: volumes (PARTITION_CREATE's "volume", BAD_BODY bad_volume);
                  # 8: NODE_HEALTH, MAP_READ; 9: authenticated sessions (the hello names the node dialed and
                  # exchanges key shares; every control message carries a MAC: wire/session.py);
-                 # 10: PARTITION_UPDATE_MANY
+                 # 10: PARTITION_UPDATE_MANY; 11: REPLICA_STATES
 MIN_VERSION = 5  # 4 and older send one version and accept only their own: no range to meet them in
 SESSIONS_SINCE = 9  # an authenticated connection of this version or newer is a session (wire/auth.py)
 HEADER_SIZE = 88
@@ -96,6 +96,11 @@ class Op(enum.IntEnum):
                              #   [[partition, token], ...], "next": id or null}, one change token for each
                              #   partition hosted there that the requester leads in its view, ids from ``arg``
                              #   up, at most a page (datanode/health.py)
+    REPLICA_STATES = 0x0D    # REPLICA_STATE of many partitions in one answer (a failover or a hand-off checks
+                             #   hundreds of new leaders at once): those of ids ``partition`` + i for each bit i
+                             #   set in ``arg`` (a window of STATES_WINDOW ids); answer JSON {"states": {id:
+                             #   REPLICA_STATE's answer}, "absent": [ids not hosted], "left": [ids that did not
+                             #   fit the buffer: ask again]}; never a leader's confirmation
     PING = 0x10
     PARTITION_CREATE = 0x20  # body: JSON {"replicas": [...], "epoch": n[, "volume": name]} from the request's buffer
     PARTITION_LIST = 0x21    # answer: JSON list
@@ -106,7 +111,9 @@ class Op(enum.IntEnum):
     NODE_DRAIN = 0x32        # stop as on SIGTERM (hand off, finish in-flight, leave etcd, exit).  Request arg
                              #   0: answered once the node has stopped taking requests, with the drain's
                              #   report (JSON); 1: answered at once, arg = 1 if it was stopping already
-    PARTITION_HEALTH = 0x24  # answer: JSON, the leader's view of its replicas, repair and scrub progress
+    PARTITION_HEALTH = 0x24  # answer: JSON, the leader's view of its replicas, repair and scrub progress;
+                             #   partition 0: {"partitions": {id: [epoch, {follower: state}, repairing]}} of
+                             #   every partition it leads (HEALTH_SUMMARY_SINCE)
     REPAIR = 0x25            # ask the leader for a full repair pass now; arg in the answer = pass number
     SCRUB = 0x26             # ask the leader for a scrub pass now; arg in the answer = pass number
     # -- the trash of deleted partitions (datanode/partition.py), admin only --
@@ -193,6 +200,7 @@ OP_ROLES: dict[Op, frozenset] = {
     Op.TRUNCATE: frozenset({Role.NODE}),
     Op.REPLICA_STATE: frozenset({Role.NODE, Role.ADMIN}), Op.BLOCK_CRCS: frozenset({Role.NODE, Role.ADMIN}),
     Op.SCRUB_EXTENT: frozenset({Role.NODE, Role.ADMIN}), Op.NODE_HEALTH: frozenset({Role.NODE, Role.ADMIN}),
+    Op.REPLICA_STATES: frozenset({Role.NODE, Role.ADMIN}),
     Op.PARTITION_CREATE: frozenset({Role.ADMIN}), Op.PARTITION_DELETE: frozenset({Role.ADMIN}),
     Op.REPAIR: frozenset({Role.ADMIN}), Op.SCRUB: frozenset({Role.ADMIN}),
     Op.TRASH_LIST: frozenset({Role.ADMIN}), Op.TRASH_RESTORE: frozenset({Role.ADMIN}),
@@ -204,12 +212,17 @@ OP_ROLES: dict[Op, frozenset] = {
 assert set(OP_ROLES) == set(Op), "every opcode declares its roles"
 # opcodes newer than MIN_VERSION, with the version that brought them: sent only on connections of that
 # version or newer (an older peer refuses them as unknown)
-OP_SINCE: dict[Op, int] = {Op.NODE_DRAIN: 6, Op.NODE_HEALTH: 8, Op.MAP_READ: 8, Op.PARTITION_UPDATE_MANY: 10}
+OP_SINCE: dict[Op, int] = {Op.NODE_DRAIN: 6, Op.NODE_HEALTH: 8, Op.MAP_READ: 8, Op.PARTITION_UPDATE_MANY: 10,
+                           Op.REPLICA_STATES: 11}
 # a PARTITION_CREATE naming a volume goes only to nodes of this version or newer: an older one would drop the
 # key and make a copy in no volume (client/admin.py refuses instead).  A client's hello naming a volume needs
 # such a node too -- an older one drops that hello, which names no HOST:PORT -- but it is sent before any
 # version is agreed: the dialer says so in its error (transport/connect.py).
 VOLUMES_SINCE = 7
+# PARTITION_HEALTH of partition 0 -- every partition the node leads, in short (its replicas' states) -- goes
+# only to nodes of this version or newer (an older one answers NOT_FOUND)
+HEALTH_SUMMARY_SINCE = 11
+STATES_WINDOW = 64       # the partition ids one REPLICA_STATES names: a bit each in the header's ``arg``
 ADMIN_ACTIONS = frozenset({Op.PARTITION_CREATE, Op.PARTITION_UPDATE, Op.PARTITION_DELETE, Op.REPAIR, Op.SCRUB,
                            Op.TRASH_LIST, Op.TRASH_RESTORE, Op.TRASH_PURGE, Op.NODE_DRAIN,
                            Op.PARTITION_UPDATE_MANY})

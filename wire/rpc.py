@@ -364,8 +364,9 @@ class Links:
     Used by a leader for its followers and by the client SDK for the datanodes it talks to."""
 
     def __init__(self, nursery: trio.Nursery, domain, *, transport: str, slots: int, connect_timeout: float,
-                 on_conn=None, auth=None):
+                 on_conn=None, auth=None, source: str = ""):
         self._nursery = nursery
+        self._source = source              # the local address every dial binds to (empty: the kernel's choice)
         self._domain = domain
         self._transport = transport
         self._slots = slots
@@ -442,7 +443,7 @@ class Links:
 
         try:
             async with dial(host, port, self._domain, transport=self._transport, slots=self._slots,
-                            timeout=timeout, auth=self._auth) as conn:
+                            timeout=timeout, auth=self._auth, source=self._source) as conn:
                 req = Requester(conn, clock)
                 if self._on_conn:
                     self._on_conn(conn, True)

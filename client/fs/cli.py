@@ -215,8 +215,8 @@ def with_cluster(fn):
                    "ordinary user does (--allow-other then needs 'user_allow_other' in /etc/fuse.conf).")
 @click.option("--kernel-cache", is_flag=True,
               help="Let the kernel keep written pages and send them later, in larger writes (FUSE's write-back "
-                   "cache).  Experimental: not every POSIX and failure guarantee of the mount has been checked "
-                   "with it.")
+                   "cache).  Experimental: a file whose write the cluster refused (ENOSPC) may read back with "
+                   "zeros where its bytes were, instead of ending where the stored bytes end.")
 @click.option("--foreground", "-f", is_flag=True, help="Stay in the foreground (logs to stderr).")
 @click.option("--log", "log_path", type=click.Path(dir_okay=False),
               help="Log file of the background mount (default: META_PATH.log).")

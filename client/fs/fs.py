@@ -80,6 +80,11 @@ class DnFS(DirOps, FileOps, XattrOps):
         self.seen: dict[int, tuple[int, int]] = {}   # ino -> (mtime, ctime) at its last close
         self.negative_cache = meta.single_mount    # only this mount changes the tree: cache "no such name"
         self.inflight = 0                          # FUSE requests being served (``fuse_op``)
+        # WRITEBACK_CACHE: the kernel writes a file's times back itself -- also right after unlinking a file
+        # (its ctime): what an inode removed at its unlink was is kept for that until the kernel forgets it
+        self.kernel_writes_back = False
+        self.removed: dict[int, Attr] = {}
+        self.read_fetched = 0                      # bytes reads fetched from the cluster (readahead included)
         self.ops: dict[str, list] = {}             # FUSE request kind -> [count, answered with an errno, seconds]
         meta.quiet = lambda: self.inflight <= 1    # the engine may block the loop for an fsync nobody waits behind
         self.timeout = TIMEOUT if meta.single_mount else 0.0   # shared: ask the metadata every time
@@ -159,6 +164,7 @@ class DnFS(DirOps, FileOps, XattrOps):
             lookups.pop(ino, None)
             if ino != ROOT:
                 self.parents.pop(ino, None)
+                self.removed.pop(ino, None)
             if ino in self.unlinked:
                 gone.append(ino)
         c = self.ops.get("forget")
@@ -198,6 +204,7 @@ class DnFS(DirOps, FileOps, XattrOps):
         return {"pid": os.getpid(), "writeback": self.writeback, "open_files": sum(1 for st in held if st.opens),
                 "files_held": len(held), "unwritten_bytes": left[0], "unwritten_files": left[1],
                 "buffer_budget": self.writer.budget.limit, "background_flushes": self.writer.background_flushes,
+                "read_fetched_bytes": self.read_fetched,
                 "files_failed": sum(1 for st in held if st.error is not None),
                 "requests": {k: {"count": c, "failed": f, "seconds": round(t, 3)}
                              for k, (c, f, t) in sorted(self.ops.items())},

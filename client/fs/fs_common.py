@@ -77,10 +77,11 @@ class FileState(FileWriter):
         self.slices: list[Slice] | None = None
         self.starts: list[int] = []
         self.gen = 0                      # bumped whenever the committed content changes
-        self.ra: tuple[int, bytearray] | None = None         # readahead: the current window ...
-        self.ra_next: tuple[int, bytearray] | None = None    # ... the next one, fetched in the background
-        self.prefetch: tuple[int, int, trio.Event] | None = None
-        self.last_end = -1
+        # readahead: windows of committed bytes fetched (start, bytes; never changed once stored, so a read
+        # answers with a view of one), the newest last, and the fetches under way (start, end, gen, done)
+        self.windows: list[tuple[int, bytearray]] = []
+        self.fetching: list[tuple[int, int, int, trio.Event]] = []
+        self.last_end = -1                    # where the last read ended (a read starting near it is sequential)
         self.seen: tuple[int, int] = (0, 0)   # (mtime, ctime) of the last attributes we know
         self.committed_slices = 0             # slices committed since the last compaction check
         self.caps = UNKNOWN                  # its security.capability (None: it has none), once asked ...
@@ -90,7 +91,7 @@ class FileState(FileWriter):
     def changed(self) -> None:
         self.gen += 1
         self.slices = None
-        self.ra = self.ra_next = None
+        self.windows = []
 
     def committed(self, attr: Attr, nslices: int) -> None:
         self.seen = (attr.mtime_ns, attr.ctime_ns)

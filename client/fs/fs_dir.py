@@ -63,6 +63,9 @@ class DirOps:
 
     @fuse_op
     async def setattr(self, inode, attr, fields, fh, ctx):
+        gone = self.removed.get(inode)
+        if gone is not None:        # the kernel writing back the times of a file it just unlinked
+            return self.entry(gone)
         now = time.time_ns()
         mode = attr.st_mode if fields.update_mode else None
         st = self.files.get(inode)
@@ -122,6 +125,8 @@ class DirOps:
         if gone:
             self.seen.pop(a.ino, None)
             self.reclaimer.kick()
+            if self.kernel_writes_back and self.lookups.get(a.ino, 0) > 0:
+                self.removed[a.ino] = a
         elif a.nlink <= 0:
             self.unlinked.add(a.ino)
             await self._maybe_remove(a.ino)

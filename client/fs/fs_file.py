@@ -18,7 +18,8 @@ from client.fs.meta import Attr, Slice, coalesce
 
 log = logging.getLogger("client.fs.fs")
 
-READAHEAD = 4 << 20
+READAHEAD = 4 << 20                # bytes a sequential reader's fetch from the cluster takes at once
+RA_WINDOWS = 3                     # windows of them a file keeps: the one read, the next, one for stragglers
 COMPACT_SLICES = 256               # a file with this many slices is rewritten at its last close ...
 COMPACT_MAX_BYTES = 256 << 20      # ... if it is no larger than this
 
@@ -127,8 +128,10 @@ class FileOps:
         return st.slices
 
     async def _committed(self, st: FileState, off: int, n: int) -> bytearray:
-        """Bytes [off, off+n) as the committed slices have them (zeros in holes)."""
+        """Bytes [off, off+n) as the committed slices have them (zeros in holes), each extent's range read
+        straight into its place."""
         out = bytearray(n)
+        view = memoryview(out)
         slices = await self._slices(st)
         i = max(bisect.bisect_right(st.starts, off) - 1, 0)
         pieces = []
@@ -139,8 +142,7 @@ class FileOps:
                 pieces.append(s.cut(off, off + n))
 
         async def fetch(p: Slice):
-            data = await self.dc.read(p.partition, p.extent, p.ext_off, p.length)
-            out[p.off - off:p.end - off] = data
+            await self.dc.read_into(p.partition, p.extent, p.ext_off, view[p.off - off:p.end - off])
 
         for p in pieces:
             if p.inline:
@@ -155,35 +157,53 @@ class FileOps:
         return out
 
     @staticmethod
-    def _cached(st: FileState, off: int, end: int) -> bytearray | None:
-        """[off, end) from the readahead windows (the current one, and the next one, which becomes current)."""
-        ra, nx = st.ra, st.ra_next
-        if ra is not None and ra[0] <= off and end <= ra[0] + len(ra[1]):
-            return bytearray(memoryview(ra[1])[off - ra[0]:end - ra[0]])
-        if nx is not None and nx[0] <= end and end <= nx[0] + len(nx[1]):
-            if nx[0] <= off:
-                out = bytearray(memoryview(nx[1])[off - nx[0]:end - nx[0]])
-            elif ra is not None and ra[0] + len(ra[1]) == nx[0] and ra[0] <= off:
-                out = bytearray(memoryview(ra[1])[off - ra[0]:]) + memoryview(nx[1])[:end - nx[0]]
-            else:
+    def _cached(st: FileState, off: int, end: int):
+        """[off, end) from the fetched windows: a view of one window (no copy), the bytes of two adjoining
+        ones, or None when they do not hold it all."""
+        for start, data in reversed(st.windows):
+            wend = start + len(data)
+            if start <= off < wend:
+                if end <= wend:
+                    return memoryview(data)[off - start:end - start]
+                for s2, d2 in st.windows:
+                    if s2 == wend and end <= s2 + len(d2):
+                        return bytes(memoryview(data)[off - start:]) + memoryview(d2)[:end - s2]
                 return None
-            st.ra, st.ra_next = nx, None
-            return out
         return None
 
-    async def _prefetch(self, st: FileState, start: int, n: int) -> None:
-        gen = st.gen
-        done = trio.Event()
-        st.prefetch = (start, start + n, done)
+    @staticmethod
+    def _begin(st: FileState, start: int, n: int) -> tuple[int, int, int, trio.Event]:
+        """Say that [start, start+n) is being fetched (before the fetch's task runs): a read wanting bytes of
+        it meanwhile waits for it rather than fetching them again -- the kernel sends a sequential reader's
+        READs several at once, and they are served concurrently."""
+        under_way = (start, start + n, st.gen, trio.Event())
+        st.fetching.append(under_way)
+        return under_way
+
+    async def _fetch(self, st: FileState, under_way) -> bytearray:
+        """Fetch what ``_begin`` announced from the cluster and keep it as a window (unless the file changed
+        meanwhile)."""
+        start, end, gen, done = under_way
         try:
-            data = await self._committed(st, start, n)
+            data = await self._committed(st, start, end - start)
+            self.read_fetched += end - start
             if gen == st.gen:
-                st.ra_next = (start, data)
-        except Exception as e:     # noqa: BLE001 - readahead is a hint: the read itself will report
-            log.debug("readahead of inode %d at %d: %s", st.ino, start, e)
+                st.windows.append((start, data))
+                del st.windows[:-RA_WINDOWS]
+            return data
         finally:
-            st.prefetch = None
+            st.fetching.remove(under_way)
             done.set()
+
+    async def _prefetch(self, st: FileState, under_way) -> None:
+        try:
+            await self._fetch(st, under_way)
+        except Exception as e:     # noqa: BLE001 - readahead is a hint: the read itself will report
+            log.debug("readahead of inode %d at %d: %s", st.ino, under_way[0], e)
+
+    @staticmethod
+    def _under_way(st: FileState, off: int):
+        return next((f for f in st.fetching if f[0] <= off < f[1]), None)
 
     @fuse_op
     async def read(self, fh, off, size):
@@ -191,31 +211,39 @@ class FileOps:
         end = min(off + size, st.size)
         if off >= end:
             return b""
+        # near where the last read ended (the kernel's READs of one reader arrive out of order), or at the start
+        sequential = off == 0 or (st.last_end >= 0 and abs(off - st.last_end) <= READAHEAD)
         while True:
             gen = st.gen
             out = self._cached(st, off, end)
             if out is not None:
                 break
-            pf = st.prefetch
-            if pf is not None and pf[0] <= off < pf[1]:
-                await pf[2].wait()
+            f = self._under_way(st, off)
+            if f is not None:
+                await f[3].wait()
                 continue
-            window = end - off
-            if off == st.last_end:
-                window = max(window, min(READAHEAD, st.size - off))
-            data = await self._committed(st, off, window)
+            n = end - off
+            if sequential:
+                later = min((f[0] for f in st.fetching if f[0] > off), default=st.size)
+                n = max(n, min(READAHEAD, later - off, st.size - off))
+            data = await self._fetch(st, self._begin(st, off, n))
             if gen == st.gen:
-                st.ra, st.ra_next = ((off, data) if window > end - off else None), None
-                out = data[:end - off]
+                out = memoryview(data)[:end - off]
                 break
         st.last_end = end
-        ra = st.ra
-        if ra is not None and st.prefetch is None and st.ra_next is None and end > ra[0] + len(ra[1]) // 2:
-            nxt = ra[0] + len(ra[1])
-            if nxt < st.size:
-                self.nursery.start_soon(self._prefetch, st, nxt, min(READAHEAD, st.size - nxt))
-        st.buf.overlay(off, out)
-        return bytes(out)
+        if sequential:                 # past the middle of its window: the next one is fetched behind it
+            for start, data in st.windows:
+                nxt = start + len(data)
+                if start < end <= nxt and end > start + len(data) // 2:
+                    if (nxt < st.size and self._under_way(st, nxt) is None
+                            and not any(s <= nxt < s + len(d) for s, d in st.windows)):
+                        self.nursery.start_soon(self._prefetch, st,
+                                                self._begin(st, nxt, min(READAHEAD, st.size - nxt)))
+                    break
+        if st.buf.pending:             # bytes written and not yet committed read as written
+            out = bytearray(out)
+            st.buf.overlay(off, out)
+        return out
 
     @fuse_op
     async def write(self, fh, off, buf, kill_suidgid=False):
@@ -280,6 +308,7 @@ class FileOps:
         st = self.files[ino]
         st.opens -= 1
         if st.opens == 0:          # each first open here told the engine (opened), each last close does
+            st.windows = []
             try:
                 if self.writeback:
                     self.writer.flush_soon(st)

@@ -169,6 +169,11 @@ class AdminOps:
         return await self.buffers.push_json(rq.conn, rq.h, {**report, "already_stopping": not started})
 
     async def partition_health(self, rq: Request) -> Header:
+        """One partition's health; partition 0: the replica states of every partition led here, in short
+        (``Repairer.fill_summary``: the manager following hundreds of new replicas being filled asks each
+        leader once, not once per partition)."""
+        if rq.h.partition == 0:
+            return await self.buffers.push_json(rq.conn, rq.h, self.repair.fill_summary())
         self.partitions.hosted(rq.h)
         return await self.buffers.push_json(rq.conn, rq.h, self.repair.health(rq.h.partition))
 

@@ -23,7 +23,11 @@ proved (``None``: a node without a secret, which proves nothing).
   make room; with none idle the newcomer is refused.
 * **Idle connections** cost memory (each holds its buffers), so there may be at most ``idle_max`` idle
   client connections in all and ``idle_per_host`` from one host; beyond that the least recently active are
-  closed (a client reconnects when it next needs one).
+  closed (a client reconnects when it next needs one).  A connection whose hello has just proven the client
+  role does not count here for ``fresh_s`` (the hello's own time, ``hello_timeout``): its first request is on
+  its way, and a crowd of clients opening at once would otherwise close each other's new connections in
+  turn.  Only a key holder gets that grace (one that proved nothing could open connections faster than they
+  age), and the connection limits above still take an idle new one's place: they bound all of them.
 """
 from __future__ import annotations
 
@@ -59,6 +63,7 @@ class Limits:
     preauth_early_drop: int = 32
     idle_max: int = 0
     idle_per_host: int = 0
+    fresh_s: float = 0.0                 # a just-admitted connection is not idle (closed for room) this long
     loopback_only: bool = False          # no secret, not insecure: every peer must be on this host
     unproven_loopback_only: bool = False  # a secret, in transition: a peer that proves nothing must be
 
@@ -67,7 +72,7 @@ class Limits:
         return cls(max_connections=cfg.max_connections, reserved=cfg.reserved_connections,
                    per_host=cfg.max_connections_per_host, preauth_max=cfg.preauth_max,
                    preauth_per_host=cfg.preauth_per_host, preauth_early_drop=cfg.preauth_early_drop,
-                   idle_max=cfg.idle_max, idle_per_host=cfg.idle_per_host,
+                   idle_max=cfg.idle_max, idle_per_host=cfg.idle_per_host, fresh_s=cfg.hello_timeout,
                    loopback_only=not cfg.secret_file and not cfg.insecure,
                    unproven_loopback_only=bool(cfg.secret_file) and cfg.auth_transition and not cfg.insecure)
 
@@ -76,7 +81,7 @@ class Entry:
     """One connection as admission sees it: ``pending`` (in its hello), ``open``, or ``gone``.  Whoever serves
     it keeps ``last_active`` (when its last request arrived) up to date and sets ``served`` to what counts its
     requests in flight (``.busy``: the Connection); ``handle`` is the caller's, to close it by."""
-    __slots__ = ("host", "since", "state", "role", "last_active", "served", "handle", "spoke")
+    __slots__ = ("host", "since", "state", "role", "last_active", "served", "handle", "spoke", "opened")
 
     def __init__(self, host: str, now: float, handle=None, spoke: Callable[[], bool] | None = None):
         self.host, self.since, self.handle = host, now, handle
@@ -85,6 +90,7 @@ class Entry:
         self.role = None
         self.last_active = now
         self.served = None
+        self.opened = now                    # when its hello let it in
 
     @property
     def client(self) -> bool:
@@ -93,6 +99,11 @@ class Entry:
 
     def idle(self) -> bool:
         return self.state == "open" and self.client and not (self.served is not None and self.served.busy)
+
+    def closable(self, now: float, fresh_s: float) -> bool:
+        """Idle, and (a proven client) past its first ``fresh_s`` after its hello: counts against the idle
+        limits.  A peer that proved nothing gets no such grace: anyone could open connections faster."""
+        return self.idle() and (self.role != Role.CLIENT or now - self.opened >= fresh_s)
 
 
 @dataclasses.dataclass
@@ -150,7 +161,7 @@ class Admission:
         if e.state != "pending":             # closed to make room meanwhile
             return self._refuse(TOO_MANY, "its place was given to another connection")
         self._remove(e)
-        e.role, e.last_active = role, now
+        e.role, e.last_active, e.opened = role, now, now
         lim = self.limits
         if role is None and lim.unproven_loopback_only and not is_loopback(e.host):
             return self._refuse(LOOPBACK_ONLY, f"{e.host} is not this host and proved nothing (auth_transition "
@@ -184,17 +195,18 @@ class Admission:
         e.state = "open"
         self.clients.setdefault(e.host, []).append(e)
         self.nclient += 1
-        return Verdict(e, close=close + self._idle_over(e))
+        return Verdict(e, close=close + self._idle_over(e, now))
 
-    def _idle_over(self, new: Entry) -> list[Entry]:
+    def _idle_over(self, new: Entry, now: float) -> list[Entry]:
         """Idle client connections beyond ``idle_per_host`` (of the newcomer's host) and ``idle_max`` (all):
         the least recently active go."""
         lim, out = self.limits, []
         if lim.idle_per_host:
-            idle = sorted((x for x in self.clients.get(new.host, []) if x.idle()), key=_age)
+            idle = sorted((x for x in self.clients.get(new.host, []) if x.closable(now, lim.fresh_s)), key=_age)
             out += [self._drop(x) for x in idle[:max(0, len(idle) - lim.idle_per_host)]]
         if lim.idle_max:
-            idle = sorted((x for lst in self.clients.values() for x in lst if x.idle()), key=_age)
+            idle = sorted((x for lst in self.clients.values() for x in lst if x.closable(now, lim.fresh_s)),
+                          key=_age)
             out += [self._drop(x) for x in idle[:max(0, len(idle) - lim.idle_max)]]
         return out
 

@@ -97,20 +97,21 @@ class Post:
         """``answer`` for a request handled right where it arrived (no audit: not an admin action): sent right
         here where the connection takes it at once, else by a task."""
         replies = self._replies(h, answers)
-        if len(replies) == 1:
+        if replies:
             try:
-                sent = conn.send_nowait(self.peer_timeout, replies[0].encode())
+                sent = (conn.send_nowait(self.peer_timeout, replies[0].encode()) if len(replies) == 1 else
+                        conn.send_many_nowait(self.peer_timeout, [r.encode() for r in replies]))
             except ProtocolError:
                 sent = False                       # (send answers it as the bug it is)
             except TransportError as e:
                 log.debug("reply to %s lost: %s", conn.peer, e)
                 sent = True                        # (the connection is gone, the answer with it)
             if not sent:
-                nursery.start_soon(self._send_answered, conn, replies, answers)
-                return
-        elif replies:
-            nursery.start_soon(self._send_answered, conn, replies, answers)
-            return
+                try:
+                    nursery.start_soon(self._send_answered, conn, replies, answers)
+                    return
+                except RuntimeError:               # the connection's requests are all in: it is gone
+                    pass
         self._answered(conn, answers)
 
     async def _send_answered(self, conn: Connection, replies: list[Header], answers: Answers) -> None:

@@ -81,6 +81,7 @@ class RequestCounters:
     replica_writes: int = 0        # forwarded appends applied (as follower)
     joined_writes: int = 0         # of both, those that went in the same append as the one before (AppendRun)
     appends_now: int = 0           # of replica_writes, those done right where they arrived (Appends.now)
+    lean_writes: int = 0           # of writes and replica_writes, those done by their connection's thread (ops/lean.py)
     write_bytes: int = 0
     reads: int = 0
     read_bytes: int = 0

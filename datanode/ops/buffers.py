@@ -200,7 +200,10 @@ class Buffers:
     # -- JSON bodies and answers ----------------------------------------------------------------------------
     async def push_json(self, conn: Connection, h: Header, obj) -> Header:
         """Answer ``h`` with ``obj`` as JSON, written into the buffer the request named."""
-        data = json.dumps(obj).encode()
+        return await self.push_bytes(conn, h, json.dumps(obj).encode())
+
+    async def push_bytes(self, conn: Connection, h: Header, data: bytes) -> Header:
+        """Answer ``h`` with ``data`` (an encoded answer), written into the buffer the request named."""
         if len(data) > h.rlen:
             raise Reply(Result.SHORT_BUFFER, arg=len(data),
                         why=f"answer needs {len(data)} bytes, the buffer holds {h.rlen}")

@@ -26,4 +26,4 @@ class MapOps:
         if copy.ready and h.arg and not self.serving.draining:
             await copy.wait_past(h.offset, h.arg / 1000)
         # entries travel as JSON strings inside JSON (their quotes escaped): a page of a third of the buffer fits
-        return await self.buffers.push_json(rq.conn, h, copy.since(h.offset, page=min(PAGE_BYTES, h.rlen // 3)))
+        return await self.buffers.push_bytes(rq.conn, h, copy.answer(h.offset, page=min(PAGE_BYTES, h.rlen // 3)))

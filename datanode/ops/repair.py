@@ -1,15 +1,27 @@
 """The follower's side of the leader's repair and scrub (the work itself is in datanode/repair.py)."""
 from __future__ import annotations
 
+import json
+
 import trio
 
-from wire.protocol import Header, Op, Result, Role
+from wire.protocol import STATES_WINDOW, Header, Op, Result, Role
 from ..health import follower_token, tokens_page
 from ..repair import RepairCounters, scrub_range
 from .base import Handler, Reply, Request, store_call
 from .buffers import Buffers
 from .partitions import Partitions
 from .pipeline import Forwardable, Pipeline, Replicated
+
+
+def state_of(part, token: int, dig: dict) -> dict:
+    """A copy's REPLICA_STATE answer: its view, whether it is known synced, its extents' sizes and digests
+    (``dig``: ``ExtentStore.digests``), and its change token taken before them."""
+    return {"token": token, "epoch": part.epoch, "replicas": part.replicas, "synced": part.synced, "cuts": part.cuts,
+            "marks": {str(k): v[0] for k, v in dig.items()},
+            "digests": {str(k): v[1] for k, v in dig.items()},
+            "deleted": sorted(part.deleted_extents()), "sealed": sorted(int(e) for e in part.sealed),
+            **({"volume": part.volume} if part.volume else {})}    # a new replica takes it (ops/admin.py)
 
 
 class RepairOps:
@@ -22,7 +34,8 @@ class RepairOps:
 
     def handlers(self) -> dict[Op, Handler]:
         return {Op.REPLICA_STATE: self.replica_state, Op.BLOCK_CRCS: self.block_crcs,
-                Op.SCRUB_EXTENT: self.scrub_extent, Op.TRUNCATE: self.truncate, Op.NODE_HEALTH: self.node_health}
+                Op.SCRUB_EXTENT: self.scrub_extent, Op.TRUNCATE: self.truncate, Op.NODE_HEALTH: self.node_health,
+                Op.REPLICA_STATES: self.replica_states}
 
     async def node_health(self, rq: Request) -> Header:
         """A leader's one probe of this node per heartbeat: a change token for each partition held here that
@@ -44,12 +57,28 @@ class RepairOps:
                 self.partitions.counters.synced_confirms += 1
         token = follower_token(part)     # (before the snapshot: a change after it moves the token)
         dig = await trio.to_thread.run_sync(part.store.digests)     # sizes and digests: one snapshot per extent
+        return await self.buffers.push_json(rq.conn, h, state_of(part, token, dig))
+
+    async def replica_states(self, rq: Request) -> Header:
+        """REPLICA_STATE of the partitions a window names (``partition`` + each bit of ``arg``), as many as
+        the requester's buffer holds: one request where a failover's view checks would send hundreds."""
+        h = rq.h
+        pids = [h.partition + i for i in range(STATES_WINDOW) if h.arg >> i & 1]
+        parts = [p for p in map(self.partitions.table.get, pids) if p is not None]
+        tokens = [follower_token(p) for p in parts]
+        digs = await trio.to_thread.run_sync(lambda: [p.store.digests() for p in parts])   # one thread hop
+        states, left, size = {}, [], 64
+        for part, token, dig in zip(parts, tokens, digs):
+            st = state_of(part, token, dig)
+            n = len(json.dumps(st)) + 16
+            if size + n + 8 * len(pids) > h.rlen:
+                left.append(part.pid)       # (the requester asks again, alone if need be)
+                continue
+            states[str(part.pid)] = st
+            size += n
+        held = {p.pid for p in parts}
         return await self.buffers.push_json(rq.conn, h, {
-            "token": token, "epoch": part.epoch, "replicas": part.replicas, "synced": part.synced, "cuts": part.cuts,
-            "marks": {str(k): v[0] for k, v in dig.items()},
-            "digests": {str(k): v[1] for k, v in dig.items()},
-            "deleted": sorted(part.deleted_extents()), "sealed": sorted(int(e) for e in part.sealed),
-            **({"volume": part.volume} if part.volume else {})})   # a new replica takes it (ops/admin.py)
+            "states": states, "absent": [pid for pid in pids if pid not in held], "left": left})
 
     async def block_crcs(self, rq: Request) -> Header:
         size, entries = await store_call(self.partitions.hosted(rq.h).block_entries, rq.h.extent)

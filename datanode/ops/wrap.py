@@ -59,7 +59,7 @@ class ConnState:
 class Wrap:
     def __init__(self, *, cfg: Config, serving: Serving, table: PartitionTable, counters: RequestCounters,
                  metrics: NodeMetrics, audit: AuditLog, handlers: dict[Op, Handler],
-                 now: Callable[[Request], Header | None]):
+                 now: Callable[[Request], Header | None], lean=None):
         assert set(handlers) == set(Op), "every opcode has exactly one handler"
         self.cfg = cfg
         self.table = table
@@ -69,6 +69,9 @@ class Wrap:
         self.now = now                   # a follower's lone inline append, right here (Appends.now)
         self.admit = Admit(serving, table, counters)
         self.post = Post(peer_timeout=cfg.peer_timeout, metrics=metrics, audit=audit)
+        self.lean = lean                 # the common case of a plain inline append, by its connection's thread
+        if lean is not None:
+            lean.admit, lean.answer = self.admit, self._lean_answers
 
     @property
     def inflight(self) -> int:
@@ -129,6 +132,8 @@ class Wrap:
                     self._dispatch(nursery, conn, cs, raw, last.last_active)
             finally:
                 conn.deliver_to(None)     # the nursery is about to close to new arrivals
+                if self.lean is not None:
+                    self.lean.closed(conn)
 
     async def _busy(self, conn: Connection, raw: bytes, limit: int) -> bool:
         """Answer a request over the connection's in-flight limit BUSY, inline (not in flight: no task, no
@@ -166,6 +171,8 @@ class Wrap:
             return
         if trace.ON:
             stages.arrived(h)
+        if payload is not None and self.lean is not None and self._lean(nursery, conn, h, payload, now):
+            return
         run = cs.run
         if payload is not None and run is not None and run.join(h, payload, now):
             self.post.begin(conn)
@@ -236,6 +243,32 @@ class Wrap:
         self._start_run(rq)
         self.post.answer_now(nursery, conn, h, self.post.ended(rq, resp))
         return True
+
+    def _lean(self, nursery: trio.Nursery, conn: Connection, h: Header, payload, t0: float) -> bool:
+        """The common case of a plain inline append, handed to its connection's data-plane thread
+        (ops/lean.py), or refused by the admission right here: True.  False: it goes the usual way, untouched."""
+        self.post.begin(conn)            # (in flight while it is looked at: ``GroupCommit.here`` counts it)
+        try:
+            rq = self.lean.take(conn, h, payload, t0, nursery)
+        except Reply as e:
+            rq = Request(conn, h, None, payload, None, t0)
+            self.post.answer_now(nursery, conn, h, self.post.ended(rq, failure(conn, h, e)))
+            return True
+        if rq is None:
+            self.post.inflight -= 1
+            conn.busy -= 1
+            return False
+        return True
+
+    def _lean_answers(self, nursery: trio.Nursery, conn: Connection, done: list[tuple[Request, Header]]) -> None:
+        """Lean appends' answers (``Lean.finish``: a batch of one connection's), sent at once where the
+        connection takes them (one ``sendmsg`` on TCP), else by a task; counted like every answer."""
+        answers = []
+        for rq, resp in done:
+            if resp.result not in (Result.OK, Result.STALE_EPOCH, Result.NOT_FOUND):
+                log.info("%s from %s -> %s", rq.h.describe(), conn.peer, Result(resp.result).name)
+            answers += self.post.ended(rq, resp)
+        self.post.answer_now(nursery, conn, done[0][0].h, answers)
 
     @staticmethod
     def _start_run(rq: Request) -> None:

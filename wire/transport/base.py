@@ -411,6 +411,11 @@ class Connection(abc.ABC):
         only part of, sent by the connection's own task (the connection ends if it is not sent in time)."""
         return False
 
+    def send_many_nowait(self, timeout: float, headers: list[bytes]) -> bool:
+        """``send_nowait`` for several answers, in order, at once (TCP: one ``sendmsg``): True once all are on
+        their way; False if none was sent (the caller sends them with ``send_many_within``)."""
+        return False
+
     async def send_many_within(self, timeout: float, headers: list[bytes]) -> bool:
         """Control messages without payloads (answers), in order, given up after ``timeout`` seconds for all
         of them (False, as ``send_within``).  A transport that can hand them to the kernel at once (TCP: one

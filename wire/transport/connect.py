@@ -150,11 +150,13 @@ async def _upgrade(sock, domain: Domain, peer: str, is_server: bool, peer_slots:
 @asynccontextmanager
 async def dial(host: str, port: int, domain: Domain, *, transport: str = "auto",
                slots: int = DEFAULT_SLOTS, timeout: float = 5.0,
-               auth: DialAuth | None = None, server: str = "") -> AsyncIterator[Connection]:
+               auth: DialAuth | None = None, server: str = "", source: str = "") -> AsyncIterator[Connection]:
     """Connect to a datanode; yields a running Connection.  ``auth``: the credentials and role to present
     (None or without credentials: authentication off, refused by a node that has a secret).  ``server``: the
     identity of the node meant (its HOST:PORT in the cluster map; default ``host:port``): with authentication
-    the node proves it is that one, or the hello fails."""
+    the node proves it is that one, or the hello fails.  ``source``: the local IP address to connect from
+    (empty: the kernel's choice) -- a host with several, or many clients on one host that the node's
+    per-address limits should tell apart."""
     peer = f"{host}:{port}"
     server = server or peer
     auth = auth or DialAuth(None)
@@ -166,6 +168,8 @@ async def dial(host: str, port: int, domain: Domain, *, transport: str = "auto",
         with trio.fail_after(timeout):
             tune_socket(sock, domain.options.tcp_congestion)
             try:
+                if source:
+                    await sock.bind((source, 0))
                 await sock.connect((host, port))
             except OSError as e:
                 raise TransportError(f"cannot connect to {peer}: {e.strerror or e}") from None

@@ -315,6 +315,23 @@ class TcpConnection(Connection):
         self.stats.sends += 1
         return True
 
+    def send_many_nowait(self, timeout: float, headers: list[bytes]) -> bool:
+        if self._send_lock.locked() or not isinstance(self._sock, LeanSocket) or self._tasks is None:
+            return False
+        frames = [self._ctrl_frame(h, None)[0] for h in headers]
+        sent = self._to_kernel(frames)
+        if not sent:
+            if self.session is not None:
+                for _f in frames:
+                    self.session.unseal()     # the caller sends them again: they must get these MACs
+            return False
+        total = sum(map(len, frames))
+        if sent < total:            # the rest goes before any other frame: the lock is held until it has
+            self._send_lock.acquire_nowait()
+            self._tasks.start_soon(self._send_rest, timeout, memoryview(b"".join(frames))[sent:])
+        self.stats.sends += len(frames)
+        return True
+
     async def _send_rest(self, timeout: float, rest: memoryview) -> None:
         try:
             with trio.move_on_after(timeout) as scope:
