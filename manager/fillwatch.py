@@ -12,9 +12,8 @@ summary does not fit an admin answer (``SHORT_BUFFER``: thousands of partitions 
 """
 from __future__ import annotations
 
-import trio
-
 from client.sdk import ClientError
+from wire.aio import each
 from wire.limits import MAX_PARTITIONS_PER_NODE
 from wire.protocol import HEALTH_SUMMARY_SINCE, Op, Result
 from manager.combine import Combiner
@@ -62,17 +61,7 @@ class FillWatch:
                 raise
             # (a leader of thousands of partitions of many replicas each: its summary does not fit an admin
             # answer) each partition alone, as from an older node
-            out: list = [None] * len(pids)
-
-            async def alone(i: int) -> None:
-                try:
-                    out[i] = await self._single(leader, pids[i])
-                except ClientError as err:
-                    out[i] = err
-            async with trio.open_nursery() as n:
-                for i in range(len(pids)):
-                    n.start_soon(alone, i)
-            return out
+            return await each(lambda pid: self._single(leader, pid), pids, ClientError)
         parts = ans.get("partitions") or {}
         out: list = []
         for pid in pids:

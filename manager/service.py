@@ -64,6 +64,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from client.sdk import ClientError, DataClient
+from wire.aio import each
 from wire.etcdmap import CREATE_TXN_MAX, Etcd, EtcdAccess, EtcdError, Lease, MapCache, PartView
 from wire.limits import DEFAULT_REPLICAS, nodes_error
 from wire.metrics import etcd_invalid_family
@@ -409,18 +410,8 @@ class Manager:
                     return [True] * len(items)
             except EtcdError as e:
                 log.info("%d views in one etcd transaction: %s; writing them one at a time", len(items), e)
-        out: list = [False] * len(items)
-
-        async def alone(i: int) -> None:
-            view, rev = items[i]
-            try:
-                out[i] = await self.etcd.cas_part(view, expect_rev=rev, holder=holder)
-            except EtcdError as e:
-                out[i] = e
-        async with trio.open_nursery() as n:
-            for i in range(len(items)):
-                n.start_soon(alone, i)
-        return out
+        return await each(lambda item: self.etcd.cas_part(item[0], expect_rev=item[1], holder=holder), items,
+                          EtcdError)
 
     async def _set(self, view: PartView, **changes) -> bool:
         new = PartView(**{**{k: getattr(view, k) for k in ("id", "replicas", "epoch", "want", "synced",

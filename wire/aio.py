@@ -38,6 +38,22 @@ async def nursery() -> AsyncIterator[trio.Nursery]:
         raise
 
 
+async def each(fn, items, catch: type[BaseException] | tuple = ()) -> list:
+    """``fn(item)`` for every item side by side: their results in the items' order, with an exception of a
+    ``catch`` type in its item's place (the others still run)."""
+    out: list = [None] * len(items)
+
+    async def one(i: int) -> None:
+        try:
+            out[i] = await fn(items[i])
+        except catch as e:
+            out[i] = e
+    async with trio.open_nursery() as n:
+        for i in range(len(items)):
+            n.start_soon(one, i)
+    return out
+
+
 def thread_waits() -> int:
     """How often the calling thread has waited (blocked: disk, locks) -- not counting the times it was only
     preempted."""
