@@ -278,6 +278,8 @@ class SimNode:
                  "bytes": 0, "sealed_extents": [], "state": "read-write", "health": {}}
                 for p in self.parts.values()])
         if op == Op.PARTITION_HEALTH:
+            if h.partition == 0:           # every partition led here at once, as a datanode's fill summary
+                return await self._json(conn, h, self.fill_summary())
             return await self._json(conn, h, self.health(self._hosted(h)))
         if op == Op.REPAIR:
             part = self._hosted(h)
@@ -315,6 +317,17 @@ class SimNode:
             followers.append({"addr": a, "state": "healthy" if ok else "unreachable"})
         out.update(followers=followers, repair={"running": False}, state="healthy")
         return out
+
+
+    def fill_summary(self) -> dict:
+        """PARTITION_HEALTH of partition 0 (datanode/repair.py ``fill_summary``'s shape):
+        {"partitions": {id: [epoch, {follower: state}, repair running]}} for each partition led here."""
+        out = {}
+        for part in self.parts.values():
+            if part.leader == self.addr:
+                h = self.health(part)
+                out[str(part.pid)] = [part.epoch, {f["addr"]: f["state"] for f in h["followers"]}, False]
+        return {"partitions": out}
 
 
 def _token(part: SimPart) -> int:

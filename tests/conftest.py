@@ -243,15 +243,17 @@ def dirty_pages(path: str, below: int = 0) -> int | None:
 
 # ------------------------------------------------------------------------------------------------ CLIs
 def run_cli(module: str, *args, check: bool = False, timeout: float = 180, env: dict | None = None,
-            no_traceback: bool = False) -> subprocess.CompletedProcess:
+            no_traceback: bool = False, binary: bool = False) -> subprocess.CompletedProcess:
     """``python -m module args`` from this tree's root, output as text (bytes that do not decode are
     replaced, so a garbled message fails an assertion, not the helper).  ``check``: a nonzero exit raises
     with both streams; ``no_traceback``: so does a traceback on stderr, whatever the exit (a user never
-    sees one); ``env``: the whole environment (default: this process's, which names this tree)."""
+    sees one); ``env``: the whole environment (default: this process's, which names this tree); ``binary``:
+    output as bytes (a command writing data to stdout)."""
     p = subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=REPO, env=env, capture_output=True,
-                       text=True, errors="replace", timeout=timeout)
-    if (check and p.returncode != 0) or (no_traceback and "Traceback" in p.stderr):
-        raise AssertionError(f"{module} {' '.join(map(str, args))} -> {p.returncode}\n{p.stdout}\n{p.stderr}")
+                       text=not binary, errors=None if binary else "replace", timeout=timeout)
+    out, err = (repr(p.stdout[:2000]), p.stderr.decode(errors="replace")) if binary else (p.stdout, p.stderr)
+    if (check and p.returncode != 0) or (no_traceback and "Traceback" in err):
+        raise AssertionError(f"{module} {' '.join(map(str, args))} -> {p.returncode}\n{out}\n{err}")
     return p
 
 

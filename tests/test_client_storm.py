@@ -97,7 +97,7 @@ def test_an_open_waits_for_etcd_until_its_deadline_and_says_for_what(tmp_path):
                                        timeout=1.5):
                 pass
         took = trio.current_time() - t0
-        assert 1.0 <= took <= 5.0, took
+        assert 0.5 <= took <= 5.0, took    # (it stops when the next jittered wait would pass the deadline)
         assert "(1 attempts" not in str(e.value), e.value  # tried again before giving up
     trio.run(main)
 

@@ -41,15 +41,15 @@ def test_cluster_up_32_nodes(tmp_path):
     try:
         dnctl("cluster", "up", "--nodes", 32, "--cluster", root, "--pool-mib", 8, "--min-writable", 0,
               "--start-timeout", 120, check=True, timeout=900)
-        st = json.loads(dnctl("cluster", "status", "--cluster", root, "--json", check=True, timeout=300).out)
+        st = json.loads(dnctl("cluster", "status", "--cluster", root, "--json", check=True, timeout=300).stdout)
         assert len(st["nodes"]) == 32 and all(n["health"] == "up" for n in st["nodes"]), st["nodes"]
-        parts = json.loads(dnctl("partition", "list", "--cluster", root, "--json", check=True).out)
+        parts = json.loads(dnctl("partition", "list", "--cluster", root, "--json", check=True).stdout)
         parts = parts["partitions"] if isinstance(parts, dict) else parts
         p1, = [p for p in parts if p["id"] == 1]
         assert len(p1["replicas"]) == DEFAULT_REPLICAS, p1
         src = tmp_path / "f.bin"
         src.write_bytes(b"x" * 100_000)
-        put = json.loads(dnctl("put", "--cluster", root, "--partition", 1, src, "--json", check=True).out)
+        put = json.loads(dnctl("put", "--cluster", root, "--partition", 1, src, "--json", check=True).stdout)
         assert put["size"] == 100_000, put
     finally:
         dnctl("cluster", "down", "--cluster", root, timeout=300)

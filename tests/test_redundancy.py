@@ -268,7 +268,7 @@ def test_dnctl_cluster_status_shows_under_replicated(tmp_path):
     dnctl("cluster", "up", "--nodes", 3, "--cluster", root, *FAST, check=True)
     try:
         def status():
-            return json.loads(dnctl("cluster", "status", "--cluster", root, "--json").out)
+            return json.loads(dnctl("cluster", "status", "--cluster", root, "--json").stdout)
         deadline = time.monotonic() + HEAL_S
         while (u := status()["under_replicated"]) is None or u["count"] or not u["of"]:
             assert time.monotonic() < deadline, u
@@ -281,7 +281,7 @@ def test_dnctl_cluster_status_shows_under_replicated(tmp_path):
             time.sleep(0.5)
         assert u["count"] == len(u["partitions"]) and u["oldest"]["id"] in u["partitions"], u
         assert u["oldest"]["live_synced"] < u["oldest"]["want"], u
-        text = dnctl("cluster", "status", "--cluster", root).out
+        text = dnctl("cluster", "status", "--cluster", root).stdout
         # (the counts may have moved since the --json look: the manager keeps min_writable partitions)
         assert re.search(r"\d+/\d+ partitions under-replicated \(oldest: partition \d+", text), text
     finally:

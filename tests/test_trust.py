@@ -941,7 +941,7 @@ def test_dnctl_secret_cluster_and_trash(tmp_path):
     env_secret = os.environ.pop("DATANODE_SECRET_FILE", None)
     d = tmp_path / "cl"
     try:
-        up = json.loads(dnctl("cluster", "up", "--nodes", "2", "--secret", "--no-etcd", "--cluster", d, "--json", check=True).out)
+        up = json.loads(dnctl("cluster", "up", "--nodes", "2", "--secret", "--no-etcd", "--cluster", d, "--json", check=True).stdout)
         secret = d / "cluster.secret"
         assert secret.stat().st_mode & 0o777 == 0o600
         a, b = (n["addr"] for n in up["nodes"])
@@ -950,33 +950,33 @@ def test_dnctl_secret_cluster_and_trash(tmp_path):
         f.write_bytes(pattern(21, 70 * KiB))
         dnctl("put", "--cluster", d, "--partition", "1", f, check=True)      # --cluster DIR: its secret is used
         p = dnctl("partition", "delete", "--id", "1", "--replicas", f"{a},{b}")      # no secret: per replica, refused
-        assert p.returncode != 0 and p.out.count("requires authentication") == 2, p.out + p.err
+        assert p.returncode != 0 and p.stdout.count("requires authentication") == 2, p.stdout + p.stderr
         refused(dnctl("--secret-file", tmp_path / "nope", "partition", "list", "--via", a), "secret file")
         dnctl("--secret-file", secret, "partition", "delete", "--id", "1", "--replicas", f"{a},{b}", check=True)
-        rows = json.loads(dnctl("trash", "list", "--cluster", d, "--json", check=True).out)
+        rows = json.loads(dnctl("trash", "list", "--cluster", d, "--json", check=True).stdout)
         assert sorted(r["node"] for r in rows) == sorted([a, b]) and {r["partition"] for r in rows} == {1}
         assert {r["via"] for r in rows} == {"node"}                  # both run: asked over the wire
         mine = next(r["name"] for r in rows if r["node"] == a)
         theirs = next(r["name"] for r in rows if r["node"] == b)
-        got = json.loads(dnctl("trash", "restore", mine, "--cluster", d, "--node", a, "--json", check=True).out)
+        got = json.loads(dnctl("trash", "restore", mine, "--cluster", d, "--node", a, "--json", check=True).stdout)
         assert got == {"node": a, "name": mine, "partition": 1, "via": "node"}     # running: served at once
         out = dnctl("get", "--cluster", d, "--partition", "1", "--extent", "1", "--replica", a, "--out", "-",
-                    check=True)
+                    check=True, binary=True)
         assert out.stdout == f.read_bytes()
         dnctl("cluster", "stop-node", b, "--cluster", d, check=True)     # down: its disk, from this host
-        rows = json.loads(dnctl("trash", "list", "--cluster", d, "--json", check=True).out)
+        rows = json.loads(dnctl("trash", "list", "--cluster", d, "--json", check=True).stdout)
         assert [(r["node"], r["name"], r["via"]) for r in rows] == [(b, theirs, "disk")]
-        got = json.loads(dnctl("trash", "restore", theirs, "--cluster", d, "--json", check=True).out)
+        got = json.loads(dnctl("trash", "restore", theirs, "--cluster", d, "--json", check=True).stdout)
         assert got == {"node": b, "name": theirs, "partition": 1, "via": "disk"}
         dnctl("cluster", "start-node", b, "--cluster", d, check=True)
         out = dnctl("get", "--cluster", d, "--partition", "1", "--extent", "1", "--replica", b, "--out", "-",
-                    check=True)
+                    check=True, binary=True)
         assert out.stdout == f.read_bytes()
         dnctl("--secret-file", secret, "partition", "delete", "--id", "1", "--replicas", b, check=True)
         gone = json.loads(dnctl("trash", "purge", "--all", "--cluster", d, "--node", b, "--yes", "--json",
-                                check=True).out)
+                                check=True).stdout)
         assert [g["node"] for g in gone] == [b]
-        assert json.loads(dnctl("trash", "list", "--cluster", d, "--json", check=True).out) == []
+        assert json.loads(dnctl("trash", "list", "--cluster", d, "--json", check=True).stdout) == []
         refused(dnctl("trash", "purge", "7.1", "--cluster", d), "no trash entry 7.1")
         refused(dnctl("trash", "purge", "nosuch", "--cluster", d), "not a trash entry name")
         refused(dnctl("trash", "list"), "--config", "--cluster")
