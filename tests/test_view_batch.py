@@ -199,8 +199,8 @@ def test_a_batch_of_new_leaders_is_checked_in_a_few_requests(nodes):
             print(f"requests served by the new leader for 119 view checks: {asked} (the asker sent "
                   f"{st['state_batches']} REPLICA_STATES, {st['state_singles']} REPLICA_STATE)")
             # a few per window of 64 ids when the checks arrive together, more when a busy machine spreads them;
-        # and the heartbeats' probes meanwhile (one REPLICA_STATE each: 121)
-        assert asked <= 60, asked
+            # and the heartbeats' probes meanwhile (one REPLICA_STATE each: 121)
+            assert asked <= 60, asked
             assert st["state_singles"] == 0
     run(main)
 
