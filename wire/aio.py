@@ -6,8 +6,8 @@ import queue
 import resource
 import threading
 import time
-from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import AsyncIterator, Iterator
 
 import trio
 
@@ -93,6 +93,15 @@ class InlinePause:
             return False
         self._until = now + took * (1.0 / self.share - 1.0)
         return True
+
+    @contextmanager
+    def timed(self, started: float) -> Iterator[None]:
+        """Around an inline call that started at ``started``: ``took`` with the thread's waits meanwhile."""
+        waits = thread_waits()
+        try:
+            yield
+        finally:
+            self.took(started, waits)
 
     def hold(self) -> None:
         """No call inline from now on (a test's way to the thread path)."""

@@ -41,7 +41,7 @@ from collections import Counter
 import trio
 
 from client.fs.meta import DIRENT, ROOT, Attr, Meta, MetaBusy, MetaError, MetaTx, Slice
-from wire.aio import InlinePause, Workers, thread_waits
+from wire.aio import InlinePause, Workers
 
 log = logging.getLogger(__name__)
 
@@ -226,11 +226,8 @@ class SqliteMeta(Meta):
         if not self._inline_free(t0):
             return None
         self.inline_txs += 1
-        w = thread_waits()
-        try:
+        with self.inline.timed(t0):
             return self._tx(lambda db: fn(SqliteTx(db, self), *args))
-        finally:
-            self.inline.took(t0, w)
 
     async def _raw(self, fn, *args):
         """``fn(connection, *args)`` as one transaction (the engine's own queries): in the event loop when the
@@ -279,11 +276,8 @@ class SqliteMeta(Meta):
                 t0 = time.monotonic()
                 if self.quiet is not None and self.quiet() and self.inline_sync.allowed(t0):
                     self.inline_txs += 1
-                    w = thread_waits()
-                    try:
+                    with self.inline_sync.timed(t0):
                         self._fsync_wal()               # nobody waits behind it: no hand-over
-                    finally:
-                        self.inline_sync.took(t0, w)
                 else:
                     self.thread_txs += 1
                     self.wal_syncs_in_thread += 1
@@ -300,11 +294,10 @@ class SqliteMeta(Meta):
         t0 = time.monotonic()
         if inline and self._inline_free(t0):
             self.inline_txs += 1
-            w = thread_waits()
             try:
-                out = job()                     # no await inside: nothing else can reach the connection
+                with self.inline.timed(t0):     # (a call that was only preempted pauses nothing)
+                    out = job()                 # no await inside: nothing else can reach the connection
             finally:
-                self.inline.took(t0, w)         # (a call that was only preempted pauses nothing)
                 if self.inline.yield_due(t0, time.monotonic()):
                     await trio.lowlevel.cancel_shielded_checkpoint()    # the others' turn (done is done)
         else:
